@@ -1,0 +1,57 @@
+"""elche: train one PyTorch model on unequal workers at the speed of their sum.
+
+The supported import surface is what ``__all__`` lists. ``elche.core`` is the
+sans-IO coordinator (events in, commands out); ``elche.sim`` drives it in
+virtual time.
+"""
+
+from __future__ import annotations
+
+from elche.core.checkpoint import CheckpointMeta, SaveReason
+from elche.core.config import (
+    Backend,
+    CallbackPolicy,
+    CoordinatorConfig,
+    Mode,
+    Policy,
+    SchedulerConfig,
+)
+from elche.core.coordinator import Coordinator
+from elche.core.errors import (
+    ConfigError,
+    Error,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+    TransportError,
+)
+from elche.sim.engine import SimConfig, SimError, Simulation, simulate
+from elche.sim.faults import FaultPlan
+from elche.sim.result import SimResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "CallbackPolicy",
+    "CheckpointMeta",
+    "ConfigError",
+    "Coordinator",
+    "CoordinatorConfig",
+    "Error",
+    "FaultPlan",
+    "LocalProtocolError",
+    "Mode",
+    "Policy",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "SaveReason",
+    "SchedulerConfig",
+    "SimConfig",
+    "SimError",
+    "SimResult",
+    "Simulation",
+    "TransportError",
+    "__version__",
+    "simulate",
+]

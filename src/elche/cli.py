@@ -1,0 +1,215 @@
+"""The ``elche`` command.
+
+``elche sim`` runs the coordinator core against simulated ranks in virtual
+time and prints what a real cluster of those speeds would achieve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+
+from elche.core.config import Mode, SchedulerConfig
+from elche.core.errors import ConfigError
+from elche.sim.engine import SimConfig, SimError, simulate
+from elche.sim.faults import FaultPlan
+from elche.sim.result import SimResult
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``elche`` console script; returns the exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.run(args)
+    except ConfigError as exc:
+        print(f"elche: error: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="elche",
+        description="Train one model on unequal workers at the speed of their sum.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sim = sub.add_parser(
+        "sim",
+        help="simulate a heterogeneous cluster in virtual time",
+        description=(
+            "Run elche's coordinator against simulated ranks in virtual time. "
+            "Speeds are fractions of the fastest rank's speed."
+        ),
+    )
+    sim.add_argument("--speeds", type=_speeds, help="comma-separated, e.g. 1,0.5,0.25")
+    sim.add_argument("--ranks", type=int, help="number of ranks (speeds drawn from --seed)")
+    sim.add_argument(
+        "--mode",
+        default="cadence",
+        help="sync, cadence, cpu-sync, cpu-cadence, cpu-async (or async); default cadence",
+    )
+    sim.add_argument("--epochs", type=int, default=3)
+    sim.add_argument("--samples", type=int, default=30_000, help="samples per epoch")
+    sim.add_argument("--batch-size", type=int, default=32)
+    sim.add_argument(
+        "--base-ms", type=float, default=10.0, help="solo step time of a speed-1 rank (default 10)"
+    )
+    sim.add_argument(
+        "--sync-ms", type=float, default=5.0, help="cost of one averaging round (default 5)"
+    )
+    sim.add_argument(
+        "--jitter", type=float, default=0.0, help="relative std-dev of each step's time (default 0)"
+    )
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument(
+        "--kill",
+        action="append",
+        default=[],
+        metavar="RANK@SECONDS",
+        help="SIGKILL a rank at a virtual time; repeatable",
+    )
+    sim.add_argument(
+        "--stall",
+        action="append",
+        default=[],
+        metavar="RANK@SECONDS",
+        help="hang a rank (no work, no heartbeat) at a virtual time",
+    )
+    sim.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=30.0,
+        help="seconds of silence before a rank is declared dead (default 30)",
+    )
+    sim.add_argument(
+        "--max-failures", type=int, default=None, help="save and stop once this many ranks died"
+    )
+    sim.add_argument(
+        "--anchor",
+        type=int,
+        default=None,
+        help="initial ElChe anchor (default 1 for sync, 10 otherwise)",
+    )
+    sim.add_argument("--json", action="store_true", help="print one JSON object")
+    sim.set_defaults(run=_run_sim)
+    return parser
+
+
+def _speeds(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--speeds takes comma-separated numbers in (0, 1], got {text!r}"
+        ) from None
+
+
+def _at(text: str, flag: str) -> tuple[int, float]:
+    rank, sep, when = text.partition("@")
+    try:
+        if not sep:
+            raise ValueError
+        return int(rank), float(when)
+    except ValueError:
+        raise ConfigError(flag, f"expected RANK@SECONDS such as 1@5, got {text!r}") from None
+
+
+def draw_speeds(num_ranks: int, seed: int) -> tuple[float, ...]:
+    """Speeds of a mixed fleet: one rank at 1.0, the rest uniform in [0.25, 1]."""
+    rng = random.Random(seed)
+    return (1.0, *(round(rng.uniform(0.25, 1.0), 3) for _ in range(num_ranks - 1)))
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    if args.speeds is None and args.ranks is None:
+        speeds: tuple[float, ...] = (1.0, 0.5, 0.25)
+    elif args.speeds is None:
+        if args.ranks < 1:
+            raise ConfigError("ranks", f"must be >= 1, got {args.ranks}")
+        speeds = draw_speeds(args.ranks, args.seed)
+    else:
+        speeds = args.speeds
+        if args.ranks is not None and args.ranks != len(speeds):
+            raise ConfigError(
+                "ranks", f"--ranks {args.ranks} disagrees with {len(speeds)} --speeds"
+            )
+    plan = FaultPlan()
+    for text in args.kill:
+        rank, at_s = _at(text, "kill")
+        plan = plan.kill(rank=rank, at_s=at_s)
+    for text in args.stall:
+        rank, at_s = _at(text, "stall")
+        plan = plan.stall(rank=rank, at_s=at_s)
+    config = SimConfig(
+        speeds=speeds,
+        mode=Mode.parse(args.mode),
+        epochs=args.epochs,
+        samples=args.samples,
+        batch_size=args.batch_size,
+        base_ms=args.base_ms,
+        sync_ms=args.sync_ms,
+        jitter=args.jitter,
+        seed=args.seed,
+        faults=plan,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        max_failures=args.max_failures,
+        scheduler=SchedulerConfig(anchor=args.anchor),
+    )
+    started = time.perf_counter()
+    try:
+        result = simulate(config)
+    except SimError as exc:
+        print(f"elche sim: {exc}", file=sys.stderr)
+        return 1
+    real_s = time.perf_counter() - started
+    if args.json:
+        doc = result.to_json()
+        doc["real_s"] = round(real_s, 3)
+        print(json.dumps(doc))
+    else:
+        _print_table(result, real_s)
+    return 0
+
+
+def _print_table(result: SimResult, real_s: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"elche sim — {result.mode}, {result.world_size} ranks")
+    for column in ("rank", "speed", "samples", "busy s", "idle s", "idle %"):
+        table.add_column(column, justify="right")
+    for r in result.per_rank[:32]:
+        alive = r.busy_s + r.idle_s
+        idle_pct = 100.0 * r.idle_s / alive if alive else 0.0
+        table.add_row(
+            str(r.rank),
+            f"{r.speed:g}",
+            str(r.samples),
+            f"{r.busy_s:.2f}",
+            f"{r.idle_s:.2f}",
+            f"{idle_pct:.1f}",
+        )
+    console.print(table)
+    if len(result.per_rank) > 32:
+        console.print(f"(… {len(result.per_rank) - 32} more ranks)")
+    console.print(
+        f"outcome [bold]{result.outcome}[/bold]"
+        + (f" ({result.reason})" if result.reason else "")
+        + f" · epochs {result.epochs_completed} · {result.samples_trained} samples in "
+        f"{result.virtual_wall_s:.2f} virtual s · throughput {result.throughput:.0f}/s of "
+        f"{result.ideal_throughput:.0f}/s ideal · efficiency [bold]{result.efficiency:.1%}"
+        f"[/bold] · {result.syncs} averages · lost {result.lost_samples} · duplicated "
+        f"{result.duplicated_samples} · dead {result.dead_ranks} · {real_s:.2f} s real"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""The checkpoint meta model: what the coordinator knows about a run's position.
+
+A checkpoint bundle is the ranks' model and optimizer files plus this meta
+sidecar, written by the coordinator (only it knows the cluster-wide counters
+and the balancer's trajectory). ``resume_from`` reads it back to continue
+exactly: same epoch, step and averaging round, same ElChe state and guard
+history, and only the samples of the interrupted epoch that no consensus
+model has seen yet.
+
+The JSON form carries ``schema_version``; a reader refuses a newer schema.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from elche.core.errors import ConfigError
+from elche.core.scheduler import ElCheState
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "CheckpointMeta",
+    "EpochCoverage",
+    "SaveReason",
+]
+
+SCHEMA_VERSION = 1
+
+
+class SaveReason(enum.Enum):
+    """Why the bundle was written."""
+
+    GRACEFUL_SHUTDOWN = "graceful_shutdown"
+    MAX_FAILURE_EXCEEDED = "max_failure_exceeded"
+    SINGLE_SURVIVOR = "single_survivor"
+    ALL_RANKS_LOST = "all_ranks_lost"
+    REDUCE_STALL = "reduce_stall"
+    CHECKPOINT = "checkpoint"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpochCoverage:
+    """The samples of ``epoch`` not yet in any consensus model."""
+
+    epoch: int
+    total_samples: int
+    uncovered: tuple[tuple[int, int], ...]  # (offset, size) in shuffled order
+
+    @property
+    def uncovered_samples(self) -> int:
+        return sum(size for _, size in self.uncovered)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointMeta:
+    """The coordinator's half of a checkpoint bundle.
+
+    Args:
+        epoch: the first epoch that is not finished.
+        global_step: optimizer steps folded into the consensus so far.
+        sync_round: averaging rounds completed.
+        world_size: ranks at the start of the run.
+        reason: why the bundle was written.
+        seed: shuffle seed of the run (the permutation of each epoch).
+        batch_size: samples per step.
+        epochs: epochs planned.
+        elche_state: the balancer's state, with the guard's history.
+        coverage: one entry per started, unfinished epoch.
+    """
+
+    epoch: int
+    global_step: int
+    sync_round: int
+    world_size: int
+    reason: SaveReason
+    seed: int
+    batch_size: int
+    epochs: int
+    elche_state: ElCheState | None = None
+    coverage: tuple[EpochCoverage, ...] = ()
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> str:
+        """Pretty-printed JSON, stable key order."""
+        doc: dict[str, object] = {
+            "schema_version": self.schema_version,
+            "epoch": self.epoch,
+            "global_step": self.global_step,
+            "sync_round": self.sync_round,
+            "world_size": self.world_size,
+            "save_reason": self.reason.value,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "epochs": self.epochs,
+            "elche_state": None if self.elche_state is None else self.elche_state.to_json(),
+            "coverage": [
+                {
+                    "epoch": c.epoch,
+                    "total_samples": c.total_samples,
+                    "uncovered": [list(span) for span in c.uncovered],
+                }
+                for c in self.coverage
+            ],
+        }
+        return json.dumps(doc, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> CheckpointMeta:
+        """Parse a meta sidecar.
+
+        Raises:
+            ConfigError: the text is not a meta document of a known schema.
+        """
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("resume_from", f"meta file is not JSON: {exc}") from exc
+        if not isinstance(doc, dict):
+            raise ConfigError("resume_from", "meta file must hold a JSON object")
+        version = _int(doc, "schema_version")
+        if version > SCHEMA_VERSION:
+            raise ConfigError(
+                "resume_from",
+                f"meta schema {version} is newer than this elche understands "
+                f"({SCHEMA_VERSION}); upgrade elche to resume this run",
+            )
+        try:
+            reason = SaveReason(doc.get("save_reason"))
+        except ValueError as exc:
+            accepted = ", ".join(r.value for r in SaveReason)
+            raise ConfigError("save_reason", f"unknown reason; accepted: {accepted}") from exc
+        state = doc.get("elche_state")
+        return cls(
+            epoch=_int(doc, "epoch"),
+            global_step=_int(doc, "global_step"),
+            sync_round=_int(doc, "sync_round"),
+            world_size=_int(doc, "world_size"),
+            reason=reason,
+            seed=_int(doc, "seed"),
+            batch_size=_int(doc, "batch_size"),
+            epochs=_int(doc, "epochs"),
+            elche_state=None if state is None else ElCheState.from_json(_mapping(state)),
+            coverage=tuple(_coverage(c) for c in _list(doc, "coverage")),
+            schema_version=version,
+        )
+
+
+def _coverage(raw: object) -> EpochCoverage:
+    doc = _mapping(raw)
+    spans: list[tuple[int, int]] = []
+    for span in _list(doc, "uncovered"):
+        if not (
+            isinstance(span, Sequence)
+            and len(span) == 2
+            and all(isinstance(v, int) and v >= 0 for v in span)
+        ):
+            raise ConfigError("coverage", f"bad uncovered span {span!r}")
+        spans.append((int(span[0]), int(span[1])))
+    return EpochCoverage(
+        epoch=_int(doc, "epoch"), total_samples=_int(doc, "total_samples"), uncovered=tuple(spans)
+    )
+
+
+def _mapping(raw: object) -> Mapping[str, object]:
+    if not isinstance(raw, dict):
+        raise ConfigError("resume_from", f"expected a JSON object, got {raw!r}")
+    return raw
+
+
+def _int(doc: Mapping[str, object], key: str) -> int:
+    value = doc.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(key, f"must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _list(doc: Mapping[str, object], key: str) -> list[object]:
+    value = doc.get(key, [])
+    if not isinstance(value, list):
+        raise ConfigError(key, f"must be a list, got {value!r}")
+    return value

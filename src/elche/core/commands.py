@@ -1,0 +1,99 @@
+"""Commands: what ``Coordinator.handle`` asks the IO shell to do.
+
+Commands are imperative. The shell executes them in order and feeds the
+outcome back as events. A failed send is not reported back: a rank that can
+no longer be reached shows up as ``RankLost``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elche.core.checkpoint import CheckpointMeta
+from elche.core.messages import CoordMessage
+
+__all__ = [
+    "ArmTimer",
+    "AverageSnapshots",
+    "Broadcast",
+    "Command",
+    "Emit",
+    "Finish",
+    "Notice",
+    "Send",
+    "WriteMeta",
+]
+
+Scalar = float | int | str | bool | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Send:
+    """Send ``message`` to ``rank``."""
+
+    rank: int
+    message: CoordMessage
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Broadcast:
+    """Send ``message`` to each rank in ``ranks`` (best effort)."""
+
+    ranks: tuple[int, ...]
+    message: CoordMessage
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ArmTimer:
+    """Feed ``TimerFired`` once the monotonic clock reaches ``deadline_s``."""
+
+    deadline_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AverageSnapshots:
+    """Coordinator backend: average the uploaded snapshots of round ``cycle``.
+
+    ``param_mass[r]`` weighs rank r's parameters (steps ** gamma);
+    ``buffer_mass[r]`` weighs its buffers (1 if it moved, else 0). Ranks not
+    listed are left out. Reply with ``AverageComputed``.
+    """
+
+    cycle: int
+    param_mass: tuple[tuple[int, float], ...]
+    buffer_mass: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WriteMeta:
+    """Write the checkpoint meta sidecar next to ``stem``."""
+
+    stem: str
+    meta: CheckpointMeta
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Notice:
+    """Log ``text`` at ``level`` (``"info"``, ``"warning"`` or ``"error"``)."""
+
+    level: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Emit:
+    """Append a timeline event of ``kind`` with ``fields``."""
+
+    kind: str
+    fields: tuple[tuple[str, Scalar], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Finish:
+    """The run is over: ``outcome`` is ``completed`` or ``saved_and_shutdown``."""
+
+    outcome: str
+    reason: str = ""
+
+
+Command = Send | Broadcast | ArmTimer | AverageSnapshots | WriteMeta | Notice | Emit | Finish

@@ -1,0 +1,904 @@
+"""The coordinator core: ``handle(event, now_s) -> list[Command]``.
+
+Rules:
+
+- The core never blocks, never reads a clock and never does IO. The shell
+  feeds it events with the current monotonic time and executes the commands
+  it returns, in order. Identical (config, events, times) give identical
+  commands.
+- Run states move forward only: ``FORMING -> TRAINING -> (FINISHING) ->
+  DONE``, or ``-> SAVING -> DONE`` when the run cannot go on.
+- A rank is ``JOINING``, ``LIVE``, ``DEAD`` or ``ERRORED``. A rank that sends
+  something illegal is latched ``ERRORED`` and treated as lost; the run goes on
+  with the others. An illegal *event* from the shell raises
+  ``LocalProtocolError`` and leaves the state unchanged.
+- Work is handed out in chunks from per-epoch pools (``elche.core.work``).
+  ``sync`` gives every rank an equal partition; ``cadence`` and ``async`` give
+  each rank chunks of its ElChe batch count, so a window takes every rank the
+  same wall time.
+- The averaging gate: every live rank has made its window (``cadence``,
+  ``async``: ``batch_counts[r]`` steps; ``sync``: one step) or is *quiesced*
+  (idle, with nothing it may take), and some rank made a step.
+- A rank never trains past its *budget* (steps since the last average): its
+  batch count, plus the overshoot allowance under ``async``.
+- When a rank dies its unaveraged work returns to the pools, roles
+  re-resolve, collective groups re-form, and the run continues unless the
+  failure threshold or the backend floor is crossed; then the coordinator
+  writes the meta sidecar and tells the survivors to save and stop.
+
+Theory of operation: events land in ``handle``; each handler updates state
+and appends commands to ``self._out``; after every event ``_progress`` fires
+the averaging gate if it is open.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import assert_never
+
+from elche.core import messages as m
+from elche.core.checkpoint import CheckpointMeta, SaveReason
+from elche.core.commands import (
+    ArmTimer,
+    AverageSnapshots,
+    Broadcast,
+    Command,
+    Emit,
+    Finish,
+    Notice,
+    Send,
+    WriteMeta,
+)
+from elche.core.config import Backend, CoordinatorConfig, Policy
+from elche.core.cycle import Phase, Round
+from elche.core.dispatch import batches_in, final_window_alloc, needs_final_window
+from elche.core.errors import LocalProtocolError, RemoteProtocolError
+from elche.core.events import (
+    AverageComputed,
+    Event,
+    FrameRejected,
+    MessageReceived,
+    RankJoined,
+    RankLost,
+    Started,
+    TimerFired,
+)
+from elche.core.guards import DivergenceReport, build_guard
+from elche.core.ledger import WindowLedger
+from elche.core.meta import LrEventMeta
+from elche.core.roles import CallbackRoles, Role
+from elche.core.scheduler import ElChe
+from elche.core.verdicts import NudgeDown, Stable, SuppressGrowth, Verdict
+from elche.core.work import WorkBook
+
+__all__ = ["Coordinator", "RankState", "RunState"]
+
+# Async overshoot: start at 3 steps past the window, grow by one per Stable
+# round up to 15 (reference defaults).
+OVERSHOOT_INITIAL = 3
+OVERSHOOT_CEILING = 15
+# Before the first calibration every rank runs this many steps: one batch
+# fills the pipeline, the second gives a marginal timing sample. A full
+# uncalibrated window would make the fast ranks idle through most of it.
+PROBE_STEPS = 2
+# A round in flight longer than this is a stall (reference: max(10 x hb, 300 s)).
+STALL_FLOOR_S = 300.0
+
+
+class RankState(enum.Enum):
+    JOINING = "joining"
+    LIVE = "live"
+    DEAD = "dead"
+    ERRORED = "errored"
+
+
+class RunState(enum.Enum):
+    FORMING = "forming"
+    TRAINING = "training"
+    FINISHING = "finishing"  # all epochs done; waiting for final callbacks
+    SAVING = "saving"  # save-and-shutdown broadcast; waiting for StateSaved
+    DONE = "done"
+
+
+class Coordinator:
+    """The sans-IO coordinator of one training run.
+
+    Args:
+        config: the run's configuration.
+        resume: a checkpoint meta to continue from, or None for a fresh run.
+
+    Raises:
+        ConfigError: ``resume`` does not fit ``config``.
+    """
+
+    def __init__(self, config: CoordinatorConfig, *, resume: CheckpointMeta | None = None) -> None:
+        self.config = config
+        ws = config.world_size
+        sched = config.scheduler
+        self.elche = ElChe(
+            ws,
+            sched.anchor_for(config.policy),
+            overhead_target=sched.overhead_target,
+            max_anchor=sched.max_anchor,
+            min_anchor=sched.min_anchor,
+            max_batch_diff=sched.max_batch_diff,
+            window_growth_applicable=config.policy is not Policy.SYNC,
+        )
+        # A window never spans more than one epoch of batches.
+        self.elche.set_max_total_batches(config.num_samples // config.batch_size)
+        history = None
+        if resume is not None and resume.elche_state is not None:
+            self.elche.restore_from_state(resume.elche_state)
+            history = resume.elche_state.trend_history
+        self.guard = build_guard(
+            sched.guard,
+            divergence_threshold=sched.divergence_threshold,
+            easgd=config.blend_alpha is not None,
+            history=history,
+        )
+        self.meta = LrEventMeta() if sched.meta_controller else None
+        self.ledger = WindowLedger(ws)
+        self.roles = CallbackRoles(config.callback_policy, ws, config.callback_rank)
+        self.work = WorkBook(ws, config.num_samples, config.batch_size, config.epochs)
+        self.round = Round()
+        self.state = RunState.FORMING
+        self.rank_state = [RankState.JOINING] * ws
+        self.hosts = [""] * ws
+        self.last_seen_s = [0.0] * ws
+        self.dead_ranks: list[int] = []
+        self.generation = 0
+        self.sync_round = 0
+        self.global_step = 0
+        self.rejected_frames = 0
+        self.stale_messages = 0
+        self.epochs_completed = 0
+        self.outcome: str | None = None
+        self.save_reason: SaveReason | None = None
+        self.max_overshoot = sched.max_overshoot if sched.max_overshoot is not None else 3
+        self._overshoot_auto = sched.max_overshoot is None
+        self._start_epoch = 0
+        self._resume = resume
+        self._lr: list[float | None] = [None] * ws
+        self._budget: list[int] = [0] * ws
+        self._quiesced: list[bool] = [False] * ws
+        self._unsatisfied: set[int] = set()
+        self._final_plan: dict[int, int] | None = None
+        self._pending_evals: dict[int, int] = {}  # epoch -> rank asked
+        self._pending_checkpoints: dict[int, int] = {}  # version -> rank asked
+        self._awaiting_save: set[int] = set()
+        self._epoch_loss: dict[int, tuple[float, int]] = {}
+        self._formation_deadline_s = math.inf
+        self._save_deadline_s = math.inf
+        self._now = 0.0
+        self._out: list[Command] = []
+        if resume is not None:
+            self._apply_resume(resume)
+
+    # -- public views --------------------------------------------------------
+
+    @property
+    def live(self) -> list[int]:
+        return [r for r, s in enumerate(self.rank_state) if s is RankState.LIVE]
+
+    def handle(self, event: Event, now_s: float) -> list[Command]:
+        """Feed one event; returns the commands to execute, in order.
+
+        Args:
+            event: what the shell observed.
+            now_s: the current monotonic time in seconds.
+
+        Returns:
+            Commands for the shell. After ``Finish`` the coordinator is
+            ``DONE`` and ignores further events.
+
+        Raises:
+            LocalProtocolError: the event names a rank outside the world;
+                nothing changed.
+        """
+        if self.state is RunState.DONE:
+            return []
+        self._now = now_s
+        self._out = []
+        match event:
+            case Started():
+                self._formation_deadline_s = now_s + self.config.formation_timeout_s
+                self._arm()
+            case RankJoined(rank=rank, host=host):
+                self._check_rank(rank)
+                self._on_join(rank, host)
+            case MessageReceived(rank=rank, message=message):
+                self._check_rank(rank)
+                self._on_message(rank, message)
+            case RankLost(rank=rank, reason=reason):
+                self._check_rank(rank)
+                self._lose(rank, reason)
+            case FrameRejected(reason=reason, rank=rank):
+                self._on_rejected(reason, rank)
+            case AverageComputed(cycle=cycle):
+                self._on_average_computed(cycle)
+            case TimerFired():
+                self._on_timer()
+            case _:
+                assert_never(event)
+        if self.state is RunState.TRAINING:
+            self._progress()
+        return self._out
+
+    # -- formation -----------------------------------------------------------
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.config.world_size:
+            raise LocalProtocolError(
+                f"event names rank {rank}; world size is {self.config.world_size}"
+            )
+
+    def _on_join(self, rank: int, host: str) -> None:
+        if self.state is not RunState.FORMING or self.rank_state[rank] is not RankState.JOINING:
+            self._evict(rank, RemoteProtocolError("joined twice", rank=rank))
+            return
+        self.rank_state[rank] = RankState.LIVE
+        self.hosts[rank] = host
+        self.last_seen_s[rank] = self._now
+        if all(s is RankState.LIVE for s in self.rank_state):
+            self._begin_training()
+
+    def _begin_training(self) -> None:
+        self.state = RunState.TRAINING
+        self._emit("RunStart", world_size=self.config.world_size, mode=self.config.mode.value)
+        self._arm()
+        if self._resume is None:
+            self._open_epoch(self._start_epoch)
+        self._open_window()
+
+    def _apply_resume(self, meta: CheckpointMeta) -> None:
+        self._start_epoch = meta.epoch
+        self.global_step = meta.global_step
+        self.sync_round = meta.sync_round
+        self.round.number = meta.sync_round
+        self.epochs_completed = meta.epoch
+        self.work.done.update(range(meta.epoch))
+        for coverage in meta.coverage:
+            self.work.resume_epoch(coverage)
+        if meta.epoch < self.config.epochs and meta.epoch not in self.work.pools:
+            self._resume = None  # nothing started: a plain epoch open will do
+
+    # -- messages --------------------------------------------------------------
+
+    def _on_message(self, rank: int, message: m.RankMessage) -> None:
+        if self.rank_state[rank] is not RankState.LIVE:
+            self.stale_messages += 1
+            return
+        self.last_seen_s[rank] = self._now
+        try:
+            self._dispatch_message(rank, message)
+        except RemoteProtocolError as exc:
+            self._evict(rank, exc)
+
+    def _dispatch_message(self, rank: int, message: m.RankMessage) -> None:
+        match message:
+            case m.BatchDone():
+                self._on_batch(rank, message)
+            case m.SyncAck():
+                self._on_sync_ack(rank, message)
+            case m.SnapshotReady():
+                self._on_snapshot(rank, message)
+            case m.Heartbeat():
+                pass
+            case m.LrUpdate(lr=lr):
+                self._lr[rank] = lr
+            case m.EvalResult():
+                self._on_eval_result(rank, message)
+            case m.CheckpointResult():
+                self._on_checkpoint_result(rank, message)
+            case m.EpochFnElapsed(elapsed_ms=elapsed_ms):
+                self.ledger.absorb_callback_cost(rank, elapsed_ms)
+                self.roles.record_cost(Role.EPOCH, elapsed_ms)
+            case m.StateSaved():
+                self._on_state_saved(rank, message)
+            case m.Exiting(reason=reason):
+                if self.state is not RunState.DONE:
+                    self._lose(rank, f"exited: {reason}" if reason else "exited")
+            case m.Hello():
+                raise RemoteProtocolError("sent Hello after joining", rank=rank)
+            case _:
+                assert_never(message)
+
+    def _on_batch(self, rank: int, msg: m.BatchDone) -> None:
+        if self.state is not RunState.TRAINING and self.state is not RunState.FINISHING:
+            self.stale_messages += 1
+            return
+        self.work.record_batch(rank, msg.epoch, msg.offset, msg.size)
+        self.ledger.record_batch(rank, msg.batch_ms, msg.data_ms)
+        if msg.loss is not None and math.isfinite(msg.loss):
+            self.ledger.record_batch_loss(rank, msg.loss)
+            total, count = self._epoch_loss.get(msg.epoch, (0.0, 0))
+            self._epoch_loss[msg.epoch] = (total + msg.loss, count + 1)
+        if self.work.busy_samples(rank) == 0:
+            self._dispatch(rank)
+        if rank in self._unsatisfied and self._satisfied(rank):
+            self._unsatisfied.discard(rank)
+
+    def _on_rejected(self, reason: str, rank: int | None) -> None:
+        self.rejected_frames += 1
+        # First one is news; after that, one line per thousand keeps logs sane.
+        if self.rejected_frames == 1 or self.rejected_frames % 1000 == 0:
+            who = "unknown peer" if rank is None else f"rank {rank}"
+            self._notice(
+                "warning",
+                f"rejected frame from {who}: {reason} ({self.rejected_frames} rejected so far)",
+            )
+
+    # -- averaging -----------------------------------------------------------
+
+    def _window_steps(self, rank: int) -> int:
+        """Steps that complete ``rank``'s window (probe size before calibration)."""
+        count = self.elche.batch_counts[rank]
+        return count if self.elche.is_calibrated else min(count, PROBE_STEPS)
+
+    def _satisfied(self, rank: int) -> bool:
+        target = 1 if self.config.policy is Policy.SYNC else self._window_steps(rank)
+        return self.work.steps_since_sync(rank) >= target or self._quiesced[rank]
+
+    def _progress(self) -> None:
+        if self.round.in_flight or self._unsatisfied:
+            return
+        live = self.live
+        if live and any(self.work.steps_since_sync(r) > 0 for r in live):
+            self._trigger()
+
+    def _trigger(self) -> None:
+        live = set(self.live)
+        number = self.round.open(live, self._now)
+        ranks = tuple(sorted(live))
+        self._emit("SyncStart", round=number)
+        if self.config.backend is Backend.COLLECTIVE:
+            self._out.append(
+                Broadcast(ranks=ranks, message=m.SyncNow(cycle=number, generation=self.generation))
+            )
+        else:
+            self._out.append(Broadcast(ranks=ranks, message=m.RequestParams(cycle=number)))
+
+    def _on_sync_ack(self, rank: int, msg: m.SyncAck) -> None:
+        rnd = self.round
+        if msg.cycle != rnd.number or rank not in rnd.members or rank in rnd.acks:
+            self.stale_messages += 1
+            return
+        if rnd.phase is Phase.COLLECTING and self.config.backend is Backend.COLLECTIVE:
+            committed = self.work.commit(rank, msg.steps)
+        elif rnd.phase is Phase.APPLYING:
+            committed = rnd.snapshot_steps.get(rank, 0)
+        else:
+            raise RemoteProtocolError(
+                f"acknowledged round {msg.cycle} before its update", rank=rank
+            )
+        rnd.record_ack(rank, committed, msg.divergence, msg.pre_norm, msg.post_norm)
+        if rnd.complete(set(self.live)):
+            self._finish_round()
+
+    def _on_snapshot(self, rank: int, msg: m.SnapshotReady) -> None:
+        rnd = self.round
+        if self.config.backend is not Backend.COORDINATOR:
+            raise RemoteProtocolError("sent a snapshot in a collective mode", rank=rank)
+        if msg.cycle != rnd.number or rank not in rnd.members or rnd.phase is not Phase.COLLECTING:
+            self.stale_messages += 1
+            return
+        if not 0 <= msg.steps <= self.work.steps_since_sync(rank):
+            raise RemoteProtocolError(
+                f"snapshot claims {msg.steps} steps; it made "
+                f"{self.work.steps_since_sync(rank)} since the last average",
+                rank=rank,
+            )
+        rnd.snapshot_steps[rank] = msg.steps
+        self._maybe_average()
+
+    def _maybe_average(self) -> None:
+        rnd = self.round
+        if not rnd.ready_to_average(set(self.live)):
+            return
+        rnd.phase = Phase.AVERAGING
+        gamma = self.config.scheduler.gamma
+        holders = sorted(rnd.snapshot_steps)
+        self._out.append(
+            AverageSnapshots(
+                cycle=rnd.number,
+                param_mass=tuple(
+                    (r, float(rnd.snapshot_steps[r]) ** gamma if rnd.snapshot_steps[r] else 0.0)
+                    for r in holders
+                ),
+                buffer_mass=tuple((r, 1.0 if rnd.snapshot_steps[r] else 0.0) for r in holders),
+            )
+        )
+
+    def _on_average_computed(self, cycle: int) -> None:
+        rnd = self.round
+        if rnd.phase is not Phase.AVERAGING or cycle != rnd.number:
+            raise LocalProtocolError(f"AverageComputed({cycle}) but no such average is running")
+        live = set(self.live)
+        for rank, steps in sorted(rnd.snapshot_steps.items()):
+            if rank in live:
+                self.work.commit(rank, steps)
+        rnd.phase = Phase.APPLYING
+        alpha = self.config.blend_alpha
+        for rank in sorted(rnd.members & live):
+            self._out.append(Send(rank=rank, message=m.Update(cycle=cycle, alpha=alpha)))
+        if rnd.complete(live):
+            self._finish_round()
+
+    def _finish_round(self) -> None:
+        rnd = self.round
+        rnd.close()
+        sync_ms = (self._now - rnd.started_s) * 1000.0
+        old_anchor = self.elche.anchor
+        self._stage_callback_slack()
+        was_calibrated = self.elche.is_calibrated
+        dead = set(self.dead_ranks)
+        report = self.ledger.build_window_report(
+            dead=dead,
+            delivered_capable=self.config.policy is not Policy.SYNC,
+            sync_ms=sync_ms,
+        )
+        self.elche.report_window(report)
+        if not was_calibrated and self.elche.is_calibrated:
+            self.roles.on_first_calibration(self.live, self.elche.smoothed_ms_per_batch)
+        ws = self.config.world_size
+        pre = [rnd.pre_norms.get(r) for r in range(ws)]
+        divergence = DivergenceReport(
+            deltas=tuple(rnd.divergence.get(r, 0.0) for r in range(ws)),
+            pre_norms=None if any(p is None for p in pre) else tuple(p or 0.0 for p in pre),
+            post_norm=rnd.post_norm,
+        )
+        k_used = sum(rnd.acks.values())
+        k_max = max(rnd.acks.values(), default=0)
+        verdict = self.guard.report(divergence, k_used, k_max)
+        self._observe_meta(verdict)
+        self.sync_round += 1
+        self._apply_verdict(verdict)
+        self.global_step += k_used
+        self._emit(
+            "SyncEnd",
+            round=rnd.number,
+            duration_ms=round(sync_ms, 3),
+            d_raw=divergence.max_relative_delta(),
+            k_used=k_used,
+            anchor=self.elche.anchor,
+        )
+        if self.elche.anchor != old_anchor:
+            self._emit("AnchorChanged", old=old_anchor, new=self.elche.anchor)
+        self.ledger.reset_timing()
+        self.ledger.reset_steps()
+        self._open_window()
+
+    def _observe_meta(self, verdict: Verdict) -> None:
+        lr = next((x for x in self._lr if x is not None), None)
+        if self.meta is None or lr is None:
+            return
+        action = self.meta.observe(lr, self.elche.anchor, verdict, self.elche.phase)
+        if action is not None:
+            old = self.elche.anchor
+            self.elche.apply_verdict(action)
+            self._emit("MetaNudge", factor=action.factor, old=old, new=self.elche.anchor)
+
+    def _apply_verdict(self, verdict: Verdict) -> None:
+        is_async = self.config.policy is Policy.ASYNC
+        match verdict:
+            case Stable():
+                relax = is_async and self.config.scheduler.relax_up
+                self.elche.apply_verdict(Stable(relax_up=relax))
+                if is_async and self._overshoot_auto:
+                    self.max_overshoot = min(self.max_overshoot + 1, OVERSHOOT_CEILING)
+            case SuppressGrowth():
+                self.elche.apply_verdict(verdict)
+            case NudgeDown():
+                self.elche.apply_verdict(verdict)
+                if is_async and self._overshoot_auto:
+                    self.max_overshoot = OVERSHOOT_INITIAL
+                self._notice(
+                    "warning",
+                    "divergence rising: convergence guard nudged the anchor down "
+                    f"(x{verdict.factor:.2f}) to {self.elche.anchor}",
+                )
+            case _:
+                assert_never(verdict)
+
+    def _stage_callback_slack(self) -> None:
+        """Shrink the callback ranks' quota in the epoch's last window."""
+        if not self.elche.is_calibrated:
+            return
+        epoch = self.work.serving_epoch()
+        if epoch is None:
+            return
+        live = self.live
+        total = sum(self.elche.batch_counts[r] for r in live)
+        if total == 0 or self.work.remaining_batches(epoch) > total:
+            return
+        slack = self.roles.boundary_slack_ms(
+            epoch + 1,
+            eval_every=self.config.eval_every if self.config.has_eval_fn else None,
+            checkpoint_every=self.config.checkpoint_every,
+            anchor_wall_ms=self.elche.anchor_wall_ms(),
+        )
+        if slack is not None:
+            self.elche.apply_callback_slack(slack)
+
+    # -- windows, epochs and dispatch ----------------------------------------
+
+    def _open_window(self) -> None:
+        """A round closed (or training began): settle epochs, hand out work."""
+        for epoch in self.work.finished_epochs():
+            self._epoch_finished(epoch)
+        if self.state is not RunState.TRAINING:
+            return
+        if self.work.serving_epoch() is None and not self.work.open_epochs():
+            nxt = self.work.next_epoch_to_open()
+            if nxt is None:
+                self._end_of_training()
+                return
+            self._open_epoch(nxt)
+        self._plan_final_window()
+        self._send_budgets()
+        for rank in self.live:
+            self._quiesced[rank] = False
+            self._dispatch(rank)
+        self._unsatisfied = {r for r in self.live if not self._satisfied(r)}
+
+    def _open_epoch(self, epoch: int) -> None:
+        live = set(self.live)
+        ws = self.config.world_size
+        if self.config.policy is Policy.SYNC or not self.elche.is_calibrated:
+            weights = [1.0 if r in live else 0.0 for r in range(ws)]
+        else:
+            counts = self.elche.batch_counts
+            weights = [float(counts[r]) if r in live else 0.0 for r in range(ws)]
+        self.work.open_epoch(epoch, weights)
+        role = self.roles.take_dirty_epoch_role()
+        if role is not None:
+            self._broadcast(m.SetEpochCallbackRole(rank=role))
+        self._emit("EpochStart", epoch=epoch)
+
+    def _plan_final_window(self) -> None:
+        self._final_plan = None
+        if self.config.policy is not Policy.CADENCE:
+            return
+        epoch = self.work.serving_epoch()
+        if epoch is None:
+            return
+        rem = self.work.remaining_batches(epoch)
+        live = self.live
+        counts = self.elche.batch_counts
+        if needs_final_window(rem, counts, live):
+            alloc = final_window_alloc(rem, counts, live)
+            self._final_plan = {r: alloc[r] for r in live}
+
+    def _budget_of(self, rank: int) -> int:
+        count = self._window_steps(rank)
+        if self.config.policy is Policy.ASYNC:
+            return count + self.max_overshoot
+        if self._final_plan is not None:
+            return max(count, self._final_plan.get(rank, 0))
+        return count
+
+    def _send_budgets(self) -> None:
+        for rank in self.live:
+            budget = self._budget_of(rank)
+            if budget != self._budget[rank] and self.work.busy_samples(rank) > 0:
+                self._out.append(Send(rank=rank, message=m.SetBudget(budget=budget)))
+            self._budget[rank] = budget
+
+    def _dispatch(self, rank: int) -> None:
+        """Give ``rank`` its next chunk if it is idle and may take one."""
+        if self.rank_state[rank] is not RankState.LIVE or self.state is not RunState.TRAINING:
+            return
+        if self.work.busy_samples(rank) > 0:
+            return  # one chunk in flight per rank
+        left = self._budget[rank] - self.work.steps_since_sync(rank)
+        if left <= 0:
+            return  # holds for the next average
+        epoch = self.work.serving_epoch()
+        if epoch is None and self.config.policy is Policy.ASYNC:
+            epoch = self._stream_ahead()
+        span = None if epoch is None else self._take(rank, epoch, left)
+        if epoch is None or span is None:
+            self._quiesced[rank] = True
+            return
+        self._quiesced[rank] = False
+        self.work.assign(rank, epoch, span)
+        msg = m.AssignChunk(epoch=epoch, offset=span[0], size=span[1], budget=self._budget[rank])
+        self._out.append(Send(rank=rank, message=msg))
+
+    def _take(self, rank: int, epoch: int, left: int) -> tuple[int, int] | None:
+        bs = self.config.batch_size
+        pool = self.work.pools[epoch]
+        if self.config.policy is Policy.SYNC:
+            if pool.residue(rank) > 0:
+                return self.work.take(rank, epoch, pool.residue(rank))
+            # A dead rank's partition, split evenly over the survivors.
+            share = batches_in(-(-sum(s for _, s in pool.reclaimed_spans()) // len(self.live)), bs)
+            return self.work.take_reclaimed(rank, epoch, share * bs)
+        batches = left
+        if self._final_plan is not None:
+            batches = min(batches, self._final_plan.get(rank, 0))
+            if batches <= 0:
+                return None
+        span = self.work.take(rank, epoch, batches * bs)
+        if span is not None and self._final_plan is not None:
+            self._final_plan[rank] -= batches_in(span[1], bs)
+        return span
+
+    def _stream_ahead(self) -> int | None:
+        """Async: open the next epoch early so fast ranks keep streaming."""
+        nxt = self.work.next_epoch_to_open()
+        if nxt is None or len(self.work.open_epochs()) >= 2:
+            return None
+        self._open_epoch(nxt)
+        return self.work.serving_epoch()
+
+    def _epoch_finished(self, epoch: int) -> None:
+        total, count = self._epoch_loss.pop(epoch, (0.0, 0))
+        loss = total / count if count else None
+        self.epochs_completed = max(self.epochs_completed, epoch + 1)
+        self._emit("EpochEnd", epoch=epoch, loss=loss, sync_round=self.sync_round)
+        self._broadcast(m.EpochDone(epoch=epoch, loss=loss))
+        done = epoch + 1
+        cfg = self.config
+        if cfg.has_eval_fn and (done % cfg.eval_every == 0 or done == cfg.epochs):
+            self._ask_eval(done)
+        if cfg.checkpoint_every is not None and done % cfg.checkpoint_every == 0:
+            self._ask_checkpoint(done)
+            if cfg.save_path is not None:
+                self._out.append(
+                    WriteMeta(stem=cfg.save_path, meta=self._meta(SaveReason.CHECKPOINT))
+                )
+
+    def _ask_eval(self, epoch: int) -> None:
+        rank = self.roles.holder(Role.EVAL)
+        self._pending_evals[epoch] = rank
+        self._out.append(Send(rank=rank, message=m.RunEval(epoch=epoch)))
+
+    def _ask_checkpoint(self, version: int, rank: int | None = None) -> None:
+        target = self.roles.holder(Role.CHECKPOINT) if rank is None else rank
+        self._pending_checkpoints[version] = target
+        self._out.append(Send(rank=target, message=m.RunCheckpoint(version=version)))
+
+    def _end_of_training(self) -> None:
+        if self._pending_evals or self._pending_checkpoints:
+            self.state = RunState.FINISHING
+            return
+        self._broadcast(m.Shutdown())
+        self._finish("completed")
+
+    # -- callbacks -------------------------------------------------------------
+
+    def _on_eval_result(self, rank: int, msg: m.EvalResult) -> None:
+        self.ledger.absorb_callback_cost(rank, msg.elapsed_ms)
+        self.roles.record_cost(Role.EVAL, msg.elapsed_ms)
+        self._pending_evals.pop(msg.epoch, None)
+        if msg.error is not None:
+            self._notice("error", f"eval_fn failed on rank {rank} (epoch {msg.epoch}): {msg.error}")
+        else:
+            self._broadcast(m.EvalBroadcast(epoch=msg.epoch, metric=msg.metric))
+            self._emit("Eval", epoch=msg.epoch, metric=msg.metric, rank=rank)
+        self._maybe_close()
+
+    def _on_checkpoint_result(self, rank: int, msg: m.CheckpointResult) -> None:
+        self.ledger.absorb_callback_cost(rank, msg.elapsed_ms)
+        if msg.error is None:
+            self.roles.record_cost(Role.CHECKPOINT, msg.elapsed_ms)
+        else:
+            self._notice("error", f"checkpoint v{msg.version} failed on rank {rank}: {msg.error}")
+        self._settle_checkpoint(rank, msg.version, msg.error)
+        self._maybe_close()
+
+    def _settle_checkpoint(self, rank: int, version: int, error: str | None) -> None:
+        self._pending_checkpoints.pop(version, None)
+        retry = self.roles.on_checkpoint_result(rank, version, error, self.live)
+        if retry is not None:
+            self._ask_checkpoint(version, retry)
+        elif error is not None:
+            self._notice(
+                "error",
+                f"checkpoint v{version} failed on every live rank; giving up on this version "
+                "(training continues)",
+            )
+
+    def _maybe_close(self) -> None:
+        if self.state is RunState.FINISHING:
+            self._end_of_training()
+
+    # -- failures --------------------------------------------------------------
+
+    def _evict(self, rank: int, exc: RemoteProtocolError) -> None:
+        self._notice("error", f"evicting rank {rank}: {exc}")
+        self._lose(rank, f"protocol error: {exc}", errored=True)
+
+    def _lose(self, rank: int, reason: str, *, errored: bool = False) -> None:
+        state = self.rank_state[rank]
+        if state is RankState.DEAD or state is RankState.ERRORED:
+            return
+        self.rank_state[rank] = RankState.ERRORED if errored else RankState.DEAD
+        self.dead_ranks.append(rank)
+        self._emit("RankLost", rank=rank, reason=reason)
+        if self.state is RunState.FORMING:
+            self._finish("failed", f"rank {rank} lost before the run formed: {reason}")
+            return
+        if self.state is RunState.SAVING:
+            self._awaiting_save.discard(rank)
+            self._maybe_finish_save()
+            return
+        self._credit_in_flight_work(rank)
+        reissued = self.work.forfeit(rank)
+        self.elche.retire(rank)
+        self._quiesced[rank] = False
+        live = self.live
+        self._notice(
+            "warning",
+            f"rank {rank} lost ({reason}); {reissued} samples go back to the "
+            f"{len(live)} survivor(s)",
+        )
+        self.roles.on_death(rank, live, self.elche.smoothed_ms_per_batch)
+        reason_to_save = self._unrecoverable()
+        if reason_to_save is not None:
+            self._save(reason_to_save)
+            return
+        self._reassign_callbacks(rank)
+        self._after_death()
+
+    def _credit_in_flight_work(self, rank: int) -> None:
+        """Work of ``rank`` that an in-flight average already holds is kept."""
+        rnd = self.round
+        if not rnd.in_flight or rank not in rnd.members:
+            return
+        if rank in rnd.snapshot_steps and rnd.phase is not Phase.APPLYING:
+            # Its uploaded snapshot goes into the average being computed.
+            self.work.commit(rank, rnd.snapshot_steps[rank])
+        rnd.members.discard(rank)
+
+    def _after_death(self) -> None:
+        rnd = self.round
+        live = set(self.live)
+        if self.config.backend is Backend.COLLECTIVE:
+            self.generation += 1
+            self._broadcast(m.Regroup(generation=self.generation, members=sorted(live)))
+            if rnd.in_flight and not rnd.acks:
+                rnd.close()  # the collective was abandoned; the gate fires again
+        if rnd.phase is Phase.COLLECTING and self.config.backend is Backend.COORDINATOR:
+            self._maybe_average()
+        if rnd.in_flight and rnd.complete(live):
+            self._finish_round()
+            return
+        role = self.roles.take_dirty_epoch_role()
+        if role is not None:
+            self._broadcast(m.SetEpochCallbackRole(rank=role))
+        if self.state is RunState.TRAINING:
+            self._final_plan = None
+            if not rnd.in_flight:
+                for rank in sorted(live):
+                    self._quiesced[rank] = False
+                    self._dispatch(rank)
+            self._unsatisfied = {r for r in live if not self._satisfied(r)}
+
+    def _reassign_callbacks(self, dead: int) -> None:
+        for epoch, rank in sorted(self._pending_evals.items()):
+            if rank == dead:
+                self._ask_eval(epoch)
+        for version, rank in sorted(self._pending_checkpoints.items()):
+            if rank == dead:
+                self._settle_checkpoint(dead, version, "rank died")
+
+    def _unrecoverable(self) -> SaveReason | None:
+        limit = self.config.max_failures
+        if limit is not None and len(self.dead_ranks) >= limit:
+            return SaveReason.MAX_FAILURE_EXCEEDED
+        live = len(self.live)
+        if live == 0:
+            return SaveReason.ALL_RANKS_LOST
+        if live < self.config.min_live_ranks:
+            return SaveReason.SINGLE_SURVIVOR
+        return None
+
+    def _save(self, reason: SaveReason) -> None:
+        """Write the meta sidecar and ask the survivors to save and stop."""
+        live = self.live
+        writer = min(live) if live else None
+        if writer is not None:
+            # The writer's model holds its unaveraged steps: they are covered.
+            self.work.commit(writer, self.work.steps_since_sync(writer))
+        self.save_reason = reason
+        self._notice("error", f"run cannot continue ({reason.value}); saving state and stopping")
+        if self.config.save_path is not None:
+            self._out.append(WriteMeta(stem=self.config.save_path, meta=self._meta(reason)))
+        self.state = RunState.SAVING
+        if writer is None:
+            self._finish("saved_and_shutdown", reason.value)
+            return
+        self._broadcast(m.ShutdownWithSave(reason=reason.value, writer=writer))
+        self._awaiting_save = set(live)
+        self._save_deadline_s = self._now + self.config.heartbeat_timeout_s
+
+    def _meta(self, reason: SaveReason) -> CheckpointMeta:
+        state = self.elche.to_state()
+        history = self.guard.trend_history()
+        open_epochs = self.work.open_epochs()
+        return CheckpointMeta(
+            epoch=open_epochs[0] if open_epochs else self.epochs_completed,
+            global_step=self.global_step,
+            sync_round=self.sync_round,
+            world_size=self.config.world_size,
+            reason=reason,
+            seed=self.config.seed,
+            batch_size=self.config.batch_size,
+            epochs=self.config.epochs,
+            elche_state=dataclasses.replace(state, trend_history=history),
+            coverage=self.work.coverage(),
+        )
+
+    def _on_state_saved(self, rank: int, msg: m.StateSaved) -> None:
+        if self.state is not RunState.SAVING:
+            self.stale_messages += 1
+            return
+        if msg.error is not None:
+            self._notice("error", f"rank {rank} could not save its state: {msg.error}")
+        self._awaiting_save.discard(rank)
+        self._maybe_finish_save()
+
+    def _maybe_finish_save(self) -> None:
+        if not self._awaiting_save:
+            reason = self.save_reason.value if self.save_reason else ""
+            self._finish("saved_and_shutdown", reason)
+
+    # -- timers ----------------------------------------------------------------
+
+    def _on_timer(self) -> None:
+        now = self._now
+        if self.state is RunState.FORMING:
+            if now >= self._formation_deadline_s:
+                joined = sum(s is RankState.LIVE for s in self.rank_state)
+                self._finish(
+                    "failed",
+                    f"formation timed out: {joined}/{self.config.world_size} ranks joined "
+                    f"within {self.config.formation_timeout_s:g} s",
+                )
+                return
+            self._arm()
+            return
+        if self.state is RunState.SAVING and now >= self._save_deadline_s:
+            self._notice("error", f"ranks {sorted(self._awaiting_save)} never confirmed a save")
+            self._finish("saved_and_shutdown", self.save_reason.value if self.save_reason else "")
+            return
+        timeout = self.config.heartbeat_timeout_s
+        for rank in self.live:
+            silent_s = now - self.last_seen_s[rank]
+            if silent_s > timeout:
+                self._lose(rank, f"heartbeat stale: silent for {silent_s:.1f} s")
+                if self.state is RunState.DONE:
+                    return
+        if self.round.in_flight and now - self.round.started_s > max(10 * timeout, STALL_FLOOR_S):
+            self._notice("error", f"averaging round {self.round.number} stalled")
+            self.round.close()
+            self._save(SaveReason.REDUCE_STALL)
+            if self.state is RunState.DONE:
+                return
+        self._broadcast(m.CoordHeartbeat())
+        self._arm()
+
+    def _arm(self) -> None:
+        self._out.append(ArmTimer(deadline_s=self._now + self.config.heartbeat_interval_s))
+
+    # -- output helpers --------------------------------------------------------
+
+    def _broadcast(self, message: m.CoordMessage) -> None:
+        ranks = tuple(self.live)
+        if ranks:
+            self._out.append(Broadcast(ranks=ranks, message=message))
+
+    def _notice(self, level: str, text: str) -> None:
+        self._out.append(Notice(level=level, text=text))
+
+    def _emit(self, kind: str, **fields: float | int | str | bool | None) -> None:
+        self._out.append(Emit(kind=kind, fields=tuple(fields.items())))
+
+    def _finish(self, outcome: str, reason: str = "") -> None:
+        self.state = RunState.DONE
+        self.outcome = outcome
+        self._out.append(Finish(outcome=outcome, reason=reason))

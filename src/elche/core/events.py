@@ -1,0 +1,77 @@
+"""Events: the facts the IO shell feeds into ``Coordinator.handle``.
+
+Events are past-tense. Each carries only what the shell observed; the core
+gets the current time separately (``handle(event, now_s)``) and never reads a
+clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elche.core.messages import RankMessage
+
+__all__ = [
+    "AverageComputed",
+    "Event",
+    "FrameRejected",
+    "MessageReceived",
+    "RankJoined",
+    "RankLost",
+    "Started",
+    "TimerFired",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Started:
+    """The shell is up; the core may arm its first timers."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankJoined:
+    """A rank connected and said hello."""
+
+    rank: int
+    host: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MessageReceived:
+    """A decoded, authenticated message arrived from ``rank``."""
+
+    rank: int
+    message: RankMessage
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankLost:
+    """The shell saw ``rank`` go: its process exited or its connection dropped."""
+
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrameRejected:
+    """The shell dropped a frame (bad tag, replay, oversize, undecodable)."""
+
+    reason: str
+    rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AverageComputed:
+    """Coordinator backend: the shell finished averaging round ``cycle``."""
+
+    cycle: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimerFired:
+    """A deadline the core armed with ``ArmTimer`` has passed."""
+
+
+Event = (
+    Started | RankJoined | MessageReceived | RankLost | FrameRejected | AverageComputed | TimerFired
+)

@@ -1,0 +1,326 @@
+"""The typed message catalog of the control plane.
+
+Ranks and the coordinator talk in the msgspec structs below: one schema per
+message, validated on decode. ``encode`` and ``decode`` frame a message as a
+msgpack array ``[PROTOCOL_VERSION, message]``; the transport adds sequence
+numbers and an HMAC tag around that (``elche.runtime``).
+
+Decoding never raises anything but ``RemoteProtocolError``: bad bytes, an
+unknown tag, a wrong field type and a foreign protocol version all end up
+there, so the coordinator can count the frame, drop it and keep running.
+
+Positions in ``AssignChunk``/``BatchDone`` are sample positions in the epoch's
+shuffled order (see ``elche.core.dispatch.epoch_permutation``), not dataset
+indices.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from elche.core.errors import RemoteProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AssignChunk",
+    "BatchDone",
+    "CheckpointResult",
+    "CoordHeartbeat",
+    "CoordMessage",
+    "EpochDone",
+    "EpochFnElapsed",
+    "EvalBroadcast",
+    "EvalResult",
+    "Exiting",
+    "Heartbeat",
+    "Hello",
+    "LrUpdate",
+    "Message",
+    "RankMessage",
+    "Regroup",
+    "RequestParams",
+    "RunCheckpoint",
+    "RunEval",
+    "SetBudget",
+    "SetEpochCallbackRole",
+    "Shutdown",
+    "ShutdownWithSave",
+    "SnapshotReady",
+    "StateSaved",
+    "SyncAck",
+    "SyncNow",
+    "Update",
+    "decode",
+    "encode",
+]
+
+# Bumped on any incompatible change to a struct below. A frame of another
+# version is refused with a message naming both versions.
+PROTOCOL_VERSION = 1
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Base: every message is tagged with its class name on the wire."""
+
+
+# --- rank -> coordinator ---------------------------------------------------
+
+
+class Hello(_Msg, frozen=True):
+    """A rank joined: first frame on a new connection."""
+
+    rank: int
+    world_size: int
+    host: str = ""
+    pid: int = 0
+
+
+class BatchDone(_Msg, frozen=True):
+    """One optimizer step over ``size`` samples at ``offset`` of ``epoch``."""
+
+    epoch: int
+    offset: int
+    size: int
+    batch_ms: float  # forward + backward + optimizer step, no waits
+    data_ms: float = 0.0  # time spent waiting for the batch
+    loss: float | None = None
+
+
+class SyncAck(_Msg, frozen=True):
+    """The rank finished averaging round ``cycle``; ``steps`` went into it."""
+
+    cycle: int
+    steps: int
+    divergence: float | None = None
+    pre_norm: float | None = None
+    post_norm: float | None = None
+
+
+class SnapshotReady(_Msg, frozen=True):
+    """Coordinator backend: the rank's snapshot of round ``cycle`` is uploaded."""
+
+    cycle: int
+    steps: int
+
+
+class Heartbeat(_Msg, frozen=True):
+    """Liveness beacon (reference: every second)."""
+
+    step: int = 0
+
+
+class LrUpdate(_Msg, frozen=True):
+    """The rank's current learning rate, for the LR-aware meta-controller."""
+
+    lr: float
+
+
+class EvalResult(_Msg, frozen=True):
+    """``eval_fn`` ran on the eval role."""
+
+    epoch: int
+    metric: float
+    elapsed_ms: float
+    error: str | None = None
+
+
+class CheckpointResult(_Msg, frozen=True):
+    """``checkpoint_fn`` ran on the checkpoint role."""
+
+    version: int
+    elapsed_ms: float
+    error: str | None = None
+
+
+class EpochFnElapsed(_Msg, frozen=True):
+    """``epoch_fn`` ran on the epoch role at the start of ``epoch``."""
+
+    epoch: int
+    elapsed_ms: float
+
+
+class StateSaved(_Msg, frozen=True):
+    """Answer to ``ShutdownWithSave``: the rank wrote (or failed to write) its state."""
+
+    path: str | None = None
+    error: str | None = None
+
+
+class Exiting(_Msg, frozen=True):
+    """Clean exit latch: the rank is leaving on purpose."""
+
+    reason: str = ""
+
+
+# --- coordinator -> rank ---------------------------------------------------
+
+
+class AssignChunk(_Msg, frozen=True):
+    """Train positions ``[offset, offset + size)`` of ``epoch``.
+
+    ``budget`` is the number of steps the rank may take since the last
+    average before it must hold for the next one.
+    """
+
+    epoch: int
+    offset: int
+    size: int
+    budget: int
+
+
+class SetBudget(_Msg, frozen=True):
+    """New per-window step budget (see ``AssignChunk.budget``)."""
+
+    budget: int
+
+
+class SyncNow(_Msg, frozen=True):
+    """Collective backend: join weighted all-reduce round ``cycle``."""
+
+    cycle: int
+    generation: int
+
+
+class RequestParams(_Msg, frozen=True):
+    """Coordinator backend: upload a snapshot for round ``cycle``."""
+
+    cycle: int
+
+
+class Update(_Msg, frozen=True):
+    """Coordinator backend: the average of round ``cycle`` is ready.
+
+    ``alpha`` is the EASGD blend weight (None: overwrite).
+    """
+
+    cycle: int
+    alpha: float | None = None
+
+
+class Regroup(_Msg, frozen=True):
+    """Abandon any collective in flight and form group ``generation``."""
+
+    generation: int
+    members: list[int]
+
+
+class SetEpochCallbackRole(_Msg, frozen=True):
+    """``epoch_fn`` runs on ``rank`` from now on."""
+
+    rank: int
+
+
+class RunCheckpoint(_Msg, frozen=True):
+    """Run ``checkpoint_fn`` for ``version`` (sent to the checkpoint role only)."""
+
+    version: int
+
+
+class RunEval(_Msg, frozen=True):
+    """Run ``eval_fn`` after ``epoch`` epochs (sent to the eval role only)."""
+
+    epoch: int
+
+
+class EvalBroadcast(_Msg, frozen=True):
+    """The elected rank's eval result, for every rank."""
+
+    epoch: int
+    metric: float
+
+
+class EpochDone(_Msg, frozen=True):
+    """Every sample of ``epoch`` is in the consensus model."""
+
+    epoch: int
+    loss: float | None = None
+
+
+class Shutdown(_Msg, frozen=True):
+    """Training is over; exit cleanly."""
+
+
+class ShutdownWithSave(_Msg, frozen=True):
+    """Unrecoverable: write state under ``save_path`` and exit.
+
+    ``writer`` is the rank whose model is the canonical one in the bundle.
+    """
+
+    reason: str
+    writer: int
+
+
+class CoordHeartbeat(_Msg, frozen=True):
+    """Coordinator liveness beacon."""
+
+
+RankMessage = (
+    Hello
+    | BatchDone
+    | SyncAck
+    | SnapshotReady
+    | Heartbeat
+    | LrUpdate
+    | EvalResult
+    | CheckpointResult
+    | EpochFnElapsed
+    | StateSaved
+    | Exiting
+)
+CoordMessage = (
+    AssignChunk
+    | SetBudget
+    | SyncNow
+    | RequestParams
+    | Update
+    | Regroup
+    | SetEpochCallbackRole
+    | RunCheckpoint
+    | RunEval
+    | EvalBroadcast
+    | EpochDone
+    | Shutdown
+    | ShutdownWithSave
+    | CoordHeartbeat
+)
+Message = RankMessage | CoordMessage
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(tuple[int, Message])
+_HEAD = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
+
+
+def encode(message: Message) -> bytes:
+    """Frame ``message`` with the protocol version."""
+    return _ENCODER.encode((PROTOCOL_VERSION, message))
+
+
+def decode(data: bytes, *, rank: int | None = None) -> Message:
+    """Parse one frame.
+
+    Args:
+        data: the frame's bytes (after the transport removed its envelope).
+        rank: the sender, when known, for the error message.
+
+    Returns:
+        The message.
+
+    Raises:
+        RemoteProtocolError: the bytes are not a valid frame of this protocol
+            version. Nothing else is raised, whatever the input.
+    """
+    try:
+        version, _ = _HEAD.decode(data)
+    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+        raise RemoteProtocolError(f"malformed frame: {exc}", rank=rank) from exc
+    if version != PROTOCOL_VERSION:
+        raise RemoteProtocolError(
+            f"protocol version {version} is not supported (this coordinator speaks "
+            f"version {PROTOCOL_VERSION}); run the same elche release on every host",
+            rank=rank,
+        )
+    try:
+        _, message = _DECODER.decode(data)
+    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+        raise RemoteProtocolError(f"invalid message: {exc}", rank=rank) from exc
+    return message

@@ -1,0 +1,196 @@
+"""The work book: who holds which samples, and which are safely averaged.
+
+Theory of operation. Each epoch has a ``ChunkPool`` over its sample positions.
+A rank receives chunks (spans of positions) and reports every batch it trains
+(``BatchDone``). A trained batch is *uncommitted* until an averaging round
+that includes it completes; only then is it *committed* to the pool. When a
+rank dies, everything it held that is not committed, queued or already
+trained, goes back to its pool and is re-issued to survivors. An epoch is
+done when its pool has nothing left to hand out and nothing outstanding.
+
+So "every sample trained exactly once per epoch" means: exactly once *into
+the consensus model*. Work a dead rank did after the last average died with
+it and is done again; nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from elche.core.checkpoint import EpochCoverage
+from elche.core.dispatch import ChunkPool, Span, batches_in
+from elche.core.errors import RemoteProtocolError
+
+__all__ = ["Chunk", "WorkBook"]
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A span handed to a rank; ``cursor`` is the next position to train."""
+
+    epoch: int
+    offset: int
+    size: int
+    cursor: int
+
+    @property
+    def left(self) -> int:
+        return self.offset + self.size - self.cursor
+
+
+class WorkBook:
+    """Per-epoch pools plus each rank's queue and uncommitted batches.
+
+    Args:
+        world_size: number of ranks.
+        num_samples: samples per epoch.
+        batch_size: samples per step.
+        epochs: epochs planned.
+    """
+
+    def __init__(self, world_size: int, num_samples: int, batch_size: int, epochs: int) -> None:
+        self.world_size = world_size
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.epochs = epochs
+        self.pools: dict[int, ChunkPool] = {}
+        self.done: set[int] = set()
+        self._queue: list[deque[Chunk]] = [deque() for _ in range(world_size)]
+        # (epoch, samples) of each trained batch not yet in a completed average.
+        self._uncommitted: list[deque[tuple[int, int]]] = [deque() for _ in range(world_size)]
+        self.steps_trained = [0] * world_size
+        self.steps_synced = [0] * world_size
+        self.samples_committed = [0] * world_size
+
+    # -- epochs ------------------------------------------------------------
+
+    def open_epoch(self, epoch: int, weights: Sequence[float]) -> ChunkPool:
+        """Create the pool of ``epoch``, reserving spans in proportion to ``weights``."""
+        pool = ChunkPool.by_weights(self.num_samples, weights, batch_size=self.batch_size)
+        self.pools[epoch] = pool
+        return pool
+
+    def resume_epoch(self, coverage: EpochCoverage) -> None:
+        """Recreate a started epoch from a checkpoint: only its holes remain."""
+        self.pools[coverage.epoch] = ChunkPool.from_uncovered(
+            coverage.total_samples,
+            list(coverage.uncovered),
+            batch_size=self.batch_size,
+            num_ranks=self.world_size,
+        )
+
+    def finished_epochs(self) -> list[int]:
+        """Epochs whose pool just became done, in ascending order."""
+        newly = sorted(e for e, pool in self.pools.items() if e not in self.done and pool.is_done())
+        self.done.update(newly)
+        return newly
+
+    def open_epochs(self) -> list[int]:
+        return sorted(e for e in self.pools if e not in self.done)
+
+    def coverage(self) -> tuple[EpochCoverage, ...]:
+        """Uncovered spans of every started, unfinished epoch."""
+        return tuple(
+            EpochCoverage(
+                epoch=e, total_samples=self.num_samples, uncovered=tuple(self.pools[e].uncovered())
+            )
+            for e in self.open_epochs()
+        )
+
+    # -- ranks -------------------------------------------------------------
+
+    def assign(self, rank: int, epoch: int, span: Span) -> Chunk:
+        chunk = Chunk(epoch=epoch, offset=span[0], size=span[1], cursor=span[0])
+        self._queue[rank].append(chunk)
+        return chunk
+
+    def busy_samples(self, rank: int) -> int:
+        """Samples queued on ``rank`` and not trained yet."""
+        return sum(chunk.left for chunk in self._queue[rank])
+
+    def queued_epochs(self, rank: int) -> set[int]:
+        return {chunk.epoch for chunk in self._queue[rank]}
+
+    def steps_since_sync(self, rank: int) -> int:
+        return self.steps_trained[rank] - self.steps_synced[rank]
+
+    def record_batch(self, rank: int, epoch: int, offset: int, size: int) -> None:
+        """Book one trained batch; it must continue the rank's front chunk.
+
+        Raises:
+            RemoteProtocolError: the batch is not the next one the rank holds.
+        """
+        queue = self._queue[rank]
+        if not queue:
+            raise RemoteProtocolError("reported a batch but holds no work", rank=rank)
+        chunk = queue[0]
+        if epoch != chunk.epoch or offset != chunk.cursor or not 0 < size <= chunk.left:
+            raise RemoteProtocolError(
+                f"reported batch (epoch {epoch}, offset {offset}, size {size}) but its next "
+                f"work is epoch {chunk.epoch} offset {chunk.cursor} ({chunk.left} left)",
+                rank=rank,
+            )
+        chunk.cursor += size
+        if chunk.left == 0:
+            queue.popleft()
+        self._uncommitted[rank].append((epoch, size))
+        self.steps_trained[rank] += 1
+
+    def commit(self, rank: int, steps: int) -> int:
+        """The first ``steps`` uncommitted batches of ``rank`` are in the consensus.
+
+        Returns:
+            The number of steps actually committed (clamped to what is held).
+        """
+        pending = self._uncommitted[rank]
+        steps = max(0, min(steps, len(pending)))
+        per_epoch: dict[int, int] = {}
+        for _ in range(steps):
+            epoch, size = pending.popleft()
+            per_epoch[epoch] = per_epoch.get(epoch, 0) + size
+        for epoch, samples in per_epoch.items():
+            pool = self.pools.get(epoch)
+            if pool is not None:
+                self.samples_committed[rank] += pool.commit(rank, samples)
+        self.steps_synced[rank] += steps
+        return steps
+
+    def forfeit(self, rank: int) -> int:
+        """``rank`` is gone: everything it held but never committed is re-issued.
+
+        Returns:
+            Samples handed back to the pools.
+        """
+        self._queue[rank].clear()
+        self._uncommitted[rank].clear()
+        self.steps_synced[rank] = self.steps_trained[rank]
+        return sum(pool.forfeit(rank) for pool in self.pools.values())
+
+    # -- serving -----------------------------------------------------------
+
+    def serving_epoch(self) -> int | None:
+        """The epoch new work comes from: the lowest open epoch with work left."""
+        for epoch in self.open_epochs():
+            if self.pools[epoch].remaining() > 0:
+                return epoch
+        return None
+
+    def remaining_batches(self, epoch: int) -> int:
+        return batches_in(self.pools[epoch].remaining(), self.batch_size)
+
+    def take(self, rank: int, epoch: int, samples: int) -> Span | None:
+        if samples <= 0:
+            return None
+        return self.pools[epoch].take(rank, samples)
+
+    def take_reclaimed(self, rank: int, epoch: int, samples: int) -> Span | None:
+        if samples <= 0:
+            return None
+        return self.pools[epoch].take_reclaimed(rank, samples)
+
+    def next_epoch_to_open(self) -> int | None:
+        opened = max(self.pools, default=-1)
+        nxt = opened + 1
+        return nxt if nxt < self.epochs else None

@@ -1,0 +1,554 @@
+"""A virtual-time driver of the coordinator core.
+
+Theory of operation. The simulator plays the IO shell and every rank. Time is
+virtual: an event heap holds (time, seq, action) entries and the loop jumps
+straight to the next one, so hours of training take seconds. Each simulated
+rank follows the same rules a real worker does:
+
+- it trains its assigned chunks batch by batch; a batch at speed ``s`` takes
+  ``base_ms / s`` (times a seeded jitter factor) and is reported with
+  ``BatchDone``;
+- before each batch it serves, in order: a pending averaging request, a
+  pending callback, then its step budget (holding once it is spent);
+- collective rounds complete only when every member of the current group has
+  entered; a dead member hangs the collective until ``Regroup`` arrives;
+- coordinator-backend rounds upload a snapshot, the "coordinator" averages for
+  ``sync_ms``, and the rank loads the result (blending under async).
+
+Messages travel with a small latency. A killed rank is noticed after
+``exit_detect_ms`` (the launcher's child watch); a stalled one only through
+the heartbeat timeout.
+
+Besides driving the core, the simulator keeps its own ground truth of which
+trained batches reached a consensus model. ``SimResult.lost_samples`` and
+``duplicated_samples`` come from that truth, not from the core's books, so a
+bookkeeping bug in the core shows up as a non-zero count.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from elche.core import messages as m
+from elche.core.checkpoint import CheckpointMeta, SaveReason
+from elche.core.commands import (
+    ArmTimer,
+    AverageSnapshots,
+    Broadcast,
+    Command,
+    Emit,
+    Finish,
+    Notice,
+    Send,
+    WriteMeta,
+)
+from elche.core.config import CoordinatorConfig, Mode, Policy, SchedulerConfig
+from elche.core.coordinator import Coordinator, RunState
+from elche.core.errors import ConfigError
+from elche.core.events import (
+    AverageComputed,
+    Event,
+    MessageReceived,
+    RankJoined,
+    RankLost,
+    Started,
+    TimerFired,
+)
+from elche.sim.faults import FailCheckpoint, FaultPlan, Kill, SlowDown, Stall
+from elche.sim.result import RankResult, SimResult, coverage_errors
+
+__all__ = ["SimConfig", "SimError", "Simulation", "simulate"]
+
+Batch = tuple[int, int, int]  # (epoch, offset, size)
+
+
+class SimError(RuntimeError):
+    """The simulated run did not end (a liveness bug in the core)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimConfig:
+    """One simulated run.
+
+    Args:
+        speeds: per-rank speed as a fraction of the fastest (1.0).
+        base_ms: solo step time at speed 1.
+        sync_ms: cost of one averaging round (collective or coordinator).
+        jitter: relative standard deviation of each step's time.
+        latency_ms: one-way message latency.
+        exit_detect_ms: how fast a killed process is noticed.
+    """
+
+    speeds: tuple[float, ...]
+    mode: Mode = Mode.CADENCE
+    epochs: int = 3
+    samples: int = 30_000
+    batch_size: int = 32
+    base_ms: float = 10.0
+    sync_ms: float = 5.0
+    jitter: float = 0.0
+    seed: int = 0
+    faults: FaultPlan = FaultPlan()
+    latency_ms: float = 0.05
+    exit_detect_ms: float = 100.0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 30.0
+    max_failures: int | None = None
+    scheduler: SchedulerConfig = SchedulerConfig()
+    eval_every: int | None = None
+    eval_ms: float = 0.0
+    checkpoint_every: int | None = None
+    checkpoint_ms: float = 0.0
+    save_path: str | None = "sim-bundle"
+    resume: CheckpointMeta | None = None
+    max_virtual_s: float = 1e7
+
+    def __post_init__(self) -> None:
+        if not self.speeds:
+            raise ConfigError("speeds", "need at least one rank")
+        for speed in self.speeds:
+            if not (isinstance(speed, int | float) and 0 < speed <= 1):
+                raise ConfigError("speeds", f"each speed must be in (0, 1], got {speed!r}")
+        for field_name in ("base_ms", "sync_ms", "latency_ms", "exit_detect_ms"):
+            value = getattr(self, field_name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(field_name, f"must be a finite number >= 0, got {value}")
+        if self.base_ms <= 0:
+            raise ConfigError("base_ms", f"must be > 0, got {self.base_ms}")
+        if not 0 <= self.jitter < 1:
+            raise ConfigError("jitter", f"must be in [0, 1), got {self.jitter}")
+        self.faults.check(len(self.speeds))
+
+    def coordinator_config(self) -> CoordinatorConfig:
+        return CoordinatorConfig(
+            mode=self.mode,
+            world_size=len(self.speeds),
+            num_samples=self.samples,
+            batch_size=self.batch_size,
+            epochs=self.epochs,
+            seed=self.seed,
+            scheduler=self.scheduler,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            max_failures=self.max_failures,
+            has_eval_fn=self.eval_every is not None,
+            eval_every=self.eval_every or 1,
+            checkpoint_every=self.checkpoint_every,
+            save_path=self.save_path,
+        )
+
+
+@dataclass(slots=True)
+class _Rank:
+    """A simulated worker process."""
+
+    rank: int
+    speed: float
+    alive: bool = True
+    stalled: bool = False
+    finished: bool = False
+    chunks: deque[list[int]] = field(default_factory=deque)  # [epoch, offset, size, cursor]
+    budget: int = 1
+    steps_since_sync: int = 0
+    working: bool = False
+    token: int = 0
+    pending_round: tuple[str, int] | None = None
+    in_collective: bool = False
+    waiting_update: int | None = None
+    snapshot: list[Batch] = field(default_factory=list)
+    snapshot_steps: int = 0
+    callbacks: deque[m.RunEval | m.RunCheckpoint] = field(default_factory=deque)
+    uncommitted: deque[Batch] = field(default_factory=deque)
+    busy_s: float = 0.0
+    stopped_at_s: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.alive and not self.stalled and not self.finished
+
+
+class Simulation:
+    """Drives one ``Coordinator`` with simulated ranks in virtual time."""
+
+    def __init__(self, config: SimConfig, *, record_trace: bool = False) -> None:
+        self.config = config
+        self.core = Coordinator(config.coordinator_config(), resume=config.resume)
+        self.now = 0.0
+        self.ranks = [_Rank(rank=r, speed=s) for r, s in enumerate(config.speeds)]
+        self.rng = random.Random(config.seed)
+        self.notices: list[tuple[float, str, str]] = []
+        self.timeline: list[tuple[float, str, tuple[tuple[str, object], ...]]] = []
+        self.trace: list[str] | None = [] if record_trace else None
+        self.metas: list[CheckpointMeta] = []
+        self.committed: dict[int, list[tuple[int, int]]] = {}
+        self.committed_by_rank = [0] * len(self.ranks)
+        self.finish: Finish | None = None
+        self.started_s: float | None = None
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = 0
+        self._timer_token = 0
+        self._group = set(range(len(self.ranks)))
+        self._collective: dict[int, int] | None = None  # rank -> steps entered with
+        self._collective_round = -1
+        self._averaging: dict[int, tuple[int, list[Batch]]] = {}
+        self._fail_checkpoint = {
+            f.rank for f in config.faults.faults if isinstance(f, FailCheckpoint)
+        }
+
+    # -- the loop --------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        """Run to the end; returns the measured result.
+
+        Raises:
+            SimError: the run did not finish (no event left, or past
+                ``max_virtual_s``).
+        """
+        self._to_core(Started())
+        for rank in range(len(self.ranks)):
+            self._to_core(RankJoined(rank=rank, host="sim"))
+            self._at(self.config.heartbeat_interval_s, functools.partial(self._heartbeat, rank))
+        for fault in self.config.faults.faults:
+            if not isinstance(fault, FailCheckpoint):
+                self._at(fault.at_s, functools.partial(self._fault, fault))
+        while self.finish is None:
+            if not self._heap:
+                raise SimError(f"simulation stalled at {self.now:.3f} s with nothing scheduled")
+            when, _, action = heapq.heappop(self._heap)
+            if when > self.config.max_virtual_s:
+                raise SimError(f"simulation passed {self.config.max_virtual_s} virtual seconds")
+            self.now = when
+            action()
+        return self._result()
+
+    def _at(self, when: float, action: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (when, self._seq, action))
+
+    def _after_ms(self, delay_ms: float, action: Callable[[], None]) -> None:
+        self._at(self.now + delay_ms / 1000.0, action)
+
+    # -- the shell side --------------------------------------------------------
+
+    def _to_core(self, event: Event) -> None:
+        self._after_ms(self.config.latency_ms, lambda: self._core_handle(event))
+
+    def _core_handle(self, event: Event) -> None:
+        if self.finish is not None:
+            return
+        commands = self.core.handle(event, self.now)
+        if self.trace is not None:
+            self.trace.append(f"{self.now:.6f} {event!r} -> {commands!r}")
+        if self.started_s is None and self.core.state is not RunState.FORMING:
+            self.started_s = self.now
+        for command in commands:
+            self._execute(command)
+
+    def _execute(self, command: Command) -> None:
+        match command:
+            case Send(rank=rank, message=message):
+                self._to_rank(rank, message)
+            case Broadcast(ranks=ranks, message=message):
+                for rank in ranks:
+                    self._to_rank(rank, message)
+            case ArmTimer(deadline_s=deadline):
+                self._timer_token += 1
+                token = self._timer_token
+                self._at(max(deadline, self.now), lambda: self._timer(token))
+            case AverageSnapshots(cycle=cycle, param_mass=mass):
+                self._start_average(cycle, [r for r, _ in mass])
+            case WriteMeta(meta=meta):
+                self.metas.append(meta)
+            case Notice(level=level, text=text):
+                self.notices.append((self.now, level, text))
+            case Emit(kind=kind, fields=fields):
+                self.timeline.append((self.now, kind, fields))
+            case Finish():
+                self.finish = command
+
+    def _timer(self, token: int) -> None:
+        if token == self._timer_token:
+            self._core_handle(TimerFired())
+
+    def _start_average(self, cycle: int, holders: list[int]) -> None:
+        included = {
+            r: (self.ranks[r].snapshot_steps, list(self.ranks[r].snapshot)) for r in holders
+        }
+        self._averaging = included
+
+        def done() -> None:
+            for rank, (_, batches) in sorted(self._averaging.items()):
+                self._commit(rank, batches)
+            self._averaging = {}
+            self._core_handle(AverageComputed(cycle=cycle))
+
+        self._after_ms(self.config.sync_ms, done)
+
+    def _commit(self, rank: int, batches: list[Batch]) -> None:
+        """Ground truth: these batches of ``rank`` are in a consensus model."""
+        sim_rank = self.ranks[rank]
+        for batch in batches:
+            epoch, offset, size = batch
+            self.committed.setdefault(epoch, []).append((offset, size))
+            self.committed_by_rank[rank] += size
+            if sim_rank.uncommitted and sim_rank.uncommitted[0] == batch:
+                sim_rank.uncommitted.popleft()
+
+    # -- faults ----------------------------------------------------------------
+
+    def _fault(self, fault: Kill | Stall | SlowDown | FailCheckpoint) -> None:
+        rank = self.ranks[fault.rank]
+        if not rank.active:
+            return
+        match fault:
+            case Kill():
+                self._stop(rank)
+                rank.alive = False
+                reason = "process killed by SIGKILL"
+                self._after_ms(
+                    self.config.exit_detect_ms,
+                    lambda: self._core_handle(RankLost(rank=fault.rank, reason=reason)),
+                )
+            case Stall():
+                self._stop(rank)
+                rank.stalled = True
+            case SlowDown(speed=speed):
+                rank.speed = speed
+            case FailCheckpoint():
+                pass
+
+    def _stop(self, rank: _Rank) -> None:
+        rank.token += 1
+        rank.working = False
+        rank.uncommitted.clear()
+        rank.stopped_at_s = self.now
+
+    # -- the ranks -------------------------------------------------------------
+
+    def _to_rank(self, rank: int, message: m.CoordMessage) -> None:
+        self._after_ms(self.config.latency_ms, lambda: self._on_rank_message(rank, message))
+
+    def _send(self, rank: int, message: m.RankMessage) -> None:
+        self._to_core(MessageReceived(rank=rank, message=message))
+
+    def _heartbeat(self, rank: int) -> None:
+        sim_rank = self.ranks[rank]
+        if sim_rank.active and self.finish is None:
+            self._send(rank, m.Heartbeat(step=sim_rank.steps_since_sync))
+            self._at(self.now + self.config.heartbeat_interval_s, lambda: self._heartbeat(rank))
+
+    def _on_rank_message(self, rank: int, message: m.CoordMessage) -> None:
+        r = self.ranks[rank]
+        if not r.active:
+            return
+        match message:
+            case m.AssignChunk(epoch=epoch, offset=offset, size=size, budget=budget):
+                r.chunks.append([epoch, offset, size, offset])
+                r.budget = budget
+            case m.SetBudget(budget=budget):
+                r.budget = budget
+            case m.SyncNow(cycle=cycle):
+                r.pending_round = ("collective", cycle)
+            case m.RequestParams(cycle=cycle):
+                r.pending_round = ("snapshot", cycle)
+            case m.Update(cycle=cycle):
+                self._apply_update(r, cycle)
+            case m.Regroup(members=members):
+                self._regroup(r, members)
+            case m.RunEval() | m.RunCheckpoint():
+                r.callbacks.append(message)
+            case m.Shutdown():
+                r.finished = True
+                r.stopped_at_s = self.now
+            case m.ShutdownWithSave(writer=writer):
+                if rank == writer:
+                    self._commit(rank, list(r.uncommitted))
+                r.finished = True
+                r.stopped_at_s = self.now
+                self._send(rank, m.StateSaved(path=f"{self.config.save_path}.rank{rank}"))
+            case m.SetEpochCallbackRole() | m.EvalBroadcast() | m.EpochDone() | m.CoordHeartbeat():
+                pass
+        self._next(r)
+
+    def _regroup(self, r: _Rank, members: list[int]) -> None:
+        self._group = set(members)
+        if r.in_collective:
+            r.in_collective = False
+            r.pending_round = None
+        self._collective = None
+
+    def _apply_update(self, r: _Rank, cycle: int) -> None:
+        if r.waiting_update is not None and r.waiting_update != cycle:
+            return
+        r.waiting_update = None
+        r.steps_since_sync -= r.snapshot_steps
+        steps = r.snapshot_steps
+        r.snapshot = []
+        r.snapshot_steps = 0
+        self._send(r.rank, m.SyncAck(cycle=cycle, steps=steps, divergence=self._divergence(steps)))
+
+    def _divergence(self, steps: int) -> float:
+        # Synthetic: replicas drift apart roughly with the square root of the
+        # steps taken apart; small enough that the guard stays Stable.
+        return 0.002 * math.sqrt(max(steps, 1)) * (1.0 + 0.05 * self.rng.gauss(0.0, 1.0))
+
+    def _next(self, r: _Rank) -> None:
+        """At a step boundary: decide what the rank does next."""
+        if not r.active or r.working or r.in_collective or r.waiting_update is not None:
+            return
+        if r.pending_round is not None:
+            kind, cycle = r.pending_round
+            r.pending_round = None
+            if kind == "collective":
+                self._enter_collective(r, cycle)
+                return
+            r.snapshot = list(r.uncommitted)
+            r.snapshot_steps = r.steps_since_sync
+            self._send(r.rank, m.SnapshotReady(cycle=cycle, steps=r.snapshot_steps))
+            if self.config.mode.policy is not Policy.ASYNC:
+                r.waiting_update = cycle
+                return
+        if r.callbacks:
+            self._run_callback(r, r.callbacks.popleft())
+            return
+        if r.steps_since_sync >= r.budget or not r.chunks:
+            return
+        chunk = r.chunks[0]
+        size = min(self.config.batch_size, chunk[1] + chunk[2] - chunk[3])
+        factor = max(0.1, 1.0 + self.config.jitter * self.rng.gauss(0.0, 1.0))
+        duration_ms = self.config.base_ms / r.speed * factor
+        batch = (chunk[0], chunk[3], size)
+        chunk[3] += size
+        if chunk[3] >= chunk[1] + chunk[2]:
+            r.chunks.popleft()
+        r.working = True
+        token = r.token
+        self._after_ms(duration_ms, lambda: self._batch_done(r, token, batch, duration_ms))
+
+    def _batch_done(self, r: _Rank, token: int, batch: Batch, duration_ms: float) -> None:
+        if token != r.token or not r.active:
+            return
+        r.working = False
+        r.busy_s += duration_ms / 1000.0
+        r.uncommitted.append(batch)
+        r.steps_since_sync += 1
+        epoch, offset, size = batch
+        self._send(
+            r.rank,
+            m.BatchDone(epoch=epoch, offset=offset, size=size, batch_ms=duration_ms, loss=None),
+        )
+        self._next(r)
+
+    def _run_callback(self, r: _Rank, request: m.RunEval | m.RunCheckpoint) -> None:
+        elapsed_ms = (
+            self.config.eval_ms if isinstance(request, m.RunEval) else self.config.checkpoint_ms
+        )
+        r.working = True
+        token = r.token
+
+        def done() -> None:
+            if token != r.token or not r.active:
+                return
+            r.working = False
+            r.busy_s += elapsed_ms / 1000.0
+            reply: m.RankMessage
+            if isinstance(request, m.RunEval):
+                reply = m.EvalResult(epoch=request.epoch, metric=1.0, elapsed_ms=elapsed_ms)
+            else:
+                error = "disk full (simulated)" if r.rank in self._fail_checkpoint else None
+                reply = m.CheckpointResult(
+                    version=request.version, elapsed_ms=elapsed_ms, error=error
+                )
+            self._send(r.rank, reply)
+            self._next(r)
+
+        self._after_ms(elapsed_ms, done)
+
+    def _enter_collective(self, r: _Rank, cycle: int) -> None:
+        if self._collective is None or self._collective_round != cycle:
+            self._collective = {}
+            self._collective_round = cycle
+        r.in_collective = True
+        self._collective[r.rank] = r.steps_since_sync
+        if set(self._collective) >= self._group:
+            entered = dict(self._collective)
+            self._after_ms(self.config.sync_ms, lambda: self._finish_collective(cycle, entered))
+
+    def _finish_collective(self, cycle: int, entered: dict[int, int]) -> None:
+        if self._collective_round != cycle or self._collective is None:
+            return  # abandoned by a regroup
+        if not all(self.ranks[r].active for r in entered):
+            return  # a member vanished mid-collective: it hangs until Regroup
+        self._collective = None
+        for rank, steps in sorted(entered.items()):
+            r = self.ranks[rank]
+            self._commit(rank, list(r.uncommitted))
+            r.in_collective = False
+            r.steps_since_sync -= steps
+            ack = m.SyncAck(cycle=cycle, steps=steps, divergence=self._divergence(steps))
+            self._send(rank, ack)
+            self._next(r)
+
+    # -- result ----------------------------------------------------------------
+
+    def _result(self) -> SimResult:
+        assert self.finish is not None
+        started = self.started_s if self.started_s is not None else 0.0
+        wall_s = max(self.now - started, 1e-9)
+        cfg = self.config
+        final = [meta for meta in self.metas if meta.reason is not SaveReason.CHECKPOINT]
+        saved = final[-1] if final else None
+        lost, duplicated = coverage_errors(
+            self.committed,
+            num_samples=cfg.samples,
+            epochs=range(cfg.resume.epoch if cfg.resume else 0, cfg.epochs),
+            resumed=cfg.resume,
+            saved=saved if self.finish.outcome == "saved_and_shutdown" else None,
+        )
+        trained = sum(self.committed_by_rank)
+        ideal = sum(cfg.speeds) * cfg.batch_size * 1000.0 / cfg.base_ms
+        per_rank = []
+        for r in self.ranks:
+            end = r.stopped_at_s if r.stopped_at_s is not None else self.now
+            active_s = max(end - started, 0.0)
+            per_rank.append(
+                RankResult(
+                    rank=r.rank,
+                    speed=cfg.speeds[r.rank],
+                    samples=self.committed_by_rank[r.rank],
+                    busy_s=round(r.busy_s, 6),
+                    idle_s=round(max(active_s - r.busy_s, 0.0), 6),
+                )
+            )
+        throughput = trained / wall_s
+        return SimResult(
+            mode=cfg.mode.value,
+            world_size=len(self.ranks),
+            epochs_completed=self.core.epochs_completed,
+            samples_trained=trained,
+            virtual_wall_s=round(wall_s, 6),
+            throughput=round(throughput, 3),
+            ideal_throughput=round(ideal, 3),
+            efficiency=round(throughput / ideal, 4),
+            syncs=self.core.sync_round,
+            lost_samples=lost,
+            duplicated_samples=duplicated,
+            dead_ranks=sorted(self.core.dead_ranks),
+            outcome=self.finish.outcome,
+            reason=self.finish.reason,
+            per_rank=per_rank,
+            rejected_frames=self.core.rejected_frames,
+            anchor=self.core.elche.anchor,
+            saved_meta=saved,
+        )
+
+
+def simulate(config: SimConfig) -> SimResult:
+    """Run one simulation to its end."""
+    return Simulation(config).run()
