@@ -357,6 +357,18 @@ def test_sync_policy_exempt_from_growth() -> None:
     assert sync.proposed_anchor is None
 
 
+def test_non_finite_inputs_are_contained() -> None:
+    c = ElChe(2, 10)
+    c.report_timing([1000.0, 1000.0], [10, 10], 1.0)
+    c.report_timing([1000.0, 1000.0], [10, 10], math.inf)
+    assert c.proposed_anchor == 20  # NaN overhead passes the bar, grows by the cap (reference)
+    c.report_timing([1000.0, 1000.0], [10, 10], math.nan)
+    assert c.proposed_anchor is None  # a NaN sync reads as no fixed cost
+    c.apply_callback_slack([math.inf, math.nan])
+    c.report_timing([1000.0, 1000.0], [10, 10], 1.0)
+    assert c.batch_counts == (1, 10)  # infinite slack saturates, NaN slack is none
+
+
 # -- window cap ----------------------------------------------------------------
 
 
@@ -550,6 +562,34 @@ def test_election_lowest_rank_tiebreak() -> None:
     c = ElChe(3, 10, overhead_target=0.50)
     c.report_timing([100.0, 100.0, 100.0], c.batch_counts, 10.0)
     assert c.anchor_rank == 0
+
+
+@pytest.mark.parametrize(("fast_wall", "anchor_rank"), [(840.0, 1), (860.0, 0)])
+def test_cohort_band_is_15_percent(fast_wall: float, anchor_rank: int) -> None:
+    # 84 ms is outside 0.85 x 100 ms (only rank 1 is eligible); 86 ms is inside,
+    # and with no sitting anchor the lowest-index cohort member wins.
+    c = ElChe(2, 10, overhead_target=0.50)
+    c.report_timing([fast_wall, 1000.0], [10, 10], 1.0)
+    assert c.anchor_rank == anchor_rank
+
+
+@pytest.mark.parametrize(("challenger_wall", "anchor_rank"), [(1090.0, 0), (1120.0, 1)])
+def test_dominance_margin_is_10_percent(challenger_wall: float, anchor_rank: int) -> None:
+    c = ElChe(2, 10, overhead_target=0.50)
+    c.report_timing([1000.0, 1000.0], [10, 10], 1.0)  # tie: rank 0 elected
+    for _ in range(5):  # the 6th report re-elects on five challenger samples
+        c.report_timing([1000.0, challenger_wall], [10, 10], 1.0)
+    assert c.anchor_rank == anchor_rank  # 109 ms is not > 110 ms; 112 ms is
+
+
+def test_tied_challengers_go_to_highest_index() -> None:
+    # Derived from the reference's max_by: ranks 1 and 2 tie at 115 ms (> 110 % of the
+    # sitting anchor's 100 ms, all inside the 15 % band); the later index wins.
+    c = ElChe(3, 10, overhead_target=0.50)
+    c.report_timing([1000.0, 1000.0, 1000.0], [10, 10, 10], 1.0)
+    for _ in range(5):
+        c.report_timing([1000.0, 1150.0, 1150.0], [10, 10, 10], 1.0)
+    assert c.anchor_rank == 2
 
 
 def test_anchor_stable_under_tied_slow_ranks() -> None:

@@ -168,6 +168,7 @@ class Coordinator:
         self._pending_evals: dict[int, int] = {}  # epoch -> rank asked
         self._pending_checkpoints: dict[int, int] = {}  # version -> rank asked
         self._awaiting_save: set[int] = set()
+        self._save_writer: int | None = None
         self._epoch_loss: dict[int, tuple[float, int]] = {}
         self._formation_deadline_s = math.inf
         self._save_deadline_s = math.inf
@@ -306,9 +307,7 @@ class Coordinator:
                 assert_never(message)
 
     def _on_batch(self, rank: int, msg: m.BatchDone) -> None:
-        if self.state is not RunState.TRAINING and self.state is not RunState.FINISHING:
-            self.stale_messages += 1
-            return
+        # Batches still count while saving: the writer's model holds them.
         self.work.record_batch(rank, msg.epoch, msg.offset, msg.size)
         self.ledger.record_batch(rank, msg.batch_ms, msg.data_ms)
         if msg.loss is not None and math.isfinite(msg.loss):
@@ -724,7 +723,8 @@ class Coordinator:
             return
         if self.state is RunState.SAVING:
             self._awaiting_save.discard(rank)
-            self._maybe_finish_save()
+            if not self._awaiting_save:
+                self._finish_save()
             return
         self._credit_in_flight_work(rank)
         reissued = self.work.forfeit(rank)
@@ -745,13 +745,20 @@ class Coordinator:
         self._after_death()
 
     def _credit_in_flight_work(self, rank: int) -> None:
-        """Work of ``rank`` that an in-flight average already holds is kept."""
+        """Work of the dead ``rank`` that an average already holds is kept.
+
+        A snapshot the shell is already averaging is in the consensus, so its
+        steps count. A snapshot uploaded to a round that has not started
+        averaging is dropped from that round instead: the round may never
+        complete, and its samples go back to the pool with the rest.
+        """
         rnd = self.round
         if not rnd.in_flight or rank not in rnd.members:
             return
-        if rank in rnd.snapshot_steps and rnd.phase is not Phase.APPLYING:
-            # Its uploaded snapshot goes into the average being computed.
+        if rnd.phase is Phase.AVERAGING and rank in rnd.snapshot_steps:
             self.work.commit(rank, rnd.snapshot_steps[rank])
+        elif rnd.phase is Phase.COLLECTING:
+            rnd.snapshot_steps.pop(rank, None)
         rnd.members.discard(rank)
 
     def _after_death(self) -> None:
@@ -798,21 +805,24 @@ class Coordinator:
         return None
 
     def _save(self, reason: SaveReason) -> None:
-        """Write the meta sidecar and ask the survivors to save and stop."""
-        live = self.live
-        writer = min(live) if live else None
-        if writer is not None:
-            # The writer's model holds its unaveraged steps: they are covered.
-            self.work.commit(writer, self.work.steps_since_sync(writer))
-        self.save_reason = reason
-        self._notice("error", f"run cannot continue ({reason.value}); saving state and stopping")
-        if self.config.save_path is not None:
-            self._out.append(WriteMeta(stem=self.config.save_path, meta=self._meta(reason)))
-        self.state = RunState.SAVING
-        if writer is None:
-            self._finish("saved_and_shutdown", reason.value)
+        """Ask the survivors to save and stop; the meta follows their answers.
+
+        The lowest live rank writes the canonical model. Its unaveraged steps
+        are in that model, so once it confirms the save they count as covered;
+        the meta sidecar is written last, when every survivor has answered (or
+        the save deadline passed), so it never claims more than was saved.
+        """
+        if self.state is RunState.SAVING:
             return
-        self._broadcast(m.ShutdownWithSave(reason=reason.value, writer=writer))
+        live = self.live
+        self.save_reason = reason
+        self.state = RunState.SAVING
+        self._notice("error", f"run cannot continue ({reason.value}); saving state and stopping")
+        if not live:
+            self._finish_save()
+            return
+        self._save_writer = min(live)
+        self._broadcast(m.ShutdownWithSave(reason=reason.value, writer=self._save_writer))
         self._awaiting_save = set(live)
         self._save_deadline_s = self._now + self.config.heartbeat_timeout_s
 
@@ -839,13 +849,17 @@ class Coordinator:
             return
         if msg.error is not None:
             self._notice("error", f"rank {rank} could not save its state: {msg.error}")
+        elif rank == self._save_writer:
+            self.work.commit(rank, self.work.steps_since_sync(rank))
         self._awaiting_save.discard(rank)
-        self._maybe_finish_save()
-
-    def _maybe_finish_save(self) -> None:
         if not self._awaiting_save:
-            reason = self.save_reason.value if self.save_reason else ""
-            self._finish("saved_and_shutdown", reason)
+            self._finish_save()
+
+    def _finish_save(self) -> None:
+        reason = self.save_reason or SaveReason.GRACEFUL_SHUTDOWN
+        if self.config.save_path is not None:
+            self._out.append(WriteMeta(stem=self.config.save_path, meta=self._meta(reason)))
+        self._finish("saved_and_shutdown", reason.value)
 
     # -- timers ----------------------------------------------------------------
 
@@ -864,7 +878,7 @@ class Coordinator:
             return
         if self.state is RunState.SAVING and now >= self._save_deadline_s:
             self._notice("error", f"ranks {sorted(self._awaiting_save)} never confirmed a save")
-            self._finish("saved_and_shutdown", self.save_reason.value if self.save_reason else "")
+            self._finish_save()
             return
         timeout = self.config.heartbeat_timeout_s
         for rank in self.live:
@@ -873,7 +887,8 @@ class Coordinator:
                 self._lose(rank, f"heartbeat stale: silent for {silent_s:.1f} s")
                 if self.state is RunState.DONE:
                     return
-        if self.round.in_flight and now - self.round.started_s > max(10 * timeout, STALL_FLOOR_S):
+        stalled = now - self.round.started_s > max(10 * timeout, STALL_FLOOR_S)
+        if self.state is RunState.TRAINING and self.round.in_flight and stalled:
             self._notice("error", f"averaging round {self.round.number} stalled")
             self.round.close()
             self._save(SaveReason.REDUCE_STALL)

@@ -14,8 +14,8 @@ Rules:
     - Growth is proposed, never applied, by a report: a guard ``Verdict`` must
       commit it (``Stable``), veto it (``SuppressGrowth``) or discard it
       (``NudgeDown``). The anchor only shrinks through ``NudgeDown``.
-    - Every batch count stays ≥ 1; the live counts' sum stays ≤ the window cap
-      whenever the live ranks fit under it.
+    - Every batch count stays ≥ 1; after each recompute the live counts' sum
+      stays ≤ the window cap whenever the live ranks fit under it.
 
 Theory of operation:
     ``Phase.PROBE`` --1st calibration--> ``WARMUP`` --5th--> ``STABLE``
@@ -67,24 +67,22 @@ class Phase(enum.Enum):
         return _PHASE_ORDER[self]
 
     def __lt__(self, other: object) -> bool:
-        if not isinstance(other, Phase):
-            return NotImplemented
-        return self.order < other.order
+        return self.order < _order_of(other)
 
     def __le__(self, other: object) -> bool:
-        if not isinstance(other, Phase):
-            return NotImplemented
-        return self.order <= other.order
+        return self.order <= _order_of(other)
 
     def __gt__(self, other: object) -> bool:
-        if not isinstance(other, Phase):
-            return NotImplemented
-        return self.order > other.order
+        return self.order > _order_of(other)
 
     def __ge__(self, other: object) -> bool:
-        if not isinstance(other, Phase):
-            return NotImplemented
-        return self.order >= other.order
+        return self.order >= _order_of(other)
+
+
+def _order_of(other: object) -> int:
+    if not isinstance(other, Phase):
+        raise TypeError(f"cannot order a Phase against {type(other).__name__}")
+    return other.order
 
 
 _PHASE_ORDER = {phase: i for i, phase in enumerate(Phase)}
@@ -530,8 +528,11 @@ class ElChe:
         self._recompute_if_timed()
 
     def relax_anchor_up(self) -> None:
-        """Grow the anchor by one, unless at ``max_anchor`` or it would push the
-        projected fastest count more than ``max_batch_diff`` past the anchor."""
+        """Grow the anchor by one (the async ``Stable(relax_up=True)`` drift).
+
+        A no-op at ``max_anchor``, or when the fastest rank's projected count
+        would lead the new anchor by more than ``max_batch_diff``.
+        """
         if self._anchor >= self._max_anchor:
             return
         means = [m for m in self.ms_per_batch() if m > 0]
@@ -548,10 +549,12 @@ class ElChe:
     # -- membership and persistence ----------------------------------------
 
     def retire(self, rank: int) -> None:
-        """Mark ``rank`` dead: forget its timing, never elect it, leave it out
-        of the window cap. A retired anchor rank is re-elected at the next
-        report; a proposal derived from its timing is dropped (the growth
-        latch is untouched).
+        """Mark ``rank`` dead for good (elche addition).
+
+        Its timing is forgotten and ignored from now on, it is never elected,
+        and its count leaves the window-cap sum. A retired anchor rank is
+        replaced at the next report; a proposal derived from its timing is
+        dropped (the growth latch is untouched).
 
         Raises:
             ValueError: ``rank`` is out of range; nothing changes.
@@ -643,24 +646,22 @@ class ElChe:
 
     def _propose(self, sync_ms: float) -> int | None:
         rank = self._anchor_rank
-        if not (self._growth_applicable and self._growth_enabled) or self._cap_binding:
+        if rank is None or not (self._growth_applicable and self._growth_enabled):
             return None
-        marginal_ms = 0.0 if rank is None else self._mean(rank)
-        if rank is None or marginal_ms <= 0:
+        if self._cap_binding:  # a bigger anchor would only detach from the capped counts
             return None
+        marginal_ms = self._mean(rank)
         fixed_ms = _non_negative(sync_ms) + _non_negative(self._fill_ms[rank])
-        denom_ms = self._anchor * marginal_ms + fixed_ms
-        if denom_ms <= 0 or fixed_ms <= 0:
+        if marginal_ms <= 0 or fixed_ms <= 0:
             return None
-        overhead = fixed_ms / denom_ms  # NaN only for an infinite fixed cost
+        overhead = fixed_ms / (self._anchor * marginal_ms + fixed_ms)  # NaN if fixed is inf
         fire_at = self._target * (1.0 if self._phase >= Phase.STABLE else WARMUP_GROWTH_MARGIN)
         if overhead <= fire_at:
             return None
-        scale = (
-            GROWTH_STEP_CAP
-            if math.isnan(overhead)
-            else min(overhead / self._target, GROWTH_STEP_CAP)
-        )
+        if math.isnan(overhead):  # infinite sync: NaN passes the bar, grows by the cap
+            scale = GROWTH_STEP_CAP
+        else:
+            scale = min(overhead / self._target, GROWTH_STEP_CAP)
         grown = min(max(math.ceil(self._anchor * scale), self._min_anchor), self._max_anchor)
         return grown if grown > self._anchor else None
 
