@@ -885,17 +885,14 @@ class Coordinator:
             silent_s = now - self.last_seen_s[rank]
             if silent_s > timeout:
                 self._lose(rank, f"heartbeat stale: silent for {silent_s:.1f} s")
-                if self.state is RunState.DONE:
-                    return
         stalled = now - self.round.started_s > max(10 * timeout, STALL_FLOOR_S)
         if self.state is RunState.TRAINING and self.round.in_flight and stalled:
             self._notice("error", f"averaging round {self.round.number} stalled")
             self.round.close()
             self._save(SaveReason.REDUCE_STALL)
-            if self.state is RunState.DONE:
-                return
-        self._broadcast(m.CoordHeartbeat())
-        self._arm()
+        if self.outcome is None:
+            self._broadcast(m.CoordHeartbeat())
+            self._arm()
 
     def _arm(self) -> None:
         self._out.append(ArmTimer(deadline_s=self._now + self.config.heartbeat_interval_s))
