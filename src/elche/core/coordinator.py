@@ -565,7 +565,7 @@ class Coordinator:
             return
         rem = self.work.remaining_batches(epoch)
         live = self.live
-        counts = self.elche.batch_counts
+        counts = [self._window_steps(r) for r in range(self.config.world_size)]
         if needs_final_window(rem, counts, live):
             alloc = final_window_alloc(rem, counts, live)
             self._final_plan = {r: alloc[r] for r in live}
@@ -713,7 +713,7 @@ class Coordinator:
 
     def _lose(self, rank: int, reason: str, *, errored: bool = False) -> None:
         state = self.rank_state[rank]
-        if state is RankState.DEAD or state is RankState.ERRORED:
+        if state is RankState.DEAD or state is RankState.ERRORED or self.outcome is not None:
             return
         self.rank_state[rank] = RankState.ERRORED if errored else RankState.DEAD
         self.dead_ranks.append(rank)

@@ -311,7 +311,7 @@ def decode(data: bytes, *, rank: int | None = None) -> Message:
     """
     try:
         version, _ = _HEAD.decode(data)
-    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:
         raise RemoteProtocolError(f"malformed frame: {exc}", rank=rank) from exc
     if version != PROTOCOL_VERSION:
         raise RemoteProtocolError(
@@ -321,6 +321,6 @@ def decode(data: bytes, *, rank: int | None = None) -> Message:
         )
     try:
         _, message = _DECODER.decode(data)
-    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:
         raise RemoteProtocolError(f"invalid message: {exc}", rank=rank) from exc
     return message

@@ -1,0 +1,98 @@
+"""A hand-driven shell for coordinator unit tests: no threads, no clocks."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from elche.core import messages as m
+from elche.core.commands import Broadcast, Command, Send
+from elche.core.config import CoordinatorConfig, Mode, SchedulerConfig
+from elche.core.coordinator import Coordinator
+from elche.core.events import Event, MessageReceived, RankJoined, Started
+
+
+def config(**overrides: object) -> CoordinatorConfig:
+    base: dict[str, object] = {
+        "mode": Mode.CADENCE,
+        "world_size": 2,
+        "num_samples": 640,
+        "batch_size": 32,
+        "epochs": 1,
+        "heartbeat_timeout_s": 5.0,
+    }
+    base.update(overrides)
+    return CoordinatorConfig(**base)  # type: ignore[arg-type]  # test factory
+
+
+class Harness:
+    """Feeds events at a hand-set time and keeps what each rank was told."""
+
+    def __init__(self, cfg: CoordinatorConfig | None = None, **overrides: object) -> None:
+        self.cfg = cfg if cfg is not None else config(**overrides)
+        self.core = Coordinator(self.cfg)
+        self.now = 0.0
+        self.log: list[Command] = []
+        self.inbox: list[list[m.CoordMessage]] = [[] for _ in range(self.cfg.world_size)]
+        self.chunks: list[deque[list[int]]] = [deque() for _ in range(self.cfg.world_size)]
+
+    def feed(self, event: Event, *, at: float | None = None) -> list[Command]:
+        if at is not None:
+            self.now = at
+        out = self.core.handle(event, self.now)
+        self.log.extend(out)
+        for command in out:
+            targets: Iterable[int] = ()
+            if isinstance(command, Send):
+                targets = (command.rank,)
+            elif isinstance(command, Broadcast):
+                targets = command.ranks
+            for rank in targets:
+                message = command.message  # type: ignore[union-attr]  # Send or Broadcast
+                self.inbox[rank].append(message)
+                if isinstance(message, m.AssignChunk):
+                    self.chunks[rank].append([message.epoch, message.offset, message.size])
+        return out
+
+    def form(self) -> list[Command]:
+        out = self.feed(Started())
+        for rank in range(self.cfg.world_size):
+            out += self.feed(RankJoined(rank=rank))
+        return out
+
+    def send(self, rank: int, message: m.RankMessage) -> list[Command]:
+        return self.feed(MessageReceived(rank=rank, message=message))
+
+    def train(self, rank: int, steps: int, batch_ms: float = 10.0) -> list[Command]:
+        """Report ``steps`` batches of the rank's assigned work, in order."""
+        out: list[Command] = []
+        bs = self.cfg.batch_size
+        for _ in range(steps):
+            epoch, offset, size = self.chunks[rank][0]
+            take = min(bs, size)
+            out += self.send(
+                rank, m.BatchDone(epoch=epoch, offset=offset, size=take, batch_ms=batch_ms)
+            )
+            if take == size:
+                self.chunks[rank].popleft()
+            else:
+                self.chunks[rank][0] = [epoch, offset + take, size - take]
+        return out
+
+    def received(self, rank: int, kind: type) -> list[m.CoordMessage]:
+        return [msg for msg in self.inbox[rank] if isinstance(msg, kind)]
+
+
+def of(commands: Iterable[Command], kind: type) -> list[Command]:
+    return [c for c in commands if isinstance(c, kind)]
+
+
+def messages(commands: Iterable[Command], kind: type) -> list[m.CoordMessage]:
+    found = []
+    for c in commands:
+        if isinstance(c, Send | Broadcast) and isinstance(c.message, kind):
+            found.append(c.message)
+    return found
+
+
+__all__ = ["Harness", "SchedulerConfig", "config", "messages", "of"]

@@ -1,0 +1,319 @@
+"""The checkpoint meta sidecar: JSON round trips and the reader's refusals.
+
+A resume reads a file somebody else wrote, possibly with another elche: every
+refusal must be a ``ConfigError`` that names the field at fault, and a newer
+schema must say to upgrade rather than misread the run's position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elche.core.checkpoint import SCHEMA_VERSION, CheckpointMeta, EpochCoverage, SaveReason
+from elche.core.errors import ConfigError
+from elche.core.scheduler import ElCheState, Phase
+
+STATE = ElCheState(
+    anchor=12,
+    anchor_rank=1,
+    smoothed_ms_per_batch=(120.0, 400.5, 398.0),
+    phase=Phase.STABLE,
+    calibration_count=7,
+    trend_history=(0.01, 0.02, 0.035),
+)
+COVERAGE = (
+    EpochCoverage(epoch=3, total_samples=1000, uncovered=((0, 64), (512, 128))),
+    EpochCoverage(epoch=4, total_samples=1000, uncovered=()),
+)
+
+
+BASE = CheckpointMeta(
+    epoch=3,
+    global_step=1234,
+    sync_round=88,
+    world_size=3,
+    reason=SaveReason.MAX_FAILURE_EXCEEDED,
+    seed=42,
+    batch_size=32,
+    epochs=10,
+)
+
+
+def meta(**overrides: object) -> CheckpointMeta:
+    return dataclasses.replace(BASE, **overrides)
+
+
+def doc(**overrides: object) -> str:
+    """A valid meta document with some top-level keys replaced."""
+    raw = json.loads(meta(elche_state=STATE, coverage=COVERAGE).to_json())
+    raw.update(overrides)
+    return json.dumps(raw)
+
+
+def without(key: str) -> str:
+    raw = json.loads(meta(elche_state=STATE, coverage=COVERAGE).to_json())
+    del raw[key]
+    return json.dumps(raw)
+
+
+# --- round trips -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "original",
+    [
+        meta(),
+        meta(elche_state=STATE),
+        meta(
+            elche_state=ElCheState(
+                anchor=1,
+                anchor_rank=None,
+                smoothed_ms_per_batch=(),
+                phase=Phase.PROBE,
+                calibration_count=0,
+            )
+        ),
+        meta(coverage=COVERAGE),
+        meta(elche_state=STATE, coverage=COVERAGE, reason=SaveReason.CHECKPOINT),
+    ],
+    ids=["bare", "elche-state", "elche-state-no-history", "coverage", "everything"],
+)
+def test_meta_round_trips_through_json(original: CheckpointMeta) -> None:
+    assert CheckpointMeta.from_json(original.to_json()) == original
+
+
+@pytest.mark.parametrize("reason", list(SaveReason))
+def test_every_save_reason_round_trips(reason: SaveReason) -> None:
+    assert CheckpointMeta.from_json(meta(reason=reason).to_json()).reason is reason
+
+
+def test_save_reasons_are_written_in_snake_case() -> None:
+    # Spec §10: the reference's snake_case names.
+    assert [r.value for r in SaveReason] == [
+        "graceful_shutdown",
+        "max_failure_exceeded",
+        "single_survivor",
+        "all_ranks_lost",
+        "reduce_stall",
+        "checkpoint",
+    ]
+
+
+def test_to_json_is_pretty_printed_with_sorted_keys_and_the_schema_version() -> None:
+    text = meta(elche_state=STATE).to_json()
+    raw = json.loads(text)
+    assert raw["schema_version"] == SCHEMA_VERSION
+    assert raw["save_reason"] == "max_failure_exceeded"
+    assert raw["elche_state"]["phase"] == "stable"
+    assert list(raw) == sorted(raw)
+    assert text.startswith('{\n  "batch_size": 32,\n')
+
+
+def test_coverage_counts_uncovered_samples() -> None:
+    assert COVERAGE[0].uncovered_samples == 64 + 128
+    assert COVERAGE[1].uncovered_samples == 0
+
+
+def test_missing_elche_state_and_coverage_read_as_absent() -> None:
+    raw = json.loads(doc())
+    del raw["elche_state"], raw["coverage"]
+    parsed = CheckpointMeta.from_json(json.dumps(raw))
+    assert parsed.elche_state is None
+    assert parsed.coverage == ()
+
+
+def test_an_older_schema_is_read() -> None:
+    parsed = CheckpointMeta.from_json(doc(schema_version=0))
+    assert parsed.schema_version == 0
+    assert parsed.elche_state == STATE
+
+
+# --- refusals ----------------------------------------------------------------
+
+
+def test_a_newer_schema_is_refused_with_upgrade_advice() -> None:
+    with pytest.raises(ConfigError, match="upgrade elche") as info:
+        CheckpointMeta.from_json(doc(schema_version=SCHEMA_VERSION + 1))
+    assert f"meta schema {SCHEMA_VERSION + 1} is newer" in str(info.value)
+    assert f"({SCHEMA_VERSION})" in str(info.value)
+    assert info.value.field == "resume_from"
+
+
+@pytest.mark.parametrize(
+    "text", ["", "{", "not json", '{"epoch": 1,}', "[]", "3", '"meta"', "null"]
+)
+def test_bad_json_or_a_non_object_is_refused(text: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        CheckpointMeta.from_json(text)
+    assert info.value.field == "resume_from"
+
+
+SPAN_DOC = {"epoch": 3, "total_samples": 9}
+
+
+def case(case_id: str, text: str, field: str) -> object:
+    return pytest.param(text, field, id=case_id)
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        case("epoch-str", doc(epoch="3"), "epoch"),
+        case("epoch-float", doc(epoch=1.5), "epoch"),
+        case("epoch-bool", doc(epoch=True), "epoch"),
+        case("epoch-negative", doc(epoch=-1), "epoch"),
+        case("global_step-null", doc(global_step=None), "global_step"),
+        case("sync_round-list", doc(sync_round=[1]), "sync_round"),
+        case("world_size-bool", doc(world_size=False), "world_size"),
+        case("seed-negative", doc(seed=-5), "seed"),
+        case("batch_size-str", doc(batch_size="32"), "batch_size"),
+        case("epochs-float", doc(epochs=2.0), "epochs"),
+        case("schema_version-str", doc(schema_version="1"), "schema_version"),
+        case("schema_version-missing", without("schema_version"), "schema_version"),
+        case("epoch-missing", without("epoch"), "epoch"),
+        case("seed-missing", without("seed"), "seed"),
+        case("coverage-int", doc(coverage=5), "coverage"),
+        case("coverage-object", doc(coverage={"epoch": 3}), "coverage"),
+        case("uncovered-str", doc(coverage=[{**SPAN_DOC, "uncovered": "0-4"}]), "uncovered"),
+        case("span-triple", doc(coverage=[{**SPAN_DOC, "uncovered": [[0, 4, 1]]}]), "coverage"),
+        case("span-negative", doc(coverage=[{**SPAN_DOC, "uncovered": [[-1, 4]]}]), "coverage"),
+        case("span-float", doc(coverage=[{**SPAN_DOC, "uncovered": [[0, 4.5]]}]), "coverage"),
+        case("span-str", doc(coverage=[{**SPAN_DOC, "uncovered": ["ab"]}]), "coverage"),
+        case("coverage-epoch-str", doc(coverage=[{"epoch": "3", "total_samples": 9}]), "epoch"),
+        case("coverage-total-missing", doc(coverage=[{"epoch": 3}]), "total_samples"),
+        case("anchor-str", doc(elche_state={**STATE.to_json(), "anchor": "12"}), "anchor"),
+        case("anchor-zero", doc(elche_state={**STATE.to_json(), "anchor": 0}), "anchor"),
+        case("phase-case", doc(elche_state={**STATE.to_json(), "phase": "Stable"}), "phase"),
+        case(
+            "smoothed-str",
+            doc(elche_state={**STATE.to_json(), "smoothed_ms_per_batch": [1, "x"]}),
+            "smoothed_ms_per_batch",
+        ),
+        case(
+            "trend-str",
+            doc(elche_state={**STATE.to_json(), "trend_history": "flat"}),
+            "trend_history",
+        ),
+    ],
+)
+def test_wrong_types_are_refused_naming_the_field(text: str, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        CheckpointMeta.from_json(text)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize("reason", ["bogus", "Checkpoint", "CHECKPOINT", None, 5, ["checkpoint"]])
+def test_unknown_save_reason_is_refused_listing_the_accepted_ones(reason: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        CheckpointMeta.from_json(doc(save_reason=reason))
+    assert info.value.field == "save_reason"
+    for accepted in SaveReason:
+        assert accepted.value in str(info.value)
+
+
+def test_missing_save_reason_is_refused() -> None:
+    with pytest.raises(ConfigError) as info:
+        CheckpointMeta.from_json(without("save_reason"))
+    assert info.value.field == "save_reason"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: a non-object elche_state is refused as field 'resume_from' "
+    "('expected a JSON object, got 5'), which does not name elche_state",
+)
+def test_non_object_elche_state_names_the_field() -> None:
+    with pytest.raises(ConfigError) as info:
+        CheckpointMeta.from_json(doc(elche_state=5))
+    assert info.value.field == "elche_state"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: a non-object coverage entry is refused as field 'resume_from', "
+    "which does not name coverage",
+)
+def test_non_object_coverage_entry_names_the_field() -> None:
+    with pytest.raises(ConfigError) as info:
+        CheckpointMeta.from_json(doc(coverage=[5]))
+    assert info.value.field == "coverage"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: _coverage checks spans with isinstance(v, int), so JSON true/false "
+    "are accepted as offsets/sizes (the top-level _int helper rejects bools)",
+)
+def test_boolean_in_an_uncovered_span_is_refused() -> None:
+    with pytest.raises(ConfigError) as info:
+        CheckpointMeta.from_json(
+            doc(coverage=[{"epoch": 3, "total_samples": 9, "uncovered": [[True, 4]]}])
+        )
+    assert info.value.field == "coverage"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: deeply nested JSON makes json.loads raise RecursionError, which "
+    "from_json lets escape instead of ConfigError",
+)
+def test_deeply_nested_json_is_refused_as_config_error() -> None:
+    with pytest.raises(ConfigError):
+        CheckpointMeta.from_json("[" * 100_000)
+
+
+# --- property ------------------------------------------------------------------
+
+COUNTS = st.integers(min_value=0, max_value=2**63)
+FINITE_MS = st.floats(min_value=0.0, max_value=1e9, allow_nan=False, allow_infinity=False)
+TRENDS = st.floats(allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def elche_states(draw: st.DrawFn) -> ElCheState:
+    world_size = draw(st.integers(min_value=1, max_value=8))
+    return ElCheState(
+        anchor=draw(st.integers(min_value=1, max_value=10_000)),
+        anchor_rank=draw(st.none() | st.integers(min_value=0, max_value=world_size - 1)),
+        smoothed_ms_per_batch=tuple(
+            draw(st.lists(FINITE_MS, min_size=world_size, max_size=world_size))
+        ),
+        phase=draw(st.sampled_from(Phase)),
+        calibration_count=draw(st.integers(min_value=0, max_value=10_000)),
+        trend_history=draw(st.none() | st.lists(TRENDS, max_size=6).map(tuple)),
+    )
+
+
+SPANS = st.tuples(COUNTS, COUNTS)
+COVERAGES = st.builds(
+    EpochCoverage,
+    epoch=COUNTS,
+    total_samples=COUNTS,
+    uncovered=st.lists(SPANS, max_size=4).map(tuple),
+)
+METAS = st.builds(
+    CheckpointMeta,
+    epoch=COUNTS,
+    global_step=COUNTS,
+    sync_round=COUNTS,
+    world_size=st.integers(min_value=1, max_value=4096),
+    reason=st.sampled_from(SaveReason),
+    seed=COUNTS,
+    batch_size=st.integers(min_value=1, max_value=65_536),
+    epochs=st.integers(min_value=1, max_value=10_000),
+    elche_state=st.none() | elche_states(),
+    coverage=st.lists(COVERAGES, max_size=3).map(tuple),
+    schema_version=st.integers(min_value=0, max_value=SCHEMA_VERSION),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(METAS)
+def test_property_any_meta_round_trips(original: CheckpointMeta) -> None:
+    assert CheckpointMeta.from_json(original.to_json()) == original

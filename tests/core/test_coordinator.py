@@ -1,0 +1,412 @@
+"""Coordinator state machine: events in, commands out, state asserted after each."""
+
+from __future__ import annotations
+
+import pytest
+
+from elche.core import messages as m
+from elche.core.checkpoint import SaveReason
+from elche.core.commands import (
+    ArmTimer,
+    AverageSnapshots,
+    Broadcast,
+    Emit,
+    Finish,
+    Notice,
+    Send,
+    WriteMeta,
+)
+from elche.core.config import Mode
+from elche.core.coordinator import PROBE_STEPS, RankState, RunState
+from elche.core.errors import LocalProtocolError
+from elche.core.events import (
+    AverageComputed,
+    FrameRejected,
+    RankJoined,
+    RankLost,
+    Started,
+    TimerFired,
+)
+from elche.core.roles import Role
+from tests.core.harness import Harness, messages, of
+
+
+def acked_round(h: Harness, cycle: int, steps: dict[int, int]) -> None:
+    for rank, k in steps.items():
+        h.send(rank, m.SyncAck(cycle=cycle, steps=k, divergence=0.001))
+
+
+# -- formation ---------------------------------------------------------------
+
+
+def test_nothing_is_dispatched_until_every_rank_joined() -> None:
+    h = Harness(world_size=3)
+    out = h.feed(Started())
+    assert of(out, ArmTimer)
+    h.feed(RankJoined(rank=0))
+    out = h.feed(RankJoined(rank=1))
+    assert not messages(out, m.AssignChunk)
+    assert h.core.state is RunState.FORMING
+    out = h.feed(RankJoined(rank=2))
+    assert h.core.state is RunState.TRAINING
+    assert [len(h.received(r, m.AssignChunk)) for r in range(3)] == [1, 1, 1]
+    # The epoch role goes out once, before any work.
+    assert messages(out, m.SetEpochCallbackRole) == [m.SetEpochCallbackRole(rank=0)]
+
+
+def test_formation_timeout_names_how_many_joined() -> None:
+    h = Harness(world_size=3, formation_timeout_s=10.0)
+    h.feed(Started(), at=0.0)
+    h.feed(RankJoined(rank=0))
+    out = h.feed(TimerFired(), at=10.5)
+    finish = of(out, Finish)
+    assert finish == [Finish(outcome="failed", reason=finish[0].reason)]  # type: ignore[attr-defined]
+    assert "1/3 ranks joined" in finish[0].reason  # type: ignore[attr-defined]
+    assert h.core.state is RunState.DONE
+    assert h.feed(TimerFired(), at=20.0) == []
+
+
+def test_event_for_a_rank_outside_the_world_raises_and_changes_nothing() -> None:
+    h = Harness()
+    h.form()
+    before = (h.core.state, list(h.core.rank_state), h.core.sync_round)
+    with pytest.raises(LocalProtocolError):
+        h.feed(RankLost(rank=7, reason="?"))
+    assert (h.core.state, list(h.core.rank_state), h.core.sync_round) == before
+
+
+# -- the averaging gate ------------------------------------------------------
+
+
+def test_first_window_is_a_short_probe() -> None:
+    h = Harness()
+    h.form()
+    chunk = h.received(0, m.AssignChunk)[0]
+    assert chunk.size == PROBE_STEPS * 32  # type: ignore[attr-defined]
+    assert chunk.budget == PROBE_STEPS  # type: ignore[attr-defined]
+
+
+def test_cadence_gate_waits_for_every_rank_then_fires_once() -> None:
+    h = Harness()
+    h.form()
+    out = h.train(0, PROBE_STEPS) + h.train(1, PROBE_STEPS - 1)
+    assert not messages(out, m.SyncNow)  # one step short holds the gate
+    out = h.train(1, 1)
+    assert messages(out, m.SyncNow) == [m.SyncNow(cycle=1, generation=0)]
+    assert of(out, Broadcast)[-1].ranks == (0, 1)  # type: ignore[attr-defined]
+    assert h.core.round.in_flight
+
+
+def test_gate_counts_steps_not_wall_time() -> None:
+    h = Harness()
+    h.form()
+    out = h.train(0, PROBE_STEPS, batch_ms=1e6) + h.train(1, PROBE_STEPS, batch_ms=1e6)
+    assert messages(out, m.SyncNow)
+
+
+def test_acks_close_the_round_and_calibrate_counts_by_speed() -> None:
+    h = Harness(num_samples=6400)
+    h.form()
+    h.train(0, PROBE_STEPS, batch_ms=10.0)
+    h.train(1, PROBE_STEPS, batch_ms=40.0)
+    out: list = []
+    for rank in (0, 1):
+        out += h.send(rank, m.SyncAck(cycle=1, steps=PROBE_STEPS, divergence=0.001))
+    assert not h.core.round.in_flight
+    assert h.core.sync_round == 1
+    assert h.core.global_step == 2 * PROBE_STEPS
+    assert h.core.elche.batch_counts == (40, 10)  # 4x faster rank does 4x the steps
+    chunks = messages(out, m.AssignChunk)
+    assert [c.size for c in chunks] == [40 * 32, 10 * 32]  # type: ignore[attr-defined]
+    # Roles move to the fastest rank at the first calibration (it already is 0).
+    assert h.core.roles.holder(Role.EVAL) == 0
+    assert any(isinstance(c, Emit) and c.kind == "SyncEnd" for c in out)
+
+
+def test_roles_follow_pace_at_first_calibration() -> None:
+    h = Harness(num_samples=6400)
+    h.form()
+    h.train(0, PROBE_STEPS, batch_ms=40.0)
+    h.train(1, PROBE_STEPS, batch_ms=10.0)
+    acked_round(h, 1, {0: PROBE_STEPS, 1: PROBE_STEPS})
+    assert {h.core.roles.holder(role) for role in Role} == {1}
+    assert h.core.roles.epoch_role_dirty
+
+
+def test_sync_gate_fires_after_one_step_each() -> None:
+    h = Harness(mode=Mode.SYNC)
+    h.form()
+    sizes = [c.size for r in range(2) for c in h.received(r, m.AssignChunk)]  # type: ignore[attr-defined]
+    assert sizes == [320, 320]  # equal partitions
+    out = h.train(0, 1) + h.train(1, 1)
+    assert messages(out, m.SyncNow)
+
+
+def test_stale_ack_is_counted_and_ignored() -> None:
+    h = Harness()
+    h.form()
+    h.train(0, PROBE_STEPS)
+    h.train(1, PROBE_STEPS)
+    out = h.send(0, m.SyncAck(cycle=9, steps=1))
+    assert out == []
+    assert h.core.stale_messages == 1
+    assert h.core.round.in_flight
+
+
+# -- protocol errors and hostile input -----------------------------------------
+
+
+def test_batch_outside_assigned_work_evicts_the_rank_and_the_run_goes_on() -> None:
+    h = Harness(world_size=3, num_samples=960)
+    h.form()
+    out = h.send(1, m.BatchDone(epoch=0, offset=999, size=32, batch_ms=1.0))
+    assert h.core.rank_state[1] is RankState.ERRORED
+    assert h.core.dead_ranks == [1]
+    assert any(isinstance(c, Notice) and "evicting rank 1" in c.text for c in out)
+    assert messages(out, m.Regroup) == [m.Regroup(generation=1, members=[0, 2])]
+    assert h.core.state is RunState.TRAINING
+    # Its chunk goes to a survivor in the next window.
+    h.train(0, PROBE_STEPS)
+    h.train(2, PROBE_STEPS)
+    acked_round(h, 1, {0: PROBE_STEPS, 2: PROBE_STEPS})
+    reissued = [c.offset for r in (0, 2) for c in h.received(r, m.AssignChunk)]  # type: ignore[attr-defined]
+    assert h.received(1, m.AssignChunk)[0].offset in reissued  # type: ignore[attr-defined]
+
+
+def test_rejected_frames_are_counted_and_logged_sparingly() -> None:
+    h = Harness()
+    h.form()
+    notices = []
+    for _ in range(2000):
+        notices += of(h.feed(FrameRejected(reason="bad tag")), Notice)
+    assert h.core.rejected_frames == 2000
+    assert len(notices) == 3  # the first, the 1000th and the 2000th
+    assert h.core.state is RunState.TRAINING
+
+
+def test_hello_after_joining_is_a_protocol_error() -> None:
+    h = Harness()
+    h.form()
+    h.send(0, m.Hello(rank=0, world_size=2))
+    assert h.core.rank_state[0] is RankState.ERRORED
+
+
+# -- liveness and death --------------------------------------------------------
+
+
+def test_silent_rank_is_declared_dead_and_its_work_reissued() -> None:
+    h = Harness(world_size=3, num_samples=960, heartbeat_timeout_s=5.0)
+    h.form()
+    lost_offset = h.received(2, m.AssignChunk)[0].offset  # type: ignore[attr-defined]
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):
+        h.send(0, m.Heartbeat(), ) if False else None
+        h.feed(TimerFired(), at=t)
+        h.send(0, m.Heartbeat())
+        h.send(1, m.Heartbeat())
+    out = h.feed(TimerFired(), at=6.0)
+    assert h.core.rank_state[2] is RankState.DEAD
+    assert any(isinstance(c, Notice) and "heartbeat stale" in c.text for c in out)
+    h.train(0, PROBE_STEPS)
+    out = h.train(1, PROBE_STEPS)
+    assert messages(out, m.SyncNow)  # the gate no longer waits for rank 2
+    acked_round(h, 1, {0: PROBE_STEPS, 1: PROBE_STEPS})
+    offsets = [c.offset for r in (0, 1) for c in h.received(r, m.AssignChunk)]  # type: ignore[attr-defined]
+    assert lost_offset in offsets
+
+
+def test_death_mid_collective_abandons_the_round_and_regroups() -> None:
+    h = Harness(world_size=3, num_samples=960)
+    h.form()
+    for rank in range(3):
+        h.train(rank, PROBE_STEPS)
+    assert h.core.round.in_flight
+    out = h.feed(RankLost(rank=2, reason="process killed"))
+    assert messages(out, m.Regroup) == [m.Regroup(generation=1, members=[0, 1])]
+    assert h.core.round.members == {0, 1}
+    # Survivors hold uncommitted steps, so the gate fires again at once.
+    assert messages(out, m.SyncNow) == [m.SyncNow(cycle=2, generation=1)]
+
+
+def test_single_survivor_of_a_collective_run_saves_then_finishes() -> None:
+    h = Harness(save_path="/tmp/run")
+    h.form()
+    out = h.feed(RankLost(rank=1, reason="process killed"))
+    assert messages(out, m.ShutdownWithSave) == [
+        m.ShutdownWithSave(reason="single_survivor", writer=0)
+    ]
+    assert h.core.state is RunState.SAVING
+    assert not of(out, WriteMeta)  # the meta waits for the writer's answer
+    out = h.send(0, m.StateSaved(path="/tmp/run"))
+    meta = of(out, WriteMeta)[0].meta  # type: ignore[attr-defined]
+    assert meta.reason is SaveReason.SINGLE_SURVIVOR
+    assert meta.epoch == 0 and meta.coverage[0].total_samples == 640
+    assert of(out, Finish) == [Finish(outcome="saved_and_shutdown", reason="single_survivor")]
+
+
+def test_max_failures_saves_even_with_survivors() -> None:
+    h = Harness(world_size=3, num_samples=960, max_failures=1, mode=Mode.CPU_CADENCE)
+    h.form()
+    out = h.feed(RankLost(rank=2, reason="exit 1"))
+    assert messages(out, m.ShutdownWithSave)[0].reason == "max_failure_exceeded"  # type: ignore[attr-defined]
+    h.send(0, m.StateSaved())
+    out = h.feed(RankLost(rank=1, reason="exit 1"))
+    assert of(out, Finish)[0].outcome == "saved_and_shutdown"  # type: ignore[attr-defined]
+
+
+def test_coordinator_backend_keeps_running_with_one_survivor() -> None:
+    h = Harness(mode=Mode.CPU_CADENCE)
+    h.form()
+    h.feed(RankLost(rank=1, reason="exit"))
+    assert h.core.state is RunState.TRAINING
+
+
+# -- coordinator-backend rounds ------------------------------------------------
+
+
+def test_coordinator_round_snapshot_average_update_ack() -> None:
+    h = Harness(mode=Mode.CPU_CADENCE)
+    h.form()
+    h.train(0, PROBE_STEPS)
+    out = h.train(1, PROBE_STEPS)
+    assert messages(out, m.RequestParams) == [m.RequestParams(cycle=1)]
+    h.send(0, m.SnapshotReady(cycle=1, steps=2))
+    out = h.send(1, m.SnapshotReady(cycle=1, steps=1))
+    assert of(out, AverageSnapshots) == [
+        AverageSnapshots(cycle=1, param_mass=((0, 2.0), (1, 1.0)), buffer_mass=((0, 1.0), (1, 1.0)))
+    ]
+    out = h.feed(AverageComputed(cycle=1))
+    assert [c.rank for c in of(out, Send)] == [0, 1]  # type: ignore[attr-defined]
+    assert messages(out, m.Update) == [m.Update(cycle=1), m.Update(cycle=1)]
+    acked_round(h, 1, {0: 2, 1: 1})
+    assert h.core.sync_round == 1 and not h.core.round.in_flight
+
+
+def test_snapshot_claiming_more_steps_than_made_evicts() -> None:
+    h = Harness(mode=Mode.CPU_CADENCE, world_size=3, num_samples=960)
+    h.form()
+    for rank in range(3):
+        h.train(rank, PROBE_STEPS)
+    h.send(2, m.SnapshotReady(cycle=1, steps=99))
+    assert h.core.rank_state[2] is RankState.ERRORED
+
+
+def test_average_computed_for_unknown_round_is_a_local_error() -> None:
+    h = Harness(mode=Mode.CPU_CADENCE)
+    h.form()
+    with pytest.raises(LocalProtocolError):
+        h.feed(AverageComputed(cycle=5))
+
+
+def test_async_update_carries_the_easgd_blend() -> None:
+    h = Harness(mode=Mode.CPU_ASYNC)
+    h.form()
+    assert h.received(0, m.AssignChunk)[0].budget == PROBE_STEPS + 3  # type: ignore[attr-defined]
+    h.train(0, PROBE_STEPS)
+    h.train(1, PROBE_STEPS)
+    h.send(0, m.SnapshotReady(cycle=1, steps=2))
+    h.send(1, m.SnapshotReady(cycle=1, steps=2))
+    out = h.feed(AverageComputed(cycle=1))
+    assert messages(out, m.Update)[0] == m.Update(cycle=1, alpha=0.5)
+
+
+# -- end of run, callbacks -----------------------------------------------------
+
+
+def run_to_end(h: Harness) -> list:
+    """Train every rank through every window until the coordinator stops."""
+    out: list = []
+    cycle = 0
+    for _ in range(200):
+        if h.core.state is not RunState.TRAINING:
+            break
+        for rank in range(h.cfg.world_size):
+            if h.core.rank_state[rank] is RankState.LIVE:
+                while h.chunks[rank] and h.core.work.steps_since_sync(rank) < h.core._budget[rank]:
+                    out += h.train(rank, 1)
+        if h.core.round.in_flight and h.core.round.number != cycle:
+            cycle = h.core.round.number
+            for rank in sorted(h.core.round.members):
+                out += h.send(
+                    rank, m.SyncAck(cycle=cycle, steps=h.core.work.steps_since_sync(rank))
+                )
+    return out
+
+
+def test_a_full_run_ends_with_shutdown_and_every_sample_committed() -> None:
+    h = Harness(epochs=2)
+    out = h.form() + run_to_end(h)
+    assert of(out, Finish) == [Finish(outcome="completed")]
+    assert messages(out, m.Shutdown)
+    assert h.core.epochs_completed == 2
+    assert [p.committed() for p in h.core.work.pools.values()] == [640, 640]
+    assert [msg.epoch for msg in messages(out, m.EpochDone)] == [0, 1]  # type: ignore[attr-defined]
+
+
+def test_eval_goes_to_the_eval_role_only_and_its_result_to_everyone() -> None:
+    h = Harness(epochs=1, has_eval_fn=True)
+    out = h.form() + run_to_end(h)
+    assert h.core.state is RunState.FINISHING  # waits for the final eval
+    evals = [(c.rank, c.message) for c in of(out, Send) if isinstance(c.message, m.RunEval)]  # type: ignore[attr-defined]
+    assert evals == [(0, m.RunEval(epoch=1))]
+    out = h.send(0, m.EvalResult(epoch=1, metric=0.97, elapsed_ms=120.0))
+    assert messages(out, m.EvalBroadcast) == [m.EvalBroadcast(epoch=1, metric=0.97)]
+    assert of(out, Finish) == [Finish(outcome="completed")]
+    assert h.core.roles.cost.eval_ms == 120.0
+
+
+def test_failed_eval_is_logged_and_not_broadcast() -> None:
+    h = Harness(epochs=1, has_eval_fn=True)
+    h.form()
+    run_to_end(h)
+    out = h.send(0, m.EvalResult(epoch=1, metric=float("nan"), elapsed_ms=5.0, error="boom"))
+    assert not messages(out, m.EvalBroadcast)
+    assert any(isinstance(c, Notice) and "boom" in c.text for c in out)
+    assert of(out, Finish)
+
+
+def test_failed_checkpoint_retries_on_the_next_live_rank_then_gives_up() -> None:
+    h = Harness(world_size=3, num_samples=960, epochs=1, checkpoint_every=1)
+    h.form()
+    run_to_end(h)
+    assert h.core.state is RunState.FINISHING
+    out = h.send(0, m.CheckpointResult(version=1, elapsed_ms=1.0, error="disk full"))
+    retry = [(c.rank, c.message) for c in of(out, Send)]  # type: ignore[attr-defined]
+    assert retry == [(1, m.RunCheckpoint(version=1))]
+    h.send(1, m.CheckpointResult(version=1, elapsed_ms=1.0, error="disk full"))
+    out = h.send(2, m.CheckpointResult(version=1, elapsed_ms=1.0, error="disk full"))
+    assert any(isinstance(c, Notice) and "giving up" in c.text for c in out)
+    assert of(out, Finish) == [Finish(outcome="completed")]
+
+
+def test_checkpoint_cadence_writes_a_meta_at_the_epoch_boundary() -> None:
+    h = Harness(epochs=2, checkpoint_every=1, save_path="/tmp/x")
+    out = h.form() + run_to_end(h)
+    metas = [c.meta for c in of(out, WriteMeta)]  # type: ignore[attr-defined]
+    assert [meta.reason for meta in metas] == [SaveReason.CHECKPOINT] * 2
+    assert [meta.epoch for meta in metas] == [1, 2]
+    assert metas[0].coverage == ()
+
+
+def test_done_coordinator_ignores_everything() -> None:
+    h = Harness()
+    h.form()
+    run_to_end(h)
+    assert h.core.state is RunState.DONE
+    assert h.feed(RankLost(rank=0, reason="late")) == []
+    assert h.core.dead_ranks == []
+
+
+def test_lr_cliff_nudges_the_anchor_down() -> None:
+    h = Harness(num_samples=64_000, epochs=1)
+    h.form()
+    kinds: list[str] = []
+    for cycle in range(1, 9):
+        for rank in (0, 1):
+            h.send(rank, m.LrUpdate(lr=0.1 if cycle < 7 else 0.001))
+            h.train(rank, h.core._budget[rank])
+        out = []
+        for rank in (0, 1):
+            out += h.send(rank, m.SyncAck(cycle=cycle, steps=h.core.work.steps_since_sync(rank)))
+        kinds += [c.kind for c in of(out, Emit)]  # type: ignore[attr-defined]
+    assert "MetaNudge" in kinds
+    assert h.core.elche.anchor < 10
