@@ -199,7 +199,10 @@ def test_silent_rank_is_declared_dead_and_its_work_reissued() -> None:
     h.form()
     lost_offset = h.received(2, m.AssignChunk)[0].offset  # type: ignore[attr-defined]
     for t in (1.0, 2.0, 3.0, 4.0, 5.0):
-        h.send(0, m.Heartbeat(), ) if False else None
+        h.send(
+            0,
+            m.Heartbeat(),
+        ) if False else None
         h.feed(TimerFired(), at=t)
         h.send(0, m.Heartbeat())
         h.send(1, m.Heartbeat())

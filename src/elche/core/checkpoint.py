@@ -116,7 +116,7 @@ class CheckpointMeta:
         """
         try:
             doc = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise ConfigError("resume_from", f"meta file is not JSON: {exc}") from exc
         if not isinstance(doc, dict):
             raise ConfigError("resume_from", "meta file must hold a JSON object")
@@ -142,20 +142,22 @@ class CheckpointMeta:
             seed=_int(doc, "seed"),
             batch_size=_int(doc, "batch_size"),
             epochs=_int(doc, "epochs"),
-            elche_state=None if state is None else ElCheState.from_json(_mapping(state)),
+            elche_state=None
+            if state is None
+            else ElCheState.from_json(_mapping(state, "elche_state")),
             coverage=tuple(_coverage(c) for c in _list(doc, "coverage")),
             schema_version=version,
         )
 
 
 def _coverage(raw: object) -> EpochCoverage:
-    doc = _mapping(raw)
+    doc = _mapping(raw, "coverage")
     spans: list[tuple[int, int]] = []
     for span in _list(doc, "uncovered"):
         if not (
             isinstance(span, Sequence)
             and len(span) == 2
-            and all(isinstance(v, int) and v >= 0 for v in span)
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in span)
         ):
             raise ConfigError("coverage", f"bad uncovered span {span!r}")
         spans.append((int(span[0]), int(span[1])))
@@ -164,9 +166,9 @@ def _coverage(raw: object) -> EpochCoverage:
     )
 
 
-def _mapping(raw: object) -> Mapping[str, object]:
+def _mapping(raw: object, field: str) -> Mapping[str, object]:
     if not isinstance(raw, dict):
-        raise ConfigError("resume_from", f"expected a JSON object, got {raw!r}")
+        raise ConfigError(field, f"expected a JSON object, got {raw!r}")
     return raw
 
 

@@ -191,7 +191,8 @@ class CoordinatorConfig:
         _check_int("max_failures", self.max_failures, minimum=1, optional=True)
         _check_int("eval_every", self.eval_every, minimum=1)
         _check_int("checkpoint_every", self.checkpoint_every, minimum=1, optional=True)
-        if not 0 <= self.callback_rank < self.world_size:
+        _check_int("callback_rank", self.callback_rank, minimum=0)
+        if self.callback_rank >= self.world_size:
             raise ConfigError(
                 "callback_rank",
                 f"must be a rank in [0, {self.world_size - 1}], got {self.callback_rank}",
