@@ -17,7 +17,7 @@ from elche.core.commands import (
     WriteMeta,
 )
 from elche.core.config import Mode
-from elche.core.coordinator import PROBE_STEPS, RankState, RunState
+from elche.core.coordinator import RankState, RunState
 from elche.core.errors import LocalProtocolError
 from elche.core.events import (
     AverageComputed,
@@ -27,6 +27,7 @@ from elche.core.events import (
     Started,
     TimerFired,
 )
+from elche.core.planner import PROBE_STEPS
 from elche.core.roles import Role
 from tests.core.harness import Harness, messages, of
 
@@ -324,7 +325,10 @@ def run_to_end(h: Harness) -> list:
             break
         for rank in range(h.cfg.world_size):
             if h.core.rank_state[rank] is RankState.LIVE:
-                while h.chunks[rank] and h.core.work.steps_since_sync(rank) < h.core._budget[rank]:
+                while (
+                    h.chunks[rank]
+                    and h.core.work.steps_since_sync(rank) < h.core.planner.budget[rank]
+                ):
                     out += h.train(rank, 1)
         if h.core.round.in_flight and h.core.round.number != cycle:
             cycle = h.core.round.number
@@ -406,7 +410,7 @@ def test_lr_cliff_nudges_the_anchor_down() -> None:
     for cycle in range(1, 9):
         for rank in (0, 1):
             h.send(rank, m.LrUpdate(lr=0.1 if cycle < 7 else 0.001))
-            h.train(rank, h.core._budget[rank])
+            h.train(rank, h.core.planner.budget[rank])
         out = []
         for rank in (0, 1):
             out += h.send(rank, m.SyncAck(cycle=cycle, steps=h.core.work.steps_since_sync(rank)))

@@ -53,7 +53,6 @@ from elche.core.commands import (
 )
 from elche.core.config import Backend, CoordinatorConfig, Policy
 from elche.core.cycle import Phase, Round
-from elche.core.dispatch import batches_in, final_window_alloc, needs_final_window
 from elche.core.errors import LocalProtocolError, RemoteProtocolError
 from elche.core.events import (
     AverageComputed,
@@ -68,6 +67,7 @@ from elche.core.events import (
 from elche.core.guards import DivergenceReport, build_guard
 from elche.core.ledger import WindowLedger
 from elche.core.meta import LrEventMeta
+from elche.core.planner import Planner
 from elche.core.roles import CallbackRoles, Role
 from elche.core.scheduler import ElChe
 from elche.core.verdicts import NudgeDown, Stable, SuppressGrowth, Verdict
@@ -79,10 +79,6 @@ __all__ = ["Coordinator", "RankState", "RunState"]
 # round up to 15 (reference defaults).
 OVERSHOOT_INITIAL = 3
 OVERSHOOT_CEILING = 15
-# Before the first calibration every rank runs this many steps: one batch
-# fills the pipeline, the second gives a marginal timing sample. A full
-# uncalibrated window would make the fast ranks idle through most of it.
-PROBE_STEPS = 2
 # A round in flight longer than this is a stall (reference: max(10 x hb, 300 s)).
 STALL_FLOOR_S = 300.0
 
@@ -156,15 +152,15 @@ class Coordinator:
         self.epochs_completed = 0
         self.outcome: str | None = None
         self.save_reason: SaveReason | None = None
-        self.max_overshoot = sched.max_overshoot if sched.max_overshoot is not None else 3
         self._overshoot_auto = sched.max_overshoot is None
         self._start_epoch = 0
         self._resume = resume
         self._lr: list[float | None] = [None] * ws
-        self._budget: list[int] = [0] * ws
-        self._quiesced: list[bool] = [False] * ws
+        self.planner = Planner(config, self.elche, self.work)
+        self.planner.max_overshoot = (
+            OVERSHOOT_INITIAL if sched.max_overshoot is None else sched.max_overshoot
+        )
         self._unsatisfied: set[int] = set()
-        self._final_plan: dict[int, int] | None = None
         self._pending_evals: dict[int, int] = {}  # epoch -> rank asked
         self._pending_checkpoints: dict[int, int] = {}  # version -> rank asked
         self._awaiting_save: set[int] = set()
@@ -316,7 +312,7 @@ class Coordinator:
             self._epoch_loss[msg.epoch] = (total + msg.loss, count + 1)
         if self.work.busy_samples(rank) == 0:
             self._dispatch(rank)
-        if rank in self._unsatisfied and self._satisfied(rank):
+        if rank in self._unsatisfied and self.planner.satisfied(rank):
             self._unsatisfied.discard(rank)
 
     def _on_rejected(self, reason: str, rank: int | None) -> None:
@@ -330,15 +326,6 @@ class Coordinator:
             )
 
     # -- averaging -----------------------------------------------------------
-
-    def _window_steps(self, rank: int) -> int:
-        """Steps that complete ``rank``'s window (probe size before calibration)."""
-        count = self.elche.batch_counts[rank]
-        return count if self.elche.is_calibrated else min(count, PROBE_STEPS)
-
-    def _satisfied(self, rank: int) -> bool:
-        target = 1 if self.config.policy is Policy.SYNC else self._window_steps(rank)
-        return self.work.steps_since_sync(rank) >= target or self._quiesced[rank]
 
     def _progress(self) -> None:
         if self.round.in_flight or self._unsatisfied:
@@ -486,13 +473,14 @@ class Coordinator:
                 relax = is_async and self.config.scheduler.relax_up
                 self.elche.apply_verdict(Stable(relax_up=relax))
                 if is_async and self._overshoot_auto:
-                    self.max_overshoot = min(self.max_overshoot + 1, OVERSHOOT_CEILING)
+                    planner = self.planner
+                    planner.max_overshoot = min(planner.max_overshoot + 1, OVERSHOOT_CEILING)
             case SuppressGrowth():
                 self.elche.apply_verdict(verdict)
             case NudgeDown():
                 self.elche.apply_verdict(verdict)
                 if is_async and self._overshoot_auto:
-                    self.max_overshoot = OVERSHOOT_INITIAL
+                    self.planner.max_overshoot = OVERSHOOT_INITIAL
                 self._notice(
                     "warning",
                     "divergence rising: convergence guard nudged the anchor down "
@@ -535,12 +523,13 @@ class Coordinator:
                 self._end_of_training()
                 return
             self._open_epoch(nxt)
-        self._plan_final_window()
-        self._send_budgets()
-        for rank in self.live:
-            self._quiesced[rank] = False
+        live = self.live
+        for rank, update in zip(live, self.planner.open_window(live), strict=True):
+            if update is not None:
+                self._out.append(Send(rank=rank, message=update))
+        for rank in live:
             self._dispatch(rank)
-        self._unsatisfied = {r for r in self.live if not self._satisfied(r)}
+        self._unsatisfied = {r for r in self.live if not self.planner.satisfied(r)}
 
     def _open_epoch(self, epoch: int) -> None:
         live = set(self.live)
@@ -556,74 +545,13 @@ class Coordinator:
             self._broadcast(m.SetEpochCallbackRole(rank=role))
         self._emit("EpochStart", epoch=epoch)
 
-    def _plan_final_window(self) -> None:
-        self._final_plan = None
-        if self.config.policy is not Policy.CADENCE:
-            return
-        epoch = self.work.serving_epoch()
-        if epoch is None:
-            return
-        rem = self.work.remaining_batches(epoch)
-        live = self.live
-        counts = [self._window_steps(r) for r in range(self.config.world_size)]
-        if needs_final_window(rem, counts, live):
-            alloc = final_window_alloc(rem, counts, live)
-            self._final_plan = {r: alloc[r] for r in live}
-
-    def _budget_of(self, rank: int) -> int:
-        count = self._window_steps(rank)
-        if self.config.policy is Policy.ASYNC:
-            return count + self.max_overshoot
-        if self._final_plan is not None:
-            return max(count, self._final_plan.get(rank, 0))
-        return count
-
-    def _send_budgets(self) -> None:
-        for rank in self.live:
-            budget = self._budget_of(rank)
-            if budget != self._budget[rank] and self.work.busy_samples(rank) > 0:
-                self._out.append(Send(rank=rank, message=m.SetBudget(budget=budget)))
-            self._budget[rank] = budget
-
     def _dispatch(self, rank: int) -> None:
         """Give ``rank`` its next chunk if it is idle and may take one."""
         if self.rank_state[rank] is not RankState.LIVE or self.state is not RunState.TRAINING:
             return
-        if self.work.busy_samples(rank) > 0:
-            return  # one chunk in flight per rank
-        left = self._budget[rank] - self.work.steps_since_sync(rank)
-        if left <= 0:
-            return  # holds for the next average
-        epoch = self.work.serving_epoch()
-        if epoch is None and self.config.policy is Policy.ASYNC:
-            epoch = self._stream_ahead()
-        span = None if epoch is None else self._take(rank, epoch, left)
-        if epoch is None or span is None:
-            self._quiesced[rank] = True
-            return
-        self._quiesced[rank] = False
-        self.work.assign(rank, epoch, span)
-        msg = m.AssignChunk(epoch=epoch, offset=span[0], size=span[1], budget=self._budget[rank])
-        self._out.append(Send(rank=rank, message=msg))
-
-    def _take(self, rank: int, epoch: int, left: int) -> tuple[int, int] | None:
-        bs = self.config.batch_size
-        pool = self.work.pools[epoch]
-        if self.config.policy is Policy.SYNC:
-            if pool.residue(rank) > 0:
-                return self.work.take(rank, epoch, pool.residue(rank))
-            # A dead rank's partition, split evenly over the survivors.
-            share = batches_in(-(-sum(s for _, s in pool.reclaimed_spans()) // len(self.live)), bs)
-            return self.work.take_reclaimed(rank, epoch, share * bs)
-        batches = left
-        if self._final_plan is not None:
-            batches = min(batches, self._final_plan.get(rank, 0))
-            if batches <= 0:
-                return None
-        span = self.work.take(rank, epoch, batches * bs)
-        if span is not None and self._final_plan is not None:
-            self._final_plan[rank] -= batches_in(span[1], bs)
-        return span
+        chunk = self.planner.next_chunk(rank, len(self.live), self._stream_ahead)
+        if chunk is not None:
+            self._out.append(Send(rank=rank, message=chunk))
 
     def _stream_ahead(self) -> int | None:
         """Async: open the next epoch early so fast ranks keep streaming."""
@@ -729,7 +657,7 @@ class Coordinator:
         self._credit_in_flight_work(rank)
         reissued = self.work.forfeit(rank)
         self.elche.retire(rank)
-        self._quiesced[rank] = False
+        self.planner.quiesced[rank] = False
         live = self.live
         self._notice(
             "warning",
@@ -778,12 +706,12 @@ class Coordinator:
         if role is not None:
             self._broadcast(m.SetEpochCallbackRole(rank=role))
         if self.state is RunState.TRAINING:
-            self._final_plan = None
+            self.planner.forget_tail_plan()
             if not rnd.in_flight:
                 for rank in sorted(live):
-                    self._quiesced[rank] = False
+                    self.planner.quiesced[rank] = False
                     self._dispatch(rank)
-            self._unsatisfied = {r for r in live if not self._satisfied(r)}
+            self._unsatisfied = {r for r in live if not self.planner.satisfied(r)}
 
     def _reassign_callbacks(self, dead: int) -> None:
         for epoch, rank in sorted(self._pending_evals.items()):

@@ -1,0 +1,149 @@
+"""The planner: how much each rank may train before the next average, and on what.
+
+Rules:
+
+- A rank's *window* is its ElChe batch count, or ``PROBE_STEPS`` before the
+  first calibration. Its *budget* (the steps it may take since the last
+  average before it must hold) is the window, plus the overshoot allowance
+  under ``async``, or its epoch-tail allocation when that is larger.
+- One chunk in flight per rank. A chunk never runs past the budget.
+- ``sync`` hands each rank its whole equal partition at once and spreads a
+  dead rank's partition evenly over the survivors.
+- ``cadence`` and ``async`` hand out chunks of the remaining budget. When the
+  epoch's remaining batches no longer fill a whole window, the tail is
+  apportioned across live ranks by their counts (``final_window_alloc``) so
+  the last window of the epoch is as short as possible.
+- A rank with nothing it may take is *quiesced*: the averaging gate does not
+  wait for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from elche.core import messages as m
+from elche.core.config import CoordinatorConfig, Policy
+from elche.core.dispatch import Span, batches_in, final_window_alloc, needs_final_window
+from elche.core.scheduler import ElChe
+from elche.core.work import WorkBook
+
+__all__ = ["PROBE_STEPS", "Planner"]
+
+# Before the first calibration every rank runs this many steps: one batch
+# fills the pipeline, the second gives a marginal timing sample. A full
+# uncalibrated window would make the fast ranks idle through most of it.
+PROBE_STEPS = 2
+
+
+class Planner:
+    """Per-rank budgets, the epoch-tail plan and chunk sizing.
+
+    Args:
+        config: the run's configuration.
+        elche: the balancer whose batch counts size the windows.
+        work: the work book the chunks are taken from.
+    """
+
+    def __init__(self, config: CoordinatorConfig, elche: ElChe, work: WorkBook) -> None:
+        self.config = config
+        self.elche = elche
+        self.work = work
+        self.max_overshoot = 0
+        self.budget = [0] * config.world_size
+        self.quiesced = [False] * config.world_size
+        self.tail_plan: dict[int, int] | None = None
+
+    def window_steps(self, rank: int) -> int:
+        """Steps that complete ``rank``'s window."""
+        count = self.elche.batch_counts[rank]
+        return count if self.elche.is_calibrated else min(count, PROBE_STEPS)
+
+    def satisfied(self, rank: int) -> bool:
+        """Whether the averaging gate may fire as far as ``rank`` is concerned."""
+        target = 1 if self.config.policy is Policy.SYNC else self.window_steps(rank)
+        return self.work.steps_since_sync(rank) >= target or self.quiesced[rank]
+
+    def open_window(self, live: Sequence[int]) -> list[m.CoordMessage | None]:
+        """Plan a new window; returns a ``SetBudget`` (or None) per live rank.
+
+        Only ranks that still hold work need to hear a changed budget; others
+        get it with their next chunk.
+        """
+        self._plan_tail(live)
+        updates: list[m.CoordMessage | None] = []
+        for rank in live:
+            budget = self._budget_of(rank)
+            changed = budget != self.budget[rank] and self.work.busy_samples(rank) > 0
+            updates.append(m.SetBudget(budget=budget) if changed else None)
+            self.budget[rank] = budget
+            self.quiesced[rank] = False
+        return updates
+
+    def forget_tail_plan(self) -> None:
+        """A rank died mid-window: the tail allocation no longer adds up."""
+        self.tail_plan = None
+
+    def next_chunk(
+        self, rank: int, live_count: int, stream_ahead: Callable[[], int | None]
+    ) -> m.AssignChunk | None:
+        """The chunk ``rank`` should train next, if it is idle and may take one.
+
+        Args:
+            rank: a live rank.
+            live_count: how many ranks are live (to split reclaimed work).
+            stream_ahead: opens the next epoch early (async) and returns it.
+        """
+        if self.work.busy_samples(rank) > 0:
+            return None  # one chunk in flight per rank
+        left = self.budget[rank] - self.work.steps_since_sync(rank)
+        if left <= 0:
+            return None  # holds for the next average
+        epoch = self.work.serving_epoch()
+        if epoch is None and self.config.policy is Policy.ASYNC:
+            epoch = stream_ahead()
+        span = None if epoch is None else self._take(rank, epoch, left, live_count)
+        self.quiesced[rank] = span is None
+        if epoch is None or span is None:
+            return None
+        self.work.assign(rank, epoch, span)
+        return m.AssignChunk(epoch=epoch, offset=span[0], size=span[1], budget=self.budget[rank])
+
+    def _plan_tail(self, live: Sequence[int]) -> None:
+        self.tail_plan = None
+        if self.config.policy is not Policy.CADENCE:
+            return
+        epoch = self.work.serving_epoch()
+        if epoch is None:
+            return
+        remaining = self.work.remaining_batches(epoch)
+        counts = [self.window_steps(r) for r in range(self.config.world_size)]
+        if needs_final_window(remaining, counts, live):
+            alloc = final_window_alloc(remaining, counts, live)
+            self.tail_plan = {r: alloc[r] for r in live}
+
+    def _budget_of(self, rank: int) -> int:
+        window = self.window_steps(rank)
+        if self.config.policy is Policy.ASYNC:
+            return window + self.max_overshoot
+        if self.tail_plan is not None:
+            return max(window, self.tail_plan.get(rank, 0))
+        return window
+
+    def _take(self, rank: int, epoch: int, left: int, live_count: int) -> Span | None:
+        bs = self.config.batch_size
+        pool = self.work.pools[epoch]
+        if self.config.policy is Policy.SYNC:
+            if pool.residue(rank) > 0:
+                return self.work.take(rank, epoch, pool.residue(rank))
+            reclaimed = sum(size for _, size in pool.reclaimed_spans())
+            share = batches_in(-(-reclaimed // max(live_count, 1)), bs)
+            return self.work.take_reclaimed(rank, epoch, share * bs)
+        batches = left
+        if self.tail_plan is not None:
+            batches = min(batches, self.tail_plan.get(rank, 0))
+            if batches <= 0:
+                return None
+        span = self.work.take(rank, epoch, batches * bs)
+        if span is not None and self.tail_plan is not None:
+            self.tail_plan[rank] -= batches_in(span[1], bs)
+        return span
