@@ -64,21 +64,14 @@ from elche.core.events import (
     Started,
     TimerFired,
 )
-from elche.core.guards import DivergenceReport, build_guard
-from elche.core.ledger import WindowLedger
-from elche.core.meta import LrEventMeta
 from elche.core.planner import Planner
 from elche.core.roles import CallbackRoles, Role
 from elche.core.scheduler import ElChe
-from elche.core.verdicts import NudgeDown, Stable, SuppressGrowth, Verdict
+from elche.core.tuning import Tuner
 from elche.core.work import WorkBook
 
 __all__ = ["Coordinator", "RankState", "RunState"]
 
-# Async overshoot: start at 3 steps past the window, grow by one per Stable
-# round up to 15 (reference defaults).
-OVERSHOOT_INITIAL = 3
-OVERSHOOT_CEILING = 15
 # A round in flight longer than this is a stall (reference: max(10 x hb, 300 s)).
 STALL_FLOOR_S = 300.0
 
@@ -128,16 +121,13 @@ class Coordinator:
         if resume is not None and resume.elche_state is not None:
             self.elche.restore_from_state(resume.elche_state)
             history = resume.elche_state.trend_history
-        self.guard = build_guard(
-            sched.guard,
-            divergence_threshold=sched.divergence_threshold,
-            easgd=config.blend_alpha is not None,
-            history=history,
-        )
-        self.meta = LrEventMeta() if sched.meta_controller else None
-        self.ledger = WindowLedger(ws)
         self.roles = CallbackRoles(config.callback_policy, ws, config.callback_rank)
         self.work = WorkBook(ws, config.num_samples, config.batch_size, config.epochs)
+        self.planner = Planner(config, self.elche, self.work)
+        self.tuner = Tuner(
+            config, self.elche, self.roles, self.planner, self.work, guard_history=history
+        )
+        self.ledger = self.tuner.ledger
         self.round = Round()
         self.state = RunState.FORMING
         self.rank_state = [RankState.JOINING] * ws
@@ -152,14 +142,8 @@ class Coordinator:
         self.epochs_completed = 0
         self.outcome: str | None = None
         self.save_reason: SaveReason | None = None
-        self._overshoot_auto = sched.max_overshoot is None
         self._start_epoch = 0
         self._resume = resume
-        self._lr: list[float | None] = [None] * ws
-        self.planner = Planner(config, self.elche, self.work)
-        self.planner.max_overshoot = (
-            OVERSHOOT_INITIAL if sched.max_overshoot is None else sched.max_overshoot
-        )
         self._unsatisfied: set[int] = set()
         self._pending_evals: dict[int, int] = {}  # epoch -> rank asked
         self._pending_checkpoints: dict[int, int] = {}  # version -> rank asked
@@ -284,7 +268,7 @@ class Coordinator:
             case m.Heartbeat():
                 pass
             case m.LrUpdate(lr=lr):
-                self._lr[rank] = lr
+                self.tuner.lr[rank] = lr
             case m.EvalResult():
                 self._on_eval_result(rank, message)
             case m.CheckpointResult():
@@ -416,98 +400,11 @@ class Coordinator:
         rnd = self.round
         rnd.close()
         sync_ms = (self._now - rnd.started_s) * 1000.0
-        old_anchor = self.elche.anchor
-        self._stage_callback_slack()
-        was_calibrated = self.elche.is_calibrated
-        dead = set(self.dead_ranks)
-        report = self.ledger.build_window_report(
-            dead=dead,
-            delivered_capable=self.config.policy is not Policy.SYNC,
-            sync_ms=sync_ms,
-        )
-        self.elche.report_window(report)
-        if not was_calibrated and self.elche.is_calibrated:
-            self.roles.on_first_calibration(self.live, self.elche.smoothed_ms_per_batch)
-        ws = self.config.world_size
-        pre = [rnd.pre_norms.get(r) for r in range(ws)]
-        divergence = DivergenceReport(
-            deltas=tuple(rnd.divergence.get(r, 0.0) for r in range(ws)),
-            pre_norms=None if any(p is None for p in pre) else tuple(p or 0.0 for p in pre),
-            post_norm=rnd.post_norm,
-        )
-        k_used = sum(rnd.acks.values())
-        k_max = max(rnd.acks.values(), default=0)
-        verdict = self.guard.report(divergence, k_used, k_max)
-        self._observe_meta(verdict)
+        k_used, commands = self.tuner.close_round(rnd, sync_ms, self.live, set(self.dead_ranks))
+        self._out.extend(commands)
         self.sync_round += 1
-        self._apply_verdict(verdict)
         self.global_step += k_used
-        self._emit(
-            "SyncEnd",
-            round=rnd.number,
-            duration_ms=round(sync_ms, 3),
-            d_raw=divergence.max_relative_delta(),
-            k_used=k_used,
-            anchor=self.elche.anchor,
-        )
-        if self.elche.anchor != old_anchor:
-            self._emit("AnchorChanged", old=old_anchor, new=self.elche.anchor)
-        self.ledger.reset_timing()
-        self.ledger.reset_steps()
         self._open_window()
-
-    def _observe_meta(self, verdict: Verdict) -> None:
-        lr = next((x for x in self._lr if x is not None), None)
-        if self.meta is None or lr is None:
-            return
-        action = self.meta.observe(lr, self.elche.anchor, verdict, self.elche.phase)
-        if action is not None:
-            old = self.elche.anchor
-            self.elche.apply_verdict(action)
-            self._emit("MetaNudge", factor=action.factor, old=old, new=self.elche.anchor)
-
-    def _apply_verdict(self, verdict: Verdict) -> None:
-        is_async = self.config.policy is Policy.ASYNC
-        match verdict:
-            case Stable():
-                relax = is_async and self.config.scheduler.relax_up
-                self.elche.apply_verdict(Stable(relax_up=relax))
-                if is_async and self._overshoot_auto:
-                    planner = self.planner
-                    planner.max_overshoot = min(planner.max_overshoot + 1, OVERSHOOT_CEILING)
-            case SuppressGrowth():
-                self.elche.apply_verdict(verdict)
-            case NudgeDown():
-                self.elche.apply_verdict(verdict)
-                if is_async and self._overshoot_auto:
-                    self.planner.max_overshoot = OVERSHOOT_INITIAL
-                self._notice(
-                    "warning",
-                    "divergence rising: convergence guard nudged the anchor down "
-                    f"(x{verdict.factor:.2f}) to {self.elche.anchor}",
-                )
-            case _:
-                assert_never(verdict)
-
-    def _stage_callback_slack(self) -> None:
-        """Shrink the callback ranks' quota in the epoch's last window."""
-        if not self.elche.is_calibrated:
-            return
-        epoch = self.work.serving_epoch()
-        if epoch is None:
-            return
-        live = self.live
-        total = sum(self.elche.batch_counts[r] for r in live)
-        if total == 0 or self.work.remaining_batches(epoch) > total:
-            return
-        slack = self.roles.boundary_slack_ms(
-            epoch + 1,
-            eval_every=self.config.eval_every if self.config.has_eval_fn else None,
-            checkpoint_every=self.config.checkpoint_every,
-            anchor_wall_ms=self.elche.anchor_wall_ms(),
-        )
-        if slack is not None:
-            self.elche.apply_callback_slack(slack)
 
     # -- windows, epochs and dispatch ----------------------------------------
 
@@ -756,7 +653,7 @@ class Coordinator:
 
     def _meta(self, reason: SaveReason) -> CheckpointMeta:
         state = self.elche.to_state()
-        history = self.guard.trend_history()
+        history = self.tuner.guard.trend_history()
         open_epochs = self.work.open_epochs()
         return CheckpointMeta(
             epoch=open_epochs[0] if open_epochs else self.epochs_completed,

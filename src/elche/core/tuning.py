@@ -1,0 +1,179 @@
+"""What each completed averaging round teaches the balancer.
+
+Theory of operation, in the order ``Tuner.close_round`` runs it (the order
+matters and follows the reference coordinator's finish head):
+
+1. stage callback slack if the next window is the epoch's last;
+2. feed ElChe the window's timing (compute and delivered ms per rank);
+   on the first calibration, elect the callback roles on pace;
+3. ask the convergence guard for a verdict on the round's divergence;
+4. let the LR-aware meta-controller observe the round (it may nudge the
+   anchor down, discarding a staged growth of the same round);
+5. apply the guard's verdict (async: the overshoot allowance grows by one
+   per Stable round up to its ceiling and resets on a nudge);
+6. reset the window ledger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import assert_never
+
+from elche.core.commands import Command, Emit, Notice
+from elche.core.config import CoordinatorConfig, Policy
+from elche.core.cycle import Round
+from elche.core.guards import DivergenceReport, build_guard
+from elche.core.ledger import WindowLedger
+from elche.core.meta import LrEventMeta
+from elche.core.planner import Planner
+from elche.core.roles import CallbackRoles
+from elche.core.scheduler import ElChe
+from elche.core.verdicts import NudgeDown, Stable, SuppressGrowth, Verdict
+from elche.core.work import WorkBook
+
+__all__ = ["OVERSHOOT_CEILING", "OVERSHOOT_INITIAL", "Tuner"]
+
+# Async overshoot: start at 3 steps past the window, grow by one per Stable
+# round up to 15 (reference defaults).
+OVERSHOOT_INITIAL = 3
+OVERSHOOT_CEILING = 15
+
+
+class Tuner:
+    """Closes rounds: timing to ElChe, divergence to the guard, LR to the meta."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        elche: ElChe,
+        roles: CallbackRoles,
+        planner: Planner,
+        work: WorkBook,
+        *,
+        guard_history: Sequence[float] | None = None,
+    ) -> None:
+        sched = config.scheduler
+        self.config = config
+        self.elche = elche
+        self.roles = roles
+        self.planner = planner
+        self.work = work
+        self.ledger = WindowLedger(config.world_size)
+        self.guard = build_guard(
+            sched.guard,
+            divergence_threshold=sched.divergence_threshold,
+            easgd=config.blend_alpha is not None,
+            history=guard_history,
+        )
+        self.meta = LrEventMeta() if sched.meta_controller else None
+        self.lr: list[float | None] = [None] * config.world_size
+        self._overshoot_auto = sched.max_overshoot is None
+        planner.max_overshoot = (
+            OVERSHOOT_INITIAL if self._overshoot_auto else (sched.max_overshoot or 0)
+        )
+
+    def close_round(
+        self, rnd: Round, sync_ms: float, live: Collection[int], dead: Collection[int]
+    ) -> tuple[int, list[Command]]:
+        """Feed a completed round back; returns (steps it folded in, commands)."""
+        out: list[Command] = []
+        old_anchor = self.elche.anchor
+        self._stage_callback_slack(live)
+        was_calibrated = self.elche.is_calibrated
+        report = self.ledger.build_window_report(
+            dead=dead,
+            delivered_capable=self.config.policy is not Policy.SYNC,
+            sync_ms=sync_ms,
+        )
+        self.elche.report_window(report)
+        if not was_calibrated and self.elche.is_calibrated:
+            self.roles.on_first_calibration(live, self.elche.smoothed_ms_per_batch)
+        divergence = self._divergence(rnd)
+        k_used = sum(rnd.acks.values())
+        verdict = self.guard.report(divergence, k_used, max(rnd.acks.values(), default=0))
+        out += self._observe_meta(verdict)
+        out += self._apply_verdict(verdict)
+        out.append(
+            Emit(
+                kind="SyncEnd",
+                fields=(
+                    ("round", rnd.number),
+                    ("duration_ms", round(sync_ms, 3)),
+                    ("d_raw", divergence.max_relative_delta()),
+                    ("k_used", k_used),
+                    ("anchor", self.elche.anchor),
+                ),
+            )
+        )
+        if self.elche.anchor != old_anchor:
+            out.append(
+                Emit(kind="AnchorChanged", fields=(("old", old_anchor), ("new", self.elche.anchor)))
+            )
+        self.ledger.reset_timing()
+        self.ledger.reset_steps()
+        return k_used, out
+
+    def _divergence(self, rnd: Round) -> DivergenceReport:
+        ws = self.config.world_size
+        pre = [rnd.pre_norms.get(r) for r in range(ws)]
+        return DivergenceReport(
+            deltas=tuple(rnd.divergence.get(r, 0.0) for r in range(ws)),
+            pre_norms=None if any(p is None for p in pre) else tuple(p or 0.0 for p in pre),
+            post_norm=rnd.post_norm,
+        )
+
+    def _observe_meta(self, verdict: Verdict) -> list[Command]:
+        lr = next((x for x in self.lr if x is not None), None)
+        if self.meta is None or lr is None:
+            return []
+        action = self.meta.observe(lr, self.elche.anchor, verdict, self.elche.phase)
+        if action is None:
+            return []
+        old = self.elche.anchor
+        self.elche.apply_verdict(action)
+        fields = (("factor", action.factor), ("old", old), ("new", self.elche.anchor))
+        return [Emit(kind="MetaNudge", fields=fields)]
+
+    def _apply_verdict(self, verdict: Verdict) -> list[Command]:
+        is_async = self.config.policy is Policy.ASYNC
+        auto = is_async and self._overshoot_auto
+        planner = self.planner
+        match verdict:
+            case Stable():
+                relax = is_async and self.config.scheduler.relax_up
+                self.elche.apply_verdict(Stable(relax_up=relax))
+                if auto:
+                    planner.max_overshoot = min(planner.max_overshoot + 1, OVERSHOOT_CEILING)
+            case SuppressGrowth():
+                self.elche.apply_verdict(verdict)
+            case NudgeDown():
+                self.elche.apply_verdict(verdict)
+                if auto:
+                    planner.max_overshoot = OVERSHOOT_INITIAL
+                text = (
+                    "divergence rising: convergence guard nudged the anchor down "
+                    f"(x{verdict.factor:.2f}) to {self.elche.anchor}"
+                )
+                return [Notice(level="warning", text=text)]
+            case _:
+                assert_never(verdict)
+        return []
+
+    def _stage_callback_slack(self, live: Collection[int]) -> None:
+        """Shrink the callback ranks' quota in the epoch's last window."""
+        if not self.elche.is_calibrated:
+            return
+        epoch = self.work.serving_epoch()
+        if epoch is None:
+            return
+        total = sum(self.elche.batch_counts[r] for r in live)
+        if total == 0 or self.work.remaining_batches(epoch) > total:
+            return
+        slack = self.roles.boundary_slack_ms(
+            epoch + 1,
+            eval_every=self.config.eval_every if self.config.has_eval_fn else None,
+            checkpoint_every=self.config.checkpoint_every,
+            anchor_wall_ms=self.elche.anchor_wall_ms(),
+        )
+        if slack is not None:
+            self.elche.apply_callback_slack(slack)
