@@ -1,0 +1,78 @@
+"""The ``elche sim`` command: JSON contract, table output, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elche.cli import draw_speeds, main
+
+CONTRACT = {
+    "mode", "world_size", "epochs_completed", "samples_trained", "virtual_wall_s",
+    "throughput", "ideal_throughput", "efficiency", "syncs", "lost_samples",
+    "duplicated_samples", "dead_ranks", "outcome", "per_rank",
+}  # fmt: skip
+SMALL = ["--epochs", "1", "--samples", "2000"]
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
+    assert main(["sim", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]  # JSON
+
+
+def test_json_has_every_contract_key(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(capsys, *SMALL)
+    assert doc.keys() >= CONTRACT
+    assert doc["world_size"] == 3
+    assert {"rank", "speed", "samples", "busy_s", "idle_s"} <= doc["per_rank"][0].keys()  # type: ignore[index]
+
+
+def test_kill_flag_reaches_the_simulation(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(capsys, *SMALL, "--kill", "2@0.1")
+    assert doc["dead_ranks"] == [2]
+    assert doc["lost_samples"] == 0
+
+
+def test_ranks_draw_speeds_from_the_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(capsys, *SMALL, "--ranks", "5", "--seed", "3")
+    speeds = [r["speed"] for r in doc["per_rank"]]  # type: ignore[attr-defined]
+    assert speeds == list(draw_speeds(5, 3))
+    assert draw_speeds(5, 3) != draw_speeds(5, 4)
+    assert all(0.25 <= s <= 1.0 for s in speeds)
+
+
+def test_async_alias_is_cpu_async(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_json(capsys, *SMALL, "--mode", "async")["mode"] == "cpu-async"
+
+
+def test_table_output_names_the_outcome(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "completed" in out and "efficiency" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (["--mode", "turbo"], "mode"),
+        (["--speeds", "1,0"], "speeds"),
+        (["--kill", "one@5"], "kill"),
+        (["--kill", "7@1"], "faults"),
+        (["--ranks", "2", "--speeds", "1,1,1"], "ranks"),
+        (["--batch-size", "0"], "batch_size"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_field(
+    capsys: pytest.CaptureFixture[str], args: list[str], field: str
+) -> None:
+    assert main(["sim", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"elche: error: {field}:")
+
+
+def test_bad_mode_lists_the_accepted_values(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["sim", "--mode", "turbo"])
+    err = capsys.readouterr().err
+    for name in ("sync", "cadence", "cpu-sync", "cpu-cadence", "cpu-async"):
+        assert name in err
