@@ -25,6 +25,10 @@ __all__ = [
 ]
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _check_int(field: str, value: object, *, minimum: int, optional: bool = False) -> None:
     if value is None and optional:
         return
@@ -127,7 +131,13 @@ class SchedulerConfig:
         _check_int("max_anchor", self.max_anchor, minimum=1)
         _check_int("max_batch_diff", self.max_batch_diff, minimum=0, optional=True)
         _check_int("max_overshoot", self.max_overshoot, minimum=0, optional=True)
-        if not 0.01 <= self.overhead_target <= 0.5:
+        for name in ("anchor", "min_anchor"):
+            value = getattr(self, name)
+            if value is not None and value > self.max_anchor:
+                raise ConfigError(
+                    name, f"must not exceed max_anchor ({self.max_anchor}), got {value}"
+                )
+        if not _is_number(self.overhead_target) or not 0.01 <= self.overhead_target <= 0.5:
             raise ConfigError(
                 "overhead_target", f"must be in [0.01, 0.5], got {self.overhead_target}"
             )
@@ -199,7 +209,7 @@ class CoordinatorConfig:
             )
         for field in ("heartbeat_interval_s", "heartbeat_timeout_s", "formation_timeout_s"):
             value = getattr(self, field)
-            if not (isinstance(value, int | float) and value > 0):
+            if not (_is_number(value) and value > 0):
                 raise ConfigError(field, f"must be a positive number of seconds, got {value!r}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(
@@ -207,7 +217,8 @@ class CoordinatorConfig:
                 f"must exceed heartbeat_interval_s ({self.heartbeat_interval_s}), "
                 f"got {self.heartbeat_timeout_s}",
             )
-        if self.easgd_alpha is not None and not 0 < self.easgd_alpha <= 1:
+        alpha = self.easgd_alpha
+        if alpha is not None and not (_is_number(alpha) and 0 < alpha <= 1):
             raise ConfigError("easgd_alpha", f"must be in (0, 1], got {self.easgd_alpha}")
 
     @property
