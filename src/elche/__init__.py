@@ -31,6 +31,17 @@ from elche.sim.result import SimResult
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # ``train`` pulls in torch; import it only when asked, so the coordinator
+    # process (which imports elche) starts in a fraction of a second.
+    if name in ("train", "TrainResult"):
+        from elche import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'elche' has no attribute {name!r}")
+
+
 __all__ = [
     "Backend",
     "CallbackPolicy",
@@ -51,7 +62,9 @@ __all__ = [
     "SimError",
     "SimResult",
     "Simulation",
+    "TrainResult",
     "TransportError",
     "__version__",
     "simulate",
+    "train",
 ]

@@ -390,7 +390,12 @@ class Coordinator:
             if rank in live:
                 self.work.commit(rank, steps)
         rnd.phase = Phase.APPLYING
-        alpha = self.config.blend_alpha
+        # The last average of the run is loaded as is, not blended: the final
+        # model is the consensus.
+        last = self.work.next_epoch_to_open() is None and all(
+            pool.is_done() for pool in self.work.pools.values()
+        )
+        alpha = None if last else self.config.blend_alpha
         for rank in sorted(rnd.members & live):
             self._out.append(Send(rank=rank, message=m.Update(cycle=cycle, alpha=alpha)))
         if rnd.complete(live):
@@ -489,7 +494,8 @@ class Coordinator:
         if self._pending_evals or self._pending_checkpoints:
             self.state = RunState.FINISHING
             return
-        self._broadcast(m.Shutdown())
+        live = self.live
+        self._broadcast(m.Shutdown(writer=min(live) if live else -1))
         self._finish("completed")
 
     # -- callbacks -------------------------------------------------------------

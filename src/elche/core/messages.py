@@ -237,7 +237,9 @@ class EpochDone(_Msg, frozen=True):
 
 
 class Shutdown(_Msg, frozen=True):
-    """Training is over; exit cleanly."""
+    """Training is over; exit cleanly. ``writer`` saves the final model (-1: none)."""
+
+    writer: int = -1
 
 
 class ShutdownWithSave(_Msg, frozen=True):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -57,7 +57,11 @@ F64Array = npt.NDArray[np.float64]
 # dtype name (torch's, without the "torch." prefix) -> bytes per element.
 # Frames are little-endian, as torch stores tensors on every platform we run on.
 SUPPORTED_DTYPES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-_NUMPY_DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "float64": np.dtype("<f8")}
+_NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
+    "float16": np.dtype("<f2"),
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+}
 
 
 # --- masses (spec §8.1) ------------------------------------------------------
@@ -77,7 +81,7 @@ def param_mass(steps: int, gamma: float = 1.0) -> float:
         return 0.0
     if gamma == 1.0:
         return float(steps)
-    return float(steps) ** gamma
+    return math.pow(steps, gamma)
 
 
 def buffer_mass(steps: int) -> float:
@@ -226,7 +230,9 @@ class SnapshotAverager:
         """Summed parameter mass of the contributions accepted so far."""
         return self._param_mass
 
-    def add(self, mass: float, frames: Sequence[Frame], *, buffer_mass: float | None = None) -> None:
+    def add(
+        self, mass: float, frames: Sequence[Frame], *, buffer_mass: float | None = None
+    ) -> None:
         """Fold in one rank's snapshot.
 
         Args:
@@ -355,8 +361,7 @@ class NesterovOuter:
         else:
             velocity = [mu * v + g for v, g in zip(self._velocity, grads, strict=True)]
         new = [
-            p - self.lr * (mu * v + g)
-            for p, v, g in zip(self._prev, velocity, grads, strict=True)
+            p - self.lr * (mu * v + g) for p, v, g in zip(self._prev, velocity, grads, strict=True)
         ]
         self._velocity = velocity
         self._prev = [x.copy() for x in new]

@@ -1,0 +1,287 @@
+"""``elche.train``: the public entry point.
+
+Theory of operation. ``train`` validates everything up front (a bad value
+raises ``ConfigError`` naming the field and what is accepted), then:
+
+- one rank: trains in-process, no coordinator, same semantics (seeded
+  per-epoch permutation, ``epoch_fn`` on epoch start, eval after epochs);
+- several ranks from a plain script: writes the run directory, starts the
+  coordinator as its own process (``python -m elche.runtime.host``, which
+  never imports torch), spawns one process per rank, shows progress from the
+  coordinator's timeline, and collects the result;
+- inside a launcher (``elche run`` or ``torchrun``: ``RANK``/``WORLD_SIZE``
+  set): this process *is* one rank. The default process group is formed from
+  the environment, global rank 0 starts the coordinator and shares its
+  address over the group, and every process trains.
+
+The result carries the final averaged ``state_dict``, per-epoch metrics and a
+``summary`` with the keys of the ``elche demo --json`` contract.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elche.core.config import CallbackPolicy, CoordinatorConfig, Mode, SchedulerConfig
+from elche.core.errors import ConfigError
+from elche.runtime.host import ADDRESS_LINE, config_to_json, meta_path
+from elche.runtime.transport import SECRET_ENV
+
+__all__ = ["TrainResult", "train"]
+
+# Ranks give up on a silent coordinator after this long (reference: 30 s).
+COORDINATOR_TIMEOUT_S = 30.0
+
+
+@dataclass(slots=True)
+class TrainResult:
+    """What ``train`` returns."""
+
+    state_dict: dict[str, Any]
+    epochs: list[dict[str, object]] = field(default_factory=list)
+    summary: dict[str, object] = field(default_factory=dict)
+    run_dir: str | None = None
+
+
+def train(
+    model_fn: Callable[..., Any],
+    optimizer_fn: Callable[..., Any],
+    step_fn: Callable[..., Any],
+    dataset: Any,
+    *,
+    batch_size: int,
+    epochs: int,
+    mode: str = "cadence",
+    ranks: int | None = None,
+    speeds: Sequence[float] | None = None,
+    devices: Sequence[str] | None = None,
+    max_grad_norm: float | None = None,
+    epoch_fn: Callable[..., Any] | None = None,
+    eval_fn: Callable[..., Any] | None = None,
+    eval_dataset: Any = None,
+    eval_result_fn: Callable[[int, float], None] | None = None,
+    eval_every: int = 1,
+    checkpoint_fn: Callable[..., Any] | None = None,
+    checkpoint_every: int | None = None,
+    metrics_fn: Callable[[dict[str, object]], None] | None = None,
+    save_path: str | None = None,
+    resume_from: str | None = None,
+    callback_rank: str | int = "fastest",
+    scheduler: SchedulerConfig | None = None,
+    easgd_alpha: float | None = None,
+    seed: int = 42,
+    heartbeat_timeout_s: float = 30.0,
+    max_failures: int | None = None,
+    progress: bool = True,
+    run_dir: str | None = None,
+) -> TrainResult:
+    """Train ``model_fn``'s model on ``dataset`` over ``ranks`` unequal workers.
+
+    Args:
+        model_fn: ``model_fn(device) -> nn.Module``; must build identical
+            initial weights on every rank (seed inside it).
+        optimizer_fn: ``optimizer_fn(params) -> torch.optim.Optimizer``.
+        step_fn: ``step_fn(model, batch) -> loss`` (a scalar tensor); the
+            batch is ``default_collate`` of dataset items, moved to the device.
+        dataset: any map-style ``torch.utils.data.Dataset``.
+        batch_size: samples per optimizer step (per rank).
+        epochs: passes over the dataset.
+        mode: ``sync``, ``cadence`` (default), ``cpu-sync``, ``cpu-cadence``
+            or ``cpu-async``.
+        ranks: worker processes; default: one per device in ``devices``, or 1.
+        speeds: testing aid: run rank r at ``speeds[r]`` of its speed (the
+            rank waits ``base × (1/speed − 1)`` after each step, ``base``
+            measured once before training). Never on by default.
+        devices: one device string per rank (default ``cpu``).
+        max_grad_norm: clip gradients to this norm.
+        epoch_fn: ``epoch_fn(epoch, model, optimizer)`` on every rank at the
+            start of each epoch (e.g. to set the learning rate).
+        eval_fn: ``eval_fn(model, eval_dataset) -> float`` on the eval role
+            after every ``eval_every`` epochs and after the last one.
+        eval_dataset: passed to ``eval_fn``.
+        eval_result_fn: ``eval_result_fn(epoch, metric)`` in this process.
+        eval_every: epochs between evals.
+        checkpoint_fn: ``checkpoint_fn(version, model)`` on the checkpoint role.
+        checkpoint_every: epochs between checkpoints (and bundle writes).
+        metrics_fn: called in this process with each finished epoch's metrics.
+        save_path: bundle stem for checkpoints and save-and-shutdown.
+        resume_from: a bundle stem to continue from.
+        callback_rank: ``"fastest"`` or a rank to pin the callbacks on.
+        scheduler: ElChe knobs (anchor, overhead target, guard, ...).
+        easgd_alpha: EASGD blend for ``cpu-async`` (default 0.5).
+        seed: the per-epoch shuffle seed.
+        heartbeat_timeout_s: silence after which a rank is declared dead.
+        max_failures: save and stop after this many ranks died.
+        progress: show a live progress display on stderr.
+        run_dir: where the run's files go (default: a new temp directory).
+
+    Returns:
+        The final model state, per-epoch metrics and the run summary.
+
+    Raises:
+        ConfigError: a bad argument (the message names it and what is accepted).
+        RuntimeError: the run failed to start or a process crashed.
+    """
+    plan = _plan(
+        dataset=dataset, batch_size=batch_size, epochs=epochs, mode=mode, ranks=ranks,
+        speeds=speeds, devices=devices, callback_rank=callback_rank, scheduler=scheduler,
+        easgd_alpha=easgd_alpha, seed=seed, heartbeat_timeout_s=heartbeat_timeout_s,
+        max_failures=max_failures, has_eval=eval_fn is not None, eval_every=eval_every,
+        checkpoint_every=checkpoint_every, save_path=save_path, resume_from=resume_from,
+    )  # fmt: skip
+    from elche.runtime.worker import UserFns
+
+    fns = UserFns(
+        model_fn=model_fn, optimizer_fn=optimizer_fn, step_fn=step_fn, dataset=dataset,
+        eval_fn=eval_fn, eval_dataset=eval_dataset, epoch_fn=epoch_fn,
+        checkpoint_fn=checkpoint_fn,
+    )  # fmt: skip
+    hooks = _Hooks(eval_result_fn=eval_result_fn, metrics_fn=metrics_fn)
+    if plan.config.world_size == 1 and "RANK" not in os.environ:
+        from elche.runtime.solo import train_solo
+
+        return train_solo(plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir)
+    return _train_cluster(
+        plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir, progress=progress
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Hooks:
+    eval_result_fn: Callable[[int, float], None] | None
+    metrics_fn: Callable[[dict[str, object]], None] | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """A validated run: the coordinator config plus per-rank settings."""
+
+    config: CoordinatorConfig
+    speeds: tuple[float, ...]
+    devices: tuple[str, ...]
+    resume_from: str | None
+
+
+def _plan(
+    *,
+    dataset: Any,
+    batch_size: int,
+    epochs: int,
+    mode: str,
+    ranks: int | None,
+    speeds: Sequence[float] | None,
+    devices: Sequence[str] | None,
+    callback_rank: str | int,
+    scheduler: SchedulerConfig | None,
+    easgd_alpha: float | None,
+    seed: int,
+    heartbeat_timeout_s: float,
+    max_failures: int | None,
+    has_eval: bool,
+    eval_every: int,
+    checkpoint_every: int | None,
+    save_path: str | None,
+    resume_from: str | None,
+) -> Plan:
+    try:
+        num_samples = len(dataset)
+    except TypeError:
+        raise ConfigError("dataset", "must be a map-style Dataset with __len__") from None
+    env_world = os.environ.get("WORLD_SIZE")
+    world = _world_size(ranks, speeds, devices, int(env_world) if env_world else None)
+    speeds_t = tuple(float(s) for s in speeds) if speeds is not None else (1.0,) * world
+    for s in speeds_t:
+        if not 0 < s <= 1:
+            raise ConfigError("speeds", f"each speed must be in (0, 1], got {s}")
+    devices_t = tuple(devices) if devices is not None else ("cpu",) * world
+    if isinstance(callback_rank, str):
+        if callback_rank != "fastest":
+            raise ConfigError(
+                "callback_rank", f"must be 'fastest' or a rank, got {callback_rank!r}"
+            )
+        policy, pinned = CallbackPolicy.FASTEST, 0
+    else:
+        policy, pinned = CallbackPolicy.PINNED, callback_rank
+    if resume_from is not None and not meta_path(resume_from).exists():
+        raise ConfigError("resume_from", f"no checkpoint meta at {meta_path(resume_from)}")
+    config = CoordinatorConfig(
+        mode=Mode.parse(mode), world_size=world, num_samples=num_samples,
+        batch_size=batch_size, epochs=epochs, seed=seed,
+        scheduler=scheduler or SchedulerConfig(), heartbeat_timeout_s=heartbeat_timeout_s,
+        max_failures=max_failures, callback_policy=policy, callback_rank=pinned,
+        has_eval_fn=has_eval, eval_every=eval_every, checkpoint_every=checkpoint_every,
+        save_path=save_path, easgd_alpha=easgd_alpha,
+    )  # fmt: skip
+    return Plan(config=config, speeds=speeds_t, devices=devices_t, resume_from=resume_from)
+
+
+def _world_size(
+    ranks: int | None,
+    speeds: Sequence[float] | None,
+    devices: Sequence[str] | None,
+    from_env: int | None,
+) -> int:
+    candidates = {
+        "ranks": ranks,
+        "speeds": None if speeds is None else len(speeds),
+        "devices": None if devices is None else len(devices),
+        "WORLD_SIZE": from_env,
+    }
+    given = {k: v for k, v in candidates.items() if v is not None}
+    if len(set(given.values())) > 1:
+        detail = ", ".join(f"{k}={v}" for k, v in given.items())
+        raise ConfigError("ranks", f"disagreeing world sizes: {detail}")
+    world = next(iter(given.values()), 1)
+    if not isinstance(world, int) or world < 1:
+        raise ConfigError("ranks", f"must be an integer >= 1, got {world!r}")
+    return world
+
+
+# -- several ranks --------------------------------------------------------------
+
+
+def _train_cluster(
+    plan: Plan,
+    fns: Any,
+    hooks: _Hooks,
+    *,
+    max_grad_norm: float | None,
+    run_dir: str | None,
+    progress: bool,
+) -> TrainResult:
+    from elche.runtime.launch import launch_local
+
+    directory = Path(run_dir or tempfile.mkdtemp(prefix="elche-run-"))
+    return launch_local(plan, fns, hooks, directory, max_grad_norm=max_grad_norm, progress=progress)
+
+
+def start_coordinator(
+    config: CoordinatorConfig, run_dir: Path, secret: bytes, resume_from: str | None
+) -> tuple[subprocess.Popen[str], str]:
+    """Start ``python -m elche.runtime.host`` and return it with its address."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "coordinator.json").write_text(config_to_json(config), encoding="utf-8")
+    if resume_from is not None:
+        (run_dir / "resume.meta.json").write_text(
+            meta_path(resume_from).read_text(encoding="utf-8"), encoding="utf-8"
+        )
+    env = dict(os.environ, **{SECRET_ENV: secret.hex()})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elche.runtime.host", str(run_dir)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if not line.startswith(ADDRESS_LINE):
+        proc.kill()
+        raise RuntimeError(f"the coordinator failed to start (said {line!r}); see stderr")
+    return proc, line.split(maxsplit=1)[1]

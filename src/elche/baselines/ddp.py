@@ -1,0 +1,386 @@
+"""The competitor: torch ``DistributedDataParallel`` on the same workload.
+
+Every elche claim is a ratio against this baseline, run on the same machine,
+on the same workload, with the same speed injection (design §1.4, §4). It is
+plain, textbook DDP — nothing here tries to make it slow:
+
+- one spawned process per entry of ``speeds`` (``torch.multiprocessing``,
+  ``spawn``), rendezvous through a ``FileStore`` in a temporary directory (no
+  ports), the gloo backend, one thread per rank;
+- ``DistributedDataParallel`` over the workload's model, a
+  ``DistributedSampler(shuffle=True, seed=seed)`` with ``set_epoch`` every
+  epoch, ``batch_size`` samples **per rank** per step (the DDP convention: the
+  global batch is ``batch_size × world_size``);
+- a rank at speed s measures its solo step once on its first batch
+  (``measure_base_step_s``, before DDP wraps the model) and calls
+  ``Pacer.after_step`` after every optimizer step — exactly elche's rule.
+
+Clocks and the reported numbers
+-------------------------------
+- The parent loads the workload's split once and hands it to every rank
+  (as ``elche.train`` receives datasets), so no rank imports scikit-learn.
+- ``startup_s``: from the parent launching the ranks (after loading the data)
+  to rank 0 starting the training clock — process start, imports, process
+  group, model build, base-step measurement. Two processes are involved, so it is
+  read off ``time.time()``; everything else uses ``time.perf_counter``.
+- ``wall_s``: on rank 0, from a barrier just before the first batch to a
+  barrier just after every rank's last step (and its last injected wait), so
+  the slowest rank's tail counts, as it does for elche's final average.
+- ``idle_s`` of a rank: ``wall − steps × base_s − injected_s``, floored at 0:
+  the time it neither computed (at its solo pace) nor was held back on
+  purpose — waiting in DDP's all-reduce for slower peers, plus communication
+  and data-loading overhead. A rank's compute is taken from its solo step
+  time because under DDP the gradient all-reduce overlaps the backward pass
+  and cannot be timed apart from it.
+- ``final_loss``: the sample-weighted mean training loss of the last epoch
+  over every rank; ``eval_accuracy``: rank 0's ``eval_fn`` on the test split
+  after training, outside ``wall_s``.
+
+Failures: a rank that raises makes the parent terminate the others and raise
+``RuntimeError`` carrying that rank's traceback; a run that exceeds
+``timeout_s`` is terminated and raises ``RuntimeError`` too. Nothing hangs.
+
+CLI: ``python -m elche.baselines.ddp --speeds 1,0.5,0.25 --epochs 5 --json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.multiprocessing.spawn import ProcessContext, ProcessException, start_processes
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from elche.core.errors import ConfigError
+from elche.runtime.pacing import Pacer, check_speed, measure_base_step_s
+
+__all__ = ["GLOO_SOCKET_IFNAME_ENV", "SYSTEM", "WORKLOADS", "main", "run_ddp"]
+
+SYSTEM = "torch-ddp"  # the ``system`` name in benchmark rows (design §6)
+WORKLOADS = ("digits",)
+GLOO_SOCKET_IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # gloo can hang without it locally (design §4)
+DEFAULT_TIMEOUT_S = 300.0  # the whole run; also the process group's collective timeout
+GRACE_S = 1.0  # after a rank fails, the others get this long before SIGTERM: they are
+# usually blocked in a collective that will never complete, so waiting longer buys nothing
+
+JsonDict = dict[str, object]
+
+
+@dataclass(frozen=True, slots=True)
+class _Workload:
+    """The callables one workload module provides (see ``elche.workloads``)."""
+
+    load_split: Callable[[int], tuple[TensorDataset, TensorDataset]]
+    make_model: Callable[[torch.device | str], nn.Module]
+    make_optimizer: Callable[[Iterable[Tensor]], Optimizer]
+    step_fn: Callable[[nn.Module, Sequence[Tensor]], Tensor]
+    eval_fn: Callable[[nn.Module, TensorDataset], float]
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Everything a rank needs, pickled once into every spawned process."""
+
+    speeds: tuple[float, ...]
+    epochs: int
+    batch_size: int
+    seed: int
+    workload: str
+    train_set: TensorDataset
+    test_set: TensorDataset
+    run_dir: str
+    timeout_s: float
+
+
+def run_ddp(
+    *,
+    speeds: Sequence[float],
+    epochs: int,
+    batch_size: int = 32,
+    seed: int = 0,
+    workload: str = "digits",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> JsonDict:
+    """Train ``workload`` with torch DDP, one local process per speed.
+
+    Args:
+        speeds: one entry per rank, each in (0, 1]; rank r runs at speeds[r].
+        epochs: full passes over the training split, ≥ 1.
+        batch_size: samples per rank per step, ≥ 1.
+        seed: the split's and the sampler's seed.
+        workload: a name in ``WORKLOADS``.
+        timeout_s: the most the whole run may take, and the collective timeout.
+
+    Returns:
+        ``{"system", "workload", "speeds", "world_size", "epochs",
+        "batch_size", "wall_s", "startup_s", "samples_per_s", "final_loss",
+        "eval_accuracy", "per_rank": [{"rank", "speed", "samples", "steps",
+        "base_step_s", "injected_s", "idle_s"}]}``; the module docstring
+        defines each clock.
+
+    Raises:
+        ConfigError: a bad ``speeds`` (field ``"speeds"``), ``epochs``,
+            ``batch_size``, ``workload`` or ``timeout_s``; nothing started.
+        RuntimeError: a rank failed (its traceback is in the message) or the
+            run exceeded ``timeout_s``; every rank has been stopped.
+    """
+    plan_speeds = _check_args(speeds, epochs, batch_size, workload, timeout_s)
+    train_set, test_set = _workload(workload).load_split(seed)
+    with tempfile.TemporaryDirectory(prefix="elche-ddp-") as run_dir:
+        plan = _Plan(
+            plan_speeds, epochs, batch_size, seed, workload, train_set, test_set, run_dir, timeout_s
+        )
+        launched_at = time.time()  # wall clock: compared with rank 0's in another process
+        _spawn_ranks(_rank_main, plan, nprocs=len(plan_speeds), timeout_s=timeout_s)
+        reports = [_read_report(Path(run_dir), rank) for rank in range(len(plan_speeds))]
+    return _summarize(plan, reports, launched_at)
+
+
+def _check_args(
+    speeds: Sequence[float], epochs: int, batch_size: int, workload: str, timeout_s: float
+) -> tuple[float, ...]:
+    """Validate ``run_ddp``'s arguments; return the speeds as floats."""
+    if isinstance(speeds, str) or len(speeds) < 1:
+        raise ConfigError("speeds", f"need one speed per rank, got {speeds!r}")
+    for name, value in (("epochs", epochs), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
+    if workload not in WORKLOADS:
+        raise ConfigError("workload", f"must be one of {WORKLOADS}, got {workload!r}")
+    if isinstance(timeout_s, bool) or not 0 < timeout_s < math.inf:
+        raise ConfigError("timeout_s", f"must be finite and > 0 seconds, got {timeout_s!r}")
+    return tuple(check_speed(s) for s in speeds)
+
+
+def _spawn_ranks(
+    fn: Callable[[int, _Plan], None], plan: _Plan, *, nprocs: int, timeout_s: float
+) -> None:
+    """Run ``fn(rank, plan)`` in ``nprocs`` spawned processes; wait for all.
+
+    Raises:
+        RuntimeError: a process raised or died (the others are terminated
+            after ``GRACE_S``), or they were not all done within
+            ``timeout_s`` (all are terminated).
+    """
+    context: ProcessContext = start_processes(  # type: ignore[no-untyped-call]  # untyped in torch
+        fn, args=(plan,), nprocs=nprocs, join=False, start_method="spawn"
+    )
+    deadline_s = time.monotonic() + timeout_s
+    try:
+        while not context.join(
+            timeout=max(deadline_s - time.monotonic(), 0.0), grace_period=GRACE_S
+        ):
+            if time.monotonic() >= deadline_s:
+                raise RuntimeError(f"{SYSTEM}: the run exceeded its {timeout_s:g} s timeout")
+    except ProcessException as exc:
+        raise RuntimeError(f"{SYSTEM}: rank {exc.error_index} failed: {exc}") from exc
+    finally:
+        _stop_all(context.processes)
+
+
+def _stop_all(processes: Sequence[BaseProcess]) -> None:
+    """Terminate (then kill) whatever is still alive; reap everything."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(GRACE_S)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _rank_main(rank: int, plan: _Plan) -> None:
+    """One DDP rank: join the group, train, write ``rank<r>.json``."""
+    torch.set_num_threads(1)  # ranks share a few cores; oversubscription distorts timing
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault(GLOO_SOCKET_IFNAME_ENV, "lo")  # all ranks are local
+    world_size = len(plan.speeds)
+    store = dist.FileStore(str(Path(plan.run_dir) / "store"), world_size)  # type: ignore[attr-defined]  # not re-exported in stubs
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=plan.timeout_s),
+    )
+    try:
+        report = _train(rank, plan)
+    finally:
+        dist.destroy_process_group()
+    path = Path(plan.run_dir) / f"rank{rank}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(report))
+    path.with_suffix(".tmp").replace(path)  # atomic: the parent never reads half a file
+
+
+def _train(rank: int, plan: _Plan) -> JsonDict:
+    """Pace, train and (on rank 0) evaluate; return this rank's report."""
+    work = _workload(plan.workload)
+    train_set, test_set = plan.train_set, plan.test_set
+    model = work.make_model("cpu")
+    optimizer = work.make_optimizer(model.parameters())
+    sampler: DistributedSampler[int] = DistributedSampler(
+        train_set, num_replicas=len(plan.speeds), rank=rank, shuffle=True, seed=plan.seed
+    )
+    loader = DataLoader(train_set, batch_size=plan.batch_size, sampler=sampler)
+    sampler.set_epoch(0)
+    base_s = measure_base_step_s(model, optimizer, work.step_fn, next(iter(loader)))
+    pacer = Pacer(plan.speeds[rank], base_s)
+    ddp_model = DistributedDataParallel(model)  # broadcasts rank 0's (identical) weights
+
+    dist.barrier()
+    started_at = time.time()
+    start_s = time.perf_counter()
+    samples = steps = 0
+    loss_sum = 0.0  # of the current epoch, weighted by batch size
+    for epoch in range(plan.epochs):
+        sampler.set_epoch(epoch)
+        loss_sum, epoch_samples = 0.0, 0
+        for batch in loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss = work.step_fn(ddp_model, batch)
+            loss.backward()  # type: ignore[no-untyped-call]  # torch stub; all-reduce inside
+            optimizer.step()
+            pacer.after_step()
+            num = len(batch[1])
+            loss_sum += float(loss.item()) * num
+            epoch_samples += num
+            steps += 1
+        samples += epoch_samples
+    dist.barrier()
+    wall_s = time.perf_counter() - start_s
+
+    accuracy = work.eval_fn(model, test_set) if rank == 0 else None
+    return {
+        "rank": rank,
+        "speed": plan.speeds[rank],
+        "samples": samples,
+        "steps": steps,
+        "base_step_s": base_s,
+        "injected_s": pacer.injected_s,
+        "idle_s": max(wall_s - steps * base_s - pacer.injected_s, 0.0),
+        "wall_s": wall_s,
+        "started_at": started_at,
+        "last_epoch_loss_sum": loss_sum,
+        "last_epoch_samples": epoch_samples,
+        "eval_accuracy": accuracy,
+    }
+
+
+def _workload(name: str) -> _Workload:
+    """The callables of the workload called ``name``."""
+    if name == "digits":
+        from elche.workloads import digits
+
+        return _Workload(
+            load_split=lambda seed: digits.load_digits_split(seed=seed),
+            make_model=digits.make_model,
+            make_optimizer=digits.make_optimizer,
+            step_fn=digits.step_fn,
+            eval_fn=digits.eval_fn,
+        )
+    raise ConfigError("workload", f"must be one of {WORKLOADS}, got {name!r}")
+
+
+def _read_report(run_dir: Path, rank: int) -> JsonDict:
+    """Load ``rank<r>.json``, or say that the rank left none."""
+    path = run_dir / f"rank{rank}.json"
+    try:
+        report: JsonDict = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise RuntimeError(f"{SYSTEM}: rank {rank} exited without a report") from exc
+    return report
+
+
+def _summarize(plan: _Plan, reports: Sequence[JsonDict], launched_at: float) -> JsonDict:
+    """Merge the per-rank reports into the run's result."""
+    lead = reports[0]
+    wall_s = _num(lead["wall_s"])
+    total_samples = sum(_num(r["samples"]) for r in reports)
+    loss_samples = sum(_num(r["last_epoch_samples"]) for r in reports)
+    loss_sum = sum(_num(r["last_epoch_loss_sum"]) for r in reports)
+    keys = ("rank", "speed", "samples", "steps", "base_step_s", "injected_s", "idle_s")
+    return {
+        "system": SYSTEM,
+        "workload": plan.workload,
+        "speeds": list(plan.speeds),
+        "world_size": len(plan.speeds),
+        "epochs": plan.epochs,
+        "batch_size": plan.batch_size,
+        "wall_s": wall_s,
+        "startup_s": max(_num(lead["started_at"]) - launched_at, 0.0),
+        "samples_per_s": total_samples / wall_s if wall_s > 0 else 0.0,
+        "final_loss": loss_sum / loss_samples if loss_samples else float("nan"),
+        "eval_accuracy": lead["eval_accuracy"],
+        "per_rank": [{key: r[key] for key in keys} for r in reports],
+    }
+
+
+def _num(value: object) -> float:
+    """A JSON number from a rank's report, as a float."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RuntimeError(f"{SYSTEM}: malformed rank report value {value!r}")
+    return float(value)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m elche.baselines.ddp``: run the baseline, print the result.
+
+    Args:
+        argv: the arguments, ``sys.argv[1:]`` when None.
+
+    Returns:
+        The exit status: 0 on success, 2 on a bad argument.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m elche.baselines.ddp", description="torch DDP baseline with speed injection"
+    )
+    parser.add_argument("--speeds", default="1", help="comma-separated, e.g. 1,0.5,0.25")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload", default="digits", choices=WORKLOADS)
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds")
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    args = parser.parse_args(argv)
+    try:
+        speeds = [float(s) for s in str(args.speeds).split(",")]
+        result = run_ddp(
+            speeds=speeds,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            workload=args.workload,
+            timeout_s=args.timeout,
+        )
+    except (ConfigError, ValueError) as exc:
+        parser.error(str(exc))  # exits with status 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>14}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    # Re-import by name, so spawned ranks unpickle ``elche.baselines.ddp._rank_main``
+    # rather than a function of ``__main__``.
+    from elche.baselines.ddp import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,333 @@
+"""Work-weighted parameter averaging on the ranks (Local SGD).
+
+Ranks train independently and, when the coordinator says so, average their
+parameters weighted by the work each did since the last average. This module
+is the rank side of both backends (design §3):
+
+- collective (``sync``, ``cadence``): ``collective_average`` all-reduces over
+  ``torch.distributed`` (gloo on CPU, NCCL on CUDA), every member calling it;
+- coordinator (``cpu-*``): ``snapshot_frames`` uploads a copy of the model as
+  raw frames, the coordinator averages them (``elche.runtime.snapshots``,
+  torch-free), and ``load_average`` loads the result, optionally as an EASGD
+  blend (``cpu-async``).
+
+Theory of operation
+-------------------
+Mass law (floDl core spec §8.1): *pre-scale at the source, sum, divide once
+by the summed mass of the accepted contributions.*
+
+- A rank's parameters weigh ``param_mass(steps, gamma)`` = steps ** gamma
+  (0 if it made no step); its floating-point buffers weigh
+  ``buffer_mass(steps)`` = 1 if it moved, else 0, so buffers (BatchNorm
+  running statistics) are the plain mean over the ranks that moved.
+- Integer buffers (BatchNorm's ``num_batches_tracked``) and non-float
+  parameters are never averaged: they stay local.
+- If no rank carries mass, nothing changes anywhere.
+
+The collective path first all-reduces the pair of masses, so every rank knows
+Σm before it touches a tensor; it then pre-scales by ``m_i / Σm`` (dividing
+the scalar mass once instead of the summed tensor: the same mean, and a
+float16 sum of ``steps * p`` cannot overflow), packs everything of one
+(device, dtype) into one flat buffer and sums it with a single all-reduce.
+float16/bfloat16 are summed in float32 and rounded once. An idle rank joins
+with zeros (not ``0 * p``, which would spread its NaNs).
+
+Divergence (spec §5.1) is ``‖P − Q‖ / ‖Q‖`` over all parameter tensors, with P
+this rank's parameters before the average and Q the consensus, in float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elche.runtime.snapshots import (
+    Frame,
+    Layout,
+    TensorSpec,
+    buffer_mass,
+    param_mass,
+)
+
+__all__ = [
+    "Divergence",
+    "Layout",
+    "buffer_mass",
+    "collective_average",
+    "divergence",
+    "float_buffers",
+    "load_average",
+    "param_mass",
+    "snapshot_frames",
+]
+
+# (divergence, pre_norm, post_norm), as reported in SyncAck.
+Divergence = tuple[float, float, float]
+
+# Below this consensus norm the relative divergence is meaningless (spec §5.1).
+_NORM_FLOOR = 1e-10
+
+
+def _named_float_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
+
+
+def _named_float_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+
+
+def float_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The model's floating-point buffers, in ``model.buffers()`` order.
+
+    Integer buffers such as BatchNorm's ``num_batches_tracked`` are left out:
+    they are counters, never averaged.
+    """
+    return [b for _, b in _named_float_buffers(model)]
+
+
+def divergence(pre: Sequence[torch.Tensor], post: Sequence[torch.Tensor]) -> Divergence:
+    """Relative distance of ``pre`` from ``post`` over all tensors (spec §5.1).
+
+    Args:
+        pre: P, e.g. this rank's parameters before averaging.
+        post: Q, the consensus, same count and shapes (any dtype or device).
+
+    Returns:
+        ``(‖P − Q‖ / ‖Q‖, ‖P‖, ‖Q‖)``: global L2 norms in float64; the ratio is
+        0 when ‖Q‖ <= 1e-10. Empty sequences give ``(0.0, 0.0, 0.0)``.
+
+    Raises:
+        ValueError: Different numbers of tensors, or a pair of different shapes.
+    """
+    if len(pre) != len(post):
+        raise ValueError(f"divergence over {len(pre)} vs {len(post)} tensors")
+    total: torch.Tensor | None = None  # [Σ(p−q)², Σp², Σq²], float64
+    for i, (p, q) in enumerate(zip(pre, post, strict=True)):
+        if p.shape != q.shape:
+            raise ValueError(f"tensor {i}: shape {tuple(p.shape)} vs {tuple(q.shape)}")
+        p64 = p.detach().to(torch.float64)
+        q64 = q.detach().to(device=p.device, dtype=torch.float64)
+        sums = torch.stack([(p64 - q64).square().sum(), p64.square().sum(), q64.square().sum()])
+        total = sums if total is None else total + sums.to(total.device)
+    if total is None:
+        return (0.0, 0.0, 0.0)
+    diff_sq, pre_sq, post_sq = total.tolist()  # the one device sync
+    pre_norm, post_norm = pre_sq**0.5, post_sq**0.5
+    ratio = diff_sq**0.5 / post_norm if post_norm > _NORM_FLOOR else 0.0
+    return (ratio, pre_norm, post_norm)
+
+
+# --- collective backend (spec §8.3) ----------------------------------------------
+
+
+def _reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _weighted_sum(
+    tensors: Sequence[torch.Tensor], factors: Sequence[float], group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
+    """All-reduce Σ_ranks factor·t for every tensor: one collective per (device, dtype).
+
+    Returns views of the reduced flat buffers, shaped like ``tensors``.
+    """
+    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):  # first-appearance order: identical on every rank
+        buckets.setdefault((t.device, _reduce_dtype(t.dtype)), []).append(i)
+    out: list[torch.Tensor] = list(tensors)
+    for (device, dtype), members in buckets.items():
+        flat = torch.empty(sum(tensors[i].numel() for i in members), dtype=dtype, device=device)
+        offset = 0
+        for i in members:
+            t, n = tensors[i], tensors[i].numel()
+            chunk = flat[offset : offset + n]
+            if factors[i] == 0:
+                chunk.zero_()
+            else:
+                chunk.copy_(t.detach().reshape(-1)).mul_(factors[i])
+            out[i] = chunk.view(t.shape)
+            offset += n
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def collective_average(
+    model: nn.Module,
+    steps: int,
+    *,
+    gamma: float = 1.0,
+    group: dist.ProcessGroup | None = None,
+) -> Divergence:
+    """Replace the model's parameters and float buffers by their weighted mean.
+
+    Every member of ``group`` must call this for the same round, idle ones
+    (``steps == 0``) included: they join with mass 0, so their parameters do
+    not count, but they receive the consensus. Issues one all-reduce of the
+    masses, then one per (device, reduce dtype) of the tensors; no collective
+    at all beyond the first if every rank was idle.
+
+    Args:
+        model: The rank's replica; tensors stay on their device (gloo: CPU,
+            NCCL: CUDA).
+        steps: Optimizer steps this rank made since the last average.
+        gamma: Work exponent of the parameter mass.
+        group: Process group to average over; None for the default group.
+
+    Returns:
+        The divergence triple of this rank's parameters before the average
+        against the consensus. If every rank was idle: ``(0.0, n, n)`` with
+        ``n`` the norm of the unchanged parameters.
+
+    Raises:
+        RuntimeError: From ``torch.distributed`` if a collective fails. The
+            model is unchanged (tensors are written only after every
+            collective returned); the round is redone on a new group (the
+            coordinator's ``Regroup``).
+    """
+    params = [p for _, p in _named_float_params(model)]
+    buffers = float_buffers(model)
+    anchor = next(iter(params + buffers), None)
+    device = anchor.device if anchor is not None else torch.device("cpu")
+    p_mass, b_mass = param_mass(steps, gamma), buffer_mass(steps)
+    masses = torch.tensor([p_mass, b_mass], dtype=torch.float64, device=device)
+    dist.all_reduce(masses, op=dist.ReduceOp.SUM, group=group)
+    total_param, total_buffer = masses.tolist()
+    if total_param <= 0:
+        norm = divergence(params, params)[1]
+        return (0.0, norm, norm)
+    # total_buffer > 0 too: a rank has parameter mass exactly when it moved.
+    factors = [p_mass / total_param] * len(params) + [b_mass / total_buffer] * len(buffers)
+    reduced = _weighted_sum(params + buffers, factors, group)
+    post = [r.to(p.dtype) for r, p in zip(reduced, params, strict=False)]
+    result = divergence(params, post)
+    with torch.no_grad():
+        for t, new in zip(params + buffers, post + reduced[len(params) :], strict=True):
+            t.copy_(new)
+    return result
+
+
+# --- coordinator backend, rank side (spec §8.2, §8.4) ----------------------------
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _layout_of(named: list[tuple[str, torch.Tensor]], num_params: int) -> Layout:
+    specs = tuple(
+        TensorSpec(name=n, dtype=_dtype_name(t.dtype), shape=tuple(t.shape)) for n, t in named
+    )
+    return Layout(tensors=specs, num_params=num_params)
+
+
+def snapshot_frames(model: nn.Module) -> tuple[Layout, list[memoryview]]:
+    """Copy the model's float parameters, then float buffers, to CPU frames.
+
+    Each frame is a byte ``memoryview`` over a private contiguous CPU copy
+    (it keeps the copy alive), ready for a zero-copy send; training may go on
+    while it is in flight.
+
+    Returns:
+        The ``Layout`` describing the frames, and the frames.
+
+    Raises:
+        ValueError: A tensor's dtype is not one the coordinator averages
+            (float16, bfloat16, float32, float64).
+    """
+    params, buffers = _named_float_params(model), _named_float_buffers(model)
+    layout = _layout_of(params + buffers, len(params))
+    frames = []
+    for _, t in params + buffers:
+        host = t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+        frames.append(host.reshape(-1).view(torch.uint8).numpy().data)
+    return layout, frames
+
+
+def _frame_tensor(spec: TensorSpec, frame: Frame) -> torch.Tensor:
+    dtype = getattr(torch, spec.dtype)
+    if spec.numel == 0:
+        return torch.empty(spec.shape, dtype=dtype)
+    # bytearray: a private writable copy (torch warns on read-only buffers).
+    return torch.frombuffer(bytearray(frame), dtype=dtype).view(spec.shape)
+
+
+def _check_alpha(label: str, alpha: float | None) -> None:
+    if alpha is not None and not 0 <= alpha <= 1:
+        raise ValueError(f"{label} must be None or in [0, 1], got {alpha!r}")
+
+
+def load_average(
+    model: nn.Module,
+    frames: Sequence[Frame],
+    layout: Layout,
+    *,
+    alpha: float | None,
+    buffers_alpha: float | None = None,
+    sent: Sequence[Frame] | None = None,
+) -> Divergence:
+    """Load the coordinator's average into the model.
+
+    Parameters: ``alpha`` None overwrites them with the average; a float α
+    blends, ``p ← p + α·(avg − p)`` (EASGD, spec §8.4), keeping the progress
+    the rank made while the average was in flight. Float buffers are
+    overwritten, or blended with ``buffers_alpha`` if given. Integer buffers
+    are left alone.
+
+    The divergence is measured between P = the snapshot this rank sent
+    (``sent``; if None, the model's parameters just before loading, which is
+    the same thing when the rank did not train in between) and Q = the
+    averaged parameters as received, not the blend.
+
+    Args:
+        model: The rank's replica.
+        frames: The averaged frames, in ``layout`` order.
+        layout: The layout this rank uploaded (from ``snapshot_frames``).
+        alpha: EASGD blend weight for parameters, or None to overwrite.
+        buffers_alpha: Blend weight for float buffers, or None to overwrite.
+        sent: The frames this rank uploaded for this round.
+
+    Returns:
+        The divergence triple ``(‖P − Q‖ / ‖Q‖, ‖P‖, ‖Q‖)``.
+
+    Raises:
+        ValueError: An alpha outside [0, 1], ``layout`` not describing this
+            model, or frames (or ``sent``) not matching ``layout``. Checked
+            before anything is written: the model is unchanged.
+    """
+    _check_alpha("alpha", alpha)
+    _check_alpha("buffers_alpha", buffers_alpha)
+    params, buffers = _named_float_params(model), _named_float_buffers(model)
+    mine = _layout_of(params + buffers, len(params))
+    if mine != layout:
+        raise ValueError(f"layout does not describe this model: {_first_difference(mine, layout)}")
+    layout.check(frames)
+    if sent is not None:
+        layout.check(sent)
+    n = layout.num_params
+    average = [_frame_tensor(s, f) for s, f in zip(layout.tensors, frames, strict=True)]
+    if sent is None:
+        pre = [p for _, p in params]
+    else:
+        pre = [_frame_tensor(s, f) for s, f in zip(layout.tensors[:n], sent[:n], strict=True)]
+    result = divergence(pre, average[:n])
+    with torch.no_grad():
+        for i, ((_, t), avg) in enumerate(zip(params + buffers, average, strict=True)):
+            rate = alpha if i < n else buffers_alpha
+            src = avg.to(t.device)
+            if rate is None:
+                t.copy_(src)
+            else:
+                t.lerp_(src, rate)
+    return result
+
+
+def _first_difference(mine: Layout, theirs: Layout) -> str:
+    for a, b in zip(mine.tensors, theirs.tensors, strict=False):
+        if a != b:
+            return f"model has {a}, layout has {b}"
+    if mine.num_params != theirs.num_params:
+        return f"model has {mine.num_params} parameters, layout {theirs.num_params}"
+    return f"model has {len(mine.tensors)} tensors, layout {len(theirs.tensors)}"

@@ -1,0 +1,335 @@
+"""The coordinator process: the IO shell around ``elche.core.Coordinator``.
+
+Theory of operation. One loop, one thread: wait on the ROUTER socket until the
+next timer deadline, turn what arrived into core events (``Joined`` ->
+``RankJoined``, ``Received`` -> ``MessageReceived``, ``Rejected`` ->
+``FrameRejected``), feed them with the monotonic time, and execute the
+commands the core returns. Averaging for the coordinator backends happens
+here, on numpy (``elche.runtime.snapshots``); this process never imports
+torch, so it starts in a fraction of a second.
+
+Run it as ``python -m elche.runtime.host RUN_DIR``: it reads
+``RUN_DIR/coordinator.json`` (the config), binds, prints one line
+``ELCHE_COORDINATOR <address>`` on stdout for the launcher, and writes
+``RUN_DIR/summary.json``, ``RUN_DIR/timeline.jsonl`` and, on save, the meta
+sidecar. The run secret comes from ``ELCHE_SECRET``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import msgspec
+
+from elche.core import messages as m
+from elche.core.checkpoint import CheckpointMeta
+from elche.core.commands import (
+    ArmTimer,
+    AverageSnapshots,
+    Broadcast,
+    Command,
+    Emit,
+    Finish,
+    Notice,
+    Send,
+    WriteMeta,
+)
+from elche.core.config import CoordinatorConfig, Mode, SchedulerConfig
+from elche.core.coordinator import Coordinator
+from elche.core.events import (
+    AverageComputed,
+    Event,
+    FrameRejected,
+    MessageReceived,
+    RankJoined,
+    Started,
+    TimerFired,
+)
+from elche.core.guards import GuardKind
+from elche.runtime.snapshots import Layout, SnapshotAverager
+from elche.runtime.transport import (
+    SECRET_ENV,
+    CoordinatorEndpoint,
+    Joined,
+    Received,
+    Rejected,
+    secret_from_env,
+)
+
+__all__ = ["ADDRESS_LINE", "Host", "config_from_json", "config_to_json", "main", "meta_path"]
+
+ADDRESS_LINE = "ELCHE_COORDINATOR"
+# The loop never sleeps longer than this, so a lost timer costs at most this.
+MAX_WAIT_S = 0.5
+
+
+def meta_path(stem: str) -> Path:
+    """Where the meta sidecar of bundle ``stem`` lives."""
+    return Path(f"{stem}.meta.json")
+
+
+@dataclass(slots=True)
+class _Stats:
+    """What the host measures for the run summary."""
+
+    first_dispatch_s: float | None = None
+    last_average_s: float | None = None
+    final_loss: float | None = None
+    eval_metric: float | None = None
+    eval_epoch: int = -1
+    notices: list[str] = field(default_factory=list)
+
+
+class Host:
+    """Runs one coordinator over a ``CoordinatorEndpoint`` until it finishes.
+
+    Args:
+        config: the run's configuration.
+        endpoint: the bound control plane.
+        run_dir: where the summary and timeline go.
+        resume: a meta to continue from.
+        log: where notices are printed.
+    """
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        endpoint: CoordinatorEndpoint,
+        run_dir: Path,
+        *,
+        resume: CheckpointMeta | None = None,
+        log: TextIO = sys.stderr,
+    ) -> None:
+        self.core = Coordinator(config, resume=resume)
+        self.endpoint = endpoint
+        self.run_dir = run_dir
+        self.log = log
+        self.stats = _Stats()
+        self.finish: Finish | None = None
+        self._deadline = math.inf
+        self._started = time.monotonic()
+        self._snapshots: dict[int, tuple[Layout, list[bytes | memoryview]]] = {}
+        self._update: tuple[int, list[bytes | memoryview]] | None = None
+        self._timeline = (run_dir / "timeline.jsonl").open("a", encoding="utf-8")
+
+    def run(self) -> Finish:
+        """Serve until the core says ``Finish``; returns it."""
+        try:
+            self._feed(Started())
+            while self.finish is None:
+                now = time.monotonic()
+                wait = min(max(self._deadline - now, 0.0), MAX_WAIT_S)
+                for inbound in self.endpoint.poll(wait):
+                    self._feed(self._event(inbound))
+                    if self.finish is not None:
+                        break
+                if self.finish is None and time.monotonic() >= self._deadline:
+                    self._deadline = math.inf
+                    self._feed(TimerFired())
+        finally:
+            self._timeline.close()
+        self._write_summary()
+        return self.finish
+
+    def _event(self, inbound: Joined | Received | Rejected) -> Event:
+        match inbound:
+            case Joined(rank=rank, host=host):
+                return RankJoined(rank=rank, host=host)
+            case Received(rank=rank, message=message, payload=payload):
+                if isinstance(message, m.SnapshotReady) and payload:
+                    self._stash_snapshot(rank, payload)
+                return MessageReceived(rank=rank, message=message)
+            case Rejected(reason=reason, rank=rank):
+                return FrameRejected(reason=reason, rank=rank)
+
+    def _stash_snapshot(self, rank: int, payload: Sequence[bytes | memoryview]) -> None:
+        try:
+            layout = msgspec.msgpack.decode(bytes(payload[0]), type=Layout)
+        except (msgspec.DecodeError, ValueError) as exc:
+            self._print("warning", f"rank {rank} sent an unreadable snapshot layout: {exc}")
+            return
+        self._snapshots[rank] = (layout, list(payload[1:]))
+
+    def _feed(self, event: Event) -> None:
+        for command in self.core.handle(event, time.monotonic()):
+            self._execute(command)
+
+    def _execute(self, command: Command) -> None:
+        match command:
+            case Send(rank=rank, message=message):
+                self._send(rank, message)
+            case Broadcast(ranks=ranks, message=message):
+                failed = self.endpoint.broadcast(ranks, message)
+                if failed and not isinstance(message, m.Shutdown | m.CoordHeartbeat):
+                    self._print("warning", f"{type(message).__name__} did not reach {failed}")
+            case ArmTimer(deadline_s=deadline):
+                self._deadline = deadline
+            case AverageSnapshots(cycle=cycle, param_mass=param_mass, buffer_mass=buffer_mass):
+                self._average(cycle, dict(param_mass), dict(buffer_mass))
+            case WriteMeta(stem=stem, meta=meta):
+                _write_atomic(meta_path(stem), meta.to_json())
+            case Notice(level=level, text=text):
+                self._print(level, text)
+            case Emit(kind=kind, fields=fields):
+                self._record(kind, dict(fields))
+            case Finish():
+                self.finish = command
+
+    def _send(self, rank: int, message: m.CoordMessage) -> None:
+        payload: Sequence[bytes | memoryview] = ()
+        if isinstance(message, m.Update) and self._update is not None:
+            payload = self._update[1]
+        if isinstance(message, m.AssignChunk) and self.stats.first_dispatch_s is None:
+            self.stats.first_dispatch_s = time.monotonic()
+        try:
+            self.endpoint.send(rank, message, payload)
+        except Exception as exc:  # a rank that is gone shows up as RankLost later
+            self._print("warning", f"could not send {type(message).__name__} to rank {rank}: {exc}")
+
+    def _average(
+        self, cycle: int, param_mass: dict[int, float], buffer_mass: dict[int, float]
+    ) -> None:
+        """Average the round's snapshots; the ranks get it with their ``Update``."""
+        frames: list[bytes | memoryview] = []
+        layout: Layout | None = None
+        averager: SnapshotAverager | None = None
+        for rank, mass in sorted(param_mass.items()):
+            stashed = self._snapshots.pop(rank, None)
+            if stashed is None:
+                continue
+            layout = stashed[0] if layout is None else layout
+            averager = averager or SnapshotAverager(layout)
+            try:
+                averager.add(mass, stashed[1], buffer_mass=buffer_mass.get(rank, 0.0))
+            except ValueError as exc:
+                self._print("warning", f"snapshot of rank {rank} left out of round {cycle}: {exc}")
+        result = averager.result() if averager is not None else None
+        if result is not None and layout is not None:
+            frames = [msgspec.msgpack.encode(layout), *result]
+        self._update = (cycle, frames)
+        self._snapshots.clear()
+        self._feed(AverageComputed(cycle=cycle))
+
+    def _record(self, kind: str, fields: dict[str, object]) -> None:
+        now = time.monotonic()
+        if kind == "SyncEnd":
+            self.stats.last_average_s = now
+        elif kind == "EpochEnd" and fields.get("loss") is not None:
+            self.stats.final_loss = float(fields["loss"])  # type: ignore[arg-type]  # JSON scalar
+        elif kind == "Eval":
+            epoch = int(fields.get("epoch", -1))  # type: ignore[call-overload]  # JSON scalar
+            if epoch >= self.stats.eval_epoch:
+                self.stats.eval_epoch = epoch
+                self.stats.eval_metric = float(fields["metric"])  # type: ignore[arg-type]  # JSON scalar
+        record = {"t": round(now - self._started, 6), "kind": kind, **fields}
+        self._timeline.write(json.dumps(record) + "\n")
+
+    def _print(self, level: str, text: str) -> None:
+        self.stats.notices.append(f"{level}: {text}")
+        print(f"elche coordinator [{level}] {text}", file=self.log, flush=True)
+
+    def _write_summary(self) -> None:
+        core = self.core
+        finish = self.finish
+        assert finish is not None
+        first = self.stats.first_dispatch_s
+        last = self.stats.last_average_s
+        wall_s = (last - first) if first is not None and last is not None else 0.0
+        done = core.epochs_completed
+        lost = sum(
+            pool.total - pool.committed() for epoch, pool in core.work.pools.items() if epoch < done
+        )
+        summary = {
+            "mode": core.config.mode.value,
+            "world_size": core.config.world_size,
+            "epochs_completed": done,
+            "wall_s": round(wall_s, 4),
+            "first_dispatch_monotonic": first,
+            "samples_trained": sum(core.work.samples_committed),
+            "final_loss": self.stats.final_loss,
+            "eval_accuracy": self.stats.eval_metric,
+            "syncs": core.sync_round,
+            "lost_samples": lost,
+            "dead_ranks": sorted(core.dead_ranks),
+            "outcome": finish.outcome,
+            "reason": finish.reason,
+            "rejected_frames": core.rejected_frames,
+            "anchor": core.elche.anchor,
+            "samples_per_rank": list(core.work.samples_committed),
+            "notices": self.stats.notices,
+        }
+        _write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def config_to_json(config: CoordinatorConfig) -> str:
+    """Serialise a coordinator config for the host process."""
+    doc = {
+        field_name: getattr(config, field_name)
+        for field_name in config.__dataclass_fields__
+        if field_name not in ("mode", "scheduler", "callback_policy")
+    }
+    doc["mode"] = config.mode.value
+    doc["callback_policy"] = config.callback_policy.value
+    sched = config.scheduler
+    doc["scheduler"] = {
+        name: getattr(sched, name) for name in sched.__dataclass_fields__ if name != "guard"
+    }
+    doc["scheduler"]["guard"] = sched.guard.value
+    return json.dumps(doc)
+
+
+def config_from_json(text: str) -> CoordinatorConfig:
+    """Inverse of ``config_to_json``; validation happens in the dataclasses."""
+    from elche.core.config import CallbackPolicy
+
+    doc = json.loads(text)
+    sched = dict(doc.pop("scheduler"))
+    sched["guard"] = GuardKind(sched["guard"])
+    doc["mode"] = Mode.parse(doc["mode"])
+    doc["callback_policy"] = CallbackPolicy(doc["callback_policy"])
+    return CoordinatorConfig(scheduler=SchedulerConfig(**sched), **doc)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the coordinator process."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m elche.runtime.host RUN_DIR", file=sys.stderr)
+        return 2
+    run_dir = Path(args[0])
+    config = config_from_json((run_dir / "coordinator.json").read_text(encoding="utf-8"))
+    resume_file = run_dir / "resume.meta.json"
+    resume = (
+        CheckpointMeta.from_json(resume_file.read_text(encoding="utf-8"))
+        if resume_file.exists()
+        else None
+    )
+    bind = os.environ.get("ELCHE_BIND", "tcp://127.0.0.1:0")
+    endpoint = CoordinatorEndpoint(
+        world_size=config.world_size, secret=secret_from_env(os.environ), bind=bind
+    )
+    if SECRET_ENV not in os.environ:
+        print("elche coordinator: no ELCHE_SECRET given; generated one", file=sys.stderr)
+    print(f"{ADDRESS_LINE} {endpoint.address}", flush=True)
+    with endpoint:
+        finish = Host(config, endpoint, run_dir, resume=resume).run()
+    return 0 if finish.outcome == "completed" else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Launching a local run: the coordinator process plus one process per rank.
+
+Theory of operation. ``launch_local`` starts the coordinator (its own
+process, no torch), then spawns the ranks with the ``spawn`` start method (so
+the user's functions must be importable, top-level callables and the script
+must guard its entry with ``if __name__ == "__main__":``). While the run goes
+on it follows the coordinator's timeline to drive the progress display and
+the user's ``eval_result_fn``/``metrics_fn``, and it watches the children: a
+rank that exits early is reported; the coordinator's heartbeat timeout decides
+what that means for the run. When the coordinator exits, the ranks get a grace
+period to finish, then are stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from elche.runtime.transport import new_secret
+
+if TYPE_CHECKING:
+    from elche.api import Plan, TrainResult, _Hooks
+    from elche.runtime.worker import UserFns
+
+__all__ = ["launch_local", "read_timeline"]
+
+# Ranks normally exit within a few hundred ms of the coordinator's Shutdown.
+RANK_EXIT_GRACE_S = 30.0
+# How often the launcher looks at its children and the timeline.
+SUPERVISE_EVERY_S = 0.1
+
+
+def _rank_process(spec: Any, fns: Any, batch_size: int) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["ELCHE_RANK"] = str(spec.rank)  # lets user callbacks know where they run
+    from elche.runtime.worker import run_rank
+
+    try:
+        run_rank(spec, fns, batch_size)
+    except BaseException:
+        text = traceback.format_exc()
+        (Path(spec.run_dir) / f"rank{spec.rank}.error").write_text(text)
+        print(f"elche rank {spec.rank} failed:\n{text}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+class _Timeline:
+    """Follows ``timeline.jsonl`` as the coordinator appends to it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.buffer = ""
+
+    def new_records(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with self.path.open(encoding="utf-8") as fh:
+            fh.seek(self.offset)
+            chunk = fh.read()
+            self.offset = fh.tell()
+        self.buffer += chunk
+        lines = self.buffer.split("\n")
+        self.buffer = lines.pop()
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def read_timeline(run_dir: Path) -> list[dict[str, Any]]:
+    """Every timeline record of a finished run."""
+    return _Timeline(run_dir / "timeline.jsonl").new_records()
+
+
+def launch_local(
+    plan: Plan,
+    fns: UserFns,
+    hooks: _Hooks,
+    run_dir: Path,
+    *,
+    max_grad_norm: float | None,
+    progress: bool,
+) -> TrainResult:
+    """Run ``plan`` with one local process per rank; see ``elche.train``."""
+    from elche.api import start_coordinator
+    from elche.runtime.worker import RankSpec
+
+    t0 = time.monotonic()
+    cfg = plan.config
+    secret = new_secret()
+    host, address = start_coordinator(cfg, run_dir, secret, plan.resume_from)
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in range(cfg.world_size):
+        spec = RankSpec(
+            rank=rank, world_size=cfg.world_size, address=address, secret_hex=secret.hex(),
+            run_dir=str(run_dir), mode=cfg.mode.value, seed=cfg.seed, speed=plan.speeds[rank],
+            device=plan.devices[rank], gamma=cfg.scheduler.gamma, max_grad_norm=max_grad_norm,
+            save_path=cfg.save_path, resume_from=plan.resume_from,
+            coordinator_timeout_s=max(cfg.heartbeat_timeout_s, 10.0),
+        )  # fmt: skip
+        proc = ctx.Process(
+            target=_rank_process, args=(spec, fns, cfg.batch_size), name=f"elche-rank{rank}"
+        )
+        proc.start()
+        procs.append(proc)
+    timeline = _Timeline(run_dir / "timeline.jsonl")
+    epochs: list[dict[str, object]] = []
+    display = _Progress(cfg.epochs, enabled=progress)
+    reported: set[int] = set()
+    try:
+        while host.poll() is None:
+            time.sleep(SUPERVISE_EVERY_S)  # supervision cadence, not synchronisation
+            for record in timeline.new_records():
+                _on_record(record, epochs, hooks, display)
+            for rank, proc in enumerate(procs):
+                if proc.exitcode not in (None, 0) and rank not in reported:
+                    reported.add(rank)
+                    print(
+                        f"elche: rank {rank} exited with code {proc.exitcode}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    finally:
+        display.close()
+        deadline = time.monotonic() + RANK_EXIT_GRACE_S
+        for proc in procs:
+            proc.join(timeout=max(deadline - time.monotonic(), 0.1))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        if host.poll() is None:
+            host.kill()
+    for record in timeline.new_records():
+        _on_record(record, epochs, hooks, display)
+    return _collect(plan, run_dir, t0, epochs)
+
+
+class _Progress:
+    """A rich progress bar over epochs, on stderr."""
+
+    def __init__(self, epochs: int, *, enabled: bool) -> None:
+        self.bar: Any = None
+        if not enabled:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(
+            TextColumn("[bold]elche[/bold] {task.description}"),
+            BarColumn(),
+            TextColumn("epoch {task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=False,
+        )
+        self.task = self.bar.add_task("training", total=epochs)
+        self.bar.start()
+
+    def update(self, *, epochs_done: int | None = None, description: str | None = None) -> None:
+        if self.bar is None:
+            return
+        if epochs_done is not None:
+            self.bar.update(self.task, completed=epochs_done)
+        if description is not None:
+            self.bar.update(self.task, description=description)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+def _on_record(
+    record: dict[str, Any],
+    epochs: list[dict[str, object]],
+    hooks: _Hooks,
+    display: _Progress,
+) -> None:
+    kind = record.get("kind")
+    if kind == "EpochEnd":
+        entry = {
+            "epoch": record["epoch"],
+            "loss": record.get("loss"),
+            "syncs": record.get("sync_round"),
+        }
+        epochs.append(entry)
+        loss = entry["loss"]
+        text = f"loss {loss:.4f}" if isinstance(loss, float) else "training"
+        display.update(epochs_done=int(record["epoch"]) + 1, description=text)
+        if hooks.metrics_fn is not None:
+            hooks.metrics_fn(entry)
+    elif kind == "Eval":
+        for entry in epochs:
+            if entry["epoch"] == int(record["epoch"]) - 1:
+                entry["eval"] = record["metric"]
+        if hooks.eval_result_fn is not None:
+            hooks.eval_result_fn(int(record["epoch"]), float(record["metric"]))
+    elif kind == "RankLost":
+        display.update(description=f"rank {record['rank']} lost")
+
+
+def _collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]]) -> TrainResult:
+    import torch
+
+    from elche.api import TrainResult
+
+    summary_file = run_dir / "summary.json"
+    if not summary_file.exists():
+        raise RuntimeError(f"the coordinator exited without a summary; see {run_dir}")
+    host = json.loads(summary_file.read_text(encoding="utf-8"))
+    ranks = {}
+    for rank in range(plan.config.world_size):
+        report = run_dir / f"rank{rank}.json"
+        if report.exists():
+            ranks[rank] = json.loads(report.read_text(encoding="utf-8"))
+    first = host.get("first_dispatch_monotonic")
+    wall_s = float(host["wall_s"])
+    trained = int(host["samples_trained"])
+    summary: dict[str, object] = {
+        "mode": host["mode"],
+        "world_size": host["world_size"],
+        "epochs_completed": host["epochs_completed"],
+        "wall_s": wall_s,
+        "startup_s": round(first - t0, 4) if first is not None else None,
+        "samples_per_s": round(trained / wall_s, 2) if wall_s > 0 else 0.0,
+        "final_loss": host["final_loss"],
+        "eval_accuracy": host["eval_accuracy"],
+        "syncs": host["syncs"],
+        "lost_samples": host["lost_samples"],
+        "dead_ranks": host["dead_ranks"],
+        "outcome": host["outcome"],
+        "reason": host["reason"],
+        "per_rank": [
+            {
+                "rank": rank,
+                "speed": plan.speeds[rank],
+                "samples": host["samples_per_rank"][rank],
+                "idle_s": ranks.get(rank, {}).get("idle_s"),
+            }
+            for rank in range(plan.config.world_size)
+        ],
+    }
+    model_file = run_dir / "final_model.pt"
+    state = torch.load(model_file, map_location="cpu") if model_file.exists() else {}
+    return TrainResult(state_dict=state, epochs=epochs, summary=summary, run_dir=str(run_dir))

@@ -1,0 +1,156 @@
+"""One rank: the same API and semantics in-process, with no coordinator.
+
+The epoch order is the same seeded permutation the cluster uses, ``epoch_fn``
+runs at the start of each epoch, evals run after every ``eval_every`` epochs
+and after the last, and a resumed run trains only the samples its bundle lists
+as still to do.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.data import default_collate
+
+from elche.core.checkpoint import CheckpointMeta
+from elche.core.dispatch import epoch_permutation
+from elche.runtime.host import meta_path
+from elche.runtime.pacing import Pacer, measure_base_step_s
+from elche.runtime.worker import UserFns, to_device
+
+if TYPE_CHECKING:
+    from elche.api import Plan, TrainResult, _Hooks
+
+__all__ = ["train_solo"]
+
+
+@dataclass(slots=True)
+class _Solo:
+    """The state of an in-process run."""
+
+    plan: Plan
+    fns: UserFns
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    max_grad_norm: float | None
+    pacer: Pacer | None = None
+    trained: int = 0
+    first_step_s: float | None = None
+    eval_metric: float | None = None
+    epochs: list[dict[str, object]] = field(default_factory=list)
+
+    def batch(self, perm: list[int], positions: range) -> Any:
+        collate = self.fns.collate_fn or default_collate
+        return to_device(collate([self.fns.dataset[perm[i]] for i in positions]), self.device)
+
+    def train_epoch(self, epoch: int, spans: Sequence[tuple[int, int]]) -> float | None:
+        cfg = self.plan.config
+        perm = epoch_permutation(cfg.num_samples, seed=cfg.seed, epoch=epoch)
+        losses: list[float] = []
+        for offset, size in spans:
+            for start in range(offset, offset + size, cfg.batch_size):
+                self.first_step_s = self.first_step_s or time.monotonic()
+                stop = min(start + cfg.batch_size, offset + size)
+                value = self.step(self.batch(perm, range(start, stop)))
+                if math.isfinite(value):
+                    losses.append(value)
+                self.trained += stop - start
+        return sum(losses) / len(losses) if losses else None
+
+    def step(self, batch: Any) -> float:
+        loss = self.fns.step_fn(self.model, batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        if self.pacer is not None:
+            self.pacer.after_step()
+        return float(loss.detach())
+
+    def after_epoch(self, epoch: int, loss: float | None, hooks: _Hooks) -> None:
+        cfg = self.plan.config
+        record: dict[str, object] = {"epoch": epoch, "loss": loss}
+        done = epoch + 1
+        if self.fns.eval_fn is not None and (done % cfg.eval_every == 0 or done == cfg.epochs):
+            self.model.eval()
+            with torch.no_grad():
+                self.eval_metric = float(self.fns.eval_fn(self.model, self.fns.eval_dataset))
+            self.model.train()
+            record["eval"] = self.eval_metric
+            if hooks.eval_result_fn is not None:
+                hooks.eval_result_fn(done, self.eval_metric)
+        every = cfg.checkpoint_every
+        if self.fns.checkpoint_fn is not None and every and done % every == 0:
+            self.fns.checkpoint_fn(done, self.model)
+        self.epochs.append(record)
+        if hooks.metrics_fn is not None:
+            hooks.metrics_fn(record)
+
+
+def train_solo(
+    plan: Plan,
+    fns: UserFns,
+    hooks: _Hooks,
+    *,
+    max_grad_norm: float | None,
+    run_dir: str | None,
+) -> TrainResult:
+    """Train on one device in this process; see ``elche.train``."""
+    from elche.api import TrainResult
+
+    t0 = time.monotonic()
+    cfg = plan.config
+    device = torch.device(plan.devices[0])
+    model = fns.model_fn(device)
+    solo = _Solo(plan, fns, model, fns.optimizer_fn(model.parameters()), device, max_grad_norm)
+    start_epoch, holes = _resume(solo, plan.resume_from)
+    if plan.speeds[0] < 1.0:
+        first = solo.batch(epoch_permutation(cfg.num_samples, seed=cfg.seed, epoch=0), range(1))
+        base_s = measure_base_step_s(model, solo.optimizer, fns.step_fn, first)
+        solo.pacer = Pacer(plan.speeds[0], base_s)
+    for epoch in range(start_epoch, cfg.epochs):
+        if fns.epoch_fn is not None:
+            fns.epoch_fn(epoch, model, solo.optimizer)
+        loss = solo.train_epoch(epoch, holes.get(epoch, ((0, cfg.num_samples),)))
+        solo.after_epoch(epoch, loss, hooks)
+    end = time.monotonic()
+    first_step = solo.first_step_s or end
+    wall_s = end - first_step
+    summary: dict[str, object] = {
+        "mode": cfg.mode.value,
+        "world_size": 1,
+        "epochs_completed": cfg.epochs,
+        "wall_s": round(wall_s, 4),
+        "startup_s": round(first_step - t0, 4),
+        "samples_per_s": round(solo.trained / wall_s, 2) if wall_s > 0 else 0.0,
+        "final_loss": solo.epochs[-1]["loss"] if solo.epochs else None,
+        "eval_accuracy": solo.eval_metric,
+        "syncs": 0,
+        "lost_samples": 0,
+        "dead_ranks": [],
+        "outcome": "completed",
+        "per_rank": [{"rank": 0, "speed": plan.speeds[0], "samples": solo.trained, "idle_s": 0.0}],
+    }
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return TrainResult(state_dict=state, epochs=solo.epochs, summary=summary, run_dir=run_dir)
+
+
+def _resume(solo: _Solo, stem: str | None) -> tuple[int, dict[int, tuple[tuple[int, int], ...]]]:
+    """Load a bundle; returns the epoch to start at and the holes to train."""
+    if stem is None:
+        return 0, {}
+    meta = CheckpointMeta.from_json(meta_path(stem).read_text(encoding="utf-8"))
+    solo.model.load_state_dict(torch.load(f"{stem}.model.pt", map_location=solo.device))
+    optim_file = Path(f"{stem}.rank0.optim.pt")
+    if optim_file.exists():
+        solo.optimizer.load_state_dict(torch.load(optim_file, map_location=solo.device))
+    return meta.epoch, {c.epoch: c.uncovered for c in meta.coverage}

@@ -1,0 +1,460 @@
+"""The rank worker: trains what the coordinator assigns, averages when told.
+
+Theory of operation. One process per rank, one training thread plus the IO
+bridge (``elche.runtime.bridge``). Between steps the worker drains control
+messages, then does the first thing that applies:
+
+1. a pending averaging request: join the collective (``SyncNow``) or upload
+   a snapshot (``RequestParams``; sync and cadence then hold for ``Update``);
+2. a pending callback (``RunEval``, ``RunCheckpoint``);
+3. nothing, if the step budget since the last average is spent (hold);
+4. the next batch of its current chunk;
+5. otherwise wait for the next message.
+
+A batch is the positions ``[offset, offset + size)`` of the epoch's seeded
+permutation, mapped to dataset indices; every step is reported with
+``BatchDone`` (compute time including the injected speed wait, and loss).
+``epoch_fn`` runs on every rank when it starts a new epoch, so a learning-rate
+schedule stays the same everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import default_collate
+
+from elche.core import messages as m
+from elche.core.config import Backend, Mode, Policy
+from elche.core.dispatch import epoch_permutation
+from elche.runtime.averaging import collective_average, load_average, snapshot_frames
+from elche.runtime.bridge import Bridge, CoordinatorLost
+from elche.runtime.pacing import Pacer, measure_base_step_s
+from elche.runtime.snapshots import Layout
+from elche.runtime.transport import RankEndpoint
+
+__all__ = ["RankSpec", "UserFns", "Worker", "run_rank", "to_device"]
+
+StepFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UserFns:
+    """The user's side of a run; every callable must be picklable (top level)."""
+
+    model_fn: Callable[[torch.device], nn.Module]
+    optimizer_fn: Callable[[Any], torch.optim.Optimizer]
+    step_fn: StepFn
+    dataset: Any
+    eval_fn: Callable[[nn.Module, Any], float] | None = None
+    eval_dataset: Any = None
+    epoch_fn: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None
+    checkpoint_fn: Callable[[int, nn.Module], None] | None = None
+    collate_fn: Callable[[list[Any]], Any] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankSpec:
+    """What one rank process needs to join a run (picklable)."""
+
+    rank: int
+    world_size: int
+    address: str
+    secret_hex: str
+    run_dir: str
+    mode: str
+    seed: int
+    speed: float = 1.0
+    device: str = "cpu"
+    gamma: float = 1.0
+    max_grad_norm: float | None = None
+    heartbeat_interval_s: float = 1.0
+    coordinator_timeout_s: float = 30.0
+    save_path: str | None = None
+    resume_from: str | None = None
+    threads: int = 1
+    chaos: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Chunk:
+    epoch: int
+    offset: int
+    size: int
+
+
+class Worker:
+    """The training loop of one rank (see the module docstring)."""
+
+    def __init__(self, spec: RankSpec, fns: UserFns) -> None:
+        self.spec = spec
+        self.fns = fns
+        self.mode = Mode.parse(spec.mode)
+        self.device = torch.device(spec.device)
+        self.model = fns.model_fn(self.device)
+        self.optimizer = fns.optimizer_fn(self.model.parameters())
+        self.collate = fns.collate_fn or default_collate
+        self.batch_size = 0
+        self.chunks: deque[_Chunk] = deque()
+        self.budget = 1
+        self.steps_since_sync = 0
+        self.pending: m.SyncNow | m.RequestParams | None = None
+        self.callbacks: deque[m.RunEval | m.RunCheckpoint] = deque()
+        self.waiting_update: int | None = None
+        self.snapshot: tuple[Layout, list[memoryview], int] | None = None
+        self.epoch_started = -1
+        self.stopping: str | None = None
+        self.group: dist.ProcessGroup | None = None
+        self.pacer: Pacer | None = None
+        self.busy_s = 0.0
+        self.samples = 0
+        self.started_s = time.monotonic()
+        self.last_loss: float | None = None
+        self._perms: dict[int, list[int]] = {}
+        self.bridge: Bridge | None = None
+        self.final_writer = False
+
+    # -- setup ---------------------------------------------------------------
+
+    def connect(self) -> None:
+        spec = self.spec
+        endpoint = RankEndpoint(
+            address=spec.address,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            secret=bytes.fromhex(spec.secret_hex),
+            host=os.uname().nodename,
+        )
+        self.bridge = Bridge(
+            endpoint,
+            heartbeat_interval_s=spec.heartbeat_interval_s,
+            coordinator_timeout_s=spec.coordinator_timeout_s,
+        )
+
+    def join_group(self) -> None:
+        """Collective modes: form the torch.distributed group over the run dir."""
+        if self.mode.backend is not Backend.COLLECTIVE or self.spec.world_size < 2:
+            return
+        path = str(Path(self.spec.run_dir) / "group-0")
+        store = dist.FileStore(path, self.spec.world_size)  # type: ignore[attr-defined]  # exported at runtime
+        dist.init_process_group(
+            "gloo", store=store, rank=self.spec.rank, world_size=self.spec.world_size
+        )
+        self.group = dist.group.WORLD
+
+    def calibrate_speed(self, batch: Any) -> None:
+        if self.spec.speed >= 1.0:
+            return
+        base_s = measure_base_step_s(self.model, self.optimizer, self._loss, batch)
+        self.pacer = Pacer(self.spec.speed, base_s)
+
+    # -- the loop ------------------------------------------------------------
+
+    def run(self) -> str:
+        """Train until told to stop; returns why it stopped."""
+        assert self.bridge is not None
+        while self.stopping is None:
+            self._drain()
+            if self.stopping is not None:
+                break
+            if self.waiting_update is not None:
+                self._wait()
+            elif self.pending is not None:
+                self._serve_round()
+            elif self.callbacks:
+                self._run_callback(self.callbacks.popleft())
+            elif self.steps_since_sync < self.budget and self.chunks:
+                self._train_one()
+            else:
+                self._wait()
+        return self.stopping
+
+    def _drain(self) -> None:
+        assert self.bridge is not None
+        while (item := self.bridge.get(0.0)) is not None:
+            self._handle(item)
+
+    def _wait(self) -> None:
+        assert self.bridge is not None
+        item = self.bridge.get(0.5)
+        if item is not None:
+            self._handle(item)
+
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, CoordinatorLost):
+            self.stopping = f"coordinator lost: {item.reason}"
+            return
+        message, payload = item
+        match message:
+            case m.AssignChunk(epoch=epoch, offset=offset, size=size, budget=budget):
+                self.chunks.append(_Chunk(epoch, offset, size))
+                self.budget = budget
+            case m.SetBudget(budget=budget):
+                self.budget = budget
+            case m.SyncNow() | m.RequestParams():
+                self.pending = message
+            case m.Update():
+                self._apply_update(message, payload)
+            case m.RunEval() | m.RunCheckpoint():
+                self.callbacks.append(message)
+            case m.Shutdown(writer=writer):
+                self.stopping = "completed"
+                self.final_writer = writer == self.spec.rank
+            case m.ShutdownWithSave(reason=reason, writer=writer):
+                self._save(writer)
+                self.stopping = f"saved: {reason}"
+            case m.Regroup() | m.SetEpochCallbackRole() | m.EvalBroadcast() | m.EpochDone():
+                pass
+            case m.CoordHeartbeat():
+                pass
+
+    def _send(self, message: m.RankMessage, payload: Sequence[memoryview | bytes] = ()) -> None:
+        assert self.bridge is not None
+        self.bridge.send(message, payload)
+
+    # -- training --------------------------------------------------------------
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            self._perms = {
+                epoch: epoch_permutation(len(self.fns.dataset), seed=self.spec.seed, epoch=epoch)
+            }
+        return self._perms[epoch]
+
+    def batch_at(self, epoch: int, offset: int, size: int) -> Any:
+        perm = self._perm(epoch)
+        items = [self.fns.dataset[perm[i]] for i in range(offset, offset + size)]
+        return to_device(self.collate(items), self.device)
+
+    def _loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return self.fns.step_fn(model, batch)
+
+    def _train_one(self) -> None:
+        chunk = self.chunks[0]
+        if chunk.epoch > self.epoch_started:
+            self.epoch_started = chunk.epoch
+            self._epoch_fn(chunk.epoch)
+        bs = self.batch_size
+        size = min(bs, chunk.size)
+        started = time.perf_counter()
+        batch = self.batch_at(chunk.epoch, chunk.offset, size)
+        loaded = time.perf_counter()
+        loss = self._loss(self.model, batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
+        if self.spec.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
+        self.optimizer.step()
+        if self.pacer is not None:
+            self.pacer.after_step()
+        done = time.perf_counter()
+        value = float(loss.detach())
+        self.last_loss = value if math.isfinite(value) else self.last_loss
+        self.busy_s += done - started
+        self.samples += size
+        self.steps_since_sync += 1
+        assert self.bridge is not None
+        self.bridge.step += 1
+        self._send(
+            m.BatchDone(
+                epoch=chunk.epoch,
+                offset=chunk.offset,
+                size=size,
+                batch_ms=(done - loaded) * 1000.0,
+                data_ms=(loaded - started) * 1000.0,
+                loss=value if math.isfinite(value) else None,
+            )
+        )
+        chunk.offset += size
+        chunk.size -= size
+        if chunk.size == 0:
+            self.chunks.popleft()
+
+    def _epoch_fn(self, epoch: int) -> None:
+        if self.fns.epoch_fn is None:
+            return
+        started = time.perf_counter()
+        self.fns.epoch_fn(epoch, self.model, self.optimizer)
+        elapsed_ms = (time.perf_counter() - started) * 1000.0
+        self._send(m.EpochFnElapsed(epoch=epoch, elapsed_ms=elapsed_ms))
+        lr = self.optimizer.param_groups[0].get("lr")
+        if isinstance(lr, float):
+            self._send(m.LrUpdate(lr=lr))
+
+    # -- averaging -------------------------------------------------------------
+
+    def _serve_round(self) -> None:
+        request = self.pending
+        self.pending = None
+        steps = self.steps_since_sync
+        if isinstance(request, m.SyncNow) and self.group is None:
+            self._send(m.SyncAck(cycle=request.cycle, steps=steps))  # a world of one
+            self.steps_since_sync -= steps
+            return
+        if isinstance(request, m.SyncNow):
+            started = time.perf_counter()
+            div, pre, post = collective_average(
+                self.model, steps, gamma=self.spec.gamma, group=self.group
+            )
+            self.busy_s += time.perf_counter() - started
+            self.steps_since_sync -= steps
+            self._send(
+                m.SyncAck(
+                    cycle=request.cycle, steps=steps, divergence=div, pre_norm=pre, post_norm=post
+                )
+            )
+            return
+        assert request is not None
+        layout, frames = snapshot_frames(self.model)
+        self.snapshot = (layout, frames, steps)
+        self._send(
+            m.SnapshotReady(cycle=request.cycle, steps=steps),
+            [msgspec.msgpack.encode(layout), *frames],
+        )
+        if self.mode.policy is not Policy.ASYNC:
+            self.waiting_update = request.cycle
+
+    def _apply_update(self, update: m.Update, payload: Sequence[bytes | memoryview]) -> None:
+        snapshot = self.snapshot
+        self.snapshot = None
+        self.waiting_update = None
+        steps = snapshot[2] if snapshot is not None else 0
+        div: float | None = None
+        pre = post = None
+        if payload and snapshot is not None:
+            layout = msgspec.msgpack.decode(bytes(payload[0]), type=Layout)
+            div, pre, post = load_average(
+                self.model, list(payload[1:]), layout, alpha=update.alpha, sent=snapshot[1]
+            )
+        self.steps_since_sync -= steps
+        self._send(
+            m.SyncAck(cycle=update.cycle, steps=steps, divergence=div, pre_norm=pre, post_norm=post)
+        )
+
+    # -- callbacks and saving -----------------------------------------------------
+
+    def _run_callback(self, request: m.RunEval | m.RunCheckpoint) -> None:
+        started = time.perf_counter()
+        error: str | None = None
+        metric = math.nan
+        try:
+            if isinstance(request, m.RunEval):
+                if self.fns.eval_fn is None:
+                    raise RuntimeError("no eval_fn on this rank")
+                self.model.eval()
+                with torch.no_grad():
+                    metric = float(self.fns.eval_fn(self.model, self.fns.eval_dataset))
+                self.model.train()
+            else:
+                if self.spec.save_path is not None:
+                    self._write_bundle(self.spec.save_path, optimizer=True)
+                if self.fns.checkpoint_fn is not None:
+                    self.fns.checkpoint_fn(request.version, self.model)
+        except Exception as exc:  # a user callback failing must not kill the rank
+            self.model.train()
+            error = f"{type(exc).__name__}: {exc}"
+        elapsed_ms = (time.perf_counter() - started) * 1000.0
+        if isinstance(request, m.RunEval):
+            self._send(
+                m.EvalResult(epoch=request.epoch, metric=metric, elapsed_ms=elapsed_ms, error=error)
+            )
+        else:
+            self._send(
+                m.CheckpointResult(version=request.version, elapsed_ms=elapsed_ms, error=error)
+            )
+
+    def _save(self, writer: int) -> None:
+        error: str | None = None
+        path: str | None = None
+        if self.spec.save_path is not None:
+            try:
+                path = self._write_bundle(
+                    self.spec.save_path, optimizer=True, model=self.spec.rank == writer
+                )
+            except OSError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        self._send(m.StateSaved(path=path, error=error))
+
+    def _write_bundle(self, stem: str, *, optimizer: bool, model: bool = True) -> str:
+        base = Path(stem)
+        base.parent.mkdir(parents=True, exist_ok=True)
+        if model:
+            _save_atomic(self.model.state_dict(), Path(f"{stem}.model.pt"))
+        if optimizer:
+            _save_atomic(self.optimizer.state_dict(), Path(f"{stem}.rank{self.spec.rank}.optim.pt"))
+        return str(base)
+
+    def report(self) -> dict[str, object]:
+        wall = time.monotonic() - self.started_s
+        return {
+            "rank": self.spec.rank,
+            "speed": self.spec.speed,
+            "samples_trained": self.samples,
+            "busy_s": round(self.busy_s, 4),
+            "idle_s": round(max(wall - self.busy_s, 0.0), 4),
+            "stopped": self.stopping,
+        }
+
+
+def _save_atomic(obj: object, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def run_rank(spec: RankSpec, fns: UserFns, batch_size: int) -> dict[str, object]:
+    """Body of one rank process; returns its report (also written to the run dir)."""
+    torch.set_num_threads(max(1, spec.threads))
+    torch.manual_seed(spec.seed + spec.rank)
+    worker = Worker(spec, fns)
+    worker.batch_size = batch_size
+    if spec.resume_from is not None:
+        _load_bundle(worker, spec.resume_from)
+    worker.calibrate_speed(worker.batch_at(0, 0, min(batch_size, len(fns.dataset))))
+    worker.join_group()
+    worker.connect()
+    try:
+        stopped = worker.run()
+        if stopped == "completed" and worker.final_writer:
+            _save_atomic(worker.model.state_dict(), Path(spec.run_dir) / "final_model.pt")
+    finally:
+        assert worker.bridge is not None
+        worker.bridge.close()
+        if worker.group is not None:
+            dist.destroy_process_group()
+    report = worker.report()
+    report["last_loss"] = worker.last_loss
+    (Path(spec.run_dir) / f"rank{spec.rank}.json").write_text(json.dumps(report))
+    return report
+
+
+def _load_bundle(worker: Worker, stem: str) -> None:
+    model_file = Path(f"{stem}.model.pt")
+    if not model_file.exists():
+        raise FileNotFoundError(f"resume_from: {model_file} does not exist")
+    worker.model.load_state_dict(torch.load(model_file, map_location=worker.device))
+    optim_file = Path(f"{stem}.rank{worker.spec.rank}.optim.pt")
+    if optim_file.exists():
+        worker.optimizer.load_state_dict(torch.load(optim_file, map_location=worker.device))

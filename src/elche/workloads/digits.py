@@ -1,0 +1,172 @@
+"""Handwritten digits: the demo workload (scikit-learn's 8×8 digits, offline).
+
+1,797 grayscale 8×8 images of the digits 0–9 ship inside scikit-learn, so
+the demo, the integration tests and the quick benchmark need no download. A
+stratified 80/20 split gives 1,437 training and 360 test samples. The model
+is a 64→128→64→10 MLP (17,226 parameters): one training step at batch 32
+costs well under a millisecond of CPU, so start-up and communication — the
+costs elche is about — dominate, and a whole run fits in seconds on two
+cores.
+
+Every function is top-level (picklable for ``spawn``) and deterministic:
+identical seeds give identical splits and every rank builds identical initial
+weights, without touching the global RNG streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import Tensor, nn
+from torch.utils.data import TensorDataset
+
+__all__ = [
+    "NUM_CLASSES",
+    "NUM_FEATURES",
+    "eval_fn",
+    "load_digits_split",
+    "make_model",
+    "make_optimizer",
+    "step_fn",
+]
+
+NUM_FEATURES = 64  # 8×8 pixels, flattened
+NUM_CLASSES = 10
+PIXEL_MAX = 16.0  # the dataset's pixels are integers in [0, 16]
+HIDDEN = (128, 64)  # wide enough for ≥ 0.96 test accuracy, small enough to be ~free
+INIT_SEED = 0  # every rank must start from the same weights
+# Adam, not SGD: the effective batch is batch_size × world_size under DDP, and
+# Adam's per-parameter step size is far less sensitive to it than SGD's LR.
+# Measured on one process, batch 32: 0.933–0.95 test accuracy after 3 epochs,
+# 0.967–0.978 after 10 (split seeds 0–3); SGD(0.05, momentum 0.9) at batch 64
+# was still at 0.85–0.90 after 3 epochs, against Adam's 0.87–0.93.
+LEARNING_RATE = 3e-3
+EVAL_BATCH = 512  # evaluation batch; the whole test split is 360 samples
+
+
+def load_digits_split(
+    *, seed: int = 0, test_fraction: float = 0.2
+) -> tuple[TensorDataset, TensorDataset]:
+    """Load the digits and split them, stratified by class.
+
+    Args:
+        seed: the split's random state; the same seed gives the same split.
+        test_fraction: the share of samples held out for evaluation, in (0, 1).
+
+    Returns:
+        ``(train, test)``, each a ``TensorDataset`` of features
+        ``float32 [n, 64]`` scaled to [0, 1] and labels ``int64 [n]``.
+
+    Raises:
+        ValueError: ``test_fraction`` outside (0, 1), or too small or large
+            to keep every class on both sides.
+    """
+    if not 0 < test_fraction < 1:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+    # Imported here: sklearn.datasets costs ~1 s to import, paid only by callers.
+    from sklearn.datasets import load_digits  # type: ignore[import-untyped]  # no stubs
+    from sklearn.model_selection import train_test_split  # type: ignore[import-untyped]  # no stubs
+
+    features, labels = load_digits(return_X_y=True)
+    parts = train_test_split(
+        features, labels, test_size=test_fraction, stratify=labels, random_state=seed
+    )
+    x_train, x_test, y_train, y_test = (np.asarray(p) for p in parts)
+    return _dataset(x_train, y_train), _dataset(x_test, y_test)
+
+
+def make_model(device: torch.device | str) -> nn.Module:
+    """Build the MLP with the same initial weights on every call.
+
+    The global RNG is forked, seeded with ``INIT_SEED`` for the build, and
+    restored, so building a model never shifts anyone's random stream.
+
+    Args:
+        device: where the parameters live.
+
+    Returns:
+        ``Sequential(Linear 64→128, ReLU, Linear 128→64, ReLU, Linear 64→10)``,
+        in train mode, taking ``float32 [batch, 64]`` to logits ``[batch, 10]``.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(INIT_SEED)
+        model = nn.Sequential(
+            nn.Linear(NUM_FEATURES, HIDDEN[0]),
+            nn.ReLU(),
+            nn.Linear(HIDDEN[0], HIDDEN[1]),
+            nn.ReLU(),
+            nn.Linear(HIDDEN[1], NUM_CLASSES),
+        )
+    return model.to(device)
+
+
+def make_optimizer(params: Iterable[Tensor]) -> torch.optim.Optimizer:
+    """Adam at ``LEARNING_RATE`` (see the constant for why).
+
+    Args:
+        params: the parameters to optimize, e.g. ``model.parameters()``.
+
+    Returns:
+        A fresh ``torch.optim.Adam``.
+    """
+    return torch.optim.Adam(params, lr=LEARNING_RATE)
+
+
+def step_fn(model: nn.Module, batch: Sequence[Tensor]) -> Tensor:
+    """The training loss of one batch (forward only; the caller backpropagates).
+
+    Args:
+        model: the MLP, or a wrapper of it (DDP).
+        batch: ``[x, y]`` as ``default_collate`` builds it from the dataset:
+            ``x`` float32 ``[b, 64]``, ``y`` int64 ``[b]``; moved to the
+            model's device here.
+
+    Returns:
+        The mean cross-entropy over the batch, a scalar.
+    """
+    x, y = batch
+    device = _device_of(model)
+    logits = model(x.to(device))  # [b, 10]
+    return nn.functional.cross_entropy(logits, y.to(device))
+
+
+def eval_fn(model: nn.Module, dataset: TensorDataset) -> float:
+    """Classification accuracy on ``dataset``.
+
+    Runs without gradients in eval mode and puts the model back in train mode.
+
+    Args:
+        model: the MLP.
+        dataset: features and labels, as ``load_digits_split`` returns them.
+
+    Returns:
+        The share of correctly classified samples, in [0, 1].
+    """
+    features, labels = dataset.tensors
+    device = _device_of(model)
+    correct = 0
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(labels), EVAL_BATCH):
+                x = features[start : start + EVAL_BATCH].to(device)
+                y = labels[start : start + EVAL_BATCH].to(device)
+                correct += int((model(x).argmax(dim=1) == y).sum().item())
+    finally:
+        model.train()
+    return correct / max(len(labels), 1)
+
+
+def _dataset(features: npt.NDArray[np.float64], labels: npt.NDArray[np.int64]) -> TensorDataset:
+    """Features scaled to [0, 1] as float32, labels as int64."""
+    x = torch.from_numpy((features / PIXEL_MAX).astype(np.float32))  # [n, 64]
+    y = torch.from_numpy(labels.astype(np.int64))  # [n]
+    return TensorDataset(x, y)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter."""
+    return next(model.parameters()).device

@@ -1,0 +1,135 @@
+"""Real multi-process training on gloo: every mode, callbacks, resume, bad config.
+
+Each test starts a real coordinator process and real rank processes on this
+machine (CPU, gloo), on scikit-learn's digits. They are slow (process start-up
+imports torch in every rank), so they carry the ``integration`` and ``slow``
+markers.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import elche
+from elche.core.errors import ConfigError
+from elche.workloads import digits
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SPEEDS = [1.0, 0.5, 0.25]
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[object, object]:
+    return digits.load_digits_split(seed=0)
+
+
+def run(data: tuple[object, object], tmp_path: Path, **kw: object) -> elche.TrainResult:
+    train_set, test_set = data
+    options: dict[str, object] = {
+        "batch_size": 32,
+        "epochs": 8,
+        "speeds": SPEEDS,
+        "eval_fn": digits.eval_fn,
+        "eval_dataset": test_set,
+        "progress": False,
+        "run_dir": str(tmp_path / "run"),
+    }
+    options.update(kw)
+    return elche.train(
+        digits.make_model, digits.make_optimizer, digits.step_fn, train_set, **options
+    )  # type: ignore[arg-type]  # test helper forwards keywords
+
+
+@pytest.mark.parametrize("mode", ["sync", "cadence", "cpu-sync", "cpu-cadence", "cpu-async"])
+def test_every_mode_trains_to_a_sane_accuracy(
+    mode: str, data: tuple[object, object], tmp_path: Path
+) -> None:
+    result = run(data, tmp_path, mode=mode)
+    summary = result.summary
+    assert summary["outcome"] == "completed"
+    assert summary["epochs_completed"] == 8
+    assert summary["lost_samples"] == 0
+    assert summary["eval_accuracy"] >= 0.9  # type: ignore[operator]  # JSON value
+    assert sum(r["samples"] for r in summary["per_rank"]) == 8 * len(data[0])  # type: ignore[attr-defined,index,arg-type]
+    assert result.state_dict, "the final averaged model comes back"
+    assert [e["epoch"] for e in result.epochs] == list(range(8))
+
+
+def test_cadence_gives_the_fast_rank_the_most_work(
+    data: tuple[object, object], tmp_path: Path
+) -> None:
+    summary = run(data, tmp_path, mode="cadence").summary
+    samples = [r["samples"] for r in summary["per_rank"]]  # type: ignore[attr-defined]
+    assert samples[0] > samples[1] > samples[2]
+
+
+class _Marker:
+    """An eval dataset that records which rank evaluated it."""
+
+    def __init__(self, directory: Path, inner: object) -> None:
+        self.directory = directory
+        self.inner = inner
+
+
+def marking_eval(model: object, marker: _Marker) -> float:
+    (marker.directory / f"eval-on-{os.environ.get('ELCHE_RANK', 'solo')}").touch()
+    return digits.eval_fn(model, marker.inner)  # type: ignore[arg-type]  # torch module
+
+
+def test_callbacks_run_on_the_elected_rank_only(
+    data: tuple[object, object], tmp_path: Path
+) -> None:
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    seen: list[tuple[int, float]] = []
+    result = run(
+        data, tmp_path, epochs=3, eval_fn=marking_eval,
+        eval_dataset=_Marker(marks, data[1]), eval_result_fn=lambda e, m: seen.append((e, m)),
+    )  # fmt: skip
+    assert result.summary["outcome"] == "completed"
+    # Rank 0 is the fastest: the sticky election puts every callback there.
+    assert sorted(p.name for p in marks.iterdir()) == ["eval-on-0"]
+    assert [epoch for epoch, _ in seen] == [1, 2, 3]
+
+
+def test_a_checkpoint_bundle_resumes_to_the_planned_epoch(
+    data: tuple[object, object], tmp_path: Path
+) -> None:
+    stem = str(tmp_path / "bundle" / "digits")
+    first = run(data, tmp_path / "a", epochs=2, checkpoint_every=1, save_path=stem)
+    assert first.summary["outcome"] == "completed"
+    assert Path(f"{stem}.meta.json").exists() and Path(f"{stem}.model.pt").exists()
+    second = run(data, tmp_path / "b", epochs=4, resume_from=stem)
+    assert second.summary["outcome"] == "completed"
+    assert second.summary["epochs_completed"] == 4
+    assert [e["epoch"] for e in second.epochs] == [2, 3]
+    assert second.summary["lost_samples"] == 0
+
+
+def test_one_rank_trains_in_process(data: tuple[object, object], tmp_path: Path) -> None:
+    result = run(data, tmp_path, speeds=None, ranks=1, epochs=3)
+    assert result.summary["world_size"] == 1
+    assert result.summary["eval_accuracy"] >= 0.9  # type: ignore[operator]  # JSON value
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"mode": "turbo"}, "mode"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"speeds": [1.0, 0.0]}, "speeds"),
+        ({"ranks": 2, "speeds": [1.0, 0.5, 0.25]}, "ranks"),
+        ({"callback_rank": "slowest"}, "callback_rank"),
+        ({"resume_from": "/nonexistent/stem"}, "resume_from"),
+    ],
+)
+def test_bad_config_fails_fast_naming_the_field(
+    kw: dict[str, object], field: str, data: tuple[object, object], tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        run(data, tmp_path, **kw)
+    assert info.value.field == field

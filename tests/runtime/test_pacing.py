@@ -1,0 +1,190 @@
+"""Speed injection: the wait rule, its validation, and the solo-step probe.
+
+No real sleeps: ``Pacer`` takes a recording fake for ``sleep``, and the
+median rule of ``measure_base_step_s`` runs against a scripted clock. The
+probe's promise — the real model, its optimizer state and the global RNG come
+out bitwise unchanged — is checked on a real model with Adam state.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from elche.core.errors import ConfigError
+from elche.runtime.pacing import Pacer, check_speed, measure_base_step_s
+
+
+class RecordingSleep:
+    """A fake ``time.sleep`` that only writes down what it was asked."""
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+
+    def __call__(self, seconds: float) -> None:
+        self.calls.append(seconds)
+
+
+class ScriptedClock:
+    """A fake ``perf_counter`` whose successive steps last the given seconds."""
+
+    def __init__(self, durations_s: Sequence[float]) -> None:
+        self._readings = iter(self._cumulate(durations_s))
+
+    @staticmethod
+    def _cumulate(durations_s: Sequence[float]) -> Iterator[float]:
+        now_s = 100.0
+        for duration_s in durations_s:
+            yield now_s  # step starts
+            now_s += duration_s
+            yield now_s  # step ends
+
+    def __call__(self) -> float:
+        return next(self._readings)
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def mse_step(model: nn.Module, batch: Sequence[Tensor]) -> Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+BATCH = (torch.randn(5, 4, generator=torch.Generator().manual_seed(2)), torch.zeros(5, 3))
+
+
+# --- Pacer ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("speed", "wait_s"),
+    [(1.0, 0.0), (0.5, 0.010), (0.25, 0.030), (0.1, 0.090), (1, 0.0)],
+)
+def test_wait_is_base_times_inverse_speed_minus_one(speed: float, wait_s: float) -> None:
+    pacer = Pacer(speed, 0.010, sleep=RecordingSleep())
+    assert pacer.wait_s == pytest.approx(wait_s)
+    assert isinstance(pacer.speed, float)
+
+
+def test_after_step_sleeps_the_wait_and_accumulates_it() -> None:
+    sleep = RecordingSleep()
+    pacer = Pacer(0.25, 0.002, sleep=sleep)
+    returned = [pacer.after_step() for _ in range(4)]
+    assert sleep.calls == pytest.approx([0.006] * 4)
+    assert returned == pytest.approx([0.006] * 4)
+    assert pacer.injected_s == pytest.approx(0.024)
+
+
+def test_full_speed_never_calls_sleep() -> None:
+    sleep = RecordingSleep()
+    pacer = Pacer(1.0, 0.5, sleep=sleep)
+    assert [pacer.after_step() for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert sleep.calls == []
+    assert pacer.injected_s == 0.0
+
+
+def test_zero_base_means_no_wait_at_any_speed() -> None:
+    sleep = RecordingSleep()
+    pacer = Pacer(0.1, 0.0, sleep=sleep)
+    pacer.after_step()
+    assert sleep.calls == []
+
+
+@pytest.mark.parametrize("speed", [0, 0.0, -0.5, 1.0001, 2, math.nan, math.inf, True, "0.5", None])
+def test_speed_outside_zero_one_is_a_config_error(speed: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        Pacer(speed, 0.01)  # type: ignore[arg-type]  # deliberately wrong types
+    assert info.value.field == "speeds"
+    with pytest.raises(ConfigError):
+        check_speed(speed)  # type: ignore[arg-type]  # deliberately wrong types
+
+
+@pytest.mark.parametrize("base_s", [-0.001, math.nan, math.inf, False, "1"])
+def test_bad_base_is_a_config_error(base_s: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        Pacer(0.5, base_s)  # type: ignore[arg-type]  # deliberately wrong types
+    assert info.value.field == "base_s"
+
+
+def test_check_speed_returns_a_float() -> None:
+    assert check_speed(1) == 1.0
+    assert isinstance(check_speed(1), float)
+
+
+# --- measure_base_step_s -------------------------------------------------------------
+
+
+def test_median_of_the_timed_repeats_after_warmup() -> None:
+    # warmup 2 (9 s, 9 s: ignored), then repeats 1, 5, 3, 100, 2: the median is 3.
+    clock = ScriptedClock([9.0, 9.0, 1.0, 5.0, 3.0, 100.0, 2.0])
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    got = measure_base_step_s(model, optimizer, mse_step, BATCH, clock=clock)
+    assert got == pytest.approx(3.0)
+
+
+def test_real_clock_gives_a_small_positive_time() -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    got = measure_base_step_s(model, optimizer, mse_step, BATCH, warmup=0, repeats=1)
+    assert 0.0 < got < 5.0
+
+
+def test_steps_run_on_copies_that_do_train() -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[nn.Module] = []
+    losses: list[float] = []
+
+    def spy_step(m: nn.Module, batch: Sequence[Tensor]) -> Tensor:
+        seen.append(m)
+        loss = mse_step(m, batch)
+        losses.append(loss.item())
+        return loss
+
+    measure_base_step_s(model, optimizer, spy_step, BATCH, warmup=1, repeats=3)
+    assert len(seen) == 4
+    assert all(m is seen[0] and m is not model for m in seen)  # one copy, reused
+    assert losses[-1] < losses[0]  # the copied optimizer drives the copied parameters
+
+
+def test_the_real_model_optimizer_and_rng_are_bitwise_unchanged() -> None:
+    model = tiny_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    optimizer.zero_grad()
+    mse_step(model, BATCH).backward()  # type: ignore[no-untyped-call]  # torch stub
+    optimizer.step()  # Adam now holds step, exp_avg and exp_avg_sq
+    params_before = copy.deepcopy(model.state_dict())
+    grads_before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    optim_before = copy.deepcopy(optimizer.state_dict())
+    rng_before = torch.get_rng_state()
+
+    measure_base_step_s(model, optimizer, mse_step, BATCH)
+
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, params_before[name]), name
+    grads_after = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(grads_after) == len(grads_before)
+    assert all(torch.equal(a, b) for a, b in zip(grads_after, grads_before, strict=True))
+    optim_after = optimizer.state_dict()
+    assert optim_after["param_groups"] == optim_before["param_groups"]
+    for index, state in optim_before["state"].items():
+        for key, value in state.items():
+            assert torch.equal(optim_after["state"][index][key], value), (index, key)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+
+
+@pytest.mark.parametrize(("warmup", "repeats"), [(-1, 5), (0, 0)])
+def test_bad_counts_are_refused_before_anything_runs(warmup: int, repeats: int) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="warmup"):
+        measure_base_step_s(model, optimizer, mse_step, BATCH, warmup=warmup, repeats=repeats)
