@@ -144,7 +144,11 @@ def train(
         checkpoint_fn=checkpoint_fn,
     )  # fmt: skip
     hooks = _Hooks(eval_result_fn=eval_result_fn, metrics_fn=metrics_fn)
-    if plan.config.world_size == 1 and "RANK" not in os.environ:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from elche.runtime.launched import train_launched
+
+        return train_launched(plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir)
+    if plan.config.world_size == 1:
         from elche.runtime.solo import train_solo
 
         return train_solo(plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir)

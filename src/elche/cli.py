@@ -125,6 +125,19 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.add_argument("--no-progress", action="store_true", help="no live progress display")
     demo.set_defaults(run=_run_demo)
+    run = sub.add_parser(
+        "run",
+        help="run a training script as N local ranks (like torchrun)",
+        description=(
+            "Start SCRIPT N times with the torch.distributed environment set (RANK, "
+            "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...). Each copy's elche.train call "
+            "becomes one rank; rank 0 starts the coordinator."
+        ),
+    )
+    run.add_argument("--nproc", type=int, required=True, help="ranks to start")
+    run.add_argument("script", help="the Python script that calls elche.train")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for SCRIPT")
+    run.set_defaults(run=_run_script)
     return parser
 
 
@@ -202,6 +215,40 @@ def _run_sim(args: argparse.Namespace) -> int:
     else:
         _print_table(result, real_s)
     return 0
+
+
+def _run_script(args: argparse.Namespace) -> int:
+    import os
+    import socket
+    import subprocess
+    import tempfile
+
+    if args.nproc < 1:
+        raise ConfigError("nproc", f"must be >= 1, got {args.nproc}")
+    with socket.socket() as probe:  # an ephemeral port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ)
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(args.nproc),
+        LOCAL_WORLD_SIZE=str(args.nproc),
+        ELCHE_RUN_DIR=tempfile.mkdtemp(prefix="elche-run-"),
+    )
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, args.script, *args.script_args],
+            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+        )
+        for rank in range(args.nproc)
+    ]
+    codes = [proc.wait() for proc in procs]
+    failed = [(rank, code) for rank, code in enumerate(codes) if code != 0]
+    for rank, code in failed:
+        print(f"elche run: rank {rank} exited with code {code}", file=sys.stderr)
+    return failed[0][1] if failed else 0
 
 
 def _run_demo(args: argparse.Namespace) -> int:

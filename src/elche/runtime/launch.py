@@ -26,9 +26,9 @@ from elche.runtime.transport import new_secret
 
 if TYPE_CHECKING:
     from elche.api import Plan, TrainResult, _Hooks
-    from elche.runtime.worker import UserFns
+    from elche.runtime.worker import RankSpec, UserFns
 
-__all__ = ["launch_local", "read_timeline"]
+__all__ = ["collect", "launch_local", "rank_spec", "read_timeline"]
 
 # Ranks normally exit within a few hundred ms of the coordinator's Shutdown.
 RANK_EXIT_GRACE_S = 30.0
@@ -76,6 +76,28 @@ def read_timeline(run_dir: Path) -> list[dict[str, Any]]:
     return _Timeline(run_dir / "timeline.jsonl").new_records()
 
 
+def rank_spec(
+    plan: Plan,
+    rank: int,
+    address: str,
+    secret: bytes,
+    run_dir: Path,
+    *,
+    max_grad_norm: float | None,
+) -> RankSpec:
+    """The spec rank ``rank`` of ``plan`` runs with."""
+    from elche.runtime.worker import RankSpec
+
+    cfg = plan.config
+    return RankSpec(
+        rank=rank, world_size=cfg.world_size, address=address, secret_hex=secret.hex(),
+        run_dir=str(run_dir), mode=cfg.mode.value, seed=cfg.seed, speed=plan.speeds[rank],
+        device=plan.devices[rank], gamma=cfg.scheduler.gamma, max_grad_norm=max_grad_norm,
+        save_path=cfg.save_path, resume_from=plan.resume_from,
+        coordinator_timeout_s=max(cfg.heartbeat_timeout_s, 10.0),
+    )  # fmt: skip
+
+
 def launch_local(
     plan: Plan,
     fns: UserFns,
@@ -87,7 +109,6 @@ def launch_local(
 ) -> TrainResult:
     """Run ``plan`` with one local process per rank; see ``elche.train``."""
     from elche.api import start_coordinator
-    from elche.runtime.worker import RankSpec
 
     t0 = time.monotonic()
     cfg = plan.config
@@ -96,13 +117,7 @@ def launch_local(
     ctx = mp.get_context("spawn")
     procs = []
     for rank in range(cfg.world_size):
-        spec = RankSpec(
-            rank=rank, world_size=cfg.world_size, address=address, secret_hex=secret.hex(),
-            run_dir=str(run_dir), mode=cfg.mode.value, seed=cfg.seed, speed=plan.speeds[rank],
-            device=plan.devices[rank], gamma=cfg.scheduler.gamma, max_grad_norm=max_grad_norm,
-            save_path=cfg.save_path, resume_from=plan.resume_from,
-            coordinator_timeout_s=max(cfg.heartbeat_timeout_s, 10.0),
-        )  # fmt: skip
+        spec = rank_spec(plan, rank, address, secret, run_dir, max_grad_norm=max_grad_norm)
         proc = ctx.Process(
             target=_rank_process, args=(spec, fns, cfg.batch_size), name=f"elche-rank{rank}"
         )
@@ -137,7 +152,7 @@ def launch_local(
             host.kill()
     for record in timeline.new_records():
         _on_record(record, epochs, hooks, display)
-    return _collect(plan, run_dir, t0, epochs)
+    return collect(plan, run_dir, t0, epochs)
 
 
 class _Progress:
@@ -204,7 +219,8 @@ def _on_record(
         display.update(description=f"rank {record['rank']} lost")
 
 
-def _collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]]) -> TrainResult:
+def collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]]) -> TrainResult:
+    """Build the result of a finished run from the files in ``run_dir``."""
     import torch
 
     from elche.api import TrainResult

@@ -45,7 +45,7 @@ from elche.runtime.pacing import Pacer, measure_base_step_s
 from elche.runtime.snapshots import Layout
 from elche.runtime.transport import RankEndpoint
 
-__all__ = ["RankSpec", "UserFns", "Worker", "run_rank", "to_device"]
+__all__ = ["RankSpec", "UserFns", "Worker", "run_rank", "to_device", "train_rank"]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -125,6 +125,7 @@ class Worker:
         self._perms: dict[int, list[int]] = {}
         self.bridge: Bridge | None = None
         self.final_writer = False
+        self.owns_group = True
 
     # -- setup ---------------------------------------------------------------
 
@@ -144,8 +145,16 @@ class Worker:
         )
 
     def join_group(self) -> None:
-        """Collective modes: form the torch.distributed group over the run dir."""
+        """Collective modes: form the torch.distributed group over the run dir.
+
+        Under a launcher (``torchrun``, ``elche run``) the default group already
+        exists; it is used as is.
+        """
         if self.mode.backend is not Backend.COLLECTIVE or self.spec.world_size < 2:
+            return
+        if dist.is_initialized():
+            self.group = dist.group.WORLD
+            self.owns_group = False
             return
         path = str(Path(self.spec.run_dir) / "group-0")
         store = dist.FileStore(path, self.spec.world_size)  # type: ignore[attr-defined]  # exported at runtime
@@ -426,6 +435,14 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 def run_rank(spec: RankSpec, fns: UserFns, batch_size: int) -> dict[str, object]:
     """Body of one rank process; returns its report (also written to the run dir)."""
+    report, _ = train_rank(spec, fns, batch_size)
+    return report
+
+
+def train_rank(
+    spec: RankSpec, fns: UserFns, batch_size: int
+) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    """Train one rank to the end; returns its report and its final model state."""
     torch.set_num_threads(max(1, spec.threads))
     torch.manual_seed(spec.seed + spec.rank)
     worker = Worker(spec, fns)
@@ -442,12 +459,13 @@ def run_rank(spec: RankSpec, fns: UserFns, batch_size: int) -> dict[str, object]
     finally:
         assert worker.bridge is not None
         worker.bridge.close()
-        if worker.group is not None:
+        if worker.group is not None and worker.owns_group:
             dist.destroy_process_group()
     report = worker.report()
     report["last_loss"] = worker.last_loss
     (Path(spec.run_dir) / f"rank{spec.rank}.json").write_text(json.dumps(report))
-    return report
+    state = {k: v.detach().cpu().clone() for k, v in worker.model.state_dict().items()}
+    return report, state
 
 
 def _load_bundle(worker: Worker, stem: str) -> None:

@@ -1,0 +1,97 @@
+"""Training under a launcher: ``torchrun`` or ``elche run``.
+
+Theory of operation. The launcher starts one process per rank with the
+torch.distributed environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``). Each process calls ``elche.train`` and
+lands here: it joins the default gloo group from the environment; global rank
+0 starts the coordinator as its own process and shares its address and the
+run secret over the group; then every process trains as one rank. Rank 0
+waits for the coordinator to finish and returns the full result; the other
+ranks return their final model (the consensus) and an empty summary.
+
+Across hosts the coordinator binds every interface and is reached at
+``MASTER_ADDR``; the per-run secret then authenticates every frame.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from elche.runtime.launch import collect, rank_spec, read_timeline
+from elche.runtime.transport import new_secret
+from elche.runtime.worker import train_rank
+
+if TYPE_CHECKING:
+    from elche.api import Plan, TrainResult, _Hooks
+    from elche.runtime.worker import UserFns
+
+__all__ = ["train_launched"]
+
+# How long rank 0 waits for the coordinator to exit after its own rank stopped.
+COORDINATOR_EXIT_S = 60.0
+
+
+def train_launched(
+    plan: Plan,
+    fns: UserFns,
+    hooks: _Hooks,
+    *,
+    max_grad_norm: float | None,
+    run_dir: str | None,
+) -> TrainResult:
+    """Train this process as rank ``$RANK`` of ``$WORLD_SIZE``; see ``elche.train``."""
+    from elche.api import TrainResult, start_coordinator
+
+    t0 = time.monotonic()
+    rank = int(os.environ["RANK"])
+    world = plan.config.world_size
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    multi_host = local_world < world
+    if not multi_host:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
+    shared: list[object] = [None, None, None]
+    host = None
+    if rank == 0:
+        directory = Path(
+            run_dir or os.environ.get("ELCHE_RUN_DIR") or tempfile.mkdtemp(prefix="elche-run-")
+        )
+        secret = new_secret()
+        if multi_host:
+            os.environ["ELCHE_BIND"] = "tcp://0.0.0.0:0"
+        host, address = start_coordinator(plan.config, directory, secret, plan.resume_from)
+        if multi_host:
+            address = f"tcp://{os.environ['MASTER_ADDR']}:{address.rsplit(':', 1)[1]}"
+        shared = [address, secret.hex(), str(directory)]
+    dist.broadcast_object_list(shared, src=0)
+    address, secret_hex, directory_text = (str(x) for x in shared)
+    directory = Path(directory_text)
+    spec = rank_spec(
+        plan, rank, address, bytes.fromhex(secret_hex), directory, max_grad_norm=max_grad_norm
+    )
+    try:
+        _, state = train_rank(spec, fns, plan.config.batch_size)
+    finally:
+        dist.destroy_process_group()
+    if host is None:
+        return TrainResult(state_dict=state, summary={}, run_dir=str(directory))
+    host.wait(timeout=COORDINATOR_EXIT_S)
+    epochs: list[dict[str, object]] = []
+    for record in read_timeline(directory):
+        if record.get("kind") == "EpochEnd":
+            entry = {"epoch": record["epoch"], "loss": record.get("loss")}
+            epochs.append(entry)
+            if hooks.metrics_fn is not None:
+                hooks.metrics_fn(entry)
+        elif record.get("kind") == "Eval" and hooks.eval_result_fn is not None:
+            hooks.eval_result_fn(int(record["epoch"]), float(record["metric"]))
+    result = collect(plan, directory, t0, epochs)
+    if not result.state_dict:
+        result.state_dict = state
+    return result

@@ -1,0 +1,65 @@
+"""``elche run`` and ``torchrun`` start the same script as real ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SCRIPT = """
+import json, sys
+import elche
+from elche.workloads import digits
+
+if __name__ == "__main__":
+    train_set, test_set = digits.load_digits_split(seed=0)
+    result = elche.train(
+        digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+        batch_size=32, epochs=3, mode=sys.argv[1], speeds=[1.0, 0.5],
+        eval_fn=digits.eval_fn, eval_dataset=test_set, progress=False,
+    )
+    if result.summary:
+        print("SUMMARY " + json.dumps(result.summary))
+    assert result.state_dict
+"""
+
+
+def summary_of(output: str) -> dict[str, object]:
+    lines = [line for line in output.splitlines() if line.startswith("SUMMARY ")]
+    assert len(lines) == 1, output  # only rank 0 reports the run
+    return json.loads(lines[0].removeprefix("SUMMARY "))  # type: ignore[no-any-return]  # JSON
+
+
+@pytest.mark.parametrize("mode", ["cadence", "cpu-cadence"])
+def test_elche_run_starts_every_rank(tmp_path: Path, mode: str) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", str(script), mode],
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = summary_of(done.stdout)
+    assert summary["outcome"] == "completed"
+    assert summary["world_size"] == 2
+    assert summary["epochs_completed"] == 3
+    assert summary["lost_samples"] == 0
+
+
+def test_torchrun_works_unchanged(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), "cadence"],
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = summary_of(done.stdout)
+    assert summary["outcome"] == "completed"
+    assert summary["epochs_completed"] == 3
