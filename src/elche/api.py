@@ -24,7 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,8 @@ def train(
     max_failures: int | None = None,
     progress: bool = True,
     run_dir: str | None = None,
+    crash: Mapping[int, float] | None = None,
+    stall: Mapping[int, float] | None = None,
 ) -> TrainResult:
     """Train ``model_fn``'s model on ``dataset`` over ``ranks`` unequal workers.
 
@@ -121,6 +123,10 @@ def train(
         max_failures: save and stop after this many ranks died.
         progress: show a live progress display on stderr.
         run_dir: where the run's files go (default: a new temp directory).
+        crash: testing hook: ``{rank: epoch.fraction}`` — that rank kills
+            itself with SIGKILL when its training reaches that point.
+        stall: testing hook: ``{rank: epoch.fraction}`` — that rank hangs
+            there (no work, no heartbeat) until it is declared dead.
 
     Returns:
         The final model state, per-epoch metrics and the run summary.
@@ -135,6 +141,7 @@ def train(
         easgd_alpha=easgd_alpha, seed=seed, heartbeat_timeout_s=heartbeat_timeout_s,
         max_failures=max_failures, has_eval=eval_fn is not None, eval_every=eval_every,
         checkpoint_every=checkpoint_every, save_path=save_path, resume_from=resume_from,
+        crash=crash, stall=stall,
     )  # fmt: skip
     from elche.runtime.worker import UserFns
 
@@ -171,6 +178,8 @@ class Plan:
     speeds: tuple[float, ...]
     devices: tuple[str, ...]
     resume_from: str | None
+    crash: Mapping[int, float]
+    stall: Mapping[int, float]
 
 
 def _plan(
@@ -193,6 +202,8 @@ def _plan(
     checkpoint_every: int | None,
     save_path: str | None,
     resume_from: str | None,
+    crash: Mapping[int, float] | None,
+    stall: Mapping[int, float] | None,
 ) -> Plan:
     try:
         num_samples = len(dataset)
@@ -223,7 +234,18 @@ def _plan(
         has_eval_fn=has_eval, eval_every=eval_every, checkpoint_every=checkpoint_every,
         save_path=save_path, easgd_alpha=easgd_alpha,
     )  # fmt: skip
-    return Plan(config=config, speeds=speeds_t, devices=devices_t, resume_from=resume_from)
+    faults = {"crash": dict(crash or {}), "stall": dict(stall or {})}
+    for name, points in faults.items():
+        for rank, at in points.items():
+            if not (isinstance(rank, int) and 0 <= rank < world and at >= 0):
+                raise ConfigError(
+                    name,
+                    f"expects {{rank: epoch.fraction}} with ranks in [0, {world}), got {points}",
+                )
+    return Plan(
+        config=config, speeds=speeds_t, devices=devices_t, resume_from=resume_from,
+        crash=faults["crash"], stall=faults["stall"],
+    )  # fmt: skip
 
 
 def _world_size(
@@ -279,6 +301,7 @@ def start_coordinator(
     env = dict(os.environ, **{SECRET_ENV: secret.hex()})
     proc = subprocess.Popen(
         [sys.executable, "-m", "elche.runtime.host", str(run_dir)],
+        stdin=subprocess.PIPE,  # the launcher reports rank exits here
         stdout=subprocess.PIPE,
         text=True,
         env=env,

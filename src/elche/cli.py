@@ -122,9 +122,44 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=42)
     demo.add_argument("--save-path", default=None, help="bundle stem for checkpoints")
     demo.add_argument("--resume-from", default=None, help="bundle stem to resume from")
+    demo.add_argument(
+        "--crash",
+        action="append",
+        default=[],
+        metavar="RANK@EPOCH.FRACTION",
+        help="testing: that rank SIGKILLs itself at that point (e.g. 1@1.5)",
+    )
+    demo.add_argument(
+        "--stall",
+        action="append",
+        default=[],
+        metavar="RANK@EPOCH.FRACTION",
+        help="testing: that rank hangs at that point (no work, no heartbeat)",
+    )
+    demo.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="seconds of silence before a rank is declared dead (default 10)",
+    )
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.add_argument("--no-progress", action="store_true", help="no live progress display")
     demo.set_defaults(run=_run_demo)
+    compare = sub.add_parser(
+        "compare",
+        help="elche demo and torch DDP side by side, with the wall-time ratio",
+        description=(
+            "Run torch DistributedDataParallel and elche on the same workload, rig and "
+            "speed injection in this invocation, and print both and their ratio."
+        ),
+    )
+    compare.add_argument("--speeds", type=_speeds, default=(1.0, 0.5, 0.25))
+    compare.add_argument("--mode", default="cadence")
+    compare.add_argument("--epochs", type=int, default=20)
+    compare.add_argument("--batch-size", type=int, default=32)
+    compare.add_argument("--seed", type=int, default=42)
+    compare.add_argument("--json", action="store_true", help="print one JSON object")
+    compare.set_defaults(run=_run_compare)
     run = sub.add_parser(
         "run",
         help="run a training script as N local ranks (like torchrun)",
@@ -157,7 +192,7 @@ def _at(text: str, flag: str) -> tuple[int, float]:
             raise ValueError
         return int(rank), float(when)
     except ValueError:
-        raise ConfigError(flag, f"expected RANK@SECONDS such as 1@5, got {text!r}") from None
+        raise ConfigError(flag, f"expected RANK@WHEN such as 1@5, got {text!r}") from None
 
 
 def draw_speeds(num_ranks: int, seed: int) -> tuple[float, ...]:
@@ -251,40 +286,111 @@ def _run_script(args: argparse.Namespace) -> int:
     return failed[0][1] if failed else 0
 
 
-def _run_demo(args: argparse.Namespace) -> int:
+def _run_compare(args: argparse.Namespace) -> int:
+    from elche.baselines.ddp import run_ddp
+
+    speeds = list(args.speeds)
+    ddp = run_ddp(speeds=speeds, epochs=args.epochs, batch_size=args.batch_size, seed=args.seed)
+    ours = _demo_summary(
+        speeds=speeds, mode=args.mode, epochs=args.epochs, batch_size=args.batch_size,
+        seed=args.seed, progress=False,
+    )  # fmt: skip
+    ratio = float(ours["wall_s"]) / float(ddp["wall_s"])  # type: ignore[arg-type]  # JSON numbers
+    doc = {
+        "speeds": speeds,
+        "epochs": args.epochs,
+        "elche": ours,
+        "torch_ddp": ddp,
+        "wall_ratio": round(ratio, 4),
+        "accuracy_delta": round(
+            float(ours["eval_accuracy"] or 0.0) - float(ddp["eval_accuracy"] or 0.0),  # type: ignore[arg-type]  # JSON numbers
+            4,
+        ),
+    }
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"speeds {','.join(f'{s:g}' for s in speeds)}, {args.epochs} epochs")
+    for column in ("system", "wall s", "samples/s", "eval accuracy", "final loss"):
+        table.add_column(column, justify="right")
+    for name, row in ((f"elche {args.mode}", ours), ("torch DDP", ddp)):
+        table.add_row(
+            name,
+            f"{row['wall_s']:.3f}",
+            f"{row['samples_per_s']:.0f}",
+            f"{row['eval_accuracy']:.4f}",
+            f"{row['final_loss']:.4f}",
+        )
+    Console().print(table)
+    Console().print(f"elche wall time = [bold]{ratio:.2f} ×[/bold] DDP's")
+    return 0
+
+
+def _demo_summary(
+    *, speeds: list[float], mode: str, epochs: int, batch_size: int, seed: int, progress: bool,
+    save_path: str | None = None, resume_from: str | None = None,
+    crash: dict[int, float] | None = None, stall: dict[int, float] | None = None,
+    heartbeat_timeout_s: float = 10.0,
+) -> dict[str, object]:  # fmt: skip
     from elche.api import train
     from elche.workloads import digits
 
-    speeds = args.speeds
-    if speeds is None:
-        count = 3 if args.ranks is None else args.ranks
-        speeds = (1.0, 0.5, 0.25)[:count] if count <= 3 else (1.0,) * count
-    if args.ranks is not None and args.ranks != len(speeds):
-        raise ConfigError("ranks", f"--ranks {args.ranks} disagrees with {len(speeds)} --speeds")
     train_set, test_set = digits.load_digits_split(seed=0)
     result = train(
         digits.make_model,
         digits.make_optimizer,
         digits.step_fn,
         train_set,
-        batch_size=args.batch_size,
-        epochs=args.epochs,
-        mode=args.mode,
-        speeds=list(speeds),
+        batch_size=batch_size,
+        epochs=epochs,
+        mode=mode,
+        speeds=speeds,
         eval_fn=digits.eval_fn,
         eval_dataset=test_set,
-        eval_every=args.epochs,
-        save_path=args.save_path,
-        resume_from=args.resume_from,
-        seed=args.seed,
-        progress=not (args.json or args.no_progress),
+        eval_every=epochs,
+        save_path=save_path,
+        resume_from=resume_from,
+        seed=seed,
+        progress=progress,
+        crash=crash,
+        stall=stall,
+        heartbeat_timeout_s=heartbeat_timeout_s,
     )
-    summary = result.summary
+    return result.summary
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    speeds = args.speeds
+    if speeds is None:
+        count = 3 if args.ranks is None else args.ranks
+        speeds = (1.0, 0.5, 0.25)[:count] if count <= 3 else (1.0,) * count
+    if args.ranks is not None and args.ranks != len(speeds):
+        raise ConfigError("ranks", f"--ranks {args.ranks} disagrees with {len(speeds)} --speeds")
+    summary = _demo_summary(
+        speeds=list(speeds), mode=args.mode, epochs=args.epochs, batch_size=args.batch_size,
+        seed=args.seed, progress=not (args.json or args.no_progress),
+        save_path=args.save_path, resume_from=args.resume_from,
+        crash=dict(_at(text, "crash") for text in args.crash),
+        stall=dict(_at(text, "stall") for text in args.stall),
+        heartbeat_timeout_s=args.heartbeat_timeout,
+    )  # fmt: skip
     if args.json:
         print(json.dumps(summary))
     else:
         _print_demo(summary)
-    return 0 if summary.get("outcome") == "completed" else 3
+    if summary.get("outcome") != "completed":
+        stem = args.save_path or summary.get("bundle")
+        command = (
+            f"elche demo --speeds {','.join(f'{s:g}' for s in speeds)} --mode {args.mode} "
+            f"--epochs {args.epochs} --batch-size {args.batch_size} --seed {args.seed} "
+            f"--resume-from {stem}"
+        )
+        print(f"elche demo: to continue this run: {command}", file=sys.stderr)
+        return 3
+    return 0
 
 
 def _print_demo(summary: dict[str, object]) -> None:

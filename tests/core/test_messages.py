@@ -24,6 +24,12 @@ from elche.core.errors import RemoteProtocolError
 SAMPLES: list[m.Message] = [
     m.Hello(rank=2, world_size=4, host="gpu-b", pid=4242),
     m.BatchDone(epoch=1, offset=128, size=32, batch_ms=41.5, data_ms=2.25, loss=0.73),
+    m.Batches(
+        items=[
+            m.BatchDone(epoch=0, offset=0, size=8, batch_ms=1.5),
+            m.BatchDone(epoch=0, offset=8, size=8, batch_ms=1.25, loss=0.5),
+        ]
+    ),
     m.SyncAck(cycle=9, steps=12, divergence=0.04, pre_norm=3.5, post_norm=3.25),
     m.SnapshotReady(cycle=9, steps=12),
     m.Heartbeat(step=77),

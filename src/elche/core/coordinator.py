@@ -261,6 +261,9 @@ class Coordinator:
         match message:
             case m.BatchDone():
                 self._on_batch(rank, message)
+            case m.Batches(items=items):
+                for item in items:
+                    self._on_batch(rank, item)
             case m.SyncAck():
                 self._on_sync_ack(rank, message)
             case m.SnapshotReady():

@@ -24,6 +24,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "AssignChunk",
     "BatchDone",
+    "Batches",
     "CheckpointResult",
     "CoordHeartbeat",
     "CoordMessage",
@@ -84,6 +85,17 @@ class BatchDone(_Msg, frozen=True):
     batch_ms: float  # forward + backward + optimizer step, no waits
     data_ms: float = 0.0  # time spent waiting for the batch
     loss: float | None = None
+
+
+class Batches(_Msg, frozen=True):
+    """Several ``BatchDone`` in training order, sent as one frame.
+
+    A rank coalesces its reports (up to its window, its budget, the end of a
+    chunk, an averaging request, or a short interval) so the control plane
+    carries one frame per window instead of one per step.
+    """
+
+    items: list[BatchDone]
 
 
 class SyncAck(_Msg, frozen=True):
@@ -166,12 +178,14 @@ class AssignChunk(_Msg, frozen=True):
     offset: int
     size: int
     budget: int
+    window: int = 0  # steps that complete the rank's window (0: same as budget)
 
 
 class SetBudget(_Msg, frozen=True):
-    """New per-window step budget (see ``AssignChunk.budget``)."""
+    """New per-window step budget (see ``AssignChunk``)."""
 
     budget: int
+    window: int = 0
 
 
 class SyncNow(_Msg, frozen=True):
@@ -259,6 +273,7 @@ class CoordHeartbeat(_Msg, frozen=True):
 RankMessage = (
     Hello
     | BatchDone
+    | Batches
     | SyncAck
     | SnapshotReady
     | Heartbeat

@@ -74,7 +74,8 @@ class Planner:
         for rank in live:
             budget = self._budget_of(rank)
             changed = budget != self.budget[rank] and self.work.busy_samples(rank) > 0
-            updates.append(m.SetBudget(budget=budget) if changed else None)
+            window = self.window_steps(rank)
+            updates.append(m.SetBudget(budget=budget, window=window) if changed else None)
             self.budget[rank] = budget
             self.quiesced[rank] = False
         return updates
@@ -106,7 +107,13 @@ class Planner:
         if epoch is None or span is None:
             return None
         self.work.assign(rank, epoch, span)
-        return m.AssignChunk(epoch=epoch, offset=span[0], size=span[1], budget=self.budget[rank])
+        return m.AssignChunk(
+            epoch=epoch,
+            offset=span[0],
+            size=span[1],
+            budget=self.budget[rank],
+            window=self.window_steps(rank),
+        )
 
     def _plan_tail(self, live: Sequence[int]) -> None:
         self.tail_plan = None

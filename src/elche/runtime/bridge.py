@@ -67,6 +67,7 @@ class Bridge:
         self._timeout_s = coordinator_timeout_s
         self._outbox: queue.Queue[tuple[m.RankMessage, Sequence[Buffer]]] = queue.Queue()
         self._stop = threading.Event()
+        self._frozen = threading.Event()
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         name = f"inproc://elche-bridge-{id(self)}-{next(_ids)}"
         self._wake_rx: zmq.Socket[bytes] = ctx.socket(zmq.PAIR)
@@ -90,6 +91,10 @@ class Bridge:
         except queue.Empty:
             return None
 
+    def freeze(self) -> None:
+        """Testing hook: go silent, as a hung process would (no IO at all)."""
+        self._frozen.set()
+
     def close(self, *, flush_s: float = 2.0) -> None:
         """Send what is queued (up to ``flush_s``), stop the thread, close sockets."""
         deadline = time.monotonic() + flush_s
@@ -111,6 +116,9 @@ class Bridge:
         last_inbound = time.monotonic()
         lost = False
         while not self._stop.is_set():
+            if self._frozen.is_set():
+                self._stop.wait(0.2)
+                continue
             wait_ms = max(0, int((next_beat - time.monotonic()) * 1000))
             ready = dict(poller.poll(min(wait_ms, 200)))
             if self._wake_rx in ready:

@@ -20,7 +20,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,6 +52,7 @@ from elche.core.events import (
     FrameRejected,
     MessageReceived,
     RankJoined,
+    RankLost,
     Started,
     TimerFired,
 )
@@ -119,6 +122,23 @@ class Host:
         self._snapshots: dict[int, tuple[Layout, list[bytes | memoryview]]] = {}
         self._update: tuple[int, list[bytes | memoryview]] | None = None
         self._timeline = (run_dir / "timeline.jsonl").open("a", encoding="utf-8")
+        self._reports: queue.Queue[RankLost] = queue.Queue()
+
+    def watch(self, stream: TextIO) -> None:
+        """Read launcher reports from ``stream`` (a pipe) on a daemon thread.
+
+        Each line ``lost RANK REASON…`` becomes a ``RankLost`` event: the
+        launcher sees a child process exit long before its heartbeats go stale.
+        """
+
+        def read() -> None:
+            for line in stream:
+                parts = line.split(maxsplit=2)
+                if len(parts) >= 2 and parts[0] == "lost" and parts[1].isdigit():
+                    reason = parts[2].strip() if len(parts) == 3 else "process exited"
+                    self._reports.put(RankLost(rank=int(parts[1]), reason=reason))
+
+        threading.Thread(target=read, name="elche-launcher-reports", daemon=True).start()
 
     def run(self) -> Finish:
         """Serve until the core says ``Finish``; returns it."""
@@ -131,6 +151,8 @@ class Host:
                     self._feed(self._event(inbound))
                     if self.finish is not None:
                         break
+                while self.finish is None and not self._reports.empty():
+                    self._feed_report(self._reports.get_nowait())
                 if self.finish is None and time.monotonic() >= self._deadline:
                     self._deadline = math.inf
                     self._feed(TimerFired())
@@ -138,6 +160,10 @@ class Host:
             self._timeline.close()
         self._write_summary()
         return self.finish
+
+    def _feed_report(self, event: RankLost) -> None:
+        if 0 <= event.rank < self.core.config.world_size:
+            self._feed(event)
 
     def _event(self, inbound: Joined | Received | Rejected) -> Event:
         match inbound:
@@ -327,7 +353,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("elche coordinator: no ELCHE_SECRET given; generated one", file=sys.stderr)
     print(f"{ADDRESS_LINE} {endpoint.address}", flush=True)
     with endpoint:
-        finish = Host(config, endpoint, run_dir, resume=resume).run()
+        host = Host(config, endpoint, run_dir, resume=resume)
+        if not sys.stdin.isatty():
+            host.watch(sys.stdin)
+        finish = host.run()
     return 0 if finish.outcome == "completed" else 3
 
 

@@ -13,6 +13,7 @@ period to finish, then are stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -28,7 +29,14 @@ if TYPE_CHECKING:
     from elche.api import Plan, TrainResult, _Hooks
     from elche.runtime.worker import RankSpec, UserFns
 
-__all__ = ["collect", "launch_local", "rank_spec", "read_timeline"]
+__all__ = [
+    "collect",
+    "explain_outcome",
+    "launch_local",
+    "rank_spec",
+    "read_timeline",
+    "with_bundle",
+]
 
 # Ranks normally exit within a few hundred ms of the coordinator's Shutdown.
 RANK_EXIT_GRACE_S = 30.0
@@ -48,6 +56,17 @@ def _rank_process(spec: Any, fns: Any, batch_size: int) -> None:
         (Path(spec.run_dir) / f"rank{spec.rank}.error").write_text(text)
         print(f"elche rank {spec.rank} failed:\n{text}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+
+
+def _report_lost(host: Any, rank: int, code: int | None) -> None:
+    """Tell the coordinator (over its stdin) that a rank process is gone."""
+    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    print(f"elche: rank {rank} process ended ({how})", file=sys.stderr, flush=True)
+    try:
+        host.stdin.write(f"lost {rank} process ended ({how})\n")
+        host.stdin.flush()
+    except (BrokenPipeError, OSError, ValueError):
+        pass  # the coordinator is already gone
 
 
 class _Timeline:
@@ -95,7 +114,33 @@ def rank_spec(
         device=plan.devices[rank], gamma=cfg.scheduler.gamma, max_grad_norm=max_grad_norm,
         save_path=cfg.save_path, resume_from=plan.resume_from,
         coordinator_timeout_s=max(cfg.heartbeat_timeout_s, 10.0),
+        collective_timeout_s=max(2 * cfg.heartbeat_timeout_s, 60.0),
+        crash_at=plan.crash.get(rank), stall_at=plan.stall.get(rank),
     )  # fmt: skip
+
+
+def with_bundle(plan: Plan, run_dir: Path) -> Plan:
+    """Give the run a bundle stem in its run dir when the user named none.
+
+    An unrecoverable run always writes a resumable bundle; without a
+    ``save_path`` it goes to ``RUN_DIR/checkpoint``.
+    """
+    if plan.config.save_path is not None:
+        return plan
+    config = dataclasses.replace(plan.config, save_path=str(run_dir / "checkpoint"))
+    return dataclasses.replace(plan, config=config)
+
+
+def explain_outcome(summary: dict[str, object], save_path: str | None) -> None:
+    """Tell the user, on stderr, how a run that did not complete can go on."""
+    if summary.get("outcome") == "saved_and_shutdown":
+        print(
+            f"elche: the run could not continue ({summary.get('reason')}); its state is saved "
+            f"under {save_path} (.model.pt, .rank<N>.optim.pt, .meta.json). Resume it with "
+            f"resume_from={save_path!r} (elche demo: --resume-from {save_path}).",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def launch_local(
@@ -111,6 +156,7 @@ def launch_local(
     from elche.api import start_coordinator
 
     t0 = time.monotonic()
+    plan = with_bundle(plan, run_dir)
     cfg = plan.config
     secret = new_secret()
     host, address = start_coordinator(cfg, run_dir, secret, plan.resume_from)
@@ -132,14 +178,14 @@ def launch_local(
             time.sleep(SUPERVISE_EVERY_S)  # supervision cadence, not synchronisation
             for record in timeline.new_records():
                 _on_record(record, epochs, hooks, display)
+                if record.get("kind") == "RankLost":
+                    # Declared dead: it must not come back (a hung rank is killed).
+                    reported.add(int(record["rank"]))
+                    procs[int(record["rank"])].kill()
             for rank, proc in enumerate(procs):
                 if proc.exitcode not in (None, 0) and rank not in reported:
                     reported.add(rank)
-                    print(
-                        f"elche: rank {rank} exited with code {proc.exitcode}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    _report_lost(host, rank, proc.exitcode)
     finally:
         display.close()
         deadline = time.monotonic() + RANK_EXIT_GRACE_S
@@ -152,7 +198,9 @@ def launch_local(
             host.kill()
     for record in timeline.new_records():
         _on_record(record, epochs, hooks, display)
-    return collect(plan, run_dir, t0, epochs)
+    result = collect(plan, run_dir, t0, epochs)
+    explain_outcome(result.summary, cfg.save_path)
+    return result
 
 
 class _Progress:
@@ -251,6 +299,7 @@ def collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]
         "dead_ranks": host["dead_ranks"],
         "outcome": host["outcome"],
         "reason": host["reason"],
+        "bundle": plan.config.save_path if host["outcome"] == "saved_and_shutdown" else None,
         "per_rank": [
             {
                 "rank": rank,

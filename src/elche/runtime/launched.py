@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from elche.runtime.launch import collect, rank_spec, read_timeline
+from elche.runtime.launch import collect, explain_outcome, rank_spec, read_timeline, with_bundle
 from elche.runtime.transport import new_secret
 from elche.runtime.worker import train_rank
 
@@ -65,13 +65,15 @@ def train_launched(
         secret = new_secret()
         if multi_host:
             os.environ["ELCHE_BIND"] = "tcp://0.0.0.0:0"
-        host, address = start_coordinator(plan.config, directory, secret, plan.resume_from)
+        bundled = with_bundle(plan, directory)
+        host, address = start_coordinator(bundled.config, directory, secret, plan.resume_from)
         if multi_host:
             address = f"tcp://{os.environ['MASTER_ADDR']}:{address.rsplit(':', 1)[1]}"
         shared = [address, secret.hex(), str(directory)]
     dist.broadcast_object_list(shared, src=0)
     address, secret_hex, directory_text = (str(x) for x in shared)
     directory = Path(directory_text)
+    plan = with_bundle(plan, directory)
     spec = rank_spec(
         plan, rank, address, bytes.fromhex(secret_hex), directory, max_grad_norm=max_grad_norm
     )
@@ -92,6 +94,7 @@ def train_launched(
         elif record.get("kind") == "Eval" and hooks.eval_result_fn is not None:
             hooks.eval_result_fn(int(record["epoch"]), float(record["metric"]))
     result = collect(plan, directory, t0, epochs)
+    explain_outcome(result.summary, plan.config.save_path)
     if not result.state_dict:
         result.state_dict = state
     return result

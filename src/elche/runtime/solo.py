@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils.data import default_collate
 
 from elche.core.checkpoint import CheckpointMeta
 from elche.core.dispatch import epoch_permutation
+from elche.runtime.data import fetch
 from elche.runtime.host import meta_path
 from elche.runtime.pacing import Pacer, measure_base_step_s
 from elche.runtime.worker import UserFns, to_device
@@ -48,8 +48,8 @@ class _Solo:
     epochs: list[dict[str, object]] = field(default_factory=list)
 
     def batch(self, perm: list[int], positions: range) -> Any:
-        collate = self.fns.collate_fn or default_collate
-        return to_device(collate([self.fns.dataset[perm[i]] for i in positions]), self.device)
+        indices = [perm[i] for i in positions]
+        return to_device(fetch(self.fns.dataset, indices, self.fns.collate_fn), self.device)
 
     def train_epoch(self, epoch: int, spans: Sequence[tuple[int, int]]) -> float | None:
         cfg = self.plan.config

@@ -20,13 +20,18 @@ schedule stays the same everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
+import sys
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,18 +39,22 @@ import msgspec
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import default_collate
 
 from elche.core import messages as m
 from elche.core.config import Backend, Mode, Policy
 from elche.core.dispatch import epoch_permutation
 from elche.runtime.averaging import collective_average, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
+from elche.runtime.data import fetch
 from elche.runtime.pacing import Pacer, measure_base_step_s
 from elche.runtime.snapshots import Layout
 from elche.runtime.transport import RankEndpoint
 
 __all__ = ["RankSpec", "UserFns", "Worker", "run_rank", "to_device", "train_rank"]
+
+# Batch reports go out at least this often while a rank trains, even mid-window,
+# so the coordinator's view (and the sync gate) never lags far behind.
+REPORT_EVERY_S = 0.05
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -85,7 +94,9 @@ class RankSpec:
     save_path: str | None = None
     resume_from: str | None = None
     threads: int = 1
-    chaos: Mapping[str, float] = field(default_factory=dict)
+    collective_timeout_s: float = 120.0
+    crash_at: float | None = None  # testing: SIGKILL itself at epoch.fraction
+    stall_at: float | None = None  # testing: hang (no work, no heartbeat) at epoch.fraction
 
 
 @dataclass(slots=True)
@@ -105,11 +116,13 @@ class Worker:
         self.device = torch.device(spec.device)
         self.model = fns.model_fn(self.device)
         self.optimizer = fns.optimizer_fn(self.model.parameters())
-        self.collate = fns.collate_fn or default_collate
         self.batch_size = 0
         self.chunks: deque[_Chunk] = deque()
         self.budget = 1
+        self.window = 0
         self.steps_since_sync = 0
+        self.unreported: list[m.BatchDone] = []
+        self.reported_s = time.monotonic()
         self.pending: m.SyncNow | m.RequestParams | None = None
         self.callbacks: deque[m.RunEval | m.RunCheckpoint] = deque()
         self.waiting_update: int | None = None
@@ -156,12 +169,37 @@ class Worker:
             self.group = dist.group.WORLD
             self.owns_group = False
             return
-        path = str(Path(self.spec.run_dir) / "group-0")
-        store = dist.FileStore(path, self.spec.world_size)  # type: ignore[attr-defined]  # exported at runtime
+        self._form_group(0, list(range(self.spec.world_size)))
+
+    def _form_group(self, generation: int, members: list[int]) -> None:
+        """Join generation ``generation`` of the gloo group (rendezvous in the run dir)."""
+        path = str(Path(self.spec.run_dir) / f"group-{generation}")
+        store = dist.FileStore(path, len(members))  # type: ignore[attr-defined]  # exported at runtime
         dist.init_process_group(
-            "gloo", store=store, rank=self.spec.rank, world_size=self.spec.world_size
+            "gloo",
+            store=store,
+            rank=members.index(self.spec.rank),
+            world_size=len(members),
+            timeout=timedelta(seconds=self.spec.collective_timeout_s),
         )
         self.group = dist.group.WORLD
+        self.owns_group = True
+
+    def _regroup(self, generation: int, members: list[int]) -> None:
+        """A rank died: leave the old group and form a new one with the survivors."""
+        if self.mode.backend is not Backend.COLLECTIVE:
+            return
+        if self.spec.rank not in members:
+            self.stopping = "evicted: the coordinator declared this rank dead"
+            return
+        if isinstance(self.pending, m.SyncNow):
+            self.pending = None  # that round was abandoned
+        if self.group is not None:
+            with contextlib.suppress(Exception):  # the old group may be broken
+                dist.destroy_process_group()
+            self.group = None
+        if len(members) >= 2:
+            self._form_group(generation, members)
 
     def calibrate_speed(self, batch: Any) -> None:
         if self.spec.speed >= 1.0:
@@ -181,8 +219,10 @@ class Worker:
             if self.waiting_update is not None:
                 self._wait()
             elif self.pending is not None:
+                self._report()
                 self._serve_round()
             elif self.callbacks:
+                self._report()
                 self._run_callback(self.callbacks.popleft())
             elif self.steps_since_sync < self.budget and self.chunks:
                 self._train_one()
@@ -197,21 +237,22 @@ class Worker:
 
     def _wait(self) -> None:
         assert self.bridge is not None
+        self._report()
         item = self.bridge.get(0.5)
         if item is not None:
             self._handle(item)
 
     def _handle(self, item: Any) -> None:
         if isinstance(item, CoordinatorLost):
-            self.stopping = f"coordinator lost: {item.reason}"
+            self._coordinator_lost(item.reason)
             return
         message, payload = item
         match message:
             case m.AssignChunk(epoch=epoch, offset=offset, size=size, budget=budget):
                 self.chunks.append(_Chunk(epoch, offset, size))
-                self.budget = budget
-            case m.SetBudget(budget=budget):
-                self.budget = budget
+                self.budget, self.window = budget, message.window
+            case m.SetBudget(budget=budget, window=window):
+                self.budget, self.window = budget, window
             case m.SyncNow() | m.RequestParams():
                 self.pending = message
             case m.Update():
@@ -224,7 +265,9 @@ class Worker:
             case m.ShutdownWithSave(reason=reason, writer=writer):
                 self._save(writer)
                 self.stopping = f"saved: {reason}"
-            case m.Regroup() | m.SetEpochCallbackRole() | m.EvalBroadcast() | m.EpochDone():
+            case m.Regroup(generation=generation, members=members):
+                self._regroup(generation, members)
+            case m.SetEpochCallbackRole() | m.EvalBroadcast() | m.EpochDone():
                 pass
             case m.CoordHeartbeat():
                 pass
@@ -244,14 +287,27 @@ class Worker:
 
     def batch_at(self, epoch: int, offset: int, size: int) -> Any:
         perm = self._perm(epoch)
-        items = [self.fns.dataset[perm[i]] for i in range(offset, offset + size)]
-        return to_device(self.collate(items), self.device)
+        batch = fetch(self.fns.dataset, perm[offset : offset + size], self.fns.collate_fn)
+        return to_device(batch, self.device)
 
     def _loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         return self.fns.step_fn(model, batch)
 
+    def _chaos(self, chunk: _Chunk) -> None:
+        """Testing hooks: crash or hang once training reaches a point."""
+        at = chunk.epoch + chunk.offset / max(len(self.fns.dataset), 1)
+        if self.spec.crash_at is not None and at >= self.spec.crash_at:
+            print(f"elche rank {self.spec.rank}: crashing on purpose at {at:.2f}", file=sys.stderr)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.spec.stall_at is not None and at >= self.spec.stall_at:
+            print(f"elche rank {self.spec.rank}: stalling on purpose at {at:.2f}", file=sys.stderr)
+            assert self.bridge is not None
+            self.bridge.freeze()
+            threading.Event().wait()  # hangs until the launcher kills the process
+
     def _train_one(self) -> None:
         chunk = self.chunks[0]
+        self._chaos(chunk)
         if chunk.epoch > self.epoch_started:
             self.epoch_started = chunk.epoch
             self._epoch_fn(chunk.epoch)
@@ -276,7 +332,7 @@ class Worker:
         self.steps_since_sync += 1
         assert self.bridge is not None
         self.bridge.step += 1
-        self._send(
+        self.unreported.append(
             m.BatchDone(
                 epoch=chunk.epoch,
                 offset=chunk.offset,
@@ -290,6 +346,18 @@ class Worker:
         chunk.size -= size
         if chunk.size == 0:
             self.chunks.popleft()
+        steps = self.steps_since_sync
+        due = time.monotonic() - self.reported_s >= REPORT_EVERY_S
+        if due or steps in (self.window, self.budget) or not self.chunks:
+            self._report()
+
+    def _report(self) -> None:
+        """Send the batches trained since the last report, as one frame."""
+        self.reported_s = time.monotonic()
+        if not self.unreported:
+            return
+        items, self.unreported = self.unreported, []
+        self._send(items[0] if len(items) == 1 else m.Batches(items=items))
 
     def _epoch_fn(self, epoch: int) -> None:
         if self.fns.epoch_fn is None:
@@ -314,9 +382,15 @@ class Worker:
             return
         if isinstance(request, m.SyncNow):
             started = time.perf_counter()
-            div, pre, post = collective_average(
-                self.model, steps, gamma=self.spec.gamma, group=self.group
-            )
+            try:
+                div, pre, post = collective_average(
+                    self.model, steps, gamma=self.spec.gamma, group=self.group
+                )
+            except RuntimeError as exc:
+                # A peer vanished mid-collective. The model is unchanged; the
+                # coordinator will abandon the round and send Regroup.
+                print(f"elche rank {self.spec.rank}: collective failed: {exc}", file=sys.stderr)
+                return
             self.busy_s += time.perf_counter() - started
             self.steps_since_sync -= steps
             self._send(
@@ -384,7 +458,24 @@ class Worker:
                 m.CheckpointResult(version=request.version, elapsed_ms=elapsed_ms, error=error)
             )
 
+    def _coordinator_lost(self, reason: str) -> None:
+        """No coordinator: keep this rank's work on disk, then stop cleanly."""
+        where = None
+        if self.spec.save_path is not None:
+            stem = f"{self.spec.save_path}.rank{self.spec.rank}.local"
+            with contextlib.suppress(OSError):
+                where = self._write_bundle(stem, optimizer=True)
+        print(
+            f"elche rank {self.spec.rank}: lost the coordinator ({reason}); "
+            + (f"local state saved as {where}.model.pt; " if where else "")
+            + "stopping",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.stopping = f"coordinator lost: {reason}"
+
     def _save(self, writer: int) -> None:
+        self._report()  # the coordinator books the writer's batches before its save
         error: str | None = None
         path: str | None = None
         if self.spec.save_path is not None:

@@ -1,0 +1,39 @@
+"""Fetching a batch: dataset positions to a collated batch, fast where it can be.
+
+``default_collate`` over ``dataset[i]`` item by item is the general path. Two
+faster paths give the same batch: a ``TensorDataset`` under the default
+collate is indexed once per tensor, and a dataset with ``__getitems__`` (the
+batched-fetch protocol ``DataLoader`` uses) is asked for all items at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import TensorDataset, default_collate
+
+__all__ = ["fetch"]
+
+
+def fetch(
+    dataset: Any,
+    indices: Sequence[int],
+    collate: Callable[[list[Any]], Any] | None = None,
+) -> Any:
+    """The collated batch of ``dataset`` at ``indices``.
+
+    Args:
+        dataset: a map-style dataset.
+        indices: dataset indices, in batch order.
+        collate: the collate function (None: ``default_collate``).
+    """
+    if collate is None or collate is default_collate:
+        if isinstance(dataset, TensorDataset):
+            index = torch.as_tensor(indices, dtype=torch.long)
+            return [tensor[index] for tensor in dataset.tensors]
+        collate = default_collate
+    getitems = getattr(dataset, "__getitems__", None)
+    items = getitems(list(indices)) if getitems is not None else [dataset[i] for i in indices]
+    return collate(items)
