@@ -351,6 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if SECRET_ENV not in os.environ:
         print("elche coordinator: no ELCHE_SECRET given; generated one", file=sys.stderr)
+    (run_dir / "coordinator.pid").write_text(str(os.getpid()))
     print(f"{ADDRESS_LINE} {endpoint.address}", flush=True)
     with endpoint:
         host = Host(config, endpoint, run_dir, resume=resume)
