@@ -3,17 +3,102 @@
 A workload is a module of plain top-level functions (picklable for the
 ``spawn`` start method), so every system under comparison — elche's modes and
 the torch DDP baseline — trains exactly the same model on exactly the same
-data:
+data. Each module provides:
 
-- ``load_<name>_split(seed=...)`` → ``(train, test)`` datasets;
+- ``load_split(seed)`` → ``(train, test)`` ``TensorDataset``\\ s, deterministic
+  per seed;
 - ``make_model(device)`` → the model, with identical initial weights on every
-  rank;
+  rank (the global RNG is forked, never shifted);
 - ``make_optimizer(params)`` → the optimizer;
 - ``step_fn(model, batch)`` → the loss to backpropagate;
-- ``eval_fn(model, dataset)`` → a score in [0, 1].
+- ``eval_fn(model, dataset)`` → the score named by the module's ``METRIC``
+  (``HIGHER_IS_BETTER`` says which way is good).
 
-Modules:
+The registry (``get(name)``, ``names()``) is how the benchmark runner and the
+torch DDP baseline find them by name:
 
-- ``digits`` — scikit-learn's 8×8 handwritten digits (1,797 images, shipped
-  with scikit-learn, no download) and a small MLP.
+- ``digits-logreg`` — logistic regression on scikit-learn's 8×8 digits;
+- ``digits-mlp`` (alias ``digits``) — the demo's MLP on the same digits;
+- ``digits-cnn`` — a small convolutional classifier on the digits;
+- ``digits-ae`` — a small convolutional autoencoder (metric: reconstruction
+  MSE, lower is better);
+- ``text-gru`` — a character-level GRU on Python standard-library sources.
 """
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from elche.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor, nn
+    from torch.utils.data import TensorDataset
+
+__all__ = ["ALIASES", "Workload", "get", "names"]
+
+# name -> module under elche.workloads; the order is the order of reports.
+_MODULES = {
+    "digits-logreg": "digits_logreg",
+    "digits-mlp": "digits",
+    "digits-cnn": "digits_cnn",
+    "digits-ae": "digits_ae",
+    "text-gru": "text_gru",
+}
+ALIASES = {"digits": "digits-mlp"}  # the name the demo and the DDP CLI always used
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """The callables and facts of one workload (see the module docstring)."""
+
+    name: str
+    metric: str  # what eval_fn returns, e.g. "accuracy"
+    higher_is_better: bool
+    load_split: Callable[[int], tuple[TensorDataset, TensorDataset]]
+    make_model: Callable[[torch.device | str], nn.Module]
+    make_optimizer: Callable[[Iterable[Tensor]], torch.optim.Optimizer]
+    step_fn: Callable[[nn.Module, Sequence[Tensor]], Tensor]
+    eval_fn: Callable[[nn.Module, TensorDataset], float]
+
+
+def names() -> tuple[str, ...]:
+    """The registered workload names, in report order (aliases excluded)."""
+    return tuple(_MODULES)
+
+
+def get(name: str) -> Workload:
+    """The workload called ``name`` (or one of its ``ALIASES``).
+
+    Imports the workload's module on first use (its data loader may import
+    scikit-learn, which costs about a second).
+
+    Args:
+        name: a name from ``names()`` or a key of ``ALIASES``.
+
+    Returns:
+        The workload's callables; the functions are module-level, so they
+        pickle by reference into spawned ranks.
+
+    Raises:
+        ConfigError: (field ``"workload"``) ``name`` is not registered.
+    """
+    canonical = ALIASES.get(name, name)
+    if canonical not in _MODULES:
+        accepted = ", ".join((*_MODULES, *ALIASES))
+        raise ConfigError("workload", f"must be one of {accepted}; got {name!r}")
+    module = importlib.import_module(f"elche.workloads.{_MODULES[canonical]}")
+    return Workload(
+        name=canonical,
+        metric=module.METRIC,
+        higher_is_better=module.HIGHER_IS_BETTER,
+        load_split=module.load_split,
+        make_model=module.make_model,
+        make_optimizer=module.make_optimizer,
+        step_fn=module.step_fn,
+        eval_fn=module.eval_fn,
+    )
