@@ -30,9 +30,11 @@ if TYPE_CHECKING:
     from elche.runtime.worker import RankSpec, UserFns
 
 __all__ = [
+    "Progress",
     "collect",
     "explain_outcome",
     "launch_local",
+    "on_record",
     "rank_spec",
     "read_timeline",
     "with_bundle",
@@ -171,13 +173,13 @@ def launch_local(
         procs.append(proc)
     timeline = _Timeline(run_dir / "timeline.jsonl")
     epochs: list[dict[str, object]] = []
-    display = _Progress(cfg.epochs, enabled=progress)
+    display = Progress(cfg.epochs, enabled=progress)
     reported: set[int] = set()
     try:
         while host.poll() is None:
             time.sleep(SUPERVISE_EVERY_S)  # supervision cadence, not synchronisation
             for record in timeline.new_records():
-                _on_record(record, epochs, hooks, display)
+                on_record(record, epochs, hooks, display)
                 if record.get("kind") == "RankLost":
                     # Declared dead: it must not come back (a hung rank is killed).
                     reported.add(int(record["rank"]))
@@ -197,13 +199,13 @@ def launch_local(
         if host.poll() is None:
             host.kill()
     for record in timeline.new_records():
-        _on_record(record, epochs, hooks, display)
+        on_record(record, epochs, hooks, display)
     result = collect(plan, run_dir, t0, epochs)
     explain_outcome(result.summary, cfg.save_path)
     return result
 
 
-class _Progress:
+class Progress:
     """A rich progress bar over epochs, on stderr."""
 
     def __init__(self, epochs: int, *, enabled: bool) -> None:
@@ -238,12 +240,13 @@ class _Progress:
             self.bar = None
 
 
-def _on_record(
+def on_record(
     record: dict[str, Any],
     epochs: list[dict[str, object]],
     hooks: _Hooks,
-    display: _Progress,
+    display: Progress,
 ) -> None:
+    """Apply one timeline record: per-epoch metrics, user hooks, the display."""
     kind = record.get("kind")
     if kind == "EpochEnd":
         entry = {

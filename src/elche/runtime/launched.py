@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from elche.runtime.launch import collect, explain_outcome, rank_spec, read_timeline, with_bundle
+from elche.runtime.launch import (
+    Progress,
+    collect,
+    explain_outcome,
+    on_record,
+    rank_spec,
+    read_timeline,
+    with_bundle,
+)
 from elche.runtime.transport import new_secret
 from elche.runtime.worker import train_rank
 
@@ -85,14 +93,9 @@ def train_launched(
         return TrainResult(state_dict=state, summary={}, run_dir=str(directory))
     host.wait(timeout=COORDINATOR_EXIT_S)
     epochs: list[dict[str, object]] = []
+    quiet = Progress(plan.config.epochs, enabled=False)
     for record in read_timeline(directory):
-        if record.get("kind") == "EpochEnd":
-            entry = {"epoch": record["epoch"], "loss": record.get("loss")}
-            epochs.append(entry)
-            if hooks.metrics_fn is not None:
-                hooks.metrics_fn(entry)
-        elif record.get("kind") == "Eval" and hooks.eval_result_fn is not None:
-            hooks.eval_result_fn(int(record["epoch"]), float(record["metric"]))
+        on_record(record, epochs, hooks, quiet)
     result = collect(plan, directory, t0, epochs)
     explain_outcome(result.summary, plan.config.save_path)
     if not result.state_dict:
