@@ -173,6 +173,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the Python script that calls elche.train")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for SCRIPT")
     run.set_defaults(run=_run_script)
+    _bench_parser(sub)
     return parser
 
 
@@ -284,6 +285,54 @@ def _run_script(args: argparse.Namespace) -> int:
     for rank, code in failed:
         print(f"elche run: rank {rank} exited with code {code}", file=sys.stderr)
     return failed[0][1] if failed else 0
+
+
+def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="elche's modes, torch DDP and solo side by side on real workloads",
+        description=(
+            "Train each suite workload on each rig with torch DDP, every elche mode and "
+            "one solo rank, in this invocation, and write report.md, results.json and "
+            "PNG charts with the ratios against DDP."
+        ),
+    )
+    bench.add_argument(
+        "--suite",
+        choices=("quick", "full"),
+        default="quick",
+        help="quick: digits-cnn on speeds 1,0.5,0.25, 3 repeats (~3 min on 2 cores); "
+        "full: 5 workloads x 4 rigs (default quick)",
+    )
+    bench.add_argument("--out", default=None, help="output dir (default results/bench-<time>)")
+    bench.add_argument("--repeats", type=int, default=None, help="override the suite's repeats")
+    bench.add_argument("--json", action="store_true", help="print the results JSON on stdout")
+    bench.add_argument("--no-progress", action="store_true", help="no live progress display")
+    bench.set_defaults(run=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    from elche.bench import SUITES, default_out_dir, run_bench
+
+    suite = SUITES[args.suite]
+    if args.repeats is not None:
+        if args.repeats < 1:
+            raise ConfigError("repeats", f"must be >= 1, got {args.repeats}")
+        suite = dataclasses.replace(suite, repeats=args.repeats)
+    out_dir = Path(args.out) if args.out else default_out_dir()
+    command = f"elche bench --suite {args.suite}"
+    if args.repeats is not None:
+        command += f" --repeats {args.repeats}"
+    command += " --json" if args.json else ""
+    doc = run_bench(suite, out_dir, command=command, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print(f"elche bench: wrote {out_dir / 'report.md'} and {out_dir / 'results.json'}")
+    return 0
 
 
 def _run_compare(args: argparse.Namespace) -> int:

@@ -14,6 +14,11 @@ plain, textbook DDP — nothing here tries to make it slow:
 - a rank at speed s measures its solo step once on its first batch
   (``measure_base_step_s``, before DDP wraps the model) and calls
   ``Pacer.after_step`` after every optimizer step — exactly elche's rule.
+  As in elche's worker, the paced ranks (s < 1) time their step after the
+  process-group rendezvous, when every peer has started, and together; ranks
+  at full speed (whose wait is 0 whatever they measure) time theirs after a
+  barrier, so they never crowd the paced ranks' measurement on a small
+  machine. Their ``base`` only feeds the ``idle_s`` estimate.
 
 Clocks and the reported numbers
 -------------------------------
@@ -33,8 +38,15 @@ Clocks and the reported numbers
   time because under DDP the gradient all-reduce overlaps the backward pass
   and cannot be timed apart from it.
 - ``final_loss``: the sample-weighted mean training loss of the last epoch
-  over every rank; ``eval_accuracy``: rank 0's ``eval_fn`` on the test split
-  after training, outside ``wall_s``.
+  over every rank; ``eval``: rank 0's ``eval_fn`` on the test split after
+  training, outside ``wall_s`` (the workload's ``metric``; also under the
+  older name ``eval_accuracy``).
+- ``per_epoch``: per epoch, ``t`` — rank 0's ``wall_s`` clock when its last
+  step of the epoch (and its injected wait) finished; lock-step DDP keeps the
+  ranks within one step of each other — and ``loss``, the sample-weighted
+  mean training loss of that epoch over every rank.
+
+Workloads come from the registry (``elche.workloads.get``), by name.
 
 Failures: a rank that raises makes the parent terminate the others and raise
 ``RuntimeError`` carrying that rank's traceback; a run that exceeds
@@ -52,7 +64,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
@@ -60,36 +72,26 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
 from torch.multiprocessing.spawn import ProcessContext, ProcessException, start_processes
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from elche.core.errors import ConfigError
 from elche.runtime.pacing import Pacer, check_speed, measure_base_step_s
+from elche.workloads import ALIASES
+from elche.workloads import get as get_workload
+from elche.workloads import names as workload_names
 
 __all__ = ["GLOO_SOCKET_IFNAME_ENV", "SYSTEM", "WORKLOADS", "main", "run_ddp"]
 
 SYSTEM = "torch-ddp"  # the ``system`` name in benchmark rows (design §6)
-WORKLOADS = ("digits",)
+WORKLOADS = (*workload_names(), *ALIASES)  # the registry's names, plus "digits"
 GLOO_SOCKET_IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # gloo can hang without it locally (design §4)
 DEFAULT_TIMEOUT_S = 300.0  # the whole run; also the process group's collective timeout
 GRACE_S = 1.0  # after a rank fails, the others get this long before SIGTERM: they are
 # usually blocked in a collective that will never complete, so waiting longer buys nothing
 
 JsonDict = dict[str, object]
-
-
-@dataclass(frozen=True, slots=True)
-class _Workload:
-    """The callables one workload module provides (see ``elche.workloads``)."""
-
-    load_split: Callable[[int], tuple[TensorDataset, TensorDataset]]
-    make_model: Callable[[torch.device | str], nn.Module]
-    make_optimizer: Callable[[Iterable[Tensor]], Optimizer]
-    step_fn: Callable[[nn.Module, Sequence[Tensor]], Tensor]
-    eval_fn: Callable[[nn.Module, TensorDataset], float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,9 +131,9 @@ def run_ddp(
     Returns:
         ``{"system", "workload", "speeds", "world_size", "epochs",
         "batch_size", "wall_s", "startup_s", "samples_per_s", "final_loss",
-        "eval_accuracy", "per_rank": [{"rank", "speed", "samples", "steps",
-        "base_step_s", "injected_s", "idle_s"}]}``; the module docstring
-        defines each clock.
+        "eval", "metric", "eval_accuracy", "per_epoch": [{"epoch", "t", "loss"}],
+        "per_rank": [{"rank", "speed", "samples", "steps", "base_step_s",
+        "injected_s", "idle_s"}]}``; the module docstring defines each clock.
 
     Raises:
         ConfigError: a bad ``speeds`` (field ``"speeds"``), ``epochs``,
@@ -140,7 +142,7 @@ def run_ddp(
             run exceeded ``timeout_s``; every rank has been stopped.
     """
     plan_speeds = _check_args(speeds, epochs, batch_size, workload, timeout_s)
-    train_set, test_set = _workload(workload).load_split(seed)
+    train_set, test_set = get_workload(workload).load_split(seed)
     with tempfile.TemporaryDirectory(prefix="elche-ddp-") as run_dir:
         plan = _Plan(
             plan_speeds, epochs, batch_size, seed, workload, train_set, test_set, run_dir, timeout_s
@@ -230,7 +232,7 @@ def _rank_main(rank: int, plan: _Plan) -> None:
 
 def _train(rank: int, plan: _Plan) -> JsonDict:
     """Pace, train and (on rank 0) evaluate; return this rank's report."""
-    work = _workload(plan.workload)
+    work = get_workload(plan.workload)
     train_set, test_set = plan.train_set, plan.test_set
     model = work.make_model("cpu")
     optimizer = work.make_optimizer(model.parameters())
@@ -239,7 +241,12 @@ def _train(rank: int, plan: _Plan) -> JsonDict:
     )
     loader = DataLoader(train_set, batch_size=plan.batch_size, sampler=sampler)
     sampler.set_epoch(0)
-    base_s = measure_base_step_s(model, optimizer, work.step_fn, next(iter(loader)))
+    first = next(iter(loader))
+    paced = plan.speeds[rank] < 1.0
+    base_s = measure_base_step_s(model, optimizer, work.step_fn, first) if paced else 0.0
+    dist.barrier()  # full-speed ranks time their step once the paced ranks are done
+    if not paced:
+        base_s = measure_base_step_s(model, optimizer, work.step_fn, first)
     pacer = Pacer(plan.speeds[rank], base_s)
     ddp_model = DistributedDataParallel(model)  # broadcasts rank 0's (identical) weights
 
@@ -248,6 +255,7 @@ def _train(rank: int, plan: _Plan) -> JsonDict:
     start_s = time.perf_counter()
     samples = steps = 0
     loss_sum = 0.0  # of the current epoch, weighted by batch size
+    epochs: list[tuple[float, float, int]] = []  # (t since start, loss sum, samples)
     for epoch in range(plan.epochs):
         sampler.set_epoch(epoch)
         loss_sum, epoch_samples = 0.0, 0
@@ -262,6 +270,7 @@ def _train(rank: int, plan: _Plan) -> JsonDict:
             epoch_samples += num
             steps += 1
         samples += epoch_samples
+        epochs.append((time.perf_counter() - start_s, loss_sum, epoch_samples))
     dist.barrier()
     wall_s = time.perf_counter() - start_s
 
@@ -279,22 +288,8 @@ def _train(rank: int, plan: _Plan) -> JsonDict:
         "last_epoch_loss_sum": loss_sum,
         "last_epoch_samples": epoch_samples,
         "eval_accuracy": accuracy,
+        "epochs": epochs,
     }
-
-
-def _workload(name: str) -> _Workload:
-    """The callables of the workload called ``name``."""
-    if name == "digits":
-        from elche.workloads import digits
-
-        return _Workload(
-            load_split=lambda seed: digits.load_digits_split(seed=seed),
-            make_model=digits.make_model,
-            make_optimizer=digits.make_optimizer,
-            step_fn=digits.step_fn,
-            eval_fn=digits.eval_fn,
-        )
-    raise ConfigError("workload", f"must be one of {WORKLOADS}, got {name!r}")
 
 
 def _read_report(run_dir: Path, rank: int) -> JsonDict:
@@ -326,9 +321,37 @@ def _summarize(plan: _Plan, reports: Sequence[JsonDict], launched_at: float) -> 
         "startup_s": max(_num(lead["started_at"]) - launched_at, 0.0),
         "samples_per_s": total_samples / wall_s if wall_s > 0 else 0.0,
         "final_loss": loss_sum / loss_samples if loss_samples else float("nan"),
+        "eval": lead["eval_accuracy"],
+        "metric": get_workload(plan.workload).metric,
         "eval_accuracy": lead["eval_accuracy"],
+        "per_epoch": _per_epoch(reports),
         "per_rank": [{key: r[key] for key in keys} for r in reports],
     }
+
+
+def _per_epoch(reports: Sequence[JsonDict]) -> list[JsonDict]:
+    """Per epoch: rank 0's time and the sample-weighted loss over every rank."""
+    tables: list[list[object]] = []
+    for report in reports:
+        table = report["epochs"]
+        if not isinstance(table, list):
+            raise RuntimeError(f"{SYSTEM}: malformed rank report epochs {table!r}")
+        tables.append(table)
+    out: list[JsonDict] = []
+    for epoch, lead in enumerate(tables[0]):
+        rows = [_triple(table[epoch]) for table in tables]
+        loss_sum = sum(row[1] for row in rows)
+        count = sum(row[2] for row in rows)
+        t_s = _triple(lead)[0]
+        out.append({"epoch": epoch, "t": t_s, "loss": loss_sum / count if count else None})
+    return out
+
+
+def _triple(value: object) -> tuple[float, float, float]:
+    """One ``(t, loss_sum, samples)`` entry of a rank's epoch table."""
+    if not isinstance(value, list) or len(value) != 3:
+        raise RuntimeError(f"{SYSTEM}: malformed rank report epoch entry {value!r}")
+    return _num(value[0]), _num(value[1]), _num(value[2])
 
 
 def _num(value: object) -> float:

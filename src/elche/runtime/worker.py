@@ -55,6 +55,8 @@ __all__ = ["RankSpec", "UserFns", "Worker", "run_rank", "to_device", "train_rank
 # Batch reports go out at least this often while a rank trains, even mid-window,
 # so the coordinator's view (and the sync gate) never lags far behind.
 REPORT_EVERY_S = 0.05
+# How often a rank looks for its peers' start marks (wait_peers_started).
+STARTUP_POLL_S = 0.01
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -132,6 +134,7 @@ class Worker:
         self.group: dist.ProcessGroup | None = None
         self.pacer: Pacer | None = None
         self.busy_s = 0.0
+        self.step_s = 0.0  # training steps only (batch fetch + step + injected wait)
         self.samples = 0
         self.started_s = time.monotonic()
         self.last_loss: float | None = None
@@ -200,6 +203,29 @@ class Worker:
             self.group = None
         if len(members) >= 2:
             self._form_group(generation, members)
+
+    def wait_peers_started(self) -> None:
+        """Local coordinator modes: wait until every rank process has started.
+
+        A rank that times its solo step while its peers still import torch
+        measures a slower step and then runs slower than its ``speed`` on a
+        small machine (the DDP baseline times after its rendezvous). A
+        collective group or a launcher's group is that rendezvous already;
+        without one, each rank marks ``started.rank<r>`` in the run dir and a
+        rank that will time its step waits for the others' marks, at most
+        ``coordinator_timeout_s`` (then it times anyway: pacing, not safety).
+        """
+        spec = self.spec
+        if spec.world_size < 2 or dist.is_initialized():
+            return
+        run_dir = Path(spec.run_dir)
+        (run_dir / f"started.rank{spec.rank}").touch()
+        if spec.speed >= 1.0:
+            return
+        deadline = time.monotonic() + spec.coordinator_timeout_s
+        marks = [run_dir / f"started.rank{r}" for r in range(spec.world_size)]
+        while not all(mark.exists() for mark in marks) and time.monotonic() < deadline:
+            time.sleep(STARTUP_POLL_S)
 
     def calibrate_speed(self, batch: Any) -> None:
         if self.spec.speed >= 1.0:
@@ -328,6 +354,7 @@ class Worker:
         value = float(loss.detach())
         self.last_loss = value if math.isfinite(value) else self.last_loss
         self.busy_s += done - started
+        self.step_s += done - started
         self.samples += size
         self.steps_since_sync += 1
         assert self.bridge is not None
@@ -503,6 +530,7 @@ class Worker:
             "speed": self.spec.speed,
             "samples_trained": self.samples,
             "busy_s": round(self.busy_s, 4),
+            "step_s": round(self.step_s, 4),
             "idle_s": round(max(wall - self.busy_s, 0.0), 4),
             "stopped": self.stopping,
         }
@@ -540,8 +568,9 @@ def train_rank(
     worker.batch_size = batch_size
     if spec.resume_from is not None:
         _load_bundle(worker, spec.resume_from)
+    worker.join_group()  # collective modes: the rendezvous, so every peer has started
+    worker.wait_peers_started()  # the same, for coordinator modes
     worker.calibrate_speed(worker.batch_at(0, 0, min(batch_size, len(fns.dataset))))
-    worker.join_group()
     worker.connect()
     try:
         stopped = worker.run()

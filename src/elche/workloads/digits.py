@@ -1,5 +1,9 @@
 """Handwritten digits: the demo workload (scikit-learn's 8×8 digits, offline).
 
+Registered as ``digits-mlp`` (alias ``digits``); the other digits workloads
+(``digits_logreg``, ``digits_cnn``, ``digits_ae``) reuse its split, and the
+classifiers its ``step_fn`` and ``eval_fn``.
+
 1,797 grayscale 8×8 images of the digits 0–9 ship inside scikit-learn, so
 the demo, the integration tests and the quick benchmark need no download. A
 stratified 80/20 split gives 1,437 training and 360 test samples. The model

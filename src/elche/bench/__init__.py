@@ -1,0 +1,113 @@
+"""``elche bench``: elche's modes, torch DDP and solo side by side, with ratios.
+
+Every speed claim elche makes comes from here (design §1.4): the competitor
+runs in the same invocation, on the same workload, split, seed, epochs,
+per-rank batch size and speed injection, interleaved when repeated.
+
+Modules:
+
+- ``suites`` — the ``quick`` and ``full`` suites (workloads, rigs, systems);
+- ``runner`` — runs one training per workload × rig × system × repeat;
+- ``metrics`` — efficiency, ratios, time to target, idle % (pure functions);
+- ``rows`` — the JSON rows of design §6 from the run records;
+- ``report`` — ``report.md``; ``charts`` — the PNG charts.
+
+``run_bench`` ties them together and writes ``results.json``, ``report.md``
+and the charts into one directory.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from elche.bench.suites import SUITES, Suite
+
+__all__ = ["SUITES", "Suite", "default_out_dir", "machine", "run_bench"]
+
+
+def default_out_dir(now: dt.datetime | None = None) -> Path:
+    """``results/bench-<UTC timestamp>`` under the working directory."""
+    stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y%m%d-%H%M%S")
+    return Path("results") / f"bench-{stamp}"
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import torch
+
+    cpus = os.cpu_count() or 0
+    cuda = torch.cuda.is_available()
+    return {
+        "cpus": cpus,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": cuda,
+        "description": (
+            f"{cpus} CPU cores, {'CUDA available (unused)' if cuda else 'CPU only'}, "
+            f"{platform.system()} {platform.machine()}, Python {platform.python_version()}, "
+            f"torch {torch.__version__}"
+        ),
+    }
+
+
+def run_bench(
+    suite: Suite,
+    out_dir: Path,
+    *,
+    command: str,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run ``suite`` and write ``results.json``, ``report.md`` and PNG charts.
+
+    Args:
+        suite: what to run.
+        out_dir: created if missing; existing files of the same names are
+            overwritten.
+        command: the command line, recorded in the results.
+        progress: show a live display on stderr.
+
+    Returns:
+        The results document (``results.json``'s content).
+    """
+    from elche.bench.charts import write_charts
+    from elche.bench.report import acceptance, render
+    from elche.bench.rows import build_rows
+    from elche.bench.runner import run_suite
+
+    started = time.perf_counter()
+    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    runs = run_suite(suite, progress=progress)
+    rows = build_rows(suite, runs)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    charts = write_charts(rows, out_dir)
+    doc: dict[str, Any] = {
+        "suite": suite.name,
+        "date": date,
+        "command": command,
+        "machine": machine(),
+        "repeats": suite.repeats,
+        "seed": suite.seed,
+        "workloads": [
+            {"name": p.name, "epochs": p.epochs, "batch_size": p.batch_size}
+            for p in suite.workloads
+        ],
+        "rigs": [list(rig) for rig in suite.rigs],
+        "systems": ["solo", *suite.systems],
+        "rows": rows,
+        "acceptance": acceptance(rows),
+        "charts": charts,
+        "notes": list(suite.notes),
+        "out_dir": str(out_dir),
+        "runs": runs,
+    }
+    doc["total_s"] = round(time.perf_counter() - started, 1)
+    (out_dir / "results.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    (out_dir / "report.md").write_text(render(doc), encoding="utf-8")
+    return doc

@@ -1,0 +1,205 @@
+"""``report.md``: the side-by-side tables of an ``elche bench`` run.
+
+One section per workload, one table per rig: every system with its wall
+time, the ratio to torch DDP's (same invocation), throughput, efficiency,
+time to the cell's target loss, final loss, eval metric and its difference
+to DDP's, averaging rounds, per-rank idle % and lost samples. A closing
+section checks the issue's acceptance on the ``[1, 0.5, 0.25]`` rig.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from elche.bench import metrics
+from elche.bench.suites import DDP
+
+__all__ = ["ACCEPT_RATIO", "ACCEPT_RIG", "acceptance", "render"]
+
+ACCEPT_RIG = (1.0, 0.5, 0.25)  # the issue's rig
+ACCEPT_RATIO = 0.4  # cadence wall ≤ 0.4 × DDP's ...
+ACCEPT_EVAL_POINTS = 1.0  # ... with eval within 1 point (accuracy metrics)
+
+Row = Mapping[str, Any]
+
+
+def acceptance(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """The issue's check, per workload that ran cadence and DDP on ``ACCEPT_RIG``.
+
+    Args:
+        rows: the bench rows.
+
+    Returns:
+        Per workload: ``workload, wall_ratio, lockstep_bound,
+        eval_delta_points, ratio_ok, eval_ok, passed``. "Within 1 point" is
+        defined for accuracy-like metrics only: for a lower-is-better metric
+        (reconstruction MSE) ``eval_delta_points``, ``eval_ok`` and
+        ``passed`` are None (not applicable).
+    """
+    out: list[dict[str, Any]] = []
+    for row in rows:
+        if row["system"] != "cadence" or tuple(row["speeds"]) != ACCEPT_RIG:
+            continue
+        ratio = row.get("wall_ratio_vs_ddp")
+        delta = row.get("eval_delta_vs_ddp")
+        points = 100.0 * delta if delta is not None and row["higher_is_better"] else None
+        ratio_ok = ratio is not None and ratio <= ACCEPT_RATIO
+        eval_ok = (
+            None
+            if not row["higher_is_better"]
+            else (points is not None and abs(points) <= ACCEPT_EVAL_POINTS)
+        )
+        out.append(
+            {
+                "workload": row["workload"],
+                "wall_ratio": ratio,
+                "lockstep_bound": metrics.lockstep_ratio(ACCEPT_RIG),
+                "eval_delta_points": points,
+                "ratio_ok": ratio_ok,
+                "eval_ok": eval_ok,
+                "passed": None if eval_ok is None else ratio_ok and eval_ok,
+            }
+        )
+    return out
+
+
+def render(doc: Mapping[str, Any]) -> str:
+    """The whole ``report.md`` of a bench result document.
+
+    Args:
+        doc: the results document (``results.json``'s content).
+
+    Returns:
+        Markdown text.
+    """
+    rows: Sequence[Row] = doc["rows"]
+    lines = [
+        f"# elche bench — {doc['suite']} suite",
+        "",
+        f"- date: {doc['date']}",
+        f"- command: `{doc['command']}`",
+        f"- machine: {doc['machine']['description']}",
+        f"- whole invocation: {doc['total_s']:.0f} s; repeats per cell: {doc['repeats']} "
+        "(the run of median wall time is shown; systems interleaved, DDP in every repeat)",
+        "",
+        "Columns: *wall* is each system's training clock (first batch to the end of "
+        "training, start-up excluded); *× DDP* is wall ÷ torch DDP's wall on the same "
+        "rig in this invocation; *efficiency* is samples/s ÷ Σ per-rank solo throughput "
+        "(solo = one rank alone at speed 1, one thread); *to target* is the first "
+        "epoch end whose training loss is ≤ the cell's target (the highest final loss "
+        "of its systems); *idle %* per rank is the share of wall time outside training "
+        "steps; DDP's *syncs* are gradient all-reduces (one per step).",
+        "",
+    ]
+    for name in dict.fromkeys(row["workload"] for row in rows):
+        lines += _workload_section(name, [r for r in rows if r["workload"] == name], doc)
+    lines += _acceptance_section(doc.get("acceptance") or [])
+    for note in doc.get("notes") or []:
+        lines.append(f"- {note}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _workload_section(name: str, rows: Sequence[Row], doc: Mapping[str, Any]) -> list[str]:
+    first = rows[0]
+    better = "higher is better" if first["higher_is_better"] else "lower is better"
+    lines = [
+        f"## {name}",
+        "",
+        f"{first['epochs']} epochs, batch {first['batch_size']} per rank per step; "
+        f"eval = {first['metric']} ({better}).",
+        "",
+    ]
+    for rig in dict.fromkeys(tuple(r["speeds"]) for r in rows):
+        cell = [r for r in rows if tuple(r["speeds"]) == rig]
+        lines += _table(rig, cell)
+    for kind, chart in (doc.get("charts") or {}).get(name, {}).items():
+        lines.append(f"![{name}: {kind}]({chart})")
+    lines.append("")
+    return lines
+
+
+def _table(rig: tuple[float, ...], cell: Sequence[Row]) -> list[str]:
+    target = cell[0].get("target_loss")
+    bound = metrics.lockstep_ratio(rig)
+    lines = [
+        f"### speeds {_rig(rig)}",
+        "",
+        f"Target loss {_f(target, 4)}; lock-step bound on × DDP: {bound:.3f}.",
+        "",
+        "| system | wall s | × DDP | samples/s | efficiency | to target s | final loss "
+        "| eval | Δ eval vs DDP | syncs | idle % per rank | lost |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in cell:
+        if row.get("error"):
+            lines.append(f"| {row['system']} | failed: {row['error']} |||||||||||")
+            continue
+        idle = " / ".join(_f(x, 0) for x in row["idle_pct"])
+        lines.append(
+            f"| {_system(row)} | {_f(row['wall_s'], 2)} | {_f(row['wall_ratio_vs_ddp'], 3)} "
+            f"| {_f(row['samples_per_s'], 0)} | {_f(row['efficiency'], 3)} "
+            f"| {_f(row['time_to_target_s'], 2)} | {_f(row['final_loss'], 4)} "
+            f"| {_f(row['eval'], 4)} | {_delta(row)} | {row['syncs']} | {idle} "
+            f"| {row['lost_samples']} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _acceptance_section(checks: Sequence[Mapping[str, Any]]) -> list[str]:
+    if not checks:
+        return []
+    lines = [
+        "## Acceptance",
+        "",
+        f"The issue asks: elche `cadence` wall ≤ {ACCEPT_RATIO} × DDP's on speeds "
+        f"{_rig(ACCEPT_RIG)}, with eval within {ACCEPT_EVAL_POINTS:g} point. With no "
+        f"communication cost on either side the best possible ratio is "
+        f"{metrics.lockstep_ratio(ACCEPT_RIG):.3f} (lock-step bound), so ≤ "
+        f"{ACCEPT_RATIO} holds only where DDP pays more per-step overhead than elche.",
+        "",
+        "| workload | cadence ÷ DDP wall | Δ eval (points) | verdict |",
+        "|---|---|---|---|",
+    ]
+    for c in checks:
+        if c["passed"] is None:
+            verdict = f"ratio {'pass' if c['ratio_ok'] else 'miss'}; eval n/a (not an accuracy)"
+        else:
+            verdict = "pass" if c["passed"] else "miss"
+            misses = [w for w, ok in (("ratio", c["ratio_ok"]), ("eval", c["eval_ok"])) if not ok]
+            if misses:
+                verdict += f" ({', '.join(misses)})"
+        lines.append(
+            f"| {c['workload']} | {_f(c['wall_ratio'], 3)} "
+            f"| {_f(c['eval_delta_points'], 2)} | {verdict} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _system(row: Row) -> str:
+    if row["system"] == DDP:
+        return "**torch-ddp**"
+    if row["system"] == "solo":
+        return "solo (1 rank)"
+    return str(row["system"])
+
+
+def _delta(row: Row) -> str:
+    delta = row.get("eval_delta_vs_ddp")
+    if delta is None or row["system"] == DDP:
+        return "—"
+    if row["higher_is_better"]:
+        return f"{100.0 * delta:+.2f} pt"
+    return f"{delta:+.5f}"
+
+
+def _f(value: object, digits: int) -> str:
+    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+        return "—"
+    return f"{value:.{digits}f}"
+
+
+def _rig(speeds: Sequence[float]) -> str:
+    return ", ".join(f"{s:g}" for s in speeds)

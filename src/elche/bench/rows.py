@@ -1,0 +1,149 @@
+"""From run records to the rows of ``elche bench``'s JSON (design §6).
+
+One row per workload × rig × system. With several repeats, the row reports
+the run with the median wall time (the lower median of an even count) and
+lists every repeat's wall time in ``wall_s_runs``; ratios against torch DDP
+pair the two medians of the same workload and rig, measured in the same
+invocation. ``solo`` runs once per workload and repeat; its row is repeated
+under every rig (``speeds`` is the rig's vector, ``ranks`` is 1), because it
+is each rig's efficiency denominator.
+
+Row keys: ``workload, system, speeds, wall_s, samples_per_s, efficiency,
+final_loss, eval, syncs, idle_pct, lost_samples`` (the contract) plus
+``metric, higher_is_better, ranks, epochs, batch_size, samples, startup_s,
+total_s, repeats, wall_s_runs, target_loss, time_to_target_s,
+wall_ratio_vs_ddp, eval_delta_vs_ddp, per_rank[{rank, speed, samples,
+share, busy_s, idle_s, idle_pct}], per_epoch[{epoch, t, loss}], error``.
+``idle_pct`` is the per-rank list, in rank order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from elche.bench import metrics
+from elche.bench.runner import Run
+from elche.bench.suites import DDP, SOLO, Suite
+
+__all__ = ["build_rows"]
+
+Row = dict[str, Any]
+
+
+def build_rows(suite: Suite, runs: Sequence[Run]) -> list[Row]:
+    """The JSON rows of a finished suite.
+
+    Args:
+        suite: the suite that produced ``runs`` (gives the order of rows).
+        runs: every run record, as ``run_suite`` returned them.
+
+    Returns:
+        Rows ordered by workload, rig, then system (solo first, DDP next).
+    """
+    rows: list[Row] = []
+    for plan in suite.workloads:
+        solo = _median_run([r for r in runs if r["workload"] == plan.name and r["system"] == SOLO])
+        solo_sps = _num(solo.get("samples_per_s")) if solo else None
+        for rig in suite.rigs:
+            cell: list[Row] = []
+            for system in (SOLO, *suite.systems):
+                chosen = (
+                    solo
+                    if system == SOLO
+                    else _median_run(
+                        [
+                            r
+                            for r in runs
+                            if r["workload"] == plan.name
+                            and r["system"] == system
+                            and tuple(r["speeds"]) == rig
+                        ]
+                    )
+                )
+                if chosen is not None:
+                    cell.append(_row(chosen, rig, solo_sps))
+            _compare_in_cell(cell)
+            rows.extend(cell)
+    return rows
+
+
+def _median_run(candidates: Sequence[Run]) -> Run | None:
+    """The run of median wall time (failed runs only if nothing succeeded)."""
+    if not candidates:
+        return None
+    index = metrics.median_index([_num(r.get("wall_s")) for r in candidates])
+    chosen = dict(candidates[0 if index is None else index])
+    chosen["wall_s_runs"] = [r.get("wall_s") for r in candidates]
+    chosen["repeats"] = len(candidates)
+    return chosen
+
+
+def _row(run: Run, rig: tuple[float, ...], solo_sps: float | None) -> Row:
+    wall_s = _num(run.get("wall_s"))
+    sps = _num(run.get("samples_per_s"))
+    per_rank = []
+    total = sum(int(r["samples"]) for r in run.get("per_rank") or [])
+    for r in run.get("per_rank") or []:
+        busy_s = _num(r.get("busy_s"))
+        idle = metrics.idle_pct(wall_s, busy_s)
+        per_rank.append(
+            {
+                "rank": r["rank"],
+                "speed": r["speed"],
+                "samples": r["samples"],
+                "share": int(r["samples"]) / total if total else None,
+                "busy_s": busy_s,
+                "idle_s": None if idle is None or wall_s is None else idle * wall_s / 100.0,
+                "idle_pct": idle,
+            }
+        )
+    return {
+        "workload": run["workload"],
+        "system": run["system"],
+        "speeds": list(rig),
+        "wall_s": wall_s,
+        "samples_per_s": sps,
+        "efficiency": metrics.efficiency(sps, rig, solo_sps),
+        "final_loss": _num(run.get("final_loss")),
+        "eval": _num(run.get("eval")),
+        "syncs": run.get("syncs"),
+        "idle_pct": [r["idle_pct"] for r in per_rank],
+        "lost_samples": run.get("lost_samples"),
+        "metric": run["metric"],
+        "higher_is_better": run["higher_is_better"],
+        "ranks": run["ranks"],
+        "epochs": run["epochs"],
+        "batch_size": run["batch_size"],
+        "samples": run.get("samples"),
+        "startup_s": run.get("startup_s"),
+        "total_s": run.get("total_s"),
+        "repeats": run.get("repeats", 1),
+        "wall_s_runs": run.get("wall_s_runs", [wall_s]),
+        "per_rank": per_rank,
+        "per_epoch": run.get("per_epoch") or [],
+        "error": run.get("error"),
+    }
+
+
+def _compare_in_cell(cell: list[Row]) -> None:
+    """Target loss, time to target and the ratios against DDP, in place."""
+    target = metrics.target_loss(row["final_loss"] for row in cell)
+    ddp = next((row for row in cell if row["system"] == DDP), None)
+    for row in cell:
+        points = [(float(e["t"]), _num(e.get("loss"))) for e in row["per_epoch"]]
+        row["target_loss"] = target
+        row["time_to_target_s"] = metrics.time_to_target(points, target)
+        row["wall_ratio_vs_ddp"] = metrics.ratio(row["wall_s"], ddp["wall_s"] if ddp else None)
+        row["eval_delta_vs_ddp"] = (
+            row["eval"] - ddp["eval"]
+            if ddp is not None and row["eval"] is not None and ddp["eval"] is not None
+            else None
+        )
+
+
+def _num(value: object) -> float | None:
+    """A JSON number as a float; None for None, bools and anything else."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)

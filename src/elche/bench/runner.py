@@ -1,0 +1,322 @@
+"""Running a suite: one training run per workload × rig × system × repeat.
+
+Theory of operation. ``run_suite`` loads each workload's split once, then
+for every repeat and workload trains ``solo`` (``elche.train(ranks=1)`` at
+speed 1, one thread: the fastest rank alone, the efficiency denominator),
+then for every rig every system in turn — torch DDP through ``run_ddp`` and
+each elche mode through ``elche.train`` — with the same workload, split,
+seed, epochs, per-rank batch size and speed injection. Odd repeats reverse
+the system order. Each run becomes one JSON-ready ``Run`` record:
+
+``workload, system, speeds, repeat, ranks, epochs, batch_size, wall_s,
+startup_s, total_s, samples, samples_per_s, final_loss, eval, syncs,
+lost_samples, per_epoch[{epoch, t, loss}], per_rank[{rank, speed, samples,
+busy_s}], error``
+
+Clocks. ``wall_s`` is each system's own training clock (first batch to the
+end of training: elche's final average, DDP's closing barrier); ``total_s``
+is the whole call, process start-up and teardown included. Per-epoch times
+come from the same clock: elche's coordinator timeline (``EpochEnd`` minus
+``RunStart``, which is stamped as the first batch is dispatched), DDP's
+rank-0 epoch ends, and solo's own epoch callbacks. ``busy_s`` of a rank is
+its time in training steps including the injected wait: measured by elche's
+worker (``step_s``); for DDP, ``steps × base_step_s + injected_s`` because
+its gradient all-reduce runs inside the backward pass and cannot be timed
+apart. ``syncs`` counts averaging rounds for elche and gradient all-reduces
+(steps) for DDP.
+
+A run that raises is recorded with ``error`` set and no numbers; the suite
+goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from elche.bench.suites import DDP, SOLO, Suite, WorkloadPlan
+from elche.workloads import Workload
+from elche.workloads import get as get_workload
+
+__all__ = ["DDP_TIMEOUT_S", "Run", "run_one", "run_suite"]
+
+Run = dict[str, Any]  # one JSON-ready run record (see the module docstring)
+DDP_TIMEOUT_S = 900.0  # a hung baseline must not hang the suite; ~10× a full-suite run
+Split = tuple[Any, Any]
+
+
+def run_suite(
+    suite: Suite,
+    *,
+    progress: bool = True,
+    on_run: Callable[[Run], None] | None = None,
+) -> list[Run]:
+    """Run every cell of ``suite``; return the runs in the order they ran.
+
+    Args:
+        suite: what to run.
+        progress: show a live display on stderr (cell, elapsed time).
+        on_run: called with each run record as soon as it exists.
+
+    Returns:
+        One ``Run`` per training run, ``suite.num_runs()`` in all.
+    """
+    runs: list[Run] = []
+    splits: dict[str, Split] = {}
+    with _display(suite.num_runs(), enabled=progress) as show:
+        for repeat in range(suite.repeats):
+            order = suite.systems if repeat % 2 == 0 else tuple(reversed(suite.systems))
+            for plan in suite.workloads:
+                if plan.name not in splits:
+                    splits[plan.name] = get_workload(plan.name).load_split(suite.seed)
+                jobs = [(SOLO, (1.0,))] + [(s, rig) for rig in suite.rigs for s in order]
+                for system, speeds in jobs:
+                    show(f"{plan.name} [{_rig(speeds)}] {system} (repeat {repeat + 1})")
+                    run = run_one(system, plan, speeds, seed=suite.seed, split=splits[plan.name])
+                    run["repeat"] = repeat
+                    runs.append(run)
+                    if on_run is not None:
+                        on_run(run)
+    return runs
+
+
+def run_one(
+    system: str,
+    plan: WorkloadPlan,
+    speeds: Sequence[float],
+    *,
+    seed: int,
+    split: Split | None = None,
+) -> Run:
+    """Train ``plan`` once with ``system`` on the rig ``speeds``.
+
+    Args:
+        system: ``torch-ddp``, ``solo`` or an elche mode name.
+        plan: the workload, epochs and per-rank batch size.
+        speeds: the rig (``solo`` ignores it and runs one rank at speed 1).
+        seed: the split's and the shuffle's seed.
+        split: the workload's ``(train, test)`` for ``seed``; loaded if None.
+
+    Returns:
+        The run record; ``error`` holds the message if the run failed.
+    """
+    workload = get_workload(plan.name)
+    data = split if split is not None else workload.load_split(seed)
+    record: Run = {
+        "workload": plan.name,
+        "system": system,
+        "speeds": [1.0] if system == SOLO else list(speeds),
+        "ranks": 1 if system == SOLO else len(speeds),
+        "epochs": plan.epochs,
+        "batch_size": plan.batch_size,
+        "metric": workload.metric,
+        "higher_is_better": workload.higher_is_better,
+        "error": None,
+    }
+    started = time.perf_counter()
+    try:
+        if system == DDP:
+            record.update(_torch_ddp(plan, speeds, seed))
+        elif system == SOLO:
+            record.update(_solo(workload, plan, seed, data))
+        else:
+            record.update(
+                _elche(workload, plan=plan, mode=system, speeds=speeds, seed=seed, split=data)
+            )
+    except Exception as exc:  # a failed cell is reported, the suite goes on
+        record["error"] = f"{type(exc).__name__}: {exc}"
+    record["total_s"] = round(time.perf_counter() - started, 3)
+    return record
+
+
+def _torch_ddp(plan: WorkloadPlan, speeds: Sequence[float], seed: int) -> Run:
+    from elche.baselines.ddp import run_ddp
+
+    result = run_ddp(
+        speeds=list(speeds), epochs=plan.epochs, batch_size=plan.batch_size, seed=seed,
+        workload=plan.name, timeout_s=DDP_TIMEOUT_S,
+    )  # fmt: skip
+    ranks = result["per_rank"]
+    assert isinstance(ranks, list)
+    per_rank = [
+        {
+            "rank": r["rank"],
+            "speed": r["speed"],
+            "samples": r["samples"],
+            "busy_s": r["steps"] * r["base_step_s"] + r["injected_s"],
+        }
+        for r in ranks
+    ]
+    return {
+        "wall_s": result["wall_s"],
+        "startup_s": result["startup_s"],
+        "samples": sum(r["samples"] for r in per_rank),
+        "samples_per_s": result["samples_per_s"],
+        "final_loss": result["final_loss"],
+        "eval": result["eval"],
+        "syncs": ranks[0]["steps"],
+        "lost_samples": 0,
+        "per_epoch": result["per_epoch"],
+        "per_rank": per_rank,
+    }
+
+
+def _solo(workload: Workload, plan: WorkloadPlan, seed: int, split: Split) -> Run:
+    """One rank in this process, one thread, speed 1; eval after the clock."""
+    import torch
+
+    from elche.api import train
+
+    first_step: list[float] = []
+    epoch_ends: list[tuple[float, object]] = []
+
+    def step(model: Any, batch: Any) -> Any:
+        if not first_step:
+            first_step.append(time.perf_counter())
+        return workload.step_fn(model, batch)
+
+    def on_epoch(record: dict[str, object]) -> None:
+        epoch_ends.append((time.perf_counter(), record.get("loss")))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every rank process runs (honest efficiency denominator)
+    try:
+        result = train(
+            workload.make_model, workload.make_optimizer, step, split[0],
+            batch_size=plan.batch_size, epochs=plan.epochs, ranks=1, speeds=[1.0], seed=seed,
+            metrics_fn=on_epoch, progress=False,
+        )  # fmt: skip
+        model = workload.make_model("cpu")
+        model.load_state_dict(result.state_dict)
+        metric = workload.eval_fn(model, split[1])
+    finally:
+        torch.set_num_threads(threads)
+    summary = result.summary
+    t0 = first_step[0] if first_step else 0.0
+    samples = int(summary["per_rank"][0]["samples"])  # type: ignore[index]  # JSON-shaped summary
+    return {
+        "wall_s": summary["wall_s"],
+        "startup_s": summary["startup_s"],
+        "samples": samples,
+        "samples_per_s": summary["samples_per_s"],
+        "final_loss": summary["final_loss"],
+        "eval": metric,
+        "syncs": 0,
+        "lost_samples": 0,
+        "per_epoch": [
+            {"epoch": e, "t": round(t - t0, 4), "loss": loss}
+            for e, (t, loss) in enumerate(epoch_ends)
+        ],
+        "per_rank": [{"rank": 0, "speed": 1.0, "samples": samples, "busy_s": summary["wall_s"]}],
+    }
+
+
+def _elche(
+    workload: Workload,
+    *,
+    plan: WorkloadPlan,
+    mode: str,
+    speeds: Sequence[float],
+    seed: int,
+    split: Split,
+) -> Run:
+    from elche.api import train
+
+    with tempfile.TemporaryDirectory(prefix="elche-bench-") as tmp:
+        result = train(
+            workload.make_model, workload.make_optimizer, workload.step_fn, split[0],
+            batch_size=plan.batch_size, epochs=plan.epochs, mode=mode, speeds=list(speeds),
+            eval_fn=workload.eval_fn, eval_dataset=split[1], eval_every=plan.epochs,
+            seed=seed, progress=False, run_dir=tmp,
+        )  # fmt: skip
+        run_dir = Path(tmp)
+        timeline = _read_jsonl(run_dir / "timeline.jsonl")
+        reports = [_read_json(run_dir / f"rank{r}.json") for r in range(len(speeds))]
+    summary = result.summary
+    if summary.get("outcome") != "completed":
+        raise RuntimeError(f"elche {mode}: {summary.get('outcome')} ({summary.get('reason')})")
+    ranks: list[dict[str, Any]] = summary["per_rank"]  # type: ignore[assignment]  # JSON-shaped
+    per_rank = [
+        {
+            "rank": r["rank"],
+            "speed": r["speed"],
+            "samples": r["samples"],
+            "busy_s": reports[i].get("step_s"),
+        }
+        for i, r in enumerate(ranks)
+    ]
+    return {
+        "wall_s": summary["wall_s"],
+        "startup_s": summary["startup_s"],
+        "samples": sum(int(r["samples"]) for r in per_rank),
+        "samples_per_s": summary["samples_per_s"],
+        "final_loss": summary["final_loss"],
+        "eval": summary["eval_accuracy"],
+        "syncs": summary["syncs"],
+        "lost_samples": summary["lost_samples"],
+        "per_epoch": _epochs_from_timeline(timeline),
+        "per_rank": per_rank,
+    }
+
+
+def _epochs_from_timeline(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``EpochEnd`` times relative to ``RunStart`` (the first dispatch)."""
+    t0 = next((float(r["t"]) for r in records if r.get("kind") == "RunStart"), 0.0)
+    return [
+        {"epoch": r["epoch"], "t": round(float(r["t"]) - t0, 4), "loss": r.get("loss")}
+        for r in records
+        if r.get("kind") == "EpochEnd"
+    ]
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    loaded: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return loaded
+
+
+def _rig(speeds: Sequence[float]) -> str:
+    return ",".join(f"{s:g}" for s in speeds)
+
+
+@contextmanager
+def _display(total: int, *, enabled: bool) -> Iterator[Callable[[str], None]]:
+    """A rich progress display on stderr; yields ``show(cell)`` to call per run."""
+    if not enabled:
+        yield lambda _cell: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("[bold]elche bench[/bold] {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+    )
+    task = bar.add_task("starting", total=total)
+    started = [False]
+
+    def show(cell: str) -> None:
+        if started[0]:
+            bar.advance(task)
+        started[0] = True
+        bar.update(task, description=cell)
+
+    with bar:
+        yield show
+        bar.update(task, completed=total, description="done")

@@ -1,0 +1,69 @@
+"""``elche bench`` end to end on a tiny suite: real processes, every output.
+
+One workload, one rig, two systems (torch DDP and elche cadence, plus the
+solo run every workload gets), one epoch, driven through the CLI so the
+``--json`` stdout is checked too. About 15 s on the 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from elche.bench import suites
+from elche.bench.suites import Suite, WorkloadPlan
+from elche.cli import main
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(120)]
+
+ROW_KEYS = {
+    "workload", "system", "speeds", "wall_s", "samples_per_s", "efficiency",
+    "final_loss", "eval", "syncs", "idle_pct", "lost_samples",
+    "wall_ratio_vs_ddp", "time_to_target_s", "per_rank", "per_epoch",
+}  # fmt: skip
+TINY = Suite(
+    name="quick",
+    workloads=(WorkloadPlan("digits-logreg", epochs=1),),
+    rigs=((1.0, 0.5),),
+    systems=("torch-ddp", "cadence"),
+)
+
+
+def test_tiny_bench_writes_json_report_and_charts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    monkeypatch.setitem(suites.SUITES, "quick", TINY)
+    out = tmp_path / "bench"
+
+    code = main(["bench", "--suite", "quick", "--json", "--no-progress", "--out", str(out)])
+
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)  # stdout is exactly the results JSON
+    assert doc == json.loads((out / "results.json").read_text())
+    rows = doc["rows"]
+    assert [(r["system"], r["speeds"]) for r in rows] == [
+        ("solo", [1.0, 0.5]), ("torch-ddp", [1.0, 0.5]), ("cadence", [1.0, 0.5]),
+    ]  # fmt: skip
+    for row in rows:
+        assert row.keys() >= ROW_KEYS, row["system"]
+        assert row["error"] is None, row["error"]
+        assert row["workload"] == "digits-logreg"
+        assert row["wall_s"] > 0 and row["samples_per_s"] > 0 and row["efficiency"] > 0
+        assert 0.0 <= row["eval"] <= 1.0
+        assert row["lost_samples"] == 0
+        assert len(row["per_epoch"]) == 1
+        assert all(x is None or 0.0 <= x <= 100.0 for x in row["idle_pct"])
+    ddp = rows[1]
+    assert ddp["wall_ratio_vs_ddp"] == pytest.approx(1.0)
+    assert ddp["syncs"] == len(ddp["per_epoch"]) * 23  # 1,437 samples / (2 ranks × 32)
+    report = (out / "report.md").read_text()
+    assert "| **torch-ddp** |" in report and "| cadence |" in report
+    for kind in ("loss", "share", "idle"):
+        png = out / f"digits-logreg-{kind}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert png.stat().st_size < 100_000
+        assert f"({png.name})" in report

@@ -1,0 +1,194 @@
+"""The bench arithmetic, rows and report on fake numbers (no training)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from elche.bench import metrics
+from elche.bench.report import acceptance, render
+from elche.bench.rows import build_rows
+from elche.bench.suites import QUICK, SUITES, Suite, WorkloadPlan
+
+CONTRACT_KEYS = {
+    "workload", "system", "speeds", "wall_s", "samples_per_s", "efficiency",
+    "final_loss", "eval", "syncs", "idle_pct", "lost_samples",
+}  # fmt: skip
+
+
+# --- metrics -------------------------------------------------------------------------
+
+
+def test_ideal_throughput_is_the_sum_of_solo_throughputs() -> None:
+    assert metrics.ideal_throughput([1.0, 0.5, 0.25], 1000.0) == pytest.approx(1750.0)
+
+
+def test_efficiency_is_throughput_over_the_ideal() -> None:
+    assert metrics.efficiency(875.0, [1.0, 0.5, 0.25], 1000.0) == pytest.approx(0.5)
+    assert metrics.efficiency(1000.0, [1.0], 1000.0) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(("sps", "solo"), [(None, 1000.0), (875.0, None), (875.0, 0.0)])
+def test_efficiency_is_none_when_a_number_is_missing(sps: float | None, solo: float | None) -> None:
+    assert metrics.efficiency(sps, [1.0, 0.5], solo) is None
+
+
+def test_ratio() -> None:
+    assert metrics.ratio(3.0, 7.5) == pytest.approx(0.4)
+    assert metrics.ratio(None, 7.5) is None
+    assert metrics.ratio(3.0, None) is None
+    assert metrics.ratio(3.0, 0.0) is None
+    assert metrics.ratio(float("nan"), 1.0) is None
+
+
+def test_lockstep_bound() -> None:
+    assert metrics.lockstep_ratio([1.0, 0.5, 0.25]) == pytest.approx(0.75 / 1.75)
+    assert metrics.lockstep_ratio([1.0, 1.0]) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="empty"):
+        metrics.lockstep_ratio([])
+
+
+def test_target_is_the_highest_finite_final_loss() -> None:
+    assert metrics.target_loss([0.3, None, 0.5, float("nan"), 0.1]) == 0.5
+    assert metrics.target_loss([None, float("inf")]) is None
+
+
+def test_time_to_target_is_the_first_epoch_at_or_below_it() -> None:
+    epochs = [(1.0, 2.0), (2.0, None), (3.0, 0.5), (4.0, 0.4)]
+    assert metrics.time_to_target(epochs, 0.5) == 3.0
+    assert metrics.time_to_target(epochs, 0.1) is None
+    assert metrics.time_to_target(epochs, None) is None
+
+
+def test_idle_pct() -> None:
+    assert metrics.idle_pct(10.0, 7.5) == pytest.approx(25.0)
+    assert metrics.idle_pct(10.0, 11.0) == 0.0  # never negative
+    assert metrics.idle_pct(0.0, 1.0) is None
+    assert metrics.idle_pct(None, 1.0) is None
+
+
+def test_median_index_picks_the_lower_median_and_skips_failures() -> None:
+    assert metrics.median_index([3.0, 1.0, 2.0]) == 2
+    assert metrics.median_index([4.0, None, 1.0]) == 2
+    assert metrics.median_index([None, None]) is None
+
+
+# --- suites ------------------------------------------------------------------------
+
+
+def test_quick_runs_ddp_and_cadence_on_the_issue_rig() -> None:
+    assert SUITES["quick"] is QUICK
+    assert (1.0, 0.5, 0.25) in QUICK.rigs
+    assert {"torch-ddp", "cadence"} <= set(QUICK.systems)
+    # per repeat and workload: solo + every system on every rig
+    assert QUICK.num_runs() == QUICK.repeats * len(QUICK.workloads) * (1 + len(QUICK.systems))
+
+
+# --- rows and report -----------------------------------------------------------------
+
+SUITE = Suite(
+    name="fake",
+    workloads=(WorkloadPlan("digits-cnn", epochs=2),),
+    rigs=((1.0, 0.5),),
+    systems=("torch-ddp", "cadence"),
+    repeats=3,
+)
+
+
+def fake_run(system: str, wall_s: float, *, final_loss: float, eval_: float) -> dict[str, Any]:
+    speeds = [1.0] if system == "solo" else [1.0, 0.5]
+    samples = [200, 100][: len(speeds)]
+    return {
+        "workload": "digits-cnn", "system": system, "speeds": speeds, "ranks": len(speeds),
+        "epochs": 2, "batch_size": 32, "metric": "accuracy", "higher_is_better": True,
+        "error": None, "wall_s": wall_s, "startup_s": 1.0, "total_s": wall_s + 2,
+        "samples": sum(samples), "samples_per_s": sum(samples) / wall_s,
+        "final_loss": final_loss, "eval": eval_, "syncs": 3, "lost_samples": 0,
+        "per_epoch": [
+            {"epoch": 0, "t": wall_s / 2, "loss": 1.0},
+            {"epoch": 1, "t": wall_s, "loss": final_loss},
+        ],
+        "per_rank": [
+            {"rank": r, "speed": s, "samples": n, "busy_s": wall_s * 0.75}
+            for r, (s, n) in enumerate(zip(speeds, samples, strict=True))
+        ],
+    }  # fmt: skip
+
+
+@pytest.fixture
+def rows() -> list[dict[str, Any]]:
+    runs = []
+    for wall in (3.0, 1.0, 2.0):  # three repeats; medians: solo 2, DDP 4, cadence 2.5
+        runs += [
+            fake_run("solo", wall, final_loss=0.1, eval_=0.97),
+            fake_run("torch-ddp", 2 * wall, final_loss=0.2, eval_=0.96),
+            fake_run("cadence", 1.25 * wall, final_loss=0.3, eval_=0.955),
+        ]
+    failed = fake_run("cadence", 1.0, final_loss=1.0, eval_=0.0)
+    keep = ("workload", "system", "speeds", "ranks", "epochs", "batch_size", "metric")
+    runs.append({**{k: failed[k] for k in keep}, "higher_is_better": True, "error": "boom"})
+    return build_rows(SUITE, runs)
+
+
+def test_one_row_per_system_with_every_contract_key(rows: list[dict[str, Any]]) -> None:
+    assert [r["system"] for r in rows] == ["solo", "torch-ddp", "cadence"]
+    for row in rows:
+        assert row.keys() >= CONTRACT_KEYS
+        assert row["speeds"] == [1.0, 0.5]
+        assert len(row["idle_pct"]) == row["ranks"]
+
+
+def test_rows_report_the_median_run_and_ratios_against_ddp(rows: list[dict[str, Any]]) -> None:
+    solo, ddp, cadence = rows
+    assert ddp["wall_s"] == 4.0 and ddp["wall_s_runs"] == [6.0, 2.0, 4.0]
+    assert cadence["wall_s"] == 2.5 and cadence["repeats"] == 4  # the failed run is counted
+    assert cadence["wall_s_runs"] == [3.75, 1.25, 2.5, None]
+    assert cadence["wall_ratio_vs_ddp"] == pytest.approx(2.5 / 4.0)
+    assert cadence["eval_delta_vs_ddp"] == pytest.approx(-0.005)
+    # solo: 200 samples in 2 s -> 100/s; the rig's ideal is 1.5 × 100/s
+    assert solo["efficiency"] == pytest.approx(1 / 1.5)
+    assert cadence["efficiency"] == pytest.approx((300 / 2.5) / 150.0)
+    assert cadence["idle_pct"] == pytest.approx([25.0, 25.0])
+    assert cadence["per_rank"][0]["share"] == pytest.approx(2 / 3)
+
+
+def test_time_to_target_uses_the_highest_final_loss(rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        assert row["target_loss"] == 0.3
+    solo, ddp, cadence = rows
+    assert (solo["time_to_target_s"], ddp["time_to_target_s"]) == (2.0, 4.0)
+    assert cadence["time_to_target_s"] == 2.5
+
+
+def test_acceptance_and_report_render(rows: list[dict[str, Any]]) -> None:
+    moved = [{**r, "speeds": [1.0, 0.5, 0.25]} for r in rows]
+    (check,) = acceptance(moved)
+    assert check["wall_ratio"] == pytest.approx(0.625)
+    assert check["eval_delta_points"] == pytest.approx(-0.5)
+    assert (check["ratio_ok"], check["eval_ok"], check["passed"]) == (False, True, False)
+    doc = {
+        "suite": "fake", "date": "today", "command": "elche bench", "total_s": 1.0,
+        "repeats": 3, "machine": {"description": "2 CPU cores"}, "rows": rows,
+        "acceptance": [check], "charts": {"digits-cnn": {"loss": "digits-cnn-loss.png"}},
+        "notes": ["a note"],
+    }  # fmt: skip
+    text = render(doc)
+    assert "| cadence | 2.50 | 0.625 |" in text
+    assert "-0.50 pt" in text
+    assert "miss (ratio)" in text
+    assert "![digits-cnn: loss](digits-cnn-loss.png)" in text
+    assert text.endswith("- a note\n")
+
+
+def test_acceptance_does_not_judge_eval_of_a_lower_is_better_metric(
+    rows: list[dict[str, Any]],
+) -> None:
+    moved = [{**r, "speeds": [1.0, 0.5, 0.25], "higher_is_better": False} for r in rows]
+    (check,) = acceptance(moved)
+    assert (check["eval_delta_points"], check["eval_ok"], check["passed"]) == (None, None, None)
+    doc = {
+        "suite": "fake", "date": "today", "command": "c", "total_s": 1.0, "repeats": 1,
+        "machine": {"description": "m"}, "rows": moved, "acceptance": [check],
+    }  # fmt: skip
+    assert "ratio miss; eval n/a (not an accuracy)" in render(doc)

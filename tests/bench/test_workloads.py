@@ -1,0 +1,99 @@
+"""The benchmark workloads: registry, data, identical init, one short epoch, eval.
+
+Each workload trains a short epoch (the first ``SHORT`` training samples) on
+one thread and its ``eval_fn`` returns a score in range. Loading the digits
+imports scikit-learn (about a second), paid once per module by the fixture.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+from elche import workloads
+from elche.core.errors import ConfigError
+
+SHORT = 128  # samples in the "short epoch": 4 steps at batch 32
+
+
+@pytest.fixture(scope="module", params=workloads.names())
+def loaded(
+    request: pytest.FixtureRequest,
+) -> tuple[workloads.Workload, TensorDataset, TensorDataset]:
+    work = workloads.get(request.param)
+    train, test = work.load_split(0)
+    return work, train, test
+
+
+def test_registry_names_and_alias() -> None:
+    assert workloads.names() == (
+        "digits-logreg", "digits-mlp", "digits-cnn", "digits-ae", "text-gru",
+    )  # fmt: skip
+    assert workloads.get("digits").name == "digits-mlp"
+
+
+def test_the_ddp_baseline_takes_every_registered_workload() -> None:
+    from elche.baselines.ddp import WORKLOADS
+
+    assert set(workloads.names()) | {"digits"} == set(WORKLOADS)
+
+
+def test_unknown_workload_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        workloads.get("mnist")
+    assert info.value.field == "workload"
+
+
+def test_split_is_deterministic_per_seed(
+    loaded: tuple[workloads.Workload, TensorDataset, TensorDataset],
+) -> None:
+    work, train, test = loaded
+    again_train, again_test = work.load_split(0)
+    for a, b in zip(
+        (*train.tensors, *test.tensors), (*again_train.tensors, *again_test.tensors), strict=True
+    ):
+        assert torch.equal(a, b)
+    assert len(train) > len(test) > 0
+
+
+def test_every_rank_builds_identical_weights_without_touching_the_rng(
+    loaded: tuple[workloads.Workload, TensorDataset, TensorDataset],
+) -> None:
+    work = loaded[0]
+    before = torch.random.get_rng_state()
+    one, two = work.make_model("cpu"), work.make_model("cpu")
+    assert torch.equal(torch.random.get_rng_state(), before)
+    for a, b in zip(one.state_dict().values(), two.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_one_short_epoch_trains_and_eval_is_in_range(
+    loaded: tuple[workloads.Workload, TensorDataset, TensorDataset],
+) -> None:
+    work, train, test = loaded
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = work.make_model("cpu")
+        optimizer = work.make_optimizer(model.parameters())
+        initial = [p.detach().clone() for p in model.parameters()]
+        loader = DataLoader(Subset(train, range(SHORT)), batch_size=32)
+        for batch in loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss = work.step_fn(model, batch)
+            loss.backward()  # type: ignore[no-untyped-call]  # torch stub
+            optimizer.step()
+            assert math.isfinite(float(loss.detach()))
+        score = work.eval_fn(model, test)
+    finally:
+        torch.set_num_threads(threads)
+    assert any(not torch.equal(a, b) for a, b in zip(initial, model.parameters(), strict=True))
+    assert model.training  # eval_fn leaves the model in train mode
+    if work.higher_is_better:
+        assert 0.0 <= score <= 1.0
+    else:
+        assert 0.0 <= score < 1.0  # pixel MSE of values in [0, 1]
