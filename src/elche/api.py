@@ -83,6 +83,8 @@ def train(
     run_dir: str | None = None,
     crash: Mapping[int, float] | None = None,
     stall: Mapping[int, float] | None = None,
+    outer_lr: float | None = None,
+    outer_momentum: float = 0.9,
 ) -> TrainResult:
     """Train ``model_fn``'s model on ``dataset`` over ``ranks`` unequal workers.
 
@@ -123,6 +125,10 @@ def train(
         max_failures: save and stop after this many ranks died.
         progress: show a live progress display on stderr.
         run_dir: where the run's files go (default: a new temp directory).
+        outer_lr: DiLoCo outer optimizer (Nesterov momentum on the averaged
+            pseudo-gradient) in the coordinator, cpu-* modes only; None (the
+            default) averages plainly. Suggested: 0.7.
+        outer_momentum: its momentum (default 0.9).
         crash: testing hook: ``{rank: epoch.fraction}`` — that rank kills
             itself with SIGKILL when its training reaches that point.
         stall: testing hook: ``{rank: epoch.fraction}`` — that rank hangs
@@ -141,7 +147,7 @@ def train(
         easgd_alpha=easgd_alpha, seed=seed, heartbeat_timeout_s=heartbeat_timeout_s,
         max_failures=max_failures, has_eval=eval_fn is not None, eval_every=eval_every,
         checkpoint_every=checkpoint_every, save_path=save_path, resume_from=resume_from,
-        crash=crash, stall=stall,
+        crash=crash, stall=stall, outer_lr=outer_lr, outer_momentum=outer_momentum,
     )  # fmt: skip
     from elche.runtime.worker import UserFns
 
@@ -204,6 +210,8 @@ def _plan(
     resume_from: str | None,
     crash: Mapping[int, float] | None,
     stall: Mapping[int, float] | None,
+    outer_lr: float | None,
+    outer_momentum: float,
 ) -> Plan:
     try:
         num_samples = len(dataset)
@@ -232,7 +240,8 @@ def _plan(
         scheduler=scheduler or SchedulerConfig(), heartbeat_timeout_s=heartbeat_timeout_s,
         max_failures=max_failures, callback_policy=policy, callback_rank=pinned,
         has_eval_fn=has_eval, eval_every=eval_every, checkpoint_every=checkpoint_every,
-        save_path=save_path, easgd_alpha=easgd_alpha,
+        save_path=save_path, easgd_alpha=easgd_alpha, outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
     )  # fmt: skip
     faults = {"crash": dict(crash or {}), "stall": dict(stall or {})}
     for name, points in faults.items():

@@ -298,3 +298,18 @@ def test_blend_alpha(mode: Mode, easgd_alpha: float | None, expected: float | No
 def test_min_live_ranks(mode: Mode, world_size: int, expected: int) -> None:
     config = coordinator(mode=mode, world_size=world_size, callback_rank=0)
     assert config.min_live_ranks == expected
+
+
+def test_outer_optimizer_needs_a_coordinator_mode() -> None:
+    from elche.core.config import CoordinatorConfig, Mode
+
+    base = {"world_size": 2, "num_samples": 10, "batch_size": 2, "epochs": 1}
+    assert CoordinatorConfig(mode=Mode.CPU_CADENCE, outer_lr=0.7, **base).outer_lr == 0.7
+    for mode, lr, momentum, field in [
+        (Mode.CADENCE, 0.7, 0.9, "outer_lr"),
+        (Mode.CPU_CADENCE, 0.0, 0.9, "outer_lr"),
+        (Mode.CPU_CADENCE, 0.7, 1.0, "outer_momentum"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            CoordinatorConfig(mode=mode, outer_lr=lr, outer_momentum=momentum, **base)
+        assert info.value.field == field

@@ -133,3 +133,9 @@ def test_bad_config_fails_fast_naming_the_field(
     with pytest.raises(ConfigError) as info:
         run(data, tmp_path, **kw)
     assert info.value.field == field
+
+
+def test_diloco_outer_optimizer_trains(data: tuple[object, object], tmp_path: Path) -> None:
+    result = run(data, tmp_path, mode="cpu-cadence", outer_lr=0.7, outer_momentum=0.9)
+    assert result.summary["outcome"] == "completed"
+    assert result.summary["eval_accuracy"] >= 0.9  # type: ignore[operator]  # JSON value

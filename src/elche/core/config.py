@@ -189,6 +189,11 @@ class CoordinatorConfig:
     checkpoint_every: int | None = None
     save_path: str | None = None
     easgd_alpha: float | None = None  # None: 0.5 on cpu-async, off elsewhere
+    # DiLoCo outer optimizer (Nesterov momentum on the pseudo-gradient), applied
+    # by the coordinator to each average; None: plain averaging. Suggested
+    # lr 0.7, momentum 0.9 (the reference's documented values).
+    outer_lr: float | None = None
+    outer_momentum: float = 0.9
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
@@ -220,6 +225,18 @@ class CoordinatorConfig:
         alpha = self.easgd_alpha
         if alpha is not None and not (_is_number(alpha) and 0 < alpha <= 1):
             raise ConfigError("easgd_alpha", f"must be in (0, 1], got {self.easgd_alpha}")
+
+        if self.outer_lr is not None:
+            if not (_is_number(self.outer_lr) and self.outer_lr > 0):
+                raise ConfigError("outer_lr", f"must be a number > 0, got {self.outer_lr!r}")
+            if self.mode.backend is not Backend.COORDINATOR:
+                raise ConfigError(
+                    "outer_lr",
+                    "the outer optimizer runs in the coordinator; use cpu-sync, cpu-cadence "
+                    f"or cpu-async, not {self.mode.value}",
+                )
+        if not (_is_number(self.outer_momentum) and 0 <= self.outer_momentum < 1):
+            raise ConfigError("outer_momentum", f"must be in [0, 1), got {self.outer_momentum!r}")
 
     @property
     def policy(self) -> Policy:

@@ -57,7 +57,7 @@ from elche.core.events import (
     TimerFired,
 )
 from elche.core.guards import GuardKind
-from elche.runtime.snapshots import Layout, SnapshotAverager
+from elche.runtime.snapshots import Layout, NesterovOuter, SnapshotAverager
 from elche.runtime.transport import (
     SECRET_ENV,
     CoordinatorEndpoint,
@@ -121,6 +121,11 @@ class Host:
         self._started = time.monotonic()
         self._snapshots: dict[int, tuple[Layout, list[bytes | memoryview]]] = {}
         self._update: tuple[int, list[bytes | memoryview]] | None = None
+        self.outer = (
+            NesterovOuter(lr=config.outer_lr, momentum=config.outer_momentum)
+            if config.outer_lr is not None
+            else None
+        )
         self._timeline = (run_dir / "timeline.jsonl").open("a", encoding="utf-8")
         self._reports: queue.Queue[RankLost] = queue.Queue()
 
@@ -237,7 +242,7 @@ class Host:
                 averager.add(mass, stashed[1], buffer_mass=buffer_mass.get(rank, 0.0))
             except ValueError as exc:
                 self._print("warning", f"snapshot of rank {rank} left out of round {cycle}: {exc}")
-        result = averager.result() if averager is not None else None
+        result = averager.result(self.outer) if averager is not None else None
         if result is not None and layout is not None:
             frames = [msgspec.msgpack.encode(layout), *result]
         self._update = (cycle, frames)
