@@ -91,9 +91,21 @@ def test_callbacks_run_on_the_elected_rank_only(
         eval_dataset=_Marker(marks, data[1]), eval_result_fn=lambda e, m: seen.append((e, m)),
     )  # fmt: skip
     assert result.summary["outcome"] == "completed"
-    # Rank 0 is the fastest: the sticky election puts every callback there.
-    assert sorted(p.name for p in marks.iterdir()) == ["eval-on-0"]
+    # The sticky election puts every callback on one rank (the fastest by
+    # measured pace, usually rank 0; on a busy machine the pace can say 1).
+    assert len(list(marks.iterdir())) == 1
     assert [epoch for epoch, _ in seen] == [1, 2, 3]
+
+
+def test_callbacks_follow_a_pinned_rank(data: tuple[object, object], tmp_path: Path) -> None:
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    result = run(
+        data, tmp_path, epochs=2, eval_fn=marking_eval, eval_dataset=_Marker(marks, data[1]),
+        callback_rank=2,
+    )  # fmt: skip
+    assert result.summary["outcome"] == "completed"
+    assert sorted(p.name for p in marks.iterdir()) == ["eval-on-2"]
 
 
 def test_a_checkpoint_bundle_resumes_to_the_planned_epoch(
