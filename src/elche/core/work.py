@@ -110,9 +110,6 @@ class WorkBook:
         """Samples queued on ``rank`` and not trained yet."""
         return sum(chunk.left for chunk in self._queue[rank])
 
-    def queued_epochs(self, rank: int) -> set[int]:
-        return {chunk.epoch for chunk in self._queue[rank]}
-
     def steps_since_sync(self, rank: int) -> int:
         return self.steps_trained[rank] - self.steps_synced[rank]
 
