@@ -134,6 +134,24 @@ def test_roles_follow_pace_at_first_calibration() -> None:
     assert h.core.roles.epoch_role_dirty
 
 
+def test_cadence_tail_window_is_averaged_in_one_round() -> None:
+    # 55 batches: the 2-step probes leave 51 for counts (40, 10), one too
+    # many for a window; the crumb ends soonest on the fast rank: tail [41, 10].
+    h = Harness(num_samples=55 * 32)
+    h.form()
+    h.train(0, PROBE_STEPS, batch_ms=10.0)
+    h.train(1, PROBE_STEPS, batch_ms=40.0)
+    acked_round(h, 1, {0: PROBE_STEPS, 1: PROBE_STEPS})
+    assert h.core.elche.batch_counts == (40, 10)
+    out = h.train(1, 10) + h.train(0, 40)
+    assert not messages(out, m.SyncNow)  # rank 0's window count is not its tail
+    out = h.train(0, 1)
+    assert messages(out, m.SyncNow) == [m.SyncNow(cycle=2, generation=0)]
+    acked_round(h, 2, {0: 41, 1: 10})
+    assert h.core.state is not RunState.TRAINING  # the epoch (the run) ended in that round
+    assert h.core.sync_round == 2
+
+
 def test_sync_gate_fires_after_one_step_each() -> None:
     h = Harness(mode=Mode.SYNC)
     h.form()

@@ -431,12 +431,14 @@ def final_window_alloc(
     """Split an epoch's last ``remaining_batches`` over the alive ranks.
 
     Fold band (``remaining >= sum of alive counts``): alive ranks run their
-    counts and the crumb goes one batch at a time, round-robin, to the alive
-    ranks other than the fastest (largest count, ties: lowest index), smallest
-    count first; the fastest rank's step count is the convergence-sensitive
-    one. Below it: largest-remainder apportionment by count, then each lone 1
-    moves onto the smallest alive peer holding >= 1. Returns batches per rank,
-    0 for dead ranks, summing to ``remaining_batches``.
+    counts and the crumb goes one batch at a time to the rank that would
+    finish it soonest (least ``(alloc + 1) / count``; ties: the larger count,
+    then the lower index), so the window ends as early as it can: a count is
+    proportional to its rank's speed, and one more batch on the slowest rank
+    would lengthen the window by a whole slow step. Below it:
+    largest-remainder apportionment by count, then each lone 1 moves onto the
+    smallest alive peer holding >= 1. Returns batches per rank, 0 for dead
+    ranks, summing to ``remaining_batches``.
 
     Raises:
         ValueError: ``alive`` names a rank with no entry in ``counts``, or
@@ -458,10 +460,12 @@ def final_window_alloc(
 
 def _fold_band(crumb: int, counts: Sequence[int], ranks: list[int]) -> list[int]:
     alloc = [counts[r] if r in ranks else 0 for r in range(len(counts))]
-    fastest = max(ranks, key=lambda r: (counts[r], -r))
-    padded = sorted((r for r in ranks if r != fastest), key=lambda r: counts[r]) or [fastest]
-    for i in range(crumb):
-        alloc[padded[i % len(padded)]] += 1
+    # A rank's count is proportional to its speed, so alloc/count is when it
+    # finishes, in windows. Each crumb batch goes where it ends soonest.
+    movers = [r for r in ranks if counts[r] > 0]
+    for _ in range(crumb):
+        soonest = min(movers, key=lambda r: (Fraction(alloc[r] + 1, counts[r]), -counts[r], r))
+        alloc[soonest] += 1
     return alloc
 
 

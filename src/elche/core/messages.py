@@ -83,7 +83,7 @@ class BatchDone(_Msg, frozen=True):
     offset: int
     size: int
     batch_ms: float  # forward + backward + optimizer step, no waits
-    data_ms: float = 0.0  # time spent waiting for the batch
+    data_ms: float = 0.0  # the rest of the step: fetching the batch and the loop between steps
     loss: float | None = None
 
 

@@ -13,8 +13,9 @@ Rules:
   epoch's remaining batches no longer fill a whole window, the tail is
   apportioned across live ranks by their counts (``final_window_alloc``) so
   the last window of the epoch is as short as possible.
-- A rank with nothing it may take is *quiesced*: the averaging gate does not
-  wait for it.
+- The averaging gate waits for each rank's window (``cadence``: its budget,
+  so the epoch tail is averaged in one round; ``sync``: one step). A rank
+  with nothing it may take is *quiesced*: the gate does not wait for it.
 """
 
 from __future__ import annotations
@@ -59,8 +60,20 @@ class Planner:
         return count if self.elche.is_calibrated else min(count, PROBE_STEPS)
 
     def satisfied(self, rank: int) -> bool:
-        """Whether the averaging gate may fire as far as ``rank`` is concerned."""
-        target = 1 if self.config.policy is Policy.SYNC else self.window_steps(rank)
+        """Whether the averaging gate may fire as far as ``rank`` is concerned.
+
+        Under ``cadence`` the target is the budget: in an epoch's last window
+        that is the tail allocation, so the round waits for the whole tail
+        instead of averaging without a rank's last batches and then running
+        a second, nearly empty round for them.
+        """
+        match self.config.policy:
+            case Policy.SYNC:
+                target = 1
+            case Policy.CADENCE:
+                target = self.budget[rank]
+            case Policy.ASYNC:
+                target = self.window_steps(rank)
         return self.work.steps_since_sync(rank) >= target or self.quiesced[rank]
 
     def open_window(self, live: Sequence[int]) -> list[m.CoordMessage | None]:

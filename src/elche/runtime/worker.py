@@ -134,7 +134,8 @@ class Worker:
         self.group: dist.ProcessGroup | None = None
         self.pacer: Pacer | None = None
         self.busy_s = 0.0
-        self.step_s = 0.0  # training steps only (batch fetch + step + injected wait)
+        self.step_s = 0.0  # training steps (loop + batch fetch + step + injected wait)
+        self._step_end: float | None = None  # end of the last step, while training back to back
         self.samples = 0
         self.started_s = time.monotonic()
         self.last_loss: float | None = None
@@ -252,8 +253,10 @@ class Worker:
                 self._run_callback(self.callbacks.popleft())
             elif self.steps_since_sync < self.budget and self.chunks:
                 self._train_one()
+                continue
             else:
                 self._wait()
+            self._step_end = None  # the next step does not follow on from the last
         return self.stopping
 
     def _drain(self) -> None:
@@ -339,7 +342,10 @@ class Worker:
             self._epoch_fn(chunk.epoch)
         bs = self.batch_size
         size = min(bs, chunk.size)
-        started = time.perf_counter()
+        # Back to back, a step starts where the last one ended: the loop's own
+        # cost (messages, reports) is part of this rank's step rate, which is
+        # what the balancer must see to size windows that end together.
+        started = self._step_end if self._step_end is not None else time.perf_counter()
         batch = self.batch_at(chunk.epoch, chunk.offset, size)
         loaded = time.perf_counter()
         loss = self._loss(self.model, batch)
@@ -350,7 +356,7 @@ class Worker:
         self.optimizer.step()
         if self.pacer is not None:
             self.pacer.after_step()
-        done = time.perf_counter()
+        done = self._step_end = time.perf_counter()
         value = float(loss.detach())
         self.last_loss = value if math.isfinite(value) else self.last_loss
         self.busy_s += done - started
