@@ -21,6 +21,7 @@ The result carries the final averaged ``state_dict``, per-epoch metrics and a
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,7 @@ from typing import Any
 
 from elche.core.config import CallbackPolicy, CoordinatorConfig, Mode, SchedulerConfig
 from elche.core.errors import ConfigError
-from elche.runtime.host import ADDRESS_LINE, config_to_json, meta_path
+from elche.runtime.host import ADDRESS_LINE, RESUME_OUTER, config_to_json, meta_path, outer_path
 from elche.runtime.transport import SECRET_ENV
 
 __all__ = ["TrainResult", "train"]
@@ -307,6 +308,8 @@ def start_coordinator(
         (run_dir / "resume.meta.json").write_text(
             meta_path(resume_from).read_text(encoding="utf-8"), encoding="utf-8"
         )
+        if config.outer_lr is not None and outer_path(resume_from).exists():
+            shutil.copyfile(outer_path(resume_from), run_dir / RESUME_OUTER)
     env = dict(os.environ, **{SECRET_ENV: secret.hex()})
     proc = subprocess.Popen(
         [sys.executable, "-m", "elche.runtime.host", str(run_dir)],

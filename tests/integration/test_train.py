@@ -147,7 +147,17 @@ def test_bad_config_fails_fast_naming_the_field(
     assert info.value.field == field
 
 
-def test_diloco_outer_optimizer_trains(data: tuple[object, object], tmp_path: Path) -> None:
-    result = run(data, tmp_path, mode="cpu-cadence", outer_lr=0.7, outer_momentum=0.9)
-    assert result.summary["outcome"] == "completed"
-    assert result.summary["eval_accuracy"] >= 0.9  # type: ignore[operator]  # JSON value
+def test_diloco_outer_optimizer_trains_and_its_momentum_resumes(
+    data: tuple[object, object], tmp_path: Path
+) -> None:
+    stem = str(tmp_path / "bundle" / "digits")
+    diloco: dict[str, object] = {"mode": "cpu-cadence", "outer_lr": 0.7, "outer_momentum": 0.9}
+    first = run(data, tmp_path / "a", epochs=6, checkpoint_every=1, save_path=stem, **diloco)
+    assert first.summary["outcome"] == "completed"
+    assert first.summary["eval_accuracy"] >= 0.9  # type: ignore[operator]  # JSON value
+    assert Path(f"{stem}.outer.npz").exists()  # the momentum is part of the bundle
+    second = run(data, tmp_path / "b", epochs=8, resume_from=stem, **diloco)
+    assert second.summary["outcome"] == "completed"
+    assert second.summary["epochs_completed"] == 8
+    timeline = (tmp_path / "b" / "run" / "timeline.jsonl").read_text(encoding="utf-8")
+    assert '"OuterMomentumRestored"' in timeline

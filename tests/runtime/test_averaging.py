@@ -37,7 +37,9 @@ from elche.runtime.snapshots import (
     buffer_mass,
     decode,
     encode,
+    load_outer_state,
     param_mass,
+    save_outer_state,
 )
 
 # --- masses ------------------------------------------------------------------
@@ -302,6 +304,27 @@ def test_nesterov_state_round_trip_keeps_momentum_and_reanchors() -> None:
         np.testing.assert_array_equal(
             resumed.step([np.array(consensus)])[0], outer.step([np.array(consensus)])[0]
         )
+
+
+def test_outer_state_file_round_trip(tmp_path: Path) -> None:
+    outer = NesterovOuter(lr=0.5, momentum=0.9)
+    path = tmp_path / "bundle" / "run.outer.npz"
+    outer.step([np.ones((2, 3)), np.ones(12)])
+    assert not save_outer_state(outer, path)  # no velocity before the second step
+    assert not path.exists()
+    outer.step([np.zeros((2, 3)), np.full(12, 0.5)])
+    assert save_outer_state(outer, path)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left
+    resumed = NesterovOuter(lr=0.5, momentum=0.9)
+    load_outer_state(resumed, path)
+    got, want = resumed.state_dict()["velocity"], outer.state_dict()["velocity"]
+    assert isinstance(got, list) and isinstance(want, list)
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    path.write_bytes(b"not an npz")
+    with pytest.raises(ValueError):
+        load_outer_state(resumed, path)
 
 
 def test_nesterov_refuses_bad_input() -> None:

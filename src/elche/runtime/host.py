@@ -57,7 +57,13 @@ from elche.core.events import (
     TimerFired,
 )
 from elche.core.guards import GuardKind
-from elche.runtime.snapshots import Layout, NesterovOuter, SnapshotAverager
+from elche.runtime.snapshots import (
+    Layout,
+    NesterovOuter,
+    SnapshotAverager,
+    load_outer_state,
+    save_outer_state,
+)
 from elche.runtime.transport import (
     SECRET_ENV,
     CoordinatorEndpoint,
@@ -67,9 +73,20 @@ from elche.runtime.transport import (
     secret_from_env,
 )
 
-__all__ = ["ADDRESS_LINE", "Host", "config_from_json", "config_to_json", "main", "meta_path"]
+__all__ = [
+    "ADDRESS_LINE",
+    "RESUME_OUTER",
+    "Host",
+    "config_from_json",
+    "config_to_json",
+    "main",
+    "meta_path",
+    "outer_path",
+]
 
 ADDRESS_LINE = "ELCHE_COORDINATOR"
+# In the run dir: the bundle's outer momentum, copied there by the launcher.
+RESUME_OUTER = "resume.outer.npz"
 # The loop never sleeps longer than this, so a lost timer costs at most this.
 MAX_WAIT_S = 0.5
 
@@ -77,6 +94,11 @@ MAX_WAIT_S = 0.5
 def meta_path(stem: str) -> Path:
     """Where the meta sidecar of bundle ``stem`` lives."""
     return Path(f"{stem}.meta.json")
+
+
+def outer_path(stem: str) -> Path:
+    """Where bundle ``stem`` keeps the DiLoCo outer momentum (``outer_lr`` runs)."""
+    return Path(f"{stem}.outer.npz")
 
 
 @dataclass(slots=True)
@@ -128,6 +150,10 @@ class Host:
         )
         self._timeline = (run_dir / "timeline.jsonl").open("a", encoding="utf-8")
         self._reports: queue.Queue[RankLost] = queue.Queue()
+        saved_outer = run_dir / RESUME_OUTER
+        if self.outer is not None and saved_outer.exists():
+            load_outer_state(self.outer, saved_outer)
+            self._record("OuterMomentumRestored", {"file": str(saved_outer)})
 
     def watch(self, stream: TextIO) -> None:
         """Read launcher reports from ``stream`` (a pipe) on a daemon thread.
@@ -206,6 +232,9 @@ class Host:
             case AverageSnapshots(cycle=cycle, param_mass=param_mass, buffer_mass=buffer_mass):
                 self._average(cycle, dict(param_mass), dict(buffer_mass))
             case WriteMeta(stem=stem, meta=meta):
+                # The meta is the bundle's commit mark: everything else first.
+                if self.outer is not None:
+                    save_outer_state(self.outer, outer_path(stem))
                 _write_atomic(meta_path(stem), meta.to_json())
             case Notice(level=level, text=text):
                 self._print(level, text)

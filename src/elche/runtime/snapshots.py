@@ -32,7 +32,9 @@ DiLoCo (``NesterovOuter``) turns the consensus into the next global model
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import msgspec
@@ -48,7 +50,9 @@ __all__ = [
     "buffer_mass",
     "decode",
     "encode",
+    "load_outer_state",
     "param_mass",
+    "save_outer_state",
 ]
 
 Frame = bytes | bytearray | memoryview
@@ -394,3 +398,35 @@ class NesterovOuter:
         shapes, expected = [a.shape for a in new], [a.shape for a in old]
         if shapes != expected:
             raise ValueError(f"consensus shapes {shapes} differ from the {what} {expected}")
+
+
+def save_outer_state(outer: NesterovOuter, path: Path) -> bool:
+    """Write the outer optimizer's velocity to ``path`` (``.npz``), atomically.
+
+    Returns:
+        False, writing nothing, if there is no velocity yet (before the
+        second outer step); True otherwise.
+    """
+    velocity = outer.state_dict()["velocity"]
+    if velocity is None:
+        return False
+    assert isinstance(velocity, list)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        np.savez(f, *velocity)
+    os.replace(tmp, path)
+    return True
+
+
+def load_outer_state(outer: NesterovOuter, path: Path) -> None:
+    """Restore the velocity :func:`save_outer_state` wrote to ``path``.
+
+    Raises:
+        OSError: ``path`` cannot be read.
+        ValueError: it is not such a file. The optimizer is unchanged.
+    """
+    with np.load(path, allow_pickle=False) as saved:
+        names = sorted(saved.files, key=lambda n: int(n.removeprefix("arr_")))
+        velocity = [saved[n] for n in names]
+    outer.load_state_dict({"velocity": velocity})
