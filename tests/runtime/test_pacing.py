@@ -1,7 +1,7 @@
 """Speed injection: the wait rule, its validation, and the solo-step probe.
 
 No real sleeps: ``Pacer`` takes a recording fake for ``sleep``, and the
-median rule of ``measure_base_step_s`` runs against a scripted clock. The
+minimum rule of ``measure_base_step_s`` runs against a scripted clock. The
 probe's promise — the real model, its optimizer state and the global RNG come
 out bitwise unchanged — is checked on a real model with Adam state.
 """
@@ -122,9 +122,9 @@ def test_check_speed_returns_a_float() -> None:
 # --- measure_base_step_s -------------------------------------------------------------
 
 
-def test_median_of_the_timed_repeats_after_warmup() -> None:
-    # warmup 2 (9 s, 9 s: ignored), then repeats 1, 5, 3, 100, 2: the median is 3.
-    clock = ScriptedClock([9.0, 9.0, 1.0, 5.0, 3.0, 100.0, 2.0])
+def test_fastest_of_the_timed_repeats_after_warmup() -> None:
+    # warmup 2 (0.5 s, 0.5 s: ignored), then repeats 4, 5, 3, 100, 6: the fastest is 3.
+    clock = ScriptedClock([0.5, 0.5, 4.0, 5.0, 3.0, 100.0, 6.0])
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     got = measure_base_step_s(model, optimizer, mse_step, BATCH, clock=clock)

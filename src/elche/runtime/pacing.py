@@ -10,7 +10,8 @@ Theory of operation
 -------------------
 1. Before training, ``measure_base_step_s`` times the rank's *solo* step —
    forward, backward and optimizer step, no communication — on deep copies
-   of the model and optimizer, and keeps the median (``base``).
+   of the model and optimizer, and keeps the fastest (``base``): another
+   process can only ever add time to a step, so the minimum is the solo cost.
 2. After every optimizer step, ``Pacer.after_step`` waits
    ``base × (1/s − 1)``, so one step costs about ``base / s``: a rank at
    s = 0.25 is four times slower than it could be.
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import math
-import statistics
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -71,12 +71,12 @@ def measure_base_step_s(
         step_fn: ``step_fn(model, batch)`` returns the loss to backpropagate.
         batch: one batch, e.g. the rank's first.
         warmup: untimed steps first (allocator, lazy state, caches).
-        repeats: timed steps; the median is returned.
+        repeats: timed steps; the fastest is returned.
         clock: monotonic seconds, ``time.perf_counter`` by default; tests
             pass a scripted fake.
 
     Returns:
-        The median wall time of one step, in seconds (CUDA is synchronized
+        The fastest wall time of one step, in seconds (CUDA is synchronized
         before each clock reading).
 
     Raises:
@@ -100,7 +100,7 @@ def measure_base_step_s(
             elapsed_s = clock() - start_s
             if i >= warmup:
                 timings_s.append(elapsed_s)
-    return statistics.median(timings_s)
+    return min(timings_s)
 
 
 class Pacer:
