@@ -322,6 +322,8 @@ def test_outer_state_file_round_trip(tmp_path: Path) -> None:
     assert len(got) == len(want) == 2
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
+    assert not save_outer_state(NesterovOuter(), path)  # a fresh run's bundle, same stem
+    assert not path.exists()  # the older momentum is gone, not resumed by mistake
     path.write_bytes(b"not an npz")
     with pytest.raises(ValueError):
         load_outer_state(resumed, path)

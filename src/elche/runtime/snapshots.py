@@ -404,11 +404,13 @@ def save_outer_state(outer: NesterovOuter, path: Path) -> bool:
     """Write the outer optimizer's velocity to ``path`` (``.npz``), atomically.
 
     Returns:
-        False, writing nothing, if there is no velocity yet (before the
-        second outer step); True otherwise.
+        False if there is no velocity yet (before the second outer step): then
+        no file is left at ``path``, so an older one cannot be resumed with a
+        newer bundle. True otherwise.
     """
     velocity = outer.state_dict()["velocity"]
     if velocity is None:
+        path.unlink(missing_ok=True)
         return False
     assert isinstance(velocity, list)
     path.parent.mkdir(parents=True, exist_ok=True)
