@@ -122,6 +122,24 @@ def test_a_checkpoint_bundle_resumes_to_the_planned_epoch(
     assert second.summary["lost_samples"] == 0
 
 
+def probing_epoch_fn(epoch: int, model: object, optimizer: object) -> None:
+    Path(os.environ["ELCHE_TEST_ENV_PROBE"], f"rank{os.environ['ELCHE_RANK']}").touch()
+
+
+def test_ranks_see_the_environment_of_their_launch(
+    data: tuple[object, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ranks fork from a fork server started by an earlier run in this
+    # process; a variable set since then must still reach them.
+    assert run(data, tmp_path / "a", epochs=1).summary["outcome"] == "completed"
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    monkeypatch.setenv("ELCHE_TEST_ENV_PROBE", str(probe))
+    result = run(data, tmp_path / "b", epochs=1, epoch_fn=probing_epoch_fn)
+    assert result.summary["outcome"] == "completed"
+    assert sorted(p.name for p in probe.iterdir()) == ["rank0", "rank1", "rank2"]
+
+
 def test_one_rank_trains_in_process(data: tuple[object, object], tmp_path: Path) -> None:
     result = run(data, tmp_path, speeds=None, ranks=1, epochs=3)
     assert result.summary["world_size"] == 1
