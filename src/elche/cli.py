@@ -301,7 +301,7 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--suite",
         choices=("quick", "full"),
         default="quick",
-        help="quick: digits-cnn on speeds 1,0.5,0.25, 3 repeats (~3 min on 2 cores); "
+        help="quick: digits-cnn on speeds 1,0.5,0.25, 3 repeats (~2.5 min on 2 cores); "
         "full: 5 workloads x 4 rigs (default quick)",
     )
     bench.add_argument("--out", default=None, help="output dir (default results/bench-<time>)")

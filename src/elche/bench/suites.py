@@ -69,9 +69,10 @@ class Suite:
 # digits-cnn: ~5 ms a step, 45 steps an epoch for one speed-1 rank; it reaches
 # ~0.98 test accuracy within 15 epochs in every system, so eval compares
 # converged models. One repeat: DDP trains ~6 s on [1, 0.5, 0.25], cadence
-# ~2.6 s, and each multi-rank run pays ~4.5 s of process start-up and
-# teardown: ~62 s. Three interleaved repeats (the median is reported) make the
-# whole invocation ~3.2 minutes on the 2-core machine.
+# ~2.6 s, and each multi-rank run pays ~2 s (elche's forked ranks) to ~4.5 s
+# (DDP's spawned ranks) of process start-up and teardown: ~48 s. Three
+# interleaved repeats (the median is reported) make the whole invocation
+# ~2.5 minutes on the 2-core machine.
 QUICK = Suite(
     name="quick",
     workloads=(WorkloadPlan("digits-cnn", epochs=15),),
