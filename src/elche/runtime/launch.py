@@ -9,14 +9,16 @@ The fork server holds no threads, sockets or CUDA state, so forking it is
 safe. Each rank takes the launcher's environment as it is at launch (a fork
 would otherwise see the fork server's, from the first run in this process);
 settings read while torch imports, such as ``OMP_NUM_THREADS``, come from
-the first run. As with ``spawn``, the user's functions must be importable, top-level
-callables and the script must guard its entry with
-``if __name__ == "__main__":``. While the run goes
-on it follows the coordinator's timeline to drive the progress display and
-the user's ``eval_result_fn``/``metrics_fn``, and it watches the children: a
-rank that exits early is reported; the coordinator's heartbeat timeout decides
-what that means for the run. When the coordinator exits, the ranks get a grace
-period to finish, then are stopped.
+the first run. As with ``spawn``, the user's functions must be importable,
+top-level callables and the script must guard its entry with
+``if __name__ == "__main__":``.
+
+While the run goes on, the launcher follows the coordinator's timeline to
+drive the progress display and the user's ``eval_result_fn``/``metrics_fn``,
+and it watches the children: a rank that exits early is reported; the
+coordinator's heartbeat timeout decides what that means for the run. When
+the coordinator exits, the ranks get a grace period to finish, then are
+stopped.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import os
 import sys
 import time
 import traceback
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -159,7 +162,7 @@ def explain_outcome(summary: dict[str, object], save_path: str | None) -> None:
         )
 
 
-def rank_context() -> Any:
+def _rank_context() -> BaseContext:
     """The multiprocessing context rank processes start from (see the module doc)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
@@ -185,7 +188,7 @@ def launch_local(
     cfg = plan.config
     secret = new_secret()
     host, address = start_coordinator(cfg, run_dir, secret, plan.resume_from)
-    ctx = rank_context()
+    ctx = _rank_context()
     procs = []
     for rank in range(cfg.world_size):
         spec = rank_spec(plan, rank, address, secret, run_dir, max_grad_norm=max_grad_norm)
