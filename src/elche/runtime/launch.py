@@ -30,13 +30,14 @@ import os
 import sys
 import time
 import traceback
-from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elche.runtime.transport import new_secret
 
 if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext, SpawnContext
+
     from elche.api import Plan, TrainResult, _Hooks
     from elche.runtime.worker import RankSpec, UserFns
 
@@ -162,7 +163,7 @@ def explain_outcome(summary: dict[str, object], save_path: str | None) -> None:
         )
 
 
-def _rank_context() -> BaseContext:
+def _rank_context() -> ForkServerContext | SpawnContext:
     """The multiprocessing context rank processes start from (see the module doc)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
