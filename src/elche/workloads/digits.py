@@ -19,13 +19,15 @@ weights, without touching the global RNG streams.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 import torch
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
+
+from elche.workloads.common import accuracy, adam, device_of, seeded
 
 __all__ = [
     "HIGHER_IS_BETTER",
@@ -44,14 +46,12 @@ NUM_FEATURES = 64  # 8×8 pixels, flattened
 NUM_CLASSES = 10
 PIXEL_MAX = 16.0  # the dataset's pixels are integers in [0, 16]
 HIDDEN = (128, 64)  # wide enough for ≥ 0.96 test accuracy, small enough to be ~free
-INIT_SEED = 0  # every rank must start from the same weights
 # Adam, not SGD: the effective batch is batch_size × world_size under DDP, and
 # Adam's per-parameter step size is far less sensitive to it than SGD's LR.
 # Measured on one process, batch 32: 0.933–0.95 test accuracy after 3 epochs,
 # 0.967–0.978 after 10 (split seeds 0–3); SGD(0.05, momentum 0.9) at batch 64
 # was still at 0.85–0.90 after 3 epochs, against Adam's 0.87–0.93.
 LEARNING_RATE = 3e-3
-EVAL_BATCH = 512  # evaluation batch; the whole test split is 360 samples
 METRIC = "accuracy"  # what eval_fn returns (the workload registry's contract)
 HIGHER_IS_BETTER = True
 
@@ -103,7 +103,7 @@ def load_digits_split(
 def make_model(device: torch.device | str) -> nn.Module:
     """Build the MLP with the same initial weights on every call.
 
-    The global RNG is forked, seeded with ``INIT_SEED`` for the build, and
+    The global RNG is forked, seeded with ``common.INIT_SEED`` for the build, and
     restored, so building a model never shifts anyone's random stream.
 
     Args:
@@ -113,28 +113,19 @@ def make_model(device: torch.device | str) -> nn.Module:
         ``Sequential(Linear 64→128, ReLU, Linear 128→64, ReLU, Linear 64→10)``,
         in train mode, taking ``float32 [batch, 64]`` to logits ``[batch, 10]``.
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(INIT_SEED)
-        model = nn.Sequential(
+    return seeded(
+        lambda: nn.Sequential(
             nn.Linear(NUM_FEATURES, HIDDEN[0]),
             nn.ReLU(),
             nn.Linear(HIDDEN[0], HIDDEN[1]),
             nn.ReLU(),
             nn.Linear(HIDDEN[1], NUM_CLASSES),
-        )
-    return model.to(device)
+        ),
+        device,
+    )
 
 
-def make_optimizer(params: Iterable[Tensor]) -> torch.optim.Optimizer:
-    """Adam at ``LEARNING_RATE`` (see the constant for why).
-
-    Args:
-        params: the parameters to optimize, e.g. ``model.parameters()``.
-
-    Returns:
-        A fresh ``torch.optim.Adam``.
-    """
-    return torch.optim.Adam(params, lr=LEARNING_RATE)
+make_optimizer = adam(LEARNING_RATE)  # a fresh Adam over the given parameters
 
 
 def step_fn(model: nn.Module, batch: Sequence[Tensor]) -> Tensor:
@@ -150,36 +141,12 @@ def step_fn(model: nn.Module, batch: Sequence[Tensor]) -> Tensor:
         The mean cross-entropy over the batch, a scalar.
     """
     x, y = batch
-    device = _device_of(model)
+    device = device_of(model)
     logits = model(x.to(device))  # [b, 10]
     return nn.functional.cross_entropy(logits, y.to(device))
 
 
-def eval_fn(model: nn.Module, dataset: TensorDataset) -> float:
-    """Classification accuracy on ``dataset``.
-
-    Runs without gradients in eval mode and puts the model back in train mode.
-
-    Args:
-        model: the MLP.
-        dataset: features and labels, as ``load_digits_split`` returns them.
-
-    Returns:
-        The share of correctly classified samples, in [0, 1].
-    """
-    features, labels = dataset.tensors
-    device = _device_of(model)
-    correct = 0
-    model.eval()
-    try:
-        with torch.no_grad():
-            for start in range(0, len(labels), EVAL_BATCH):
-                x = features[start : start + EVAL_BATCH].to(device)
-                y = labels[start : start + EVAL_BATCH].to(device)
-                correct += int((model(x).argmax(dim=1) == y).sum().item())
-    finally:
-        model.train()
-    return correct / max(len(labels), 1)
+eval_fn = accuracy  # share of targets predicted (the argmax of the logits)
 
 
 def _dataset(features: npt.NDArray[np.float64], labels: npt.NDArray[np.int64]) -> TensorDataset:
@@ -187,8 +154,3 @@ def _dataset(features: npt.NDArray[np.float64], labels: npt.NDArray[np.int64]) -
     x = torch.from_numpy((features / PIXEL_MAX).astype(np.float32))  # [n, 64]
     y = torch.from_numpy(labels.astype(np.int64))  # [n]
     return TensorDataset(x, y)
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    """The device of ``model``'s first parameter."""
-    return next(model.parameters()).device

@@ -11,12 +11,13 @@ labels of the digits split are ignored.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
+from elche.workloads.common import adam, device_of, seeded, summed_over_batches
 from elche.workloads.digits import load_split
 
 __all__ = [
@@ -31,11 +32,9 @@ __all__ = [
 
 METRIC = "reconstruction MSE"
 HIGHER_IS_BETTER = False
-INIT_SEED = 0  # every rank must start from the same weights
 CHANNELS = 16  # the first conv's; the second has twice as many
 CODE = 16  # bottleneck: 64 pixels -> 16 numbers
 LEARNING_RATE = 2e-3
-EVAL_BATCH = 512
 
 
 def make_model(device: torch.device | str) -> nn.Module:
@@ -49,9 +48,8 @@ def make_model(device: torch.device | str) -> nn.Module:
         same shape with values in (0, 1).
     """
     c = CHANNELS
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(INIT_SEED)
-        model = nn.Sequential(
+    return seeded(
+        lambda: nn.Sequential(
             nn.Unflatten(1, (1, 8, 8)),  # [b, 1, 8, 8]
             nn.Conv2d(1, c, 3, padding=1),  # [b, 16, 8, 8]
             nn.ReLU(),
@@ -67,20 +65,12 @@ def make_model(device: torch.device | str) -> nn.Module:
             nn.Conv2d(c, 1, 3, padding=1),  # [b, 1, 8, 8]
             nn.Sigmoid(),
             nn.Flatten(),  # [b, 64]
-        )
-    return model.to(device)
+        ),
+        device,
+    )
 
 
-def make_optimizer(params: Iterable[Tensor]) -> torch.optim.Optimizer:
-    """Adam at ``LEARNING_RATE``.
-
-    Args:
-        params: the parameters to optimize.
-
-    Returns:
-        A fresh ``torch.optim.Adam``.
-    """
-    return torch.optim.Adam(params, lr=LEARNING_RATE)
+make_optimizer = adam(LEARNING_RATE)  # a fresh Adam over the given parameters
 
 
 def step_fn(model: nn.Module, batch: Sequence[Tensor]) -> Tensor:
@@ -93,7 +83,7 @@ def step_fn(model: nn.Module, batch: Sequence[Tensor]) -> Tensor:
     Returns:
         The mean squared error over every pixel of the batch, a scalar.
     """
-    x = batch[0].to(_device_of(model))
+    x = batch[0].to(device_of(model))
     return nn.functional.mse_loss(model(x), x)
 
 
@@ -108,18 +98,9 @@ def eval_fn(model: nn.Module, dataset: TensorDataset) -> float:
         The per-pixel MSE over the whole dataset, ≥ 0.
     """
     features = dataset.tensors[0]
-    device = _device_of(model)
-    total = 0.0
-    model.eval()
-    try:
-        with torch.no_grad():
-            for start in range(0, len(features), EVAL_BATCH):
-                x = features[start : start + EVAL_BATCH].to(device)
-                total += float(nn.functional.mse_loss(model(x), x, reduction="sum"))
-    finally:
-        model.train()
-    return total / max(features.numel(), 1)
+    return summed_over_batches(model, (features,), _squared_error) / max(features.numel(), 1)
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
+def _squared_error(model: nn.Module, batch: Sequence[Tensor]) -> float:
+    (x,) = batch
+    return float(nn.functional.mse_loss(model(x), x, reduction="sum"))

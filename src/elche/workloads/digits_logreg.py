@@ -13,11 +13,10 @@ only the model and the optimizer differ.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
-from torch import Tensor, nn
+from torch import nn
 
+from elche.workloads.common import adam, seeded
 from elche.workloads.digits import NUM_CLASSES, NUM_FEATURES, eval_fn, load_split, step_fn
 
 __all__ = [
@@ -32,7 +31,6 @@ __all__ = [
 
 METRIC = "accuracy"
 HIGHER_IS_BETTER = True
-INIT_SEED = 0  # every rank must start from the same weights
 # Adam at 1e-2: a convex problem with 650 weights tolerates a large step; on one
 # process at batch 32 it reaches ~0.95 test accuracy within 10 epochs.
 LEARNING_RATE = 1e-2
@@ -47,19 +45,7 @@ def make_model(device: torch.device | str) -> nn.Module:
     Returns:
         The model, taking ``float32 [batch, 64]`` to logits ``[batch, 10]``.
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(INIT_SEED)
-        model = nn.Linear(NUM_FEATURES, NUM_CLASSES)
-    return model.to(device)
+    return seeded(lambda: nn.Linear(NUM_FEATURES, NUM_CLASSES), device)
 
 
-def make_optimizer(params: Iterable[Tensor]) -> torch.optim.Optimizer:
-    """Adam at ``LEARNING_RATE``.
-
-    Args:
-        params: the parameters to optimize.
-
-    Returns:
-        A fresh ``torch.optim.Adam``.
-    """
-    return torch.optim.Adam(params, lr=LEARNING_RATE)
+make_optimizer = adam(LEARNING_RATE)  # a fresh Adam over the given parameters

@@ -19,12 +19,14 @@ is next-character accuracy on the held-out windows (higher is better).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
+
+from elche.workloads.common import accuracy, adam, device_of, seeded
 
 __all__ = [
     "HIGHER_IS_BETTER",
@@ -51,9 +53,7 @@ SEQ_LEN = 64  # characters of context per window
 TEST_FRACTION = 0.1
 VOCAB = 97  # 0: other, 1: newline, 2..96: printable ASCII 32..126
 EMBED, HIDDEN = 32, 64  # HIDDEN 128 doubles the step time for little accuracy here
-INIT_SEED = 0  # every rank must start from the same weights
 LEARNING_RATE = 3e-3
-EVAL_BATCH = 256
 
 
 def load_text(limit: int = TEXT_BYTES) -> bytes:
@@ -105,22 +105,10 @@ def make_model(device: torch.device | str) -> nn.Module:
     Returns:
         The model, taking ``int64 [batch, T]`` to logits ``[batch, T, 97]``.
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(INIT_SEED)
-        model = _CharGru()
-    return model.to(device)
+    return seeded(_CharGru, device)
 
 
-def make_optimizer(params: Iterable[Tensor]) -> torch.optim.Optimizer:
-    """Adam at ``LEARNING_RATE``.
-
-    Args:
-        params: the parameters to optimize.
-
-    Returns:
-        A fresh ``torch.optim.Adam``.
-    """
-    return torch.optim.Adam(params, lr=LEARNING_RATE)
+make_optimizer = adam(LEARNING_RATE)  # a fresh Adam over the given parameters
 
 
 def step_fn(model: nn.Module, batch: Sequence[Tensor]) -> Tensor:
@@ -134,34 +122,12 @@ def step_fn(model: nn.Module, batch: Sequence[Tensor]) -> Tensor:
         The loss in nats per character, a scalar.
     """
     x, y = batch
-    device = _device_of(model)
+    device = device_of(model)
     logits = model(x.to(device))  # [b, T, VOCAB]
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.to(device).reshape(-1))
 
 
-def eval_fn(model: nn.Module, dataset: TensorDataset) -> float:
-    """Next-character accuracy over every position of ``dataset``.
-
-    Args:
-        model: the GRU model.
-        dataset: windows as ``load_split`` returns them.
-
-    Returns:
-        The share of positions whose next character is predicted, in [0, 1].
-    """
-    inputs, targets = dataset.tensors
-    device = _device_of(model)
-    correct = 0
-    model.eval()
-    try:
-        with torch.no_grad():
-            for start in range(0, len(inputs), EVAL_BATCH):
-                x = inputs[start : start + EVAL_BATCH].to(device)
-                y = targets[start : start + EVAL_BATCH].to(device)
-                correct += int((model(x).argmax(dim=-1) == y).sum().item())
-    finally:
-        model.train()
-    return correct / max(targets.numel(), 1)
+eval_fn = accuracy  # share of targets predicted (the argmax of the logits)
 
 
 class _CharGru(nn.Module):
@@ -192,7 +158,3 @@ def _encode(text: bytes) -> Tensor:
 def _pairs(windows: Tensor) -> TensorDataset:
     """``[n, T + 1]`` windows to (input, next-character target) pairs."""
     return TensorDataset(windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
