@@ -338,6 +338,14 @@ class _Peer:
     last_seq_out: int = 0
 
 
+def _check_limits(world_size: int, max_frame_bytes: int) -> None:
+    """Both endpoints' checks of the world size and the frame limit."""
+    if not 1 <= world_size < COORDINATOR_SENDER:
+        raise ConfigError("world_size", f"must be in [1, {COORDINATOR_SENDER}), got {world_size}")
+    if max_frame_bytes < HEADER_BYTES:
+        raise ConfigError("max_frame_bytes", f"must be at least {HEADER_BYTES}")
+
+
 class CoordinatorEndpoint(_Endpoint):
     """The coordinator's ROUTER: one per run, bound before any rank starts.
 
@@ -363,12 +371,7 @@ class CoordinatorEndpoint(_Endpoint):
         bind: str = "tcp://127.0.0.1:0",
         max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
-        if not 1 <= world_size < COORDINATOR_SENDER:
-            raise ConfigError(
-                "world_size", f"must be in [1, {COORDINATOR_SENDER}), got {world_size}"
-            )
-        if max_frame_bytes < HEADER_BYTES:
-            raise ConfigError("max_frame_bytes", f"must be at least {HEADER_BYTES}")
+        _check_limits(world_size, max_frame_bytes)
         if secret is None:
             if not _is_loopback(bind):
                 raise ConfigError(
@@ -567,14 +570,9 @@ class RankEndpoint(_Endpoint):
         host: str = "",
         max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
-        if not 1 <= world_size < COORDINATOR_SENDER:
-            raise ConfigError(
-                "world_size", f"must be in [1, {COORDINATOR_SENDER}), got {world_size}"
-            )
+        _check_limits(world_size, max_frame_bytes)
         if not 0 <= rank < world_size:
             raise ConfigError("rank", f"must be in [0, {world_size}), got {rank}")
-        if max_frame_bytes < HEADER_BYTES:
-            raise ConfigError("max_frame_bytes", f"must be at least {HEADER_BYTES}")
         _check_secret(secret)
         self.rank = rank
         self._secret = secret
