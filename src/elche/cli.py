@@ -112,14 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--speeds", type=_speeds, default=None, help="per-rank speed fractions (default 1,0.5,0.25)"
     )
-    demo.add_argument(
-        "--mode",
-        default="cadence",
-        help="sync, cadence, cpu-sync, cpu-cadence, cpu-async; default cadence",
-    )
-    demo.add_argument("--epochs", type=int, default=20)
-    demo.add_argument("--batch-size", type=int, default=32)
-    demo.add_argument("--seed", type=int, default=42)
+    _add_run_args(demo)
     demo.add_argument("--save-path", default=None, help="bundle stem for checkpoints")
     demo.add_argument("--resume-from", default=None, help="bundle stem to resume from")
     demo.add_argument(
@@ -154,10 +147,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     compare.add_argument("--speeds", type=_speeds, default=(1.0, 0.5, 0.25))
-    compare.add_argument("--mode", default="cadence")
-    compare.add_argument("--epochs", type=int, default=20)
-    compare.add_argument("--batch-size", type=int, default=32)
-    compare.add_argument("--seed", type=int, default=42)
+    _add_run_args(compare)
     compare.add_argument("--json", action="store_true", help="print one JSON object")
     compare.set_defaults(run=_run_compare)
     run = sub.add_parser(
@@ -175,6 +165,18 @@ def _parser() -> argparse.ArgumentParser:
     run.set_defaults(run=_run_script)
     _bench_parser(sub)
     return parser
+
+
+def _add_run_args(parser: argparse.ArgumentParser) -> None:
+    """The training settings ``demo`` and ``compare`` share."""
+    parser.add_argument(
+        "--mode",
+        default="cadence",
+        help="sync, cadence, cpu-sync, cpu-cadence, cpu-async; default cadence",
+    )
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=42)
 
 
 def _speeds(text: str) -> tuple[float, ...]:
