@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from elche.core.errors import ConfigError
-from elche.runtime.pacing import Pacer, check_speed, measure_base_step_s
+from elche.runtime.pacing import Pacer, check_speed, measure_base_step_s, warm_up
 
 
 class RecordingSleep:
@@ -188,3 +188,45 @@ def test_bad_counts_are_refused_before_anything_runs(warmup: int, repeats: int) 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="warmup"):
         measure_base_step_s(model, optimizer, mse_step, BATCH, warmup=warmup, repeats=repeats)
+
+
+# --- warm_up -------------------------------------------------------------------------
+
+
+class WithStats(nn.Module):
+    """A model with a buffer that every training-mode forward moves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.norm = nn.BatchNorm1d(3)
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.norm(self.linear(x)))  # type: ignore[no-any-return]
+
+
+def test_warm_up_runs_the_steps_and_leaves_no_trace() -> None:
+    model = WithStats()
+    grad_step = [p.grad for p in model.parameters()]
+    mse_step(model, BATCH).backward()  # type: ignore[no-untyped-call]  # torch stub
+    grads_before = [p.grad for p in model.parameters()]
+    grad_values = [g.clone() for g in grads_before if g is not None]
+    state_before = copy.deepcopy(model.state_dict())
+    rng_before = torch.get_rng_state()
+    calls: list[int] = []
+
+    def counting_step(m: nn.Module, batch: Sequence[Tensor]) -> Tensor:
+        calls.append(1)
+        return mse_step(m, batch)
+
+    warm_up(model, counting_step, BATCH, steps=3)
+
+    assert len(calls) == 3
+    assert grad_step != grads_before  # the setup did make gradients to keep
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, state_before[name]), name  # weights and BN statistics
+    grads_after = [p.grad for p in model.parameters()]
+    assert all(a is b for a, b in zip(grads_after, grads_before, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(grads_after, grad_values, strict=True))
+    assert torch.equal(torch.get_rng_state(), rng_before)

@@ -26,6 +26,11 @@ Rules
   bitwise unchanged, so no sample is trained outside the epoch plan.
 - The sleep is injectable, so unit tests never sleep for real (trio's
   testing rules).
+
+Every rank also runs ``warm_up`` before its first timed step, paced or not:
+a framework's first iterations pay one-off costs (kernel selection, the
+allocator growing, lazy state), and the balancer's first reading must be the
+rank's speed, not those costs.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from torch.optim import Optimizer
 
 from elche.core.errors import ConfigError
 
-__all__ = ["Pacer", "check_speed", "measure_base_step_s"]
+__all__ = ["Pacer", "check_speed", "measure_base_step_s", "warm_up"]
 
 BatchT = TypeVar("BatchT")
 
@@ -101,6 +106,41 @@ def measure_base_step_s(
             if i >= warmup:
                 timings_s.append(elapsed_s)
     return min(timings_s)
+
+
+def warm_up(
+    model: nn.Module,
+    step_fn: Callable[[nn.Module, BatchT], Tensor],
+    batch: BatchT,
+    *,
+    steps: int = 2,
+) -> None:
+    """Run ``steps`` forward and backward passes that leave no trace.
+
+    Unlike ``measure_base_step_s`` this needs no copy of the model (a rank
+    may hold a model that fits its device only once): there is no optimizer
+    step, the buffers (e.g. batch-norm statistics) are put back, the
+    gradients are those from before, and the RNG streams are forked.
+
+    Args:
+        model: the rank's model.
+        step_fn: ``step_fn(model, batch)`` returns the loss to backpropagate.
+        batch: one batch, e.g. the rank's first.
+        steps: how many passes (0 runs nothing).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad for p in params]
+    buffers = [b.detach().clone() for b in model.buffers()]
+    with torch.random.fork_rng(devices=_cuda_devices(model)):
+        for _ in range(steps):
+            for p in params:
+                p.grad = None
+            step_fn(model, batch).backward()  # type: ignore[no-untyped-call]  # torch stub
+    with torch.no_grad():
+        for live, saved in zip(model.buffers(), buffers, strict=True):
+            live.copy_(saved)
+    for p, grad in zip(params, grads, strict=True):
+        p.grad = grad
 
 
 class Pacer:

@@ -22,7 +22,7 @@ from elche.core.checkpoint import CheckpointMeta
 from elche.core.dispatch import epoch_permutation
 from elche.runtime.data import fetch
 from elche.runtime.host import meta_path
-from elche.runtime.pacing import Pacer, measure_base_step_s
+from elche.runtime.pacing import Pacer, measure_base_step_s, warm_up
 from elche.runtime.worker import UserFns, to_device
 
 if TYPE_CHECKING:
@@ -113,8 +113,10 @@ def train_solo(
     model = fns.model_fn(device)
     solo = _Solo(plan, fns, model, fns.optimizer_fn(model.parameters()), device, max_grad_norm)
     start_epoch, holes = _resume(solo, plan.resume_from)
+    perm = epoch_permutation(cfg.num_samples, seed=cfg.seed, epoch=0)
+    first = solo.batch(perm, range(min(cfg.batch_size, cfg.num_samples)))
+    warm_up(model, fns.step_fn, first)
     if plan.speeds[0] < 1.0:
-        first = solo.batch(epoch_permutation(cfg.num_samples, seed=cfg.seed, epoch=0), range(1))
         base_s = measure_base_step_s(model, solo.optimizer, fns.step_fn, first)
         solo.pacer = Pacer(plan.speeds[0], base_s)
     for epoch in range(start_epoch, cfg.epochs):

@@ -46,7 +46,7 @@ from elche.core.dispatch import epoch_permutation
 from elche.runtime.averaging import collective_average, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
 from elche.runtime.data import fetch
-from elche.runtime.pacing import Pacer, measure_base_step_s
+from elche.runtime.pacing import Pacer, measure_base_step_s, warm_up
 from elche.runtime.snapshots import Layout
 from elche.runtime.transport import RankEndpoint
 
@@ -228,7 +228,9 @@ class Worker:
         while not all(mark.exists() for mark in marks) and time.monotonic() < deadline:
             time.sleep(STARTUP_POLL_S)
 
-    def calibrate_speed(self, batch: Any) -> None:
+    def warm_up(self, batch: Any) -> None:
+        """Warm the rank's steps up and, on a paced rank, time its solo step."""
+        warm_up(self.model, self._loss, batch)
         if self.spec.speed >= 1.0:
             return
         base_s = measure_base_step_s(self.model, self.optimizer, self._loss, batch)
@@ -576,7 +578,7 @@ def train_rank(
         _load_bundle(worker, spec.resume_from)
     worker.join_group()  # collective modes: the rendezvous, so every peer has started
     worker.wait_peers_started()  # the same, for coordinator modes
-    worker.calibrate_speed(worker.batch_at(0, 0, min(batch_size, len(fns.dataset))))
+    worker.warm_up(worker.batch_at(0, 0, min(batch_size, len(fns.dataset))))
     worker.connect()
     try:
         stopped = worker.run()
