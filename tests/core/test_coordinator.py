@@ -134,22 +134,91 @@ def test_roles_follow_pace_at_first_calibration() -> None:
     assert h.core.roles.epoch_role_dirty
 
 
-def test_cadence_tail_window_is_averaged_in_one_round() -> None:
-    # 55 batches: the 2-step probes leave 51 for counts (40, 10), one too
-    # many for a window; the crumb ends soonest on the fast rank: tail [41, 10].
+def _tail_of_51() -> Harness:
+    """A run whose first window leaves a 51-batch epoch tail at paces 10 and 40 ms.
+
+    55 batches: the 2-step probes leave 51 for counts (40, 10), one too many
+    for a window; the crumb ends soonest on the fast rank: tail [41, 10]. Of
+    it, 2 slow steps in fast batches (8) are held back from the batches that
+    end last, leaving the plan [35, 8]. The window opens at t = 1 s.
+    """
     h = Harness(num_samples=55 * 32)
     h.form()
     h.train(0, PROBE_STEPS, batch_ms=10.0)
     h.train(1, PROBE_STEPS, batch_ms=40.0)
+    h.now = 1.0
     acked_round(h, 1, {0: PROBE_STEPS, 1: PROBE_STEPS})
     assert h.core.elche.batch_counts == (40, 10)
-    out = h.train(1, 10) + h.train(0, 40)
-    assert not messages(out, m.SyncNow)  # rank 0's window count is not its tail
+    assert h.core.planner.tail_reserve == 8
+    plan = h.core.planner.tail_plan
+    assert plan is not None
+    queued = [sum(size for _, _, size in h.chunks[r]) // 32 for r in range(2)]
+    assert [queued[r] + plan[r] for r in range(2)] == [35, 8]
+    return h
+
+
+def test_cadence_tail_window_is_averaged_in_one_round() -> None:
+    h = _tail_of_51()
+    h.now = 1.32  # rank 1 on its pace
+    h.train(1, 8)
+    h.now = 1.35
+    out = h.train(0, 35)
+    assert not messages(out, m.SyncNow)  # the reserve is not trained yet
+    h.now = 1.40
+    h.train(1, 2)
+    out = h.train(0, 5)
+    assert not messages(out, m.SyncNow)
     out = h.train(0, 1)
     assert messages(out, m.SyncNow) == [m.SyncNow(cycle=2, generation=0)]
     acked_round(h, 2, {0: 41, 1: 10})
     assert h.core.state is not RunState.TRAINING  # the epoch (the run) ended in that round
     assert h.core.sync_round == 2
+    assert h.core.planner.tail_reserve == 0
+
+
+def test_reserve_goes_to_whoever_would_end_each_batch_soonest() -> None:
+    h = _tail_of_51()
+    h.now = 1.32  # rank 1 frees at 320 ms; rank 0 is due at 350 (its assignment + 35 x 10)
+    out = h.train(1, 8)
+    # List scheduling of the 8 held: rank 1 ends one at 360 (ties go to the
+    # asker) and one at 400; rank 0 the other six, by 410.
+    assert [c.size for c in messages(out, m.AssignChunk)] == [2 * 32]  # type: ignore[attr-defined]
+    assert h.core.planner.tail_reserve == 6
+    h.now = 1.35
+    out = h.train(0, 35)  # its planned 9 were assigned on the way: the last chunk is reserve
+    assert messages(out, m.AssignChunk)[-1].size == 6 * 32  # type: ignore[attr-defined]
+    assert h.core.planner.tail_reserve == 0
+
+
+def test_a_rank_ahead_of_its_pace_takes_more_of_the_reserve() -> None:
+    h = _tail_of_51()
+    h.now = 1.20  # rank 1 finished its 8 in 200 ms instead of 320
+    out = h.train(1, 8)
+    # Rank 1 ends reserve batches at 240, 280, 320 and 360 (ties to the
+    # asker) before rank 0, due at 350, ends one at 360; rank 0 gets four.
+    assert [c.size for c in messages(out, m.AssignChunk)] == [4 * 32]  # type: ignore[attr-defined]
+    h.now = 1.30  # rank 0's report is news: it is counted from here
+    h.train(0, 30)
+    assert h.core.planner.tail_reserve == 4
+    h.now = 1.35
+    out = h.train(0, 5)  # due at 350, ends the last four by 390; rank 1 would end one at 400
+    assert [c.size for c in messages(out, m.AssignChunk)] == [4 * 32]  # type: ignore[attr-defined]
+
+
+def test_a_rank_behind_its_pace_leaves_the_reserve_to_the_others() -> None:
+    h = _tail_of_51()
+    h.now = 1.10
+    h.train(0, 10)  # rank 0 at 10 ms a batch: due at 100 + 25 x 10 = 350
+    h.now = 1.50  # rank 1 took 500 ms for its 8 (pace 320)
+    out = h.train(1, 8)
+    # Rank 1 would end one at 540; rank 0, due at 350, ends all eight by 430.
+    assert not messages(out, m.AssignChunk)
+    assert h.core.planner.quiesced[1]
+    h.now = 1.51
+    out = h.train(0, 25)
+    assert messages(out, m.AssignChunk)[-1].size == 8 * 32  # type: ignore[attr-defined]
+    out = h.train(0, 8)
+    assert messages(out, m.SyncNow)
 
 
 def test_sync_gate_fires_after_one_step_each() -> None:

@@ -293,6 +293,7 @@ class Coordinator:
         # Batches still count while saving: the writer's model holds them.
         self.work.record_batch(rank, msg.epoch, msg.offset, msg.size)
         self.ledger.record_batch(rank, msg.batch_ms, msg.data_ms)
+        self.planner.note_progress(rank, self._now)
         if msg.loss is not None and math.isfinite(msg.loss):
             self.ledger.record_batch_loss(rank, msg.loss)
             total, count = self._epoch_loss.get(msg.epoch, (0.0, 0))
@@ -454,7 +455,7 @@ class Coordinator:
         """Give ``rank`` its next chunk if it is idle and may take one."""
         if self.rank_state[rank] is not RankState.LIVE or self.state is not RunState.TRAINING:
             return
-        chunk = self.planner.next_chunk(rank, len(self.live), self._stream_ahead)
+        chunk = self.planner.next_chunk(rank, len(self.live), self._stream_ahead, self._now)
         if chunk is not None:
             self._out.append(Send(rank=rank, message=chunk))
 

@@ -13,6 +13,16 @@ Rules:
   epoch's remaining batches no longer fill a whole window, the tail is
   apportioned across live ranks by their counts (``final_window_alloc``) so
   the last window of the epoch is as short as possible.
+- Of that tail, ``TAIL_RESERVE_SLOW_STEPS`` of the slowest rank's steps
+  (counted in the fastest rank's batches) are held back from the batches
+  planned to end last. A rank that finishes its share takes from this
+  *reserve* as many batches as list scheduling gives it: each held batch goes
+  to whoever would end it soonest, a busy rank being free when its queued
+  and planned batches are done at its smoothed pace (counted from its last
+  report). A
+  fixed split cannot follow a step that runs long or short; the reserve is
+  spent by whoever is actually ahead, so the ranks end the epoch closer
+  together.
 - The averaging gate waits for each rank's window (``cadence``: its budget,
   so the epoch tail is averaged in one round; ``sync``: one step). A rank
   with nothing it may take is *quiesced*: the gate does not wait for it.
@@ -21,6 +31,7 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 
 from elche.core import messages as m
 from elche.core.config import CoordinatorConfig, Policy
@@ -28,12 +39,17 @@ from elche.core.dispatch import Span, batches_in, final_window_alloc, needs_fina
 from elche.core.scheduler import ElChe
 from elche.core.work import WorkBook
 
-__all__ = ["PROBE_STEPS", "Planner"]
+__all__ = ["PROBE_STEPS", "TAIL_RESERVE_SLOW_STEPS", "Planner"]
 
 # Before the first calibration every rank runs this many steps: one batch
 # fills the pipeline, the second gives a marginal timing sample. A full
 # uncalibrated window would make the fast ranks idle through most of it.
 PROBE_STEPS = 2
+
+# The epoch tail's reserve, in steps of the slowest live rank: enough to
+# cover the jitter of one window on a shared machine, small enough that most
+# of the tail is still planned (see ``Planner._hold_back``).
+TAIL_RESERVE_SLOW_STEPS = 2
 
 
 class Planner:
@@ -53,6 +69,8 @@ class Planner:
         self.budget = [0] * config.world_size
         self.quiesced = [False] * config.world_size
         self.tail_plan: dict[int, int] | None = None
+        self.tail_reserve = 0  # tail batches held back for whoever frees up first
+        self._progress_s = [0.0] * config.world_size  # last assignment or report
 
     def window_steps(self, rank: int) -> int:
         """Steps that complete ``rank``'s window."""
@@ -94,11 +112,23 @@ class Planner:
         return updates
 
     def forget_tail_plan(self) -> None:
-        """A rank died mid-window: the tail allocation no longer adds up."""
+        """A rank died mid-window: the tail allocation no longer adds up.
+
+        The reserve's batches stay in the pool, open to every budget.
+        """
         self.tail_plan = None
+        self.tail_reserve = 0
+
+    def note_progress(self, rank: int, now_s: float) -> None:
+        """``rank`` reported a batch at ``now_s``: its queue is counted from here."""
+        self._progress_s[rank] = now_s
 
     def next_chunk(
-        self, rank: int, live_count: int, stream_ahead: Callable[[], int | None]
+        self,
+        rank: int,
+        live_count: int,
+        stream_ahead: Callable[[], int | None],
+        now_s: float = 0.0,
     ) -> m.AssignChunk | None:
         """The chunk ``rank`` should train next, if it is idle and may take one.
 
@@ -106,9 +136,12 @@ class Planner:
             rank: a live rank.
             live_count: how many ranks are live (to split reclaimed work).
             stream_ahead: opens the next epoch early (async) and returns it.
+            now_s: the coordinator's clock, to time the epoch tail's reserve.
         """
         if self.work.busy_samples(rank) > 0:
             return None  # one chunk in flight per rank
+        if self.tail_plan is not None and self.tail_plan.get(rank, 0) <= 0:
+            return self._from_reserve(rank, now_s)
         left = self.budget[rank] - self.work.steps_since_sync(rank)
         if left <= 0:
             return None  # holds for the next average
@@ -119,7 +152,11 @@ class Planner:
         self.quiesced[rank] = span is None
         if epoch is None or span is None:
             return None
+        return self._assign(rank, epoch, span, now_s)
+
+    def _assign(self, rank: int, epoch: int, span: Span, now_s: float) -> m.AssignChunk:
         self.work.assign(rank, epoch, span)
+        self._progress_s[rank] = now_s
         return m.AssignChunk(
             epoch=epoch,
             offset=span[0],
@@ -128,8 +165,53 @@ class Planner:
             window=self.window_steps(rank),
         )
 
+    def _from_reserve(self, rank: int, now_s: float) -> m.AssignChunk | None:
+        """``rank`` trained its tail share: its part of the reserve, if any."""
+        epoch = self.work.serving_epoch()
+        share = self._reserve_share(rank, now_s) if epoch is not None else 0
+        span = None
+        if epoch is not None and share > 0:
+            span = self.work.take(rank, epoch, share * self.config.batch_size)
+        self.quiesced[rank] = span is None
+        if epoch is None or span is None:
+            return None
+        batches = batches_in(span[1], self.config.batch_size)
+        self.tail_reserve = max(0, self.tail_reserve - batches)
+        steps = self.work.steps_since_sync(rank) + batches
+        self.budget[rank] = max(self.budget[rank], steps)
+        return self._assign(rank, epoch, span, now_s)
+
+    def _reserve_share(self, rank: int, now_s: float) -> int:
+        """Reserve batches that list scheduling gives ``rank``, free at ``now_s``.
+
+        Each held batch goes to whoever would end it soonest: ``rank`` now, a
+        busy rank once its queued and planned batches are done (ties:
+        ``rank``). Batches
+        a busy rank would get stay held until it asks. Without a pace for
+        every rank involved, first come is first served: one batch.
+        """
+        if self.tail_reserve <= 0:
+            return 0
+        bs = self.config.batch_size
+        ms = self.elche.ms_per_batch()
+        plan = self.tail_plan or {}
+        free_at = {rank: now_s * 1000.0}
+        for q in range(self.config.world_size):
+            ahead = batches_in(self.work.busy_samples(q), bs) + plan.get(q, 0)
+            if q != rank and ahead > 0:
+                free_at[q] = self._progress_s[q] * 1000.0 + ahead * ms[q]
+        if any(ms[q] <= 0 for q in free_at):
+            return 1
+        share = 0
+        for _ in range(self.tail_reserve):
+            soonest = min(free_at, key=lambda q: (free_at[q] + ms[q], q != rank))
+            free_at[soonest] += ms[soonest]
+            share += soonest == rank
+        return share
+
     def _plan_tail(self, live: Sequence[int]) -> None:
         self.tail_plan = None
+        self.tail_reserve = 0
         if self.config.policy is not Policy.CADENCE:
             return
         epoch = self.work.serving_epoch()
@@ -139,6 +221,7 @@ class Planner:
         counts = [self.window_steps(r) for r in range(self.config.world_size)]
         if needs_final_window(remaining, counts, live):
             alloc = final_window_alloc(remaining, counts, live)
+            self.tail_reserve = _hold_back(alloc, counts, live)
             self.tail_plan = {r: alloc[r] for r in live}
 
     def _budget_of(self, rank: int) -> int:
@@ -167,3 +250,27 @@ class Planner:
         if span is not None and self.tail_plan is not None:
             self.tail_plan[rank] -= batches_in(span[1], bs)
         return span
+
+
+def _hold_back(alloc: list[int], counts: Sequence[int], live: Sequence[int]) -> int:
+    """Take the tail's reserve out of ``alloc`` (in place); returns its size.
+
+    The reserve is ``TAIL_RESERVE_SLOW_STEPS`` of the slowest planned rank's
+    steps in the fastest one's batches, at most half the tail, and nothing
+    with fewer than two ranks planned. Batches leave the plan from its end:
+    each from the rank whose share ends last (``alloc / count``, counts being
+    proportional to speed; ties: the slower rank, then the higher index).
+    """
+    planned = [r for r in live if alloc[r] > 0 and counts[r] > 0]
+    if len(planned) < 2:
+        return 0
+    fastest = max(counts[r] for r in planned)
+    slowest = min(counts[r] for r in planned)
+    size = min(-(-TAIL_RESERVE_SLOW_STEPS * fastest // slowest), sum(alloc) // 2)
+    for _ in range(size):
+        last = max(
+            (r for r in planned if alloc[r] > 0),
+            key=lambda r: (Fraction(alloc[r], counts[r]), -counts[r], r),
+        )
+        alloc[last] -= 1
+    return size
