@@ -504,3 +504,13 @@ def test_lr_cliff_nudges_the_anchor_down() -> None:
         kinds += [c.kind for c in of(out, Emit)]  # type: ignore[attr-defined]
     assert "MetaNudge" in kinds
     assert h.core.elche.anchor < 10
+
+
+def test_a_lone_rank_holds_nothing_back() -> None:
+    h = Harness(world_size=1, num_samples=12 * 32)  # a 10-batch tail, one window
+    h.form()
+    h.train(0, PROBE_STEPS)
+    acked_round(h, 1, {0: PROBE_STEPS})
+    assert h.core.planner.tail_plan == {0: 0}  # all of it went out in one chunk
+    assert [size for _, _, size in h.chunks[0]] == [10 * 32]
+    assert h.core.planner.tail_reserve == 0
