@@ -62,6 +62,7 @@ def train(
     mode: str = "cadence",
     ranks: int | None = None,
     speeds: Sequence[float] | None = None,
+    speed_base_s: float | None = None,
     devices: Sequence[str] | None = None,
     max_grad_norm: float | None = None,
     epoch_fn: Callable[..., Any] | None = None,
@@ -104,6 +105,9 @@ def train(
         speeds: testing aid: run rank r at ``speeds[r]`` of its speed (the
             rank waits ``base × (1/speed − 1)`` after each step, ``base``
             measured once before training). Never on by default.
+        speed_base_s: testing aid: the ``base`` every paced rank uses,
+            instead of each measuring its own (a benchmark measures it once
+            and hands it to every system it compares).
         devices: one device string per rank (default ``cpu``).
         max_grad_norm: clip gradients to this norm.
         epoch_fn: ``epoch_fn(epoch, model, optimizer)`` on every rank at the
@@ -144,7 +148,8 @@ def train(
     """
     plan = _plan(
         dataset=dataset, batch_size=batch_size, epochs=epochs, mode=mode, ranks=ranks,
-        speeds=speeds, devices=devices, callback_rank=callback_rank, scheduler=scheduler,
+        speeds=speeds, speed_base_s=speed_base_s, devices=devices,
+        callback_rank=callback_rank, scheduler=scheduler,
         easgd_alpha=easgd_alpha, seed=seed, heartbeat_timeout_s=heartbeat_timeout_s,
         max_failures=max_failures, has_eval=eval_fn is not None, eval_every=eval_every,
         checkpoint_every=checkpoint_every, save_path=save_path, resume_from=resume_from,
@@ -183,6 +188,7 @@ class Plan:
 
     config: CoordinatorConfig
     speeds: tuple[float, ...]
+    speed_base_s: float | None
     devices: tuple[str, ...]
     resume_from: str | None
     crash: Mapping[int, float]
@@ -197,6 +203,7 @@ def _plan(
     mode: str,
     ranks: int | None,
     speeds: Sequence[float] | None,
+    speed_base_s: float | None,
     devices: Sequence[str] | None,
     callback_rank: str | int,
     scheduler: SchedulerConfig | None,
@@ -253,9 +260,18 @@ def _plan(
                     f"expects {{rank: epoch.fraction}} with ranks in [0, {world}), got {points}",
                 )
     return Plan(
-        config=config, speeds=speeds_t, devices=devices_t, resume_from=resume_from,
+        config=config, speeds=speeds_t, speed_base_s=_speed_base(speed_base_s),
+        devices=devices_t, resume_from=resume_from,
         crash=faults["crash"], stall=faults["stall"],
     )  # fmt: skip
+
+
+def _speed_base(base_s: float | None) -> float | None:
+    if base_s is None:
+        return None
+    from elche.runtime.pacing import check_speed_base_s  # torch: only when asked for
+
+    return check_speed_base_s(base_s)
 
 
 def _world_size(

@@ -133,6 +133,8 @@ def test_one_process_learns_the_digits(split: tuple[TensorDataset, TensorDataset
         ({"workload": "mnist"}, "workload"),
         ({"timeout_s": 0}, "timeout_s"),
         ({"timeout_s": math.inf}, "timeout_s"),
+        ({"base_step_s": 0.0}, "speed_base_s"),
+        ({"base_step_s": math.nan}, "speed_base_s"),
     ],
 )
 def test_bad_arguments_are_refused_before_spawning(kwargs: dict[str, object], field: str) -> None:
@@ -183,6 +185,18 @@ def test_two_paced_ranks_train_and_report() -> None:
     assert fast["samples"] == slow["samples"] == 2 * math.ceil(DIGITS_TRAIN / 2)
     assert fast["injected_s"] == 0.0 < slow["injected_s"]
     assert fast["idle_s"] >= 0.0 and slow["idle_s"] >= 0.0
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.usefixtures("loopback_gloo")
+def test_a_given_base_paces_every_rank_without_timing_any() -> None:
+    result = run_ddp(speeds=[1, 0.5], epochs=1, base_step_s=0.002)
+
+    fast, slow = result["per_rank"]  # type: ignore[misc]  # JSON-shaped result
+    assert fast["base_step_s"] == slow["base_step_s"] == 0.002
+    assert fast["injected_s"] == 0.0
+    assert slow["injected_s"] == pytest.approx(slow["steps"] * 0.002)  # base x (1/0.5 - 1)
 
 
 @pytest.mark.integration

@@ -56,11 +56,13 @@ def test_tiny_bench_writes_json_report_and_charts(
         assert 0.0 <= row["eval"] <= 1.0
         assert row["lost_samples"] == 0
         assert len(row["per_epoch"]) == 1
+        assert row["speed_base_s"] == rows[0]["speed_base_s"] > 0  # one value, every system
         assert all(x is None or 0.0 <= x <= 100.0 for x in row["idle_pct"])
     ddp = rows[1]
     assert ddp["wall_ratio_vs_ddp"] == pytest.approx(1.0)
     assert ddp["syncs"] == len(ddp["per_epoch"]) * 23  # 1,437 samples / (2 ranks × 32)
     report = (out / "report.md").read_text()
+    assert "Speed injection: every system's paced ranks wait by one solo step of" in report
     assert "| **torch-ddp** |" in report and "| cadence |" in report
     for kind in ("loss", "share", "idle"):
         png = out / f"digits-logreg-{kind}.png"

@@ -8,6 +8,7 @@ markers.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -140,6 +141,14 @@ def test_ranks_see_the_environment_of_their_launch(
     assert sorted(p.name for p in probe.iterdir()) == ["rank0", "rank1", "rank2"]
 
 
+def test_a_given_solo_step_paces_the_ranks(data: tuple[object, object], tmp_path: Path) -> None:
+    run(data, tmp_path, speeds=[1.0, 0.5], epochs=1, speed_base_s=0.002)
+    fast, slow = (json.loads((tmp_path / "run" / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert (fast["speed_base_s"], fast["injected_s"]) == (None, 0.0)
+    assert slow["speed_base_s"] == 0.002  # given, not measured
+    assert slow["injected_s"] > 0
+
+
 def test_one_rank_trains_in_process(data: tuple[object, object], tmp_path: Path) -> None:
     result = run(data, tmp_path, speeds=None, ranks=1, epochs=3)
     assert result.summary["world_size"] == 1
@@ -155,6 +164,7 @@ def test_one_rank_trains_in_process(data: tuple[object, object], tmp_path: Path)
         ({"ranks": 2, "speeds": [1.0, 0.5, 0.25]}, "ranks"),
         ({"callback_rank": "slowest"}, "callback_rank"),
         ({"resume_from": "/nonexistent/stem"}, "resume_from"),
+        ({"speed_base_s": -0.001}, "speed_base_s"),
     ],
 )
 def test_bad_config_fails_fast_naming_the_field(

@@ -17,7 +17,13 @@ import torch
 from torch import Tensor, nn
 
 from elche.core.errors import ConfigError
-from elche.runtime.pacing import Pacer, check_speed, measure_base_step_s, warm_up
+from elche.runtime.pacing import (
+    Pacer,
+    check_speed,
+    check_speed_base_s,
+    measure_base_step_s,
+    warm_up,
+)
 
 
 class RecordingSleep:
@@ -230,3 +236,18 @@ def test_warm_up_runs_the_steps_and_leaves_no_trace() -> None:
     assert all(a is b for a, b in zip(grads_after, grads_before, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(grads_after, grad_values, strict=True))
     assert torch.equal(torch.get_rng_state(), rng_before)
+
+
+# --- check_speed_base_s ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("base_s", [0, 0.0, -1.0, math.nan, math.inf, True, "0.01"])
+def test_a_given_base_must_be_a_positive_finite_number(base_s: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_speed_base_s(base_s)  # type: ignore[arg-type]  # deliberately wrong values
+    assert info.value.field == "speed_base_s"
+
+
+def test_a_given_base_passes_as_a_float_and_none_passes() -> None:
+    assert check_speed_base_s(None) is None
+    assert check_speed_base_s(1) == 1.0 and isinstance(check_speed_base_s(1), float)

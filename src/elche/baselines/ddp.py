@@ -18,7 +18,10 @@ plain, textbook DDP — nothing here tries to make it slow:
   process-group rendezvous, when every peer has started, and together; ranks
   at full speed (whose wait is 0 whatever they measure) time theirs after a
   barrier, so they never crowd the paced ranks' measurement on a small
-  machine. Their ``base`` only feeds the ``idle_s`` estimate.
+  machine. Their ``base`` only feeds the ``idle_s`` estimate. Given
+  ``base_step_s`` (``elche bench`` measures it once per workload and hands
+  the same value to every system), no rank times anything: each runs two
+  untraced warm-up passes (``warm_up``, as elche's ranks do) and paces by it.
 
 Clocks and the reported numbers
 -------------------------------
@@ -77,7 +80,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from elche.core.errors import ConfigError
-from elche.runtime.pacing import Pacer, check_speed, measure_base_step_s
+from elche.runtime.pacing import (
+    Pacer,
+    check_speed,
+    check_speed_base_s,
+    measure_base_step_s,
+    warm_up,
+)
 from elche.workloads import ALIASES
 from elche.workloads import get as get_workload
 from elche.workloads import names as workload_names
@@ -107,6 +116,7 @@ class _Plan:
     test_set: TensorDataset
     run_dir: str
     timeout_s: float
+    base_step_s: float | None = None
 
 
 def run_ddp(
@@ -117,6 +127,7 @@ def run_ddp(
     seed: int = 0,
     workload: str = "digits",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    base_step_s: float | None = None,
 ) -> JsonDict:
     """Train ``workload`` with torch DDP, one local process per speed.
 
@@ -127,6 +138,8 @@ def run_ddp(
         seed: the split's and the sampler's seed.
         workload: a name in ``WORKLOADS``.
         timeout_s: the most the whole run may take, and the collective timeout.
+        base_step_s: the solo step time every rank paces by; None: each
+            rank measures its own.
 
     Returns:
         ``{"system", "workload", "speeds", "world_size", "epochs",
@@ -137,16 +150,19 @@ def run_ddp(
 
     Raises:
         ConfigError: a bad ``speeds`` (field ``"speeds"``), ``epochs``,
-            ``batch_size``, ``workload`` or ``timeout_s``; nothing started.
+            ``batch_size``, ``workload``, ``timeout_s`` or ``base_step_s``
+            (field ``"speed_base_s"``); nothing started.
         RuntimeError: a rank failed (its traceback is in the message) or the
             run exceeded ``timeout_s``; every rank has been stopped.
     """
     plan_speeds = _check_args(speeds, epochs, batch_size, workload, timeout_s)
+    base = check_speed_base_s(base_step_s)
     train_set, test_set = get_workload(workload).load_split(seed)
     with tempfile.TemporaryDirectory(prefix="elche-ddp-") as run_dir:
         plan = _Plan(
-            plan_speeds, epochs, batch_size, seed, workload, train_set, test_set, run_dir, timeout_s
-        )
+            plan_speeds, epochs, batch_size, seed, workload, train_set, test_set, run_dir,
+            timeout_s, base,
+        )  # fmt: skip
         launched_at = time.time()  # wall clock: compared with rank 0's in another process
         _spawn_ranks(_rank_main, plan, nprocs=len(plan_speeds), timeout_s=timeout_s)
         reports = [_read_report(Path(run_dir), rank) for rank in range(len(plan_speeds))]
@@ -242,11 +258,15 @@ def _train(rank: int, plan: _Plan) -> JsonDict:
     loader = DataLoader(train_set, batch_size=plan.batch_size, sampler=sampler)
     sampler.set_epoch(0)
     first = next(iter(loader))
-    paced = plan.speeds[rank] < 1.0
-    base_s = measure_base_step_s(model, optimizer, work.step_fn, first) if paced else 0.0
-    dist.barrier()  # full-speed ranks time their step once the paced ranks are done
-    if not paced:
-        base_s = measure_base_step_s(model, optimizer, work.step_fn, first)
+    if plan.base_step_s is not None:
+        warm_up(model, work.step_fn, first)
+        base_s = plan.base_step_s
+    else:
+        paced = plan.speeds[rank] < 1.0
+        base_s = measure_base_step_s(model, optimizer, work.step_fn, first) if paced else 0.0
+        dist.barrier()  # full-speed ranks time their step once the paced ranks are done
+        if not paced:
+            base_s = measure_base_step_s(model, optimizer, work.step_fn, first)
     pacer = Pacer(plan.speeds[rank], base_s)
     ddp_model = DistributedDataParallel(model)  # broadcasts rank 0's (identical) weights
 

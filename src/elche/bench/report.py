@@ -103,11 +103,18 @@ def render(doc: Mapping[str, Any]) -> str:
 def _workload_section(name: str, rows: Sequence[Row], doc: Mapping[str, Any]) -> list[str]:
     first = rows[0]
     better = "higher is better" if first["higher_is_better"] else "lower is better"
+    base = next((r["speed_base_s"] for r in rows if r.get("speed_base_s")), None)
+    pacing = (
+        f" Speed injection: every system's paced ranks wait by one solo step of "
+        f"{1000.0 * base:.2f} ms, measured once for this workload."
+        if base
+        else ""
+    )
     lines = [
         f"## {name}",
         "",
         f"{first['epochs']} epochs, batch {first['batch_size']} per rank per step; "
-        f"eval = {first['metric']} ({better}).",
+        f"eval = {first['metric']} ({better}).{pacing}",
         "",
     ]
     for rig in dict.fromkeys(tuple(r["speeds"]) for r in rows):

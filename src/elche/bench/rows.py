@@ -11,7 +11,7 @@ is each rig's efficiency denominator.
 Row keys: ``workload, system, speeds, wall_s, samples_per_s, efficiency,
 final_loss, eval, syncs, idle_pct, lost_samples`` (the contract) plus
 ``metric, higher_is_better, ranks, epochs, batch_size, samples, startup_s,
-total_s, repeats, wall_s_runs, target_loss, time_to_target_s,
+total_s, repeats, wall_s_runs, speed_base_s, target_loss, time_to_target_s,
 wall_ratio_vs_ddp, eval_delta_vs_ddp, per_rank[{rank, speed, samples,
 share, busy_s, idle_s, idle_pct}], per_epoch[{epoch, t, loss}], error``.
 ``idle_pct`` is the per-rank list, in rank order.
@@ -120,6 +120,7 @@ def _row(run: Run, rig: tuple[float, ...], solo_sps: float | None) -> Row:
         "total_s": run.get("total_s"),
         "repeats": run.get("repeats", 1),
         "wall_s_runs": run.get("wall_s_runs", [wall_s]),
+        "speed_base_s": run.get("speed_base_s"),
         "per_rank": per_rank,
         "per_epoch": run.get("per_epoch") or [],
         "error": run.get("error"),

@@ -6,7 +6,17 @@ speed 1, one thread: the fastest rank alone, the efficiency denominator),
 then for every rig every system in turn — torch DDP through ``run_ddp`` and
 each elche mode through ``elche.train`` — with the same workload, split,
 seed, epochs, per-rank batch size and speed injection. Odd repeats reverse
-the system order. Each run becomes one JSON-ready ``Run`` record:
+the system order.
+
+Speed injection is shared, not just alike: the solo step time ``base`` that
+a paced rank's wait is made of is measured once per workload, here, before
+its first run (``measure_base_step_s``, 20 timed steps, one thread, nothing
+else running), and every system's ranks pace by that value
+(``speed_base_s``). Measured by each rank as it starts, ``base`` varies with
+what its neighbours happen to do at that moment: one DDP run's 0.25-speed
+rank once timed 9.1 ms for a 4.9 ms step and ran at half its speed, which
+made that cell's ratio a measure of the accident. Every record carries the
+value as ``speed_base_s``. Each run becomes one JSON-ready ``Run`` record:
 
 ``workload, system, speeds, repeat, ranks, epochs, batch_size, wall_s,
 startup_s, total_s, samples, samples_per_s, final_loss, eval, syncs,
@@ -43,7 +53,7 @@ from elche.bench.suites import DDP, SOLO, Suite, WorkloadPlan
 from elche.workloads import Workload
 from elche.workloads import get as get_workload
 
-__all__ = ["DDP_TIMEOUT_S", "Run", "run_one", "run_suite"]
+__all__ = ["DDP_TIMEOUT_S", "Run", "measure_speed_base_s", "run_one", "run_suite"]
 
 Run = dict[str, Any]  # one JSON-ready run record (see the module docstring)
 DDP_TIMEOUT_S = 900.0  # a hung baseline must not hang the suite; ~10× a full-suite run
@@ -68,16 +78,23 @@ def run_suite(
     """
     runs: list[Run] = []
     splits: dict[str, Split] = {}
+    bases: dict[str, float] = {}
     with _display(suite.num_runs(), enabled=progress) as show:
         for repeat in range(suite.repeats):
             order = suite.systems if repeat % 2 == 0 else tuple(reversed(suite.systems))
             for plan in suite.workloads:
                 if plan.name not in splits:
                     splits[plan.name] = get_workload(plan.name).load_split(suite.seed)
+                    bases[plan.name] = measure_speed_base_s(
+                        get_workload(plan.name), splits[plan.name], plan.batch_size
+                    )
                 jobs = [(SOLO, (1.0,))] + [(s, rig) for rig in suite.rigs for s in order]
                 for system, speeds in jobs:
                     show(f"{plan.name} [{_rig(speeds)}] {system} (repeat {repeat + 1})")
-                    run = run_one(system, plan, speeds, seed=suite.seed, split=splits[plan.name])
+                    run = run_one(
+                        system, plan, speeds, seed=suite.seed, split=splits[plan.name],
+                        speed_base_s=bases[plan.name],
+                    )  # fmt: skip
                     run["repeat"] = repeat
                     runs.append(run)
                     if on_run is not None:
@@ -92,6 +109,7 @@ def run_one(
     *,
     seed: int,
     split: Split | None = None,
+    speed_base_s: float | None = None,
 ) -> Run:
     """Train ``plan`` once with ``system`` on the rig ``speeds``.
 
@@ -101,6 +119,8 @@ def run_one(
         speeds: the rig (``solo`` ignores it and runs one rank at speed 1).
         seed: the split's and the shuffle's seed.
         split: the workload's ``(train, test)`` for ``seed``; loaded if None.
+        speed_base_s: the solo step time every paced rank waits by; None:
+            each paced rank measures its own.
 
     Returns:
         The run record; ``error`` holds the message if the run failed.
@@ -116,30 +136,58 @@ def run_one(
         "batch_size": plan.batch_size,
         "metric": workload.metric,
         "higher_is_better": workload.higher_is_better,
+        "speed_base_s": speed_base_s,
         "error": None,
     }
     started = time.perf_counter()
     try:
         if system == DDP:
-            record.update(_torch_ddp(plan, speeds, seed))
+            record.update(_torch_ddp(plan, speeds, seed, speed_base_s))
         elif system == SOLO:
             record.update(_solo(workload, plan, seed, data))
         else:
             record.update(
-                _elche(workload, plan=plan, mode=system, speeds=speeds, seed=seed, split=data)
-            )
+                _elche(
+                    workload, plan=plan, mode=system, speeds=speeds, seed=seed, split=data,
+                    speed_base_s=speed_base_s,
+                )
+            )  # fmt: skip
     except Exception as exc:  # a failed cell is reported, the suite goes on
         record["error"] = f"{type(exc).__name__}: {exc}"
     record["total_s"] = round(time.perf_counter() - started, 3)
     return record
 
 
-def _torch_ddp(plan: WorkloadPlan, speeds: Sequence[float], seed: int) -> Run:
+def measure_speed_base_s(workload: Workload, split: Split, batch_size: int) -> float:
+    """The solo step time of ``workload`` on this machine, one thread, in seconds.
+
+    The fastest of 20 timed steps (after 2 untimed) on the training split's
+    first batch, on copies of a fresh model and optimizer.
+    """
+    import torch
+
+    from elche.runtime.data import fetch
+    from elche.runtime.pacing import measure_base_step_s
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every rank process runs
+    try:
+        model = workload.make_model("cpu")
+        optimizer = workload.make_optimizer(model.parameters())
+        batch = fetch(split[0], range(min(batch_size, len(split[0]))))
+        return measure_base_step_s(model, optimizer, workload.step_fn, batch, repeats=20)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _torch_ddp(
+    plan: WorkloadPlan, speeds: Sequence[float], seed: int, speed_base_s: float | None
+) -> Run:
     from elche.baselines.ddp import run_ddp
 
     result = run_ddp(
         speeds=list(speeds), epochs=plan.epochs, batch_size=plan.batch_size, seed=seed,
-        workload=plan.name, timeout_s=DDP_TIMEOUT_S,
+        workload=plan.name, timeout_s=DDP_TIMEOUT_S, base_step_s=speed_base_s,
     )  # fmt: skip
     ranks = result["per_rank"]
     assert isinstance(ranks, list)
@@ -224,6 +272,7 @@ def _elche(
     speeds: Sequence[float],
     seed: int,
     split: Split,
+    speed_base_s: float | None,
 ) -> Run:
     from elche.api import train
 
@@ -231,7 +280,8 @@ def _elche(
         result = train(
             workload.make_model, workload.make_optimizer, workload.step_fn, split[0],
             batch_size=plan.batch_size, epochs=plan.epochs, mode=mode, speeds=list(speeds),
-            eval_fn=workload.eval_fn, eval_dataset=split[1], eval_every=plan.epochs,
+            speed_base_s=speed_base_s, eval_fn=workload.eval_fn, eval_dataset=split[1],
+            eval_every=plan.epochs,
             seed=seed, progress=False, run_dir=tmp,
         )  # fmt: skip
         run_dir = Path(tmp)

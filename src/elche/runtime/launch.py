@@ -131,7 +131,8 @@ def rank_spec(
     return RankSpec(
         rank=rank, world_size=cfg.world_size, address=address, secret_hex=secret.hex(),
         run_dir=str(run_dir), mode=cfg.mode.value, seed=cfg.seed, speed=plan.speeds[rank],
-        device=plan.devices[rank], gamma=cfg.scheduler.gamma, max_grad_norm=max_grad_norm,
+        speed_base_s=plan.speed_base_s, device=plan.devices[rank], gamma=cfg.scheduler.gamma,
+        max_grad_norm=max_grad_norm,
         save_path=cfg.save_path, resume_from=plan.resume_from,
         coordinator_timeout_s=max(cfg.heartbeat_timeout_s, 10.0),
         collective_timeout_s=max(2 * cfg.heartbeat_timeout_s, 60.0),

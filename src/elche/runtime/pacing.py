@@ -47,7 +47,7 @@ from torch.optim import Optimizer
 
 from elche.core.errors import ConfigError
 
-__all__ = ["Pacer", "check_speed", "measure_base_step_s", "warm_up"]
+__all__ = ["Pacer", "check_speed", "check_speed_base_s", "measure_base_step_s", "warm_up"]
 
 BatchT = TypeVar("BatchT")
 
@@ -208,6 +208,25 @@ def check_speed(speed: float) -> float:
     if isinstance(speed, bool) or not isinstance(speed, int | float) or not 0 < speed <= 1:
         raise ConfigError("speeds", f"a speed must be a number in (0, 1], got {speed!r}")
     return float(speed)
+
+
+def check_speed_base_s(base_s: float | None) -> float | None:
+    """Validate a solo step time given instead of measured (``None`` passes).
+
+    A benchmark that compares systems measures the solo step once and hands
+    it to every system, so their paced ranks wait exactly alike.
+
+    Raises:
+        ConfigError: (field ``"speed_base_s"``) not a number, or not finite
+            and > 0 seconds.
+    """
+    if base_s is None:
+        return None
+    if isinstance(base_s, bool) or not isinstance(base_s, int | float):
+        raise ConfigError("speed_base_s", f"must be a number of seconds, got {base_s!r}")
+    if not 0 < base_s < math.inf:
+        raise ConfigError("speed_base_s", f"must be finite and > 0 seconds, got {base_s!r}")
+    return float(base_s)
 
 
 def _cuda_devices(model: nn.Module) -> list[int]:

@@ -117,7 +117,9 @@ def train_solo(
     first = solo.batch(perm, range(min(cfg.batch_size, cfg.num_samples)))
     warm_up(model, fns.step_fn, first)
     if plan.speeds[0] < 1.0:
-        base_s = measure_base_step_s(model, solo.optimizer, fns.step_fn, first)
+        base_s = plan.speed_base_s
+        if base_s is None:
+            base_s = measure_base_step_s(model, solo.optimizer, fns.step_fn, first)
         solo.pacer = Pacer(plan.speeds[0], base_s)
     for epoch in range(start_epoch, cfg.epochs):
         if fns.epoch_fn is not None:

@@ -88,6 +88,7 @@ class RankSpec:
     mode: str
     seed: int
     speed: float = 1.0
+    speed_base_s: float | None = None  # given instead of measured (benchmarks)
     device: str = "cpu"
     gamma: float = 1.0
     max_grad_norm: float | None = None
@@ -233,7 +234,9 @@ class Worker:
         warm_up(self.model, self._loss, batch)
         if self.spec.speed >= 1.0:
             return
-        base_s = measure_base_step_s(self.model, self.optimizer, self._loss, batch)
+        base_s = self.spec.speed_base_s
+        if base_s is None:
+            base_s = measure_base_step_s(self.model, self.optimizer, self._loss, batch)
         self.pacer = Pacer(self.spec.speed, base_s)
 
     # -- the loop ------------------------------------------------------------
@@ -536,6 +539,8 @@ class Worker:
         return {
             "rank": self.spec.rank,
             "speed": self.spec.speed,
+            "speed_base_s": None if self.pacer is None else self.pacer.base_s,
+            "injected_s": 0.0 if self.pacer is None else round(self.pacer.injected_s, 4),
             "samples_trained": self.samples,
             "busy_s": round(self.busy_s, 4),
             "step_s": round(self.step_s, 4),
