@@ -339,12 +339,20 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 def _run_compare(args: argparse.Namespace) -> int:
     from elche.baselines.ddp import run_ddp
+    from elche.bench.runner import measure_speed_base_s
+    from elche.workloads import get as get_workload
 
     speeds = list(args.speeds)
-    ddp = run_ddp(speeds=speeds, epochs=args.epochs, batch_size=args.batch_size, seed=args.seed)
+    workload = get_workload("digits")
+    # One solo step paces both systems' ranks alike (see elche.bench.runner).
+    base_s = measure_speed_base_s(workload, workload.load_split(args.seed), args.batch_size)
+    ddp = run_ddp(
+        speeds=speeds, epochs=args.epochs, batch_size=args.batch_size, seed=args.seed,
+        base_step_s=base_s,
+    )  # fmt: skip
     ours = _demo_summary(
         speeds=speeds, mode=args.mode, epochs=args.epochs, batch_size=args.batch_size,
-        seed=args.seed, progress=False,
+        seed=args.seed, progress=False, speed_base_s=base_s,
     )  # fmt: skip
     ratio = float(ours["wall_s"]) / float(ddp["wall_s"])  # type: ignore[arg-type]  # JSON numbers
     doc = {
@@ -384,7 +392,7 @@ def _demo_summary(
     *, speeds: list[float], mode: str, epochs: int, batch_size: int, seed: int, progress: bool,
     save_path: str | None = None, resume_from: str | None = None,
     crash: dict[int, float] | None = None, stall: dict[int, float] | None = None,
-    heartbeat_timeout_s: float = 10.0,
+    heartbeat_timeout_s: float = 10.0, speed_base_s: float | None = None,
 ) -> dict[str, object]:  # fmt: skip
     from elche.api import train
     from elche.workloads import digits
@@ -399,6 +407,7 @@ def _demo_summary(
         epochs=epochs,
         mode=mode,
         speeds=speeds,
+        speed_base_s=speed_base_s,
         eval_fn=digits.eval_fn,
         eval_dataset=test_set,
         eval_every=epochs,
