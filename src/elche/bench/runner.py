@@ -18,8 +18,8 @@ rank once timed 9.1 ms for a 4.9 ms step and ran at half its speed, which
 made that cell's ratio a measure of the accident. Every record carries the
 value as ``speed_base_s``. Each run becomes one JSON-ready ``Run`` record:
 
-``workload, system, speeds, repeat, ranks, epochs, batch_size, wall_s,
-startup_s, total_s, samples, samples_per_s, final_loss, eval, syncs,
+``workload, system, speeds, repeat, ranks, epochs, batch_size,
+speed_base_s, wall_s, startup_s, total_s, samples, samples_per_s, final_loss, eval, syncs,
 lost_samples, per_epoch[{epoch, t, loss}], per_rank[{rank, speed, samples,
 busy_s}], error``
 

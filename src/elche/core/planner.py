@@ -19,10 +19,9 @@ Rules:
   *reserve* as many batches as list scheduling gives it: each held batch goes
   to whoever would end it soonest, a busy rank being free when its queued
   and planned batches are done at its smoothed pace (counted from its last
-  report). A
-  fixed split cannot follow a step that runs long or short; the reserve is
-  spent by whoever is actually ahead, so the ranks end the epoch closer
-  together.
+  report). A fixed split cannot follow a step that runs long or short; the
+  reserve is spent by whoever is actually ahead, so the ranks end the epoch
+  closer together.
 - The averaging gate waits for each rank's window (``cadence``: its budget,
   so the epoch tail is averaged in one round; ``sync``: one step). A rank
   with nothing it may take is *quiesced*: the gate does not wait for it.
@@ -186,9 +185,9 @@ class Planner:
 
         Each held batch goes to whoever would end it soonest: ``rank`` now, a
         busy rank once its queued and planned batches are done (ties:
-        ``rank``). Batches
-        a busy rank would get stay held until it asks. Without a pace for
-        every rank involved, first come is first served: one batch.
+        ``rank``). Batches a busy rank would get stay held until it asks.
+        Without a pace for every rank involved, first come is first served:
+        one batch.
         """
         if self.tail_reserve <= 0:
             return 0
