@@ -22,6 +22,7 @@ from elche.runtime.pacing import (
     check_speed,
     check_speed_base_s,
     measure_base_step_s,
+    pacer_for,
     warm_up,
 )
 
@@ -251,3 +252,29 @@ def test_a_given_base_must_be_a_positive_finite_number(base_s: object) -> None:
 def test_a_given_base_passes_as_a_float_and_none_passes() -> None:
     assert check_speed_base_s(None) is None
     assert check_speed_base_s(1) == 1.0 and isinstance(check_speed_base_s(1), float)
+
+
+# --- pacer_for ---------------------------------------------------------------------------
+
+
+def test_a_full_speed_rank_only_warms_up() -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = copy.deepcopy(model.state_dict())
+    assert pacer_for(model, optimizer, mse_step, BATCH, speed=1.0, base_s=0.01) is None
+    assert all(torch.equal(t, before[k]) for k, t in model.state_dict().items())
+
+
+def test_a_paced_rank_paces_by_the_given_base_without_timing() -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    pacer = pacer_for(model, optimizer, mse_step, BATCH, speed=0.25, base_s=0.004)
+    assert pacer is not None
+    assert (pacer.base_s, pacer.wait_s) == (0.004, pytest.approx(0.012))
+
+
+def test_a_paced_rank_without_a_base_measures_its_own() -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    pacer = pacer_for(model, optimizer, mse_step, BATCH, speed=0.5)
+    assert pacer is not None and 0.0 < pacer.base_s < 5.0

@@ -47,7 +47,14 @@ from torch.optim import Optimizer
 
 from elche.core.errors import ConfigError
 
-__all__ = ["Pacer", "check_speed", "check_speed_base_s", "measure_base_step_s", "warm_up"]
+__all__ = [
+    "Pacer",
+    "check_speed",
+    "check_speed_base_s",
+    "measure_base_step_s",
+    "pacer_for",
+    "warm_up",
+]
 
 BatchT = TypeVar("BatchT")
 
@@ -141,6 +148,42 @@ def warm_up(
             live.copy_(saved)
     for p, grad in zip(params, grads, strict=True):
         p.grad = grad
+
+
+def pacer_for(
+    model: nn.Module,
+    optimizer: Optimizer,
+    step_fn: Callable[[nn.Module, BatchT], Tensor],
+    batch: BatchT,
+    *,
+    speed: float,
+    base_s: float | None = None,
+) -> Pacer | None:
+    """Make a rank ready to train at ``speed``: warm its steps up, build its pacer.
+
+    A rank at full speed only warms up and gets no pacer. A paced rank paces
+    by ``base_s`` when one is given (and warms up), otherwise by its own
+    ``measure_base_step_s``, whose untimed steps warm the same kernels up.
+
+    Args:
+        model: the rank's model (left as it was).
+        optimizer: the optimizer over ``model``'s parameters (left as it was).
+        step_fn: ``step_fn(model, batch)`` returns the loss to backpropagate.
+        batch: one batch, e.g. the rank's first.
+        speed: the rank's speed, in (0, 1].
+        base_s: the solo step time to pace by; None: measure it.
+
+    Returns:
+        The rank's pacer, or None at full speed.
+    """
+    if speed >= 1.0:
+        warm_up(model, step_fn, batch)
+        return None
+    if base_s is None:
+        base_s = measure_base_step_s(model, optimizer, step_fn, batch)
+    else:
+        warm_up(model, step_fn, batch)
+    return Pacer(speed, base_s)
 
 
 class Pacer:

@@ -22,7 +22,7 @@ from elche.core.checkpoint import CheckpointMeta
 from elche.core.dispatch import epoch_permutation
 from elche.runtime.data import fetch
 from elche.runtime.host import meta_path
-from elche.runtime.pacing import Pacer, measure_base_step_s, warm_up
+from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.worker import UserFns, to_device
 
 if TYPE_CHECKING:
@@ -115,12 +115,9 @@ def train_solo(
     start_epoch, holes = _resume(solo, plan.resume_from)
     perm = epoch_permutation(cfg.num_samples, seed=cfg.seed, epoch=0)
     first = solo.batch(perm, range(min(cfg.batch_size, cfg.num_samples)))
-    warm_up(model, fns.step_fn, first)
-    if plan.speeds[0] < 1.0:
-        base_s = plan.speed_base_s
-        if base_s is None:
-            base_s = measure_base_step_s(model, solo.optimizer, fns.step_fn, first)
-        solo.pacer = Pacer(plan.speeds[0], base_s)
+    solo.pacer = pacer_for(
+        model, solo.optimizer, fns.step_fn, first, speed=plan.speeds[0], base_s=plan.speed_base_s
+    )
     for epoch in range(start_epoch, cfg.epochs):
         if fns.epoch_fn is not None:
             fns.epoch_fn(epoch, model, solo.optimizer)

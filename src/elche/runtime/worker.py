@@ -46,7 +46,7 @@ from elche.core.dispatch import epoch_permutation
 from elche.runtime.averaging import collective_average, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
 from elche.runtime.data import fetch
-from elche.runtime.pacing import Pacer, measure_base_step_s, warm_up
+from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.snapshots import Layout
 from elche.runtime.transport import RankEndpoint
 
@@ -230,14 +230,11 @@ class Worker:
             time.sleep(STARTUP_POLL_S)
 
     def warm_up(self, batch: Any) -> None:
-        """Warm the rank's steps up and, on a paced rank, time its solo step."""
-        warm_up(self.model, self._loss, batch)
-        if self.spec.speed >= 1.0:
-            return
-        base_s = self.spec.speed_base_s
-        if base_s is None:
-            base_s = measure_base_step_s(self.model, self.optimizer, self._loss, batch)
-        self.pacer = Pacer(self.spec.speed, base_s)
+        """Warm the rank's steps up and, on a paced rank, build its pacer."""
+        self.pacer = pacer_for(
+            self.model, self.optimizer, self._loss, batch,
+            speed=self.spec.speed, base_s=self.spec.speed_base_s,
+        )  # fmt: skip
 
     # -- the loop ------------------------------------------------------------
 
