@@ -3,10 +3,12 @@
 Theory of operation. ``launch_local`` starts the coordinator (its own
 process, no torch), then starts the ranks with the ``forkserver`` start
 method where the platform has it (``spawn`` elsewhere): the fork server
-imports torch and elche's rank code once, and every rank forks from it
-instead of importing torch again (~1.7 s less per 3-rank run on 2 cores).
-The fork server holds no threads, sockets or CUDA state, so forking it is
-safe. Each rank takes the launcher's environment as it is at launch (a fork
+imports torch (and torch._dynamo, which a rank's first optimizer would
+import) and elche's rank code once, and every rank forks from it instead of
+importing them again: a 3-rank run on 2 cores starts in ~0.4 s instead of
+~2.7 s once the fork server is up (~2.9 s for the first run of a process
+instead of ~4.3). The fork server holds no threads, sockets or CUDA state,
+so forking it is safe. Each rank takes the launcher's environment as it is at launch (a fork
 would otherwise see the fork server's, from the first run in this process);
 settings read while torch imports, such as ``OMP_NUM_THREADS``, come from
 the first run. As with ``spawn``, the user's functions must be importable,
@@ -56,8 +58,10 @@ __all__ = [
 RANK_EXIT_GRACE_S = 30.0
 # How often the launcher looks at its children and the timeline.
 SUPERVISE_EVERY_S = 0.1
-# Imported once by the fork server, so ranks fork with them loaded.
-FORKSERVER_PRELOAD = ("torch", "torch.distributed", "elche.runtime.worker")
+# Imported once by the fork server, so ranks fork with them loaded. torch.optim
+# imports torch._dynamo when it builds its first optimizer: ~1 s on one core,
+# that every rank would otherwise pay at once, on every run.
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "elche.runtime.worker")
 
 
 def _rank_process(spec: Any, fns: Any, batch_size: int, env: dict[str, str]) -> None:
