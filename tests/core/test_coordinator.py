@@ -215,10 +215,39 @@ def test_a_rank_behind_its_pace_leaves_the_reserve_to_the_others() -> None:
     assert not messages(out, m.AssignChunk)
     assert h.core.planner.quiesced[1]
     h.now = 1.51
-    out = h.train(0, 25)
-    assert messages(out, m.AssignChunk)[-1].size == 8 * 32  # type: ignore[attr-defined]
-    out = h.train(0, 8)
-    assert messages(out, m.SyncNow)
+    out = h.train(0, 16)  # idle: its planned 9 come, and the idle rank 1 is offered the reserve
+    # Rank 0 is due at 1.51 + 9 x 10 = 1.60, so rank 1 ends three held
+    # batches first (1.55, 1.59, 1.63: ties to it); rank 0 asks for the rest.
+    assert [c.size for c in messages(out, m.AssignChunk)] == [9 * 32, 3 * 32]  # type: ignore[attr-defined]
+    assert not h.core.planner.quiesced[1]
+    out = h.train(0, 9)
+    assert [c.size for c in messages(out, m.AssignChunk)] == [5 * 32]  # type: ignore[attr-defined]
+    assert not messages(h.train(0, 5), m.SyncNow)  # the gate waits for rank 1's three
+    assert messages(h.train(1, 3), m.SyncNow)
+
+
+def test_an_idle_rank_is_offered_the_reserve_a_late_rank_would_take() -> None:
+    h = _tail_of_51()
+    h.now = 1.35  # rank 0 frees at 350; rank 1, assigned at 1.0, is due at 1.32
+    out = h.train(0, 35)
+    assert [c.size for c in messages(out, m.AssignChunk)] == [9 * 32, 6 * 32]  # type: ignore[attr-defined]
+    h.now = 1.41
+    out = h.train(0, 6)  # the two left are held for rank 1: due, it ends them at 1.36 and 1.40
+    assert not messages(out, m.AssignChunk)
+    assert h.core.planner.quiesced[0]
+    h.now = 1.60  # rank 1 ran late: its 8 took 600 ms, not 320
+    out = h.train(1, 8)
+    # Rank 0, idle since 1.41, ends both held batches (1.61, 1.62) before
+    # rank 1 could end one (1.64): they go to rank 0, and the gate waits for it.
+    chunks = [
+        (c.rank, c.message.size)
+        for c in out
+        if isinstance(c, Send) and isinstance(c.message, m.AssignChunk)
+    ]
+    assert chunks == [(0, 2 * 32)]
+    assert not messages(out, m.SyncNow)
+    h.now = 1.62
+    assert messages(h.train(0, 2), m.SyncNow)
 
 
 def test_sync_gate_fires_after_one_step_each() -> None:

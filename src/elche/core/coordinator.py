@@ -300,8 +300,21 @@ class Coordinator:
             self._epoch_loss[msg.epoch] = (total + msg.loss, count + 1)
         if self.work.busy_samples(rank) == 0:
             self._dispatch(rank)
+            self._offer_reserve(rank)
         if rank in self._unsatisfied and self.planner.satisfied(rank):
             self._unsatisfied.discard(rank)
+
+    def _offer_reserve(self, asker: int) -> None:
+        """Offer the epoch tail's reserve to the ranks already idle in it.
+
+        A rank given batches holds the averaging gate again until it has
+        trained them.
+        """
+        for rank in self.planner.reserve_takers():
+            if rank != asker:
+                self._dispatch(rank)
+                if not self.planner.satisfied(rank):
+                    self._unsatisfied.add(rank)
 
     def _on_rejected(self, reason: str, rank: int | None) -> None:
         self.rejected_frames += 1

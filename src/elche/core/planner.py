@@ -19,9 +19,12 @@ Rules:
   *reserve* as many batches as list scheduling gives it: each held batch goes
   to whoever would end it soonest, a busy rank being free when its queued
   and planned batches are done at its smoothed pace (counted from its last
-  report). A fixed split cannot follow a step that runs long or short; the
-  reserve is spent by whoever is actually ahead, so the ranks end the epoch
-  closer together.
+  report), a rank already idle in the tail being free now. Whenever a rank
+  turns idle, the ranks idle before it are offered the reserve again: a
+  batch that list scheduling once left to a busy rank goes to an idle one
+  if that busy rank ran late. A fixed split cannot follow a step that runs
+  long or short; the reserve is spent by whoever is actually ahead, so the
+  ranks end the epoch closer together.
 - The averaging gate waits for each rank's window (``cadence``: its budget,
   so the epoch tail is averaged in one round; ``sync``: one step). A rank
   with nothing it may take is *quiesced*: the gate does not wait for it.
@@ -180,25 +183,39 @@ class Planner:
         self.budget[rank] = max(self.budget[rank], steps)
         return self._assign(rank, epoch, span, now_s)
 
+    def reserve_takers(self) -> list[int]:
+        """Ranks idle in the epoch tail while the reserve still holds batches.
+
+        The coordinator offers each of them the reserve (``next_chunk``)
+        whenever another rank turns idle: list scheduling may have left a
+        batch to a rank that has since run late.
+        """
+        if self.tail_plan is None or self.tail_reserve <= 0:
+            return []
+        return [
+            r for r, left in self.tail_plan.items() if left <= 0 and self.work.busy_samples(r) == 0
+        ]
+
     def _reserve_share(self, rank: int, now_s: float) -> int:
         """Reserve batches that list scheduling gives ``rank``, free at ``now_s``.
 
-        Each held batch goes to whoever would end it soonest: ``rank`` now, a
-        busy rank once its queued and planned batches are done (ties:
-        ``rank``). Batches a busy rank would get stay held until it asks.
-        Without a pace for every rank involved, first come is first served:
-        one batch.
+        Each held batch goes to whoever would end it soonest: ``rank`` and
+        every rank idle in the tail now, a busy rank once its queued and
+        planned batches are done (ties: ``rank``). Batches another rank would
+        get stay held until it asks or is offered them. Without a pace for
+        every rank involved, first come is first served: one batch.
         """
         if self.tail_reserve <= 0:
             return 0
         bs = self.config.batch_size
         ms = self.elche.ms_per_batch()
         plan = self.tail_plan or {}
-        free_at = {rank: now_s * 1000.0}
-        for q in range(self.config.world_size):
-            ahead = batches_in(self.work.busy_samples(q), bs) + plan.get(q, 0)
-            if q != rank and ahead > 0:
-                free_at[q] = self._progress_s[q] * 1000.0 + ahead * ms[q]
+        now_ms = now_s * 1000.0
+        free_at = {rank: now_ms}
+        for q in plan:  # the tail's live ranks
+            ahead = batches_in(self.work.busy_samples(q), bs) + plan[q]
+            if q != rank:
+                free_at[q] = self._progress_s[q] * 1000.0 + ahead * ms[q] if ahead > 0 else now_ms
         if any(ms[q] <= 0 for q in free_at):
             return 1
         share = 0
