@@ -303,8 +303,9 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--suite",
         choices=("quick", "full"),
         default="quick",
-        help="quick: digits-cnn on speeds 1,0.5,0.25, 3 repeats (~2.5 min on 2 cores); "
-        "full: 5 workloads x 4 rigs (default quick)",
+        help="quick: digits-cnn (compute-bound) and digits-mlp (communication-bound) on "
+        "speeds 1,0.5,0.25, 3 repeats (~3 min on 2 cores); full: 5 workloads x 4 rigs "
+        "(default quick)",
     )
     bench.add_argument("--out", default=None, help="output dir (default results/bench-<time>)")
     bench.add_argument("--repeats", type=int, default=None, help="override the suite's repeats")

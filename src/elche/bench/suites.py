@@ -66,16 +66,24 @@ class Suite:
         return self.repeats * len(self.workloads) * per_workload
 
 
-# digits-cnn: ~5 ms a step, 45 steps an epoch for one speed-1 rank; it reaches
-# ~0.98 test accuracy within 15 epochs in every system, so eval compares
-# converged models. One repeat: DDP trains ~6 s on [1, 0.5, 0.25], cadence
-# ~2.6 s, and each multi-rank run pays ~2 s (elche's forked ranks) to ~4.5 s
-# (DDP's spawned ranks) of process start-up and teardown: ~48 s. Three
-# interleaved repeats (the median is reported) make the whole invocation
-# ~2.5 minutes on the 2-core machine.
+# The quick suite covers both ends of the spectrum on the rig:
+#
+# - digits-cnn, compute-bound: ~5 ms a step, 45 steps an epoch for one
+#   speed-1 rank; ~0.98 test accuracy within 15 epochs in every system, so eval
+#   compares converged models. DDP trains ~6 s on [1, 0.5, 0.25], cadence
+#   ~2.6 s. With communication free, no system beats 0.429 × DDP here (the
+#   lock-step bound, ``metrics.lockstep_ratio``).
+# - digits-mlp, communication-bound: a ~0.5 ms step, so DDP's all-reduce per
+#   step is most of its wall (~2.2 s against cadence's ~0.7 s), as it is for
+#   a large model across hosts.
+#
+# Each multi-rank run pays ~2 s (elche's forked ranks) to ~4.5 s (DDP's
+# spawned ranks) of process start-up and teardown. Three interleaved repeats
+# (the median is reported) make the whole invocation ~4 minutes on the
+# 2-core machine.
 QUICK = Suite(
     name="quick",
-    workloads=(WorkloadPlan("digits-cnn", epochs=15),),
+    workloads=(WorkloadPlan("digits-cnn", epochs=15), WorkloadPlan("digits-mlp", epochs=20)),
     rigs=((1.0, 0.5, 0.25),),
     repeats=3,
 )
