@@ -77,10 +77,10 @@ class Suite:
 #   step is most of its wall (~2.2 s against cadence's ~0.7 s), as it is for
 #   a large model across hosts.
 #
-# Each multi-rank run pays ~2 s (elche's forked ranks) to ~4.5 s (DDP's
-# spawned ranks) of process start-up and teardown. Three interleaved repeats
-# (the median is reported) make the whole invocation ~4 minutes on the
-# 2-core machine.
+# Each multi-rank run pays ~0.5 s (elche's ranks, forked from a warm fork
+# server) to ~4.5 s (DDP's spawned ranks) of process start-up and teardown.
+# Three interleaved repeats (the median is reported) make the whole
+# invocation ~3 minutes on the 2-core machine.
 QUICK = Suite(
     name="quick",
     workloads=(WorkloadPlan("digits-cnn", epochs=15), WorkloadPlan("digits-mlp", epochs=20)),

@@ -8,12 +8,12 @@ import) and elche's rank code once, and every rank forks from it instead of
 importing them again: a 3-rank run on 2 cores starts in ~0.4 s instead of
 ~2.7 s once the fork server is up (~2.9 s for the first run of a process
 instead of ~4.3). The fork server holds no threads, sockets or CUDA state,
-so forking it is safe. Each rank takes the launcher's environment as it is at launch (a fork
-would otherwise see the fork server's, from the first run in this process);
-settings read while torch imports, such as ``OMP_NUM_THREADS``, come from
-the first run. As with ``spawn``, the user's functions must be importable,
-top-level callables and the script must guard its entry with
-``if __name__ == "__main__":``.
+so forking it is safe. Each rank takes the launcher's environment as it is
+at launch (a fork would otherwise see the fork server's, from the first run
+in this process); settings read while torch imports, such as
+``OMP_NUM_THREADS``, come from the first run. As with ``spawn``, the user's
+functions must be importable, top-level callables and the script must guard
+its entry with ``if __name__ == "__main__":``.
 
 While the run goes on, the launcher follows the coordinator's timeline to
 drive the progress display and the user's ``eval_result_fn``/``metrics_fn``,
