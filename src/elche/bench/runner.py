@@ -19,9 +19,9 @@ made that cell's ratio a measure of the accident. Every record carries the
 value as ``speed_base_s``. Each run becomes one JSON-ready ``Run`` record:
 
 ``workload, system, speeds, repeat, ranks, epochs, batch_size,
-speed_base_s, wall_s, startup_s, total_s, samples, samples_per_s, final_loss, eval, syncs,
-lost_samples, per_epoch[{epoch, t, loss}], per_rank[{rank, speed, samples,
-busy_s}], error``
+speed_base_s, wall_s, startup_s, total_s, samples, samples_per_s,
+final_loss, eval, syncs, lost_samples, per_epoch[{epoch, t, loss}],
+per_rank[{rank, speed, samples, busy_s}], error``
 
 Clocks. ``wall_s`` is each system's own training clock (first batch to the
 end of training: elche's final average, DDP's closing barrier); ``total_s``
@@ -84,9 +84,10 @@ def run_suite(
             order = suite.systems if repeat % 2 == 0 else tuple(reversed(suite.systems))
             for plan in suite.workloads:
                 if plan.name not in splits:
-                    splits[plan.name] = get_workload(plan.name).load_split(suite.seed)
+                    workload = get_workload(plan.name)
+                    splits[plan.name] = workload.load_split(suite.seed)
                     bases[plan.name] = measure_speed_base_s(
-                        get_workload(plan.name), splits[plan.name], plan.batch_size
+                        workload, splits[plan.name], plan.batch_size
                     )
                 jobs = [(SOLO, (1.0,))] + [(s, rig) for rig in suite.rigs for s in order]
                 for system, speeds in jobs:
