@@ -1,15 +1,11 @@
 """The rank worker: trains what the coordinator assigns, averages when told.
 
 Theory of operation. One process per rank, one training thread plus the IO
-bridge (``elche.runtime.bridge``). Between steps the worker drains control
-messages, then does the first thing that applies:
-
-1. a pending averaging request: join the collective (``SyncNow``) or upload
-   a snapshot (``RequestParams``; sync and cadence then hold for ``Update``);
-2. a pending callback (``RunEval``, ``RunCheckpoint``);
-3. nothing, if the step budget since the last average is spent (hold);
-4. the next batch of its current chunk;
-5. otherwise wait for the next message.
+bridge (``elche.runtime.bridge``). The rank's protocol rules live in
+``elche.core.rank``: between steps the worker drains control messages into
+its ``RankProtocol``, asks it for the next action, and does that action's IO
+(a torch step, a collective, a snapshot, a callback, a save), reporting it
+done to the protocol, which says what to send.
 
 A batch is the positions ``[offset, offset + size)`` of the epoch's seeded
 permutation, mapped to dataset indices; every step is reported with
@@ -28,12 +24,11 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 
 import msgspec
 import torch
@@ -41,8 +36,10 @@ import torch.distributed as dist
 from torch import nn
 
 from elche.core import messages as m
-from elche.core.config import Backend, Mode, Policy
+from elche.core import rank as r
+from elche.core.config import Backend, Mode
 from elche.core.dispatch import epoch_permutation
+from elche.core.rank import RankProtocol
 from elche.runtime.averaging import collective_average, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
 from elche.runtime.data import fetch
@@ -102,36 +99,24 @@ class RankSpec:
     stall_at: float | None = None  # testing: hang (no work, no heartbeat) at epoch.fraction
 
 
-@dataclass(slots=True)
-class _Chunk:
-    epoch: int
-    offset: int
-    size: int
-
-
 class Worker:
     """The training loop of one rank (see the module docstring)."""
 
-    def __init__(self, spec: RankSpec, fns: UserFns) -> None:
+    def __init__(self, spec: RankSpec, fns: UserFns, batch_size: int) -> None:
         self.spec = spec
         self.fns = fns
         self.mode = Mode.parse(spec.mode)
+        self.batch_size = batch_size
+        self.proto = RankProtocol(
+            spec.rank, mode=self.mode, batch_size=batch_size, runs_epoch_fn=fns.epoch_fn is not None
+        )
         self.device = torch.device(spec.device)
         self.model = fns.model_fn(self.device)
         self.optimizer = fns.optimizer_fn(self.model.parameters())
-        self.batch_size = 0
-        self.chunks: deque[_Chunk] = deque()
-        self.budget = 1
-        self.window = 0
-        self.steps_since_sync = 0
         self.unreported: list[m.BatchDone] = []
         self.reported_s = time.monotonic()
-        self.pending: m.SyncNow | m.RequestParams | None = None
-        self.callbacks: deque[m.RunEval | m.RunCheckpoint] = deque()
-        self.waiting_update: int | None = None
-        self.snapshot: tuple[Layout, list[memoryview], int] | None = None
-        self.epoch_started = -1
-        self.stopping: str | None = None
+        self._update_payload: Sequence[bytes | memoryview] = ()
+        self.snapshot: tuple[Layout, list[memoryview]] | None = None  # the upload in flight
         self.group: dist.ProcessGroup | None = None
         self.pacer: Pacer | None = None
         self.busy_s = 0.0
@@ -142,7 +127,6 @@ class Worker:
         self.last_loss: float | None = None
         self._perms: dict[int, list[int]] = {}
         self.bridge: Bridge | None = None
-        self.final_writer = False
         self.owns_group = True
 
     # -- setup ---------------------------------------------------------------
@@ -194,11 +178,6 @@ class Worker:
         """A rank died: leave the old group and form a new one with the survivors."""
         if self.mode.backend is not Backend.COLLECTIVE:
             return
-        if self.spec.rank not in members:
-            self.stopping = "evicted: the coordinator declared this rank dead"
-            return
-        if isinstance(self.pending, m.SyncNow):
-            self.pending = None  # that round was abandoned
         if self.group is not None:
             with contextlib.suppress(Exception):  # the old group may be broken
                 dist.destroy_process_group()
@@ -241,25 +220,37 @@ class Worker:
     def run(self) -> str:
         """Train until told to stop; returns why it stopped."""
         assert self.bridge is not None
-        while self.stopping is None:
+        proto = self.proto
+        while True:
             self._drain()
-            if self.stopping is not None:
-                break
-            if self.waiting_update is not None:
-                self._wait()
-            elif self.pending is not None:
-                self._report()
-                self._serve_round()
-            elif self.callbacks:
-                self._report()
-                self._run_callback(self.callbacks.popleft())
-            elif self.steps_since_sync < self.budget and self.chunks:
-                self._train_one()
-                continue
-            else:
-                self._wait()
+            action = proto.next_action()
+            match action:
+                case r.Done(reason=reason):
+                    return reason
+                case r.Train():
+                    self._train_one(action)
+                    continue
+                case r.StartEpoch(epoch=epoch):
+                    self._epoch_fn(epoch)
+                    continue
+                case r.Hold():
+                    self._wait()
+                case r.Save(writer=writer):
+                    self._save(writer)
+                case r.FormGroup(generation=generation, members=members):
+                    self._regroup(generation, list(members))
+                    proto.regrouped()
+                case r.Load():
+                    self._apply_update(action)
+                case r.Average() | r.Upload():
+                    self._report()
+                    self._serve_round(action)
+                case r.Callback(request=request):
+                    self._report()
+                    self._run_callback(request)
+                case _:
+                    assert_never(action)
             self._step_end = None  # the next step does not follow on from the last
-        return self.stopping
 
     def _drain(self) -> None:
         assert self.bridge is not None
@@ -278,30 +269,9 @@ class Worker:
             self._coordinator_lost(item.reason)
             return
         message, payload = item
-        match message:
-            case m.AssignChunk(epoch=epoch, offset=offset, size=size, budget=budget):
-                self.chunks.append(_Chunk(epoch, offset, size))
-                self.budget, self.window = budget, message.window
-            case m.SetBudget(budget=budget, window=window):
-                self.budget, self.window = budget, window
-            case m.SyncNow() | m.RequestParams():
-                self.pending = message
-            case m.Update():
-                self._apply_update(message, payload)
-            case m.RunEval() | m.RunCheckpoint():
-                self.callbacks.append(message)
-            case m.Shutdown(writer=writer):
-                self.stopping = "completed"
-                self.final_writer = writer == self.spec.rank
-            case m.ShutdownWithSave(reason=reason, writer=writer):
-                self._save(writer)
-                self.stopping = f"saved: {reason}"
-            case m.Regroup(generation=generation, members=members):
-                self._regroup(generation, members)
-            case m.SetEpochCallbackRole() | m.EvalBroadcast() | m.EpochDone():
-                pass
-            case m.CoordHeartbeat():
-                pass
+        if isinstance(message, m.Update):
+            self._update_payload = payload
+        self.proto.handle(message)
 
     def _send(self, message: m.RankMessage, payload: Sequence[memoryview | bytes] = ()) -> None:
         assert self.bridge is not None
@@ -324,9 +294,9 @@ class Worker:
     def _loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         return self.fns.step_fn(model, batch)
 
-    def _chaos(self, chunk: _Chunk) -> None:
+    def _chaos(self, batch: r.Train) -> None:
         """Testing hooks: crash or hang once training reaches a point."""
-        at = chunk.epoch + chunk.offset / max(len(self.fns.dataset), 1)
+        at = batch.epoch + batch.offset / max(len(self.fns.dataset), 1)
         if self.spec.crash_at is not None and at >= self.spec.crash_at:
             print(f"elche rank {self.spec.rank}: crashing on purpose at {at:.2f}", file=sys.stderr)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -336,19 +306,14 @@ class Worker:
             self.bridge.freeze()
             threading.Event().wait()  # hangs until the launcher kills the process
 
-    def _train_one(self) -> None:
-        chunk = self.chunks[0]
-        self._chaos(chunk)
-        if chunk.epoch > self.epoch_started:
-            self.epoch_started = chunk.epoch
-            self._epoch_fn(chunk.epoch)
-        bs = self.batch_size
-        size = min(bs, chunk.size)
+    def _train_one(self, action: r.Train) -> None:
+        self._chaos(action)
+        size = action.size
         # Back to back, a step starts where the last one ended: the loop's own
         # cost (messages, reports) is part of this rank's step rate, which is
         # what the balancer must see to size windows that end together.
         started = self._step_end if self._step_end is not None else time.perf_counter()
-        batch = self.batch_at(chunk.epoch, chunk.offset, size)
+        batch = self.batch_at(action.epoch, action.offset, size)
         loaded = time.perf_counter()
         loss = self._loss(self.model, batch)
         self.optimizer.zero_grad(set_to_none=True)
@@ -364,26 +329,16 @@ class Worker:
         self.busy_s += done - started
         self.step_s += done - started
         self.samples += size
-        self.steps_since_sync += 1
         assert self.bridge is not None
         self.bridge.step += 1
         self.unreported.append(
-            m.BatchDone(
-                epoch=chunk.epoch,
-                offset=chunk.offset,
-                size=size,
+            self.proto.trained(
                 batch_ms=(done - loaded) * 1000.0,
                 data_ms=(loaded - started) * 1000.0,
                 loss=value if math.isfinite(value) else None,
             )
         )
-        chunk.offset += size
-        chunk.size -= size
-        if chunk.size == 0:
-            self.chunks.popleft()
-        steps = self.steps_since_sync
-        due = time.monotonic() - self.reported_s >= REPORT_EVERY_S
-        if due or steps in (self.window, self.budget) or not self.chunks:
+        if self.proto.report_due or time.monotonic() - self.reported_s >= REPORT_EVERY_S:
             self._report()
 
     def _report(self) -> None:
@@ -395,75 +350,57 @@ class Worker:
         self._send(items[0] if len(items) == 1 else m.Batches(items=items))
 
     def _epoch_fn(self, epoch: int) -> None:
-        if self.fns.epoch_fn is None:
-            return
+        assert self.fns.epoch_fn is not None  # the protocol asks only when there is one
         started = time.perf_counter()
         self.fns.epoch_fn(epoch, self.model, self.optimizer)
         elapsed_ms = (time.perf_counter() - started) * 1000.0
-        self._send(m.EpochFnElapsed(epoch=epoch, elapsed_ms=elapsed_ms))
         lr = self.optimizer.param_groups[0].get("lr")
-        if isinstance(lr, float):
-            self._send(m.LrUpdate(lr=lr))
+        for message in self.proto.started_epoch(
+            elapsed_ms=elapsed_ms, lr=lr if isinstance(lr, float) else None
+        ):
+            self._send(message)
 
     # -- averaging -------------------------------------------------------------
 
-    def _serve_round(self) -> None:
-        request = self.pending
-        self.pending = None
-        steps = self.steps_since_sync
-        if isinstance(request, m.SyncNow) and self.group is None:
-            self._send(m.SyncAck(cycle=request.cycle, steps=steps))  # a world of one
-            self.steps_since_sync -= steps
+    def _serve_round(self, action: r.Average | r.Upload) -> None:
+        if isinstance(action, r.Upload):
+            layout, frames = snapshot_frames(self.model)
+            self.snapshot = (layout, frames)
+            self._send(self.proto.uploaded(), [msgspec.msgpack.encode(layout), *frames])
             return
-        if isinstance(request, m.SyncNow):
-            started = time.perf_counter()
-            try:
-                div, pre, post = collective_average(
-                    self.model, steps, gamma=self.spec.gamma, group=self.group
-                )
-            except RuntimeError as exc:
-                # A peer vanished mid-collective. The model is unchanged; the
-                # coordinator will abandon the round and send Regroup.
-                print(f"elche rank {self.spec.rank}: collective failed: {exc}", file=sys.stderr)
-                return
-            self.busy_s += time.perf_counter() - started
-            self.steps_since_sync -= steps
-            self._send(
-                m.SyncAck(
-                    cycle=request.cycle, steps=steps, divergence=div, pre_norm=pre, post_norm=post
-                )
+        if self.group is None:  # a world of one
+            self._send(self.proto.averaged())
+            return
+        started = time.perf_counter()
+        try:
+            div, pre, post = collective_average(
+                self.model, action.steps, gamma=self.spec.gamma, group=self.group
             )
+        except RuntimeError as exc:
+            # A peer vanished mid-collective. The model is unchanged; the
+            # coordinator will abandon the round and send Regroup.
+            print(f"elche rank {self.spec.rank}: collective failed: {exc}", file=sys.stderr)
+            self.proto.average_failed()
             return
-        assert request is not None
-        layout, frames = snapshot_frames(self.model)
-        self.snapshot = (layout, frames, steps)
-        self._send(
-            m.SnapshotReady(cycle=request.cycle, steps=steps),
-            [msgspec.msgpack.encode(layout), *frames],
-        )
-        if self.mode.policy is not Policy.ASYNC:
-            self.waiting_update = request.cycle
+        self.busy_s += time.perf_counter() - started
+        self._send(self.proto.averaged(divergence=div, pre_norm=pre, post_norm=post))
 
-    def _apply_update(self, update: m.Update, payload: Sequence[bytes | memoryview]) -> None:
-        snapshot = self.snapshot
-        self.snapshot = None
-        self.waiting_update = None
-        steps = snapshot[2] if snapshot is not None else 0
+    def _apply_update(self, action: r.Load) -> None:
+        snapshot, self.snapshot = self.snapshot, None
+        payload, self._update_payload = self._update_payload, ()
         div: float | None = None
         pre = post = None
         if payload and snapshot is not None:
             layout = msgspec.msgpack.decode(bytes(payload[0]), type=Layout)
             div, pre, post = load_average(
-                self.model, list(payload[1:]), layout, alpha=update.alpha, sent=snapshot[1]
+                self.model, list(payload[1:]), layout, alpha=action.alpha, sent=snapshot[1]
             )
-        self.steps_since_sync -= steps
-        self._send(
-            m.SyncAck(cycle=update.cycle, steps=steps, divergence=div, pre_norm=pre, post_norm=post)
-        )
+        self._send(self.proto.loaded(divergence=div, pre_norm=pre, post_norm=post))
 
     # -- callbacks and saving -----------------------------------------------------
 
     def _run_callback(self, request: m.RunEval | m.RunCheckpoint) -> None:
+        """Run the user's eval or checkpoint; a failure is reported, not raised."""
         started = time.perf_counter()
         error: str | None = None
         metric = math.nan
@@ -485,13 +422,9 @@ class Worker:
             error = f"{type(exc).__name__}: {exc}"
         elapsed_ms = (time.perf_counter() - started) * 1000.0
         if isinstance(request, m.RunEval):
-            self._send(
-                m.EvalResult(epoch=request.epoch, metric=metric, elapsed_ms=elapsed_ms, error=error)
-            )
+            self._send(self.proto.evaluated(metric=metric, elapsed_ms=elapsed_ms, error=error))
         else:
-            self._send(
-                m.CheckpointResult(version=request.version, elapsed_ms=elapsed_ms, error=error)
-            )
+            self._send(self.proto.checkpointed(elapsed_ms=elapsed_ms, error=error))
 
     def _coordinator_lost(self, reason: str) -> None:
         """No coordinator: keep this rank's work on disk, then stop cleanly."""
@@ -507,20 +440,18 @@ class Worker:
             file=sys.stderr,
             flush=True,
         )
-        self.stopping = f"coordinator lost: {reason}"
+        self.proto.coordinator_lost(reason)
 
-    def _save(self, writer: int) -> None:
+    def _save(self, writer: bool) -> None:
         self._report()  # the coordinator books the writer's batches before its save
         error: str | None = None
         path: str | None = None
         if self.spec.save_path is not None:
             try:
-                path = self._write_bundle(
-                    self.spec.save_path, optimizer=True, model=self.spec.rank == writer
-                )
+                path = self._write_bundle(self.spec.save_path, optimizer=True, model=writer)
             except OSError as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        self._send(m.StateSaved(path=path, error=error))
+        self._send(self.proto.saved(path=path, error=error))
 
     def _write_bundle(self, stem: str, *, optimizer: bool, model: bool = True) -> str:
         base = Path(stem)
@@ -542,7 +473,7 @@ class Worker:
             "busy_s": round(self.busy_s, 4),
             "step_s": round(self.step_s, 4),
             "idle_s": round(max(wall - self.busy_s, 0.0), 4),
-            "stopped": self.stopping,
+            "stopped": self.proto.stop_reason,
         }
 
 
@@ -574,8 +505,7 @@ def train_rank(
     """Train one rank to the end; returns its report and its final model state."""
     torch.set_num_threads(max(1, spec.threads))
     torch.manual_seed(spec.seed + spec.rank)
-    worker = Worker(spec, fns)
-    worker.batch_size = batch_size
+    worker = Worker(spec, fns, batch_size)
     if spec.resume_from is not None:
         _load_bundle(worker, spec.resume_from)
     worker.join_group()  # collective modes: the rendezvous, so every peer has started
@@ -584,7 +514,7 @@ def train_rank(
     worker.connect()
     try:
         stopped = worker.run()
-        if stopped == "completed" and worker.final_writer:
+        if stopped == "completed" and worker.proto.final_writer:
             _save_atomic(worker.model.state_dict(), Path(spec.run_dir) / "final_model.pt")
     finally:
         assert worker.bridge is not None

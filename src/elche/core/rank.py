@@ -1,0 +1,477 @@
+"""The rank's side of the control protocol, as a sans-IO state machine.
+
+Every driver of a rank runs these rules: the real worker
+(``elche.runtime.worker``), the simulator's ranks (``elche.sim.engine``) and
+the test fake (``elche.testing.fake_rank``). Each keeps only its own IO:
+torch and pacing, virtual time and ground truth, scripted test behaviour.
+So what the simulator proves about ranks is what real ranks do.
+
+Rules:
+
+- ``AssignChunk`` queues a chunk and sets the budget and the window;
+  ``SetBudget`` sets them. A rank trains its chunks front to back, one batch
+  of at most ``batch_size`` samples at a time, while its steps since the last
+  average are below the budget; then it holds.
+- ``SyncNow`` (collective) and ``RequestParams`` (coordinator backend) make
+  an averaging round pending; a newer request replaces an older one. The
+  rank serves it before anything else it would do next.
+- After uploading a snapshot, a rank of a holding policy (``sync``,
+  ``cadence``) waits for the round's ``Update``; an ``async`` rank trains on.
+  An ``Update`` for any round but the one uploaded is stale: counted, ignored.
+- ``RunEval`` and ``RunCheckpoint`` queue callbacks, run in arrival order
+  after a pending round and before training.
+- With ``epoch_fn``, a rank runs it once before its first batch of each
+  epoch it has not started yet.
+- ``Regroup`` abandons a pending collective of the old group and re-forms
+  the group; a rank not among its members was declared dead and stops.
+- ``Shutdown`` stops the rank; ``ShutdownWithSave`` makes it save its state
+  first and answer ``StateSaved``. Once stopped, the rank ignores messages.
+
+Theory of operation. A driver loops: feed each message it received to
+``handle``, ask ``next_action`` what to do, do that action's IO, and report
+it done with the action's completion method (``trained``, ``averaged``,
+``uploaded``, ``loaded``, ``evaluated``, ``checkpointed``,
+``started_epoch``, ``regrouped``, ``saved``), which returns the message to
+send. ``next_action`` only looks: asking twice gives the same answer, and a
+driver whose action takes time (the simulator's) keeps asking nothing until
+it completes. Priority, first match wins::
+
+    Done > Save > FormGroup > Load > Hold(waiting for Update)
+         > Average | Upload > Callback > StartEpoch > Train > Hold
+
+A completion that does not match the current action raises
+``LocalProtocolError`` (a driver bug) and leaves the state unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+from typing import TypeVar, assert_never
+
+from elche.core import messages as m
+from elche.core.config import Mode, Policy
+from elche.core.errors import LocalProtocolError
+from elche.core.work import Chunk
+
+__all__ = [
+    "Average",
+    "Callback",
+    "Done",
+    "FormGroup",
+    "Hold",
+    "Load",
+    "RankAction",
+    "RankProtocol",
+    "RankStage",
+    "Save",
+    "StartEpoch",
+    "Train",
+    "Upload",
+]
+
+
+class RankStage(enum.Enum):
+    """Where a rank is in its run (forward only, except the update wait)."""
+
+    TRAINING = "training"  # the normal state: train, hold, average, run callbacks
+    WAITING_UPDATE = "waiting_update"  # uploaded a snapshot, holds for the Update
+    SAVING = "saving"  # told to save and stop
+    DONE = "done"
+
+
+# -- actions: what the rank does next ------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Train:
+    """Train positions ``[offset, offset + size)`` of ``epoch``, then ``trained``."""
+
+    epoch: int
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartEpoch:
+    """Run ``epoch_fn`` for ``epoch``, then ``started_epoch``."""
+
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Average:
+    """Join the collective of round ``round`` with ``steps``, then ``averaged``."""
+
+    round: int
+    generation: int
+    steps: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Upload:
+    """Upload a snapshot for round ``round`` (``steps`` in it), then ``uploaded``."""
+
+    round: int
+    steps: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Load:
+    """Load round ``round``'s average (blend by ``alpha``; None: overwrite), then ``loaded``."""
+
+    round: int
+    alpha: float | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Callback:
+    """Run the user's callback, then ``evaluated`` or ``checkpointed``."""
+
+    request: m.RunEval | m.RunCheckpoint
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FormGroup:
+    """Leave the old collective group and form ``generation``, then ``regrouped``."""
+
+    generation: int
+    members: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Save:
+    """Write this rank's state (the model too if ``writer``), then ``saved``."""
+
+    reason: str
+    writer: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hold:
+    """Nothing to do: wait for the next message."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Done:
+    """The rank has stopped; ``reason`` says why."""
+
+    reason: str
+
+
+RankAction = (
+    Train | StartEpoch | Average | Upload | Load | Callback | FormGroup | Save | Hold | Done
+)
+
+_A = TypeVar("_A", Train, StartEpoch, Average, Upload, Load, Callback, FormGroup, Save)
+_HOLD = Hold()
+
+
+class RankProtocol:
+    """One rank's protocol state (see the module docstring).
+
+    Args:
+        rank: this rank.
+        mode: the run's mode; its policy decides whether an upload holds.
+        batch_size: samples per step (the last batch of a chunk may be short).
+        runs_epoch_fn: the rank has an ``epoch_fn`` to run at each epoch start.
+
+    Raises:
+        ValueError: ``batch_size`` below 1.
+    """
+
+    def __init__(
+        self, rank: int, *, mode: Mode, batch_size: int, runs_epoch_fn: bool = False
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.rank = rank
+        self.mode = mode
+        self.batch_size = batch_size
+        self.runs_epoch_fn = runs_epoch_fn
+        self.stage = RankStage.TRAINING
+        self.stop_reason: str | None = None
+        self.chunks: deque[Chunk] = deque()
+        self.budget = 0  # no training before the first AssignChunk
+        self.window = 0  # steps that complete the window (0: the budget does)
+        self.steps_since_sync = 0
+        self.epoch_started = -1  # the last epoch whose epoch_fn ran
+        self.final_writer = False  # Shutdown named this rank to write the final model
+        self.num_stale = 0  # messages ignored as stale
+        self._request: m.SyncNow | m.RequestParams | None = None
+        self._callbacks: deque[m.RunEval | m.RunCheckpoint] = deque()
+        self._uploaded: tuple[int, int] | None = None  # (round, steps) of the snapshot out
+        self._update: m.Update | None = None
+        self._regroup: m.Regroup | None = None
+        self._save: m.ShutdownWithSave | None = None
+
+    # -- inbound -------------------------------------------------------------
+
+    def handle(self, message: m.CoordMessage) -> None:
+        """Take one message from the coordinator.
+
+        Raises nothing: every message is legal in every state (a stale one is
+        counted in ``num_stale`` and ignored); after ``Done`` all are ignored.
+        """
+        if self.stage is RankStage.DONE or self.stage is RankStage.SAVING:
+            return
+        match message:
+            case m.AssignChunk(epoch=epoch, offset=offset, size=size):
+                self.chunks.append(Chunk(epoch=epoch, offset=offset, size=size, cursor=offset))
+                self.budget, self.window = message.budget, message.window
+            case m.SetBudget(budget=budget, window=window):
+                self.budget, self.window = budget, window
+            case m.SyncNow() | m.RequestParams():
+                self._request = message
+            case m.Update(cycle=cycle):
+                if self._uploaded is None or self._uploaded[0] != cycle:
+                    self.num_stale += 1
+                else:
+                    self._update = message
+            case m.RunEval() | m.RunCheckpoint():
+                self._callbacks.append(message)
+            case m.Regroup(members=members):
+                self._on_regroup(message, members)
+            case m.Shutdown(writer=writer):
+                self.final_writer = writer == self.rank
+                self._stop("completed")
+            case m.ShutdownWithSave():
+                self._save = message
+                self.stage = RankStage.SAVING
+            case m.SetEpochCallbackRole() | m.EvalBroadcast() | m.EpochDone():
+                pass
+            case m.CoordHeartbeat():
+                pass
+            case _:
+                assert_never(message)
+
+    def _on_regroup(self, message: m.Regroup, members: list[int]) -> None:
+        if self.rank not in members:
+            self._stop("evicted: the coordinator declared this rank dead")
+            return
+        if isinstance(self._request, m.SyncNow):
+            self._request = None  # that round was abandoned with the old group
+        self._regroup = message
+
+    def coordinator_lost(self, reason: str) -> None:
+        """The driver lost the coordinator: the rank stops (after its own save)."""
+        self._stop(f"coordinator lost: {reason}")
+
+    def _stop(self, reason: str) -> None:
+        self.stage = RankStage.DONE
+        self.stop_reason = reason
+
+    # -- what next -------------------------------------------------------------
+
+    def next_action(self) -> RankAction:
+        """The first thing that applies, in the priority of the module docstring.
+
+        Pure: the state does not change until the action's completion is called.
+        """
+        if self.stage is RankStage.DONE:
+            assert self.stop_reason is not None
+            return Done(reason=self.stop_reason)
+        if self._save is not None:
+            return Save(reason=self._save.reason, writer=self._save.writer == self.rank)
+        if self._regroup is not None:
+            regroup = self._regroup
+            return FormGroup(generation=regroup.generation, members=tuple(regroup.members))
+        if self._update is not None:
+            return Load(round=self._update.cycle, alpha=self._update.alpha)
+        if self.stage is RankStage.WAITING_UPDATE:
+            return _HOLD
+        if self._request is not None:
+            return self._serve(self._request)
+        if self._callbacks:
+            return Callback(request=self._callbacks[0])
+        if self.steps_since_sync >= self.budget or not self.chunks:
+            return _HOLD
+        chunk = self.chunks[0]
+        if self.runs_epoch_fn and chunk.epoch > self.epoch_started:
+            return StartEpoch(epoch=chunk.epoch)
+        return Train(epoch=chunk.epoch, offset=chunk.cursor, size=min(self.batch_size, chunk.left))
+
+    def _serve(self, request: m.SyncNow | m.RequestParams) -> Average | Upload:
+        if isinstance(request, m.SyncNow):
+            return Average(
+                round=request.cycle, generation=request.generation, steps=self.steps_since_sync
+            )
+        return Upload(round=request.cycle, steps=self.steps_since_sync)
+
+    @property
+    def report_due(self) -> bool:
+        """The rank's steps just completed its window or budget, or it ran out of work."""
+        steps = self.steps_since_sync
+        return steps in (self.window, self.budget) or not self.chunks
+
+    # -- completions -------------------------------------------------------------
+
+    def _expect(self, kind: type[_A]) -> _A:
+        action = self.next_action()
+        if not isinstance(action, kind):
+            raise LocalProtocolError(
+                f"rank {self.rank}: {kind.__name__} completed, but the next action is {action!r}"
+            )
+        return action
+
+    def trained(self, *, batch_ms: float, data_ms: float, loss: float | None) -> m.BatchDone:
+        """The ``Train`` action's batch is done; returns its report.
+
+        Raises:
+            LocalProtocolError: the next action is not ``Train``.
+        """
+        action = self._expect(Train)
+        chunk = self.chunks[0]
+        chunk.cursor += action.size
+        if chunk.left == 0:
+            self.chunks.popleft()
+        self.steps_since_sync += 1
+        return m.BatchDone(
+            epoch=action.epoch,
+            offset=action.offset,
+            size=action.size,
+            batch_ms=batch_ms,
+            data_ms=data_ms,
+            loss=loss,
+        )
+
+    def started_epoch(self, *, elapsed_ms: float, lr: float | None) -> list[m.RankMessage]:
+        """``epoch_fn`` ran; returns its cost report and, if known, the learning rate.
+
+        Raises:
+            LocalProtocolError: the next action is not ``StartEpoch``.
+        """
+        action = self._expect(StartEpoch)
+        self.epoch_started = action.epoch
+        out: list[m.RankMessage] = [m.EpochFnElapsed(epoch=action.epoch, elapsed_ms=elapsed_ms)]
+        if lr is not None:
+            out.append(m.LrUpdate(lr=lr))
+        return out
+
+    def averaged(
+        self,
+        *,
+        divergence: float | None = None,
+        pre_norm: float | None = None,
+        post_norm: float | None = None,
+    ) -> m.SyncAck:
+        """The collective of the ``Average`` action completed; returns the ack.
+
+        Raises:
+            LocalProtocolError: the next action is not ``Average``.
+        """
+        action = self._expect(Average)
+        self._request = None
+        self.steps_since_sync -= action.steps
+        return m.SyncAck(
+            cycle=action.round,
+            steps=action.steps,
+            divergence=divergence,
+            pre_norm=pre_norm,
+            post_norm=post_norm,
+        )
+
+    def average_failed(self) -> None:
+        """The collective broke (a peer vanished): drop the round, keep the steps.
+
+        The coordinator abandons the round and sends ``Regroup``.
+
+        Raises:
+            LocalProtocolError: the next action is not ``Average``.
+        """
+        self._expect(Average)
+        self._request = None
+
+    def uploaded(self) -> m.SnapshotReady:
+        """The ``Upload`` action's snapshot is taken; returns its announcement.
+
+        A holding policy now waits for the round's ``Update``.
+
+        Raises:
+            LocalProtocolError: the next action is not ``Upload``.
+        """
+        action = self._expect(Upload)
+        self._request = None
+        self._uploaded = (action.round, action.steps)
+        if self.mode.policy is not Policy.ASYNC:
+            self.stage = RankStage.WAITING_UPDATE
+        return m.SnapshotReady(cycle=action.round, steps=action.steps)
+
+    def loaded(
+        self,
+        *,
+        divergence: float | None = None,
+        pre_norm: float | None = None,
+        post_norm: float | None = None,
+    ) -> m.SyncAck:
+        """The ``Load`` action's average is in the model; returns the ack.
+
+        Raises:
+            LocalProtocolError: the next action is not ``Load``.
+        """
+        action = self._expect(Load)
+        assert self._uploaded is not None  # a Load needs an upload
+        steps = self._uploaded[1]
+        self._update = None
+        self._uploaded = None
+        self.steps_since_sync -= steps
+        self.stage = RankStage.TRAINING
+        return m.SyncAck(
+            cycle=action.round,
+            steps=steps,
+            divergence=divergence,
+            pre_norm=pre_norm,
+            post_norm=post_norm,
+        )
+
+    def evaluated(self, *, metric: float, elapsed_ms: float, error: str | None) -> m.EvalResult:
+        """The ``RunEval`` callback ran; returns its result.
+
+        Raises:
+            LocalProtocolError: the next action is not an eval callback.
+        """
+        request = self._callback_done(m.RunEval)
+        assert isinstance(request, m.RunEval)
+        return m.EvalResult(epoch=request.epoch, metric=metric, elapsed_ms=elapsed_ms, error=error)
+
+    def checkpointed(self, *, elapsed_ms: float, error: str | None) -> m.CheckpointResult:
+        """The ``RunCheckpoint`` callback ran; returns its result.
+
+        Raises:
+            LocalProtocolError: the next action is not a checkpoint callback.
+        """
+        request = self._callback_done(m.RunCheckpoint)
+        assert isinstance(request, m.RunCheckpoint)
+        return m.CheckpointResult(version=request.version, elapsed_ms=elapsed_ms, error=error)
+
+    def _callback_done(
+        self, kind: type[m.RunEval] | type[m.RunCheckpoint]
+    ) -> m.RunEval | m.RunCheckpoint:
+        action = self._expect(Callback)
+        if not isinstance(action.request, kind):
+            raise LocalProtocolError(
+                f"rank {self.rank}: {kind.__name__} completed, "
+                f"but the callback is {action.request!r}"
+            )
+        return self._callbacks.popleft()
+
+    def regrouped(self) -> None:
+        """The ``FormGroup`` action's group is formed (or left, for a world of one).
+
+        Raises:
+            LocalProtocolError: the next action is not ``FormGroup``.
+        """
+        self._expect(FormGroup)
+        self._regroup = None
+
+    def saved(self, *, path: str | None, error: str | None = None) -> m.StateSaved:
+        """The ``Save`` action is done (or failed); the rank stops.
+
+        Raises:
+            LocalProtocolError: the next action is not ``Save``.
+        """
+        action = self._expect(Save)
+        self._save = None
+        self._stop(f"saved: {action.reason}")
+        return m.StateSaved(path=path, error=error)
