@@ -33,14 +33,16 @@ it done with the action's completion method (``trained``, ``averaged``,
 ``uploaded``, ``loaded``, ``evaluated``, ``checkpointed``,
 ``started_epoch``, ``regrouped``, ``saved``), which returns the message to
 send. ``next_action`` only looks: asking twice gives the same answer, and a
-driver whose action takes time (the simulator's) keeps asking nothing until
-it completes. Priority, first match wins::
+driver whose action takes time (the simulator's) asks nothing until it
+completes, while messages may still arrive. Priority, first match wins::
 
     Done > Save > FormGroup > Load > Hold(waiting for Update)
          > Average | Upload > Callback > StartEpoch > Train > Hold
 
-A completion that does not match the current action raises
-``LocalProtocolError`` (a driver bug) and leaves the state unchanged.
+A completion whose precondition does not hold (``averaged`` with no
+collective pending, ``trained`` for a batch that is not the front chunk's
+next) raises ``LocalProtocolError`` (a driver bug) and leaves the state
+unchanged.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass
-from typing import TypeVar, assert_never
+from typing import assert_never
 
 from elche.core import messages as m
 from elche.core.config import Mode, Policy
@@ -119,10 +121,14 @@ class Upload:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Load:
-    """Load round ``round``'s average (blend by ``alpha``; None: overwrite), then ``loaded``."""
+    """Load round ``round``'s average (blend by ``alpha``; None: overwrite), then ``loaded``.
+
+    ``steps`` went into the snapshot this average replaces.
+    """
 
     round: int
     alpha: float | None
+    steps: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,7 +170,6 @@ RankAction = (
     Train | StartEpoch | Average | Upload | Load | Callback | FormGroup | Save | Hold | Done
 )
 
-_A = TypeVar("_A", Train, StartEpoch, Average, Upload, Load, Callback, FormGroup, Save)
 _HOLD = Hold()
 
 
@@ -278,7 +283,8 @@ class RankProtocol:
             regroup = self._regroup
             return FormGroup(generation=regroup.generation, members=tuple(regroup.members))
         if self._update is not None:
-            return Load(round=self._update.cycle, alpha=self._update.alpha)
+            assert self._uploaded is not None  # only the uploaded round's Update is kept
+            return Load(round=self._update.cycle, alpha=self._update.alpha, steps=self._uploaded[1])
         if self.stage is RankStage.WAITING_UPDATE:
             return _HOLD
         if self._request is not None:
@@ -307,22 +313,28 @@ class RankProtocol:
 
     # -- completions -------------------------------------------------------------
 
-    def _expect(self, kind: type[_A]) -> _A:
-        action = self.next_action()
-        if not isinstance(action, kind):
-            raise LocalProtocolError(
-                f"rank {self.rank}: {kind.__name__} completed, but the next action is {action!r}"
-            )
-        return action
+    def _illegal(self, completion: str, why: str) -> LocalProtocolError:
+        return LocalProtocolError(f"rank {self.rank}: {completion}() but {why}")
 
-    def trained(self, *, batch_ms: float, data_ms: float, loss: float | None) -> m.BatchDone:
-        """The ``Train`` action's batch is done; returns its report.
+    def trained(
+        self, action: Train, *, batch_ms: float, data_ms: float, loss: float | None
+    ) -> m.BatchDone:
+        """The ``action``'s batch is done; returns its report.
+
+        Legal while saving too: a step in flight when ``ShutdownWithSave``
+        came is reported before the save.
 
         Raises:
-            LocalProtocolError: the next action is not ``Train``.
+            LocalProtocolError: ``action`` is not the front chunk's next batch.
         """
-        action = self._expect(Train)
-        chunk = self.chunks[0]
+        chunk = self.chunks[0] if self.chunks else None
+        if (
+            self.stage not in (RankStage.TRAINING, RankStage.SAVING)
+            or chunk is None
+            or (chunk.epoch, chunk.cursor) != (action.epoch, action.offset)
+            or not 0 < action.size <= chunk.left
+        ):
+            raise self._illegal("trained", f"{action!r} is not the next batch ({chunk!r})")
         chunk.cursor += action.size
         if chunk.left == 0:
             self.chunks.popleft()
@@ -340,14 +352,20 @@ class RankProtocol:
         """``epoch_fn`` ran; returns its cost report and, if known, the learning rate.
 
         Raises:
-            LocalProtocolError: the next action is not ``StartEpoch``.
+            LocalProtocolError: no epoch is waiting for its ``epoch_fn``.
         """
-        action = self._expect(StartEpoch)
-        self.epoch_started = action.epoch
-        out: list[m.RankMessage] = [m.EpochFnElapsed(epoch=action.epoch, elapsed_ms=elapsed_ms)]
+        if not (self.runs_epoch_fn and self.chunks and self.chunks[0].epoch > self.epoch_started):
+            raise self._illegal("started_epoch", "no epoch is starting")
+        epoch = self.epoch_started = self.chunks[0].epoch
+        out: list[m.RankMessage] = [m.EpochFnElapsed(epoch=epoch, elapsed_ms=elapsed_ms)]
         if lr is not None:
             out.append(m.LrUpdate(lr=lr))
         return out
+
+    def _collective(self, completion: str) -> m.SyncNow:
+        if not isinstance(self._request, m.SyncNow):
+            raise self._illegal(completion, "no collective round is pending")
+        return self._request
 
     def averaged(
         self,
@@ -356,17 +374,21 @@ class RankProtocol:
         pre_norm: float | None = None,
         post_norm: float | None = None,
     ) -> m.SyncAck:
-        """The collective of the ``Average`` action completed; returns the ack.
+        """The pending collective completed with every step since the last one.
+
+        Returns:
+            The acknowledgement to send.
 
         Raises:
-            LocalProtocolError: the next action is not ``Average``.
+            LocalProtocolError: no collective round is pending.
         """
-        action = self._expect(Average)
+        request = self._collective("averaged")
+        steps = self.steps_since_sync
         self._request = None
-        self.steps_since_sync -= action.steps
+        self.steps_since_sync = 0
         return m.SyncAck(
-            cycle=action.round,
-            steps=action.steps,
+            cycle=request.cycle,
+            steps=steps,
             divergence=divergence,
             pre_norm=pre_norm,
             post_norm=post_norm,
@@ -378,25 +400,30 @@ class RankProtocol:
         The coordinator abandons the round and sends ``Regroup``.
 
         Raises:
-            LocalProtocolError: the next action is not ``Average``.
+            LocalProtocolError: no collective round is pending.
         """
-        self._expect(Average)
+        self._collective("average_failed")
         self._request = None
 
     def uploaded(self) -> m.SnapshotReady:
-        """The ``Upload`` action's snapshot is taken; returns its announcement.
+        """The snapshot the pending ``RequestParams`` asked for is taken.
 
         A holding policy now waits for the round's ``Update``.
 
+        Returns:
+            The announcement to send with the snapshot.
+
         Raises:
-            LocalProtocolError: the next action is not ``Upload``.
+            LocalProtocolError: no snapshot is requested.
         """
-        action = self._expect(Upload)
+        request = self._request
+        if not isinstance(request, m.RequestParams):
+            raise self._illegal("uploaded", "no snapshot is requested")
         self._request = None
-        self._uploaded = (action.round, action.steps)
+        self._uploaded = (request.cycle, self.steps_since_sync)
         if self.mode.policy is not Policy.ASYNC:
             self.stage = RankStage.WAITING_UPDATE
-        return m.SnapshotReady(cycle=action.round, steps=action.steps)
+        return m.SnapshotReady(cycle=request.cycle, steps=self.steps_since_sync)
 
     def loaded(
         self,
@@ -405,21 +432,24 @@ class RankProtocol:
         pre_norm: float | None = None,
         post_norm: float | None = None,
     ) -> m.SyncAck:
-        """The ``Load`` action's average is in the model; returns the ack.
+        """The ``Update``'s average is in the model; its snapshot's steps are averaged.
+
+        Returns:
+            The acknowledgement to send.
 
         Raises:
-            LocalProtocolError: the next action is not ``Load``.
+            LocalProtocolError: no ``Update`` is waiting.
         """
-        action = self._expect(Load)
-        assert self._uploaded is not None  # a Load needs an upload
-        steps = self._uploaded[1]
-        self._update = None
-        self._uploaded = None
-        self.steps_since_sync -= steps
-        self.stage = RankStage.TRAINING
+        update, uploaded = self._update, self._uploaded
+        if update is None or uploaded is None:
+            raise self._illegal("loaded", "no Update is waiting")
+        self._update = self._uploaded = None
+        self.steps_since_sync -= uploaded[1]
+        if self.stage is RankStage.WAITING_UPDATE:
+            self.stage = RankStage.TRAINING
         return m.SyncAck(
-            cycle=action.round,
-            steps=steps,
+            cycle=update.cycle,
+            steps=uploaded[1],
             divergence=divergence,
             pre_norm=pre_norm,
             post_norm=post_norm,
@@ -429,49 +459,52 @@ class RankProtocol:
         """The ``RunEval`` callback ran; returns its result.
 
         Raises:
-            LocalProtocolError: the next action is not an eval callback.
+            LocalProtocolError: the front callback is not an eval.
         """
-        request = self._callback_done(m.RunEval)
-        assert isinstance(request, m.RunEval)
+        request = self._callback_done("evaluated")
+        if not isinstance(request, m.RunEval):
+            raise self._illegal("evaluated", f"the front callback is {request!r}")
+        self._callbacks.popleft()
         return m.EvalResult(epoch=request.epoch, metric=metric, elapsed_ms=elapsed_ms, error=error)
 
     def checkpointed(self, *, elapsed_ms: float, error: str | None) -> m.CheckpointResult:
         """The ``RunCheckpoint`` callback ran; returns its result.
 
         Raises:
-            LocalProtocolError: the next action is not a checkpoint callback.
+            LocalProtocolError: the front callback is not a checkpoint.
         """
-        request = self._callback_done(m.RunCheckpoint)
-        assert isinstance(request, m.RunCheckpoint)
+        request = self._callback_done("checkpointed")
+        if not isinstance(request, m.RunCheckpoint):
+            raise self._illegal("checkpointed", f"the front callback is {request!r}")
+        self._callbacks.popleft()
         return m.CheckpointResult(version=request.version, elapsed_ms=elapsed_ms, error=error)
 
-    def _callback_done(
-        self, kind: type[m.RunEval] | type[m.RunCheckpoint]
-    ) -> m.RunEval | m.RunCheckpoint:
-        action = self._expect(Callback)
-        if not isinstance(action.request, kind):
-            raise LocalProtocolError(
-                f"rank {self.rank}: {kind.__name__} completed, "
-                f"but the callback is {action.request!r}"
-            )
-        return self._callbacks.popleft()
+    def _callback_done(self, completion: str) -> m.RunEval | m.RunCheckpoint:
+        if not self._callbacks:
+            raise self._illegal(completion, "no callback is queued")
+        return self._callbacks[0]
 
     def regrouped(self) -> None:
-        """The ``FormGroup`` action's group is formed (or left, for a world of one).
+        """The group of the last ``Regroup`` is formed (or left, for a world of one).
 
         Raises:
-            LocalProtocolError: the next action is not ``FormGroup``.
+            LocalProtocolError: no ``Regroup`` is waiting.
         """
-        self._expect(FormGroup)
+        if self._regroup is None:
+            raise self._illegal("regrouped", "no Regroup is waiting")
         self._regroup = None
 
     def saved(self, *, path: str | None, error: str | None = None) -> m.StateSaved:
-        """The ``Save`` action is done (or failed); the rank stops.
+        """The state ``ShutdownWithSave`` asked for is written (or failed); the rank stops.
+
+        Returns:
+            The answer to send.
 
         Raises:
-            LocalProtocolError: the next action is not ``Save``.
+            LocalProtocolError: no save was asked for.
         """
-        action = self._expect(Save)
-        self._save = None
-        self._stop(f"saved: {action.reason}")
+        if self._save is None:
+            raise self._illegal("saved", "no save was asked for")
+        reason, self._save = self._save.reason, None
+        self._stop(f"saved: {reason}")
         return m.StateSaved(path=path, error=error)

@@ -333,6 +333,7 @@ class Worker:
         self.bridge.step += 1
         self.unreported.append(
             self.proto.trained(
+                action,
                 batch_ms=(done - loaded) * 1000.0,
                 data_ms=(loaded - started) * 1000.0,
                 loss=value if math.isfinite(value) else None,

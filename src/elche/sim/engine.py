@@ -3,17 +3,19 @@
 Theory of operation. The simulator plays the IO shell and every rank. Time is
 virtual: an event heap holds (time, seq, action) entries and the loop jumps
 straight to the next one, so hours of training take seconds. Each simulated
-rank follows the same rules a real worker does:
+rank runs the real rank rules (``elche.core.rank.RankProtocol``, the same
+state machine the worker drives) and adds only virtual time:
 
-- it trains its assigned chunks batch by batch; a batch at speed ``s`` takes
-  ``base_ms / s`` (times a seeded jitter factor) and is reported with
-  ``BatchDone``;
-- before each batch it serves, in order: a pending averaging request, a
-  pending callback, then its step budget (holding once it is spent);
+- a batch at speed ``s`` takes ``base_ms / s`` (times a seeded jitter
+  factor); messages that arrive meanwhile are taken, and the protocol is
+  asked what to do next when the step ends, as a real rank drains its
+  messages between steps;
 - collective rounds complete only when every member of the current group has
-  entered; a dead member hangs the collective until ``Regroup`` arrives;
+  entered; a dead member hangs the collective until ``Regroup`` (or a
+  shutdown) arrives, which the rank then leaves, as a real collective errors
+  out once its peer is gone;
 - coordinator-backend rounds upload a snapshot, the "coordinator" averages for
-  ``sync_ms``, and the rank loads the result (blending under async).
+  ``sync_ms``, and the rank loads the result when its step ends.
 
 Messages travel with a small latency. A killed rank is noticed after
 ``exit_detect_ms`` (the launcher's child watch); a stalled one only through
@@ -34,6 +36,7 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import assert_never
 
 from elche.core import messages as m
 from elche.core.checkpoint import CheckpointMeta, SaveReason
@@ -48,7 +51,7 @@ from elche.core.commands import (
     Send,
     WriteMeta,
 )
-from elche.core.config import CoordinatorConfig, Mode, Policy, SchedulerConfig
+from elche.core.config import CoordinatorConfig, Mode, SchedulerConfig
 from elche.core.coordinator import Coordinator, RunState
 from elche.core.errors import ConfigError
 from elche.core.events import (
@@ -59,6 +62,20 @@ from elche.core.events import (
     RankLost,
     Started,
     TimerFired,
+)
+from elche.core.rank import (
+    Average,
+    Callback,
+    Done,
+    FormGroup,
+    Hold,
+    Load,
+    RankProtocol,
+    RankStage,
+    Save,
+    StartEpoch,
+    Train,
+    Upload,
 )
 from elche.sim.faults import FailCheckpoint, FaultPlan, Kill, SlowDown, Stall
 from elche.sim.result import RankResult, SimResult, coverage_errors
@@ -146,24 +163,22 @@ class SimConfig:
 
 @dataclass(slots=True)
 class _Rank:
-    """A simulated worker process."""
+    """A simulated worker process: the rank protocol plus virtual-time IO.
+
+    ``working`` is true while an action takes virtual time (a step, a
+    callback, a collective); the protocol is asked nothing meanwhile.
+    """
 
     rank: int
     speed: float
+    proto: RankProtocol
     alive: bool = True
     stalled: bool = False
     finished: bool = False
-    chunks: deque[list[int]] = field(default_factory=deque)  # [epoch, offset, size, cursor]
-    budget: int = 1
-    steps_since_sync: int = 0
     working: bool = False
     token: int = 0
-    pending_round: tuple[str, int] | None = None
     in_collective: bool = False
-    waiting_update: int | None = None
-    snapshot: list[Batch] = field(default_factory=list)
-    snapshot_steps: int = 0
-    callbacks: deque[m.RunEval | m.RunCheckpoint] = field(default_factory=deque)
+    snapshot: list[Batch] = field(default_factory=list)  # ground truth of the upload
     uncommitted: deque[Batch] = field(default_factory=deque)
     busy_s: float = 0.0
     stopped_at_s: float | None = None
@@ -180,7 +195,14 @@ class Simulation:
         self.config = config
         self.core = Coordinator(config.coordinator_config(), resume=config.resume)
         self.now = 0.0
-        self.ranks = [_Rank(rank=r, speed=s) for r, s in enumerate(config.speeds)]
+        self.ranks = [
+            _Rank(
+                rank=r,
+                speed=s,
+                proto=RankProtocol(r, mode=config.mode, batch_size=config.batch_size),
+            )
+            for r, s in enumerate(config.speeds)
+        ]
         self.rng = random.Random(config.seed)
         self.notices: list[tuple[float, str, str]] = []
         self.timeline: list[tuple[float, str, tuple[tuple[str, object], ...]]] = []
@@ -196,7 +218,7 @@ class Simulation:
         self._group = set(range(len(self.ranks)))
         self._collective: dict[int, int] | None = None  # rank -> steps entered with
         self._collective_round = -1
-        self._averaging: dict[int, tuple[int, list[Batch]]] = {}
+        self._averaging: dict[int, list[Batch]] = {}
         self._fail_checkpoint = {
             f.rank for f in config.faults.faults if isinstance(f, FailCheckpoint)
         }
@@ -277,13 +299,10 @@ class Simulation:
             self._core_handle(TimerFired())
 
     def _start_average(self, cycle: int, holders: list[int]) -> None:
-        included = {
-            r: (self.ranks[r].snapshot_steps, list(self.ranks[r].snapshot)) for r in holders
-        }
-        self._averaging = included
+        self._averaging = {r: list(self.ranks[r].snapshot) for r in holders}
 
         def done() -> None:
-            for rank, (_, batches) in sorted(self._averaging.items()):
+            for rank, batches in sorted(self._averaging.items()):
                 self._commit(rank, batches)
             self._averaging = {}
             self._core_handle(AverageComputed(cycle=cycle))
@@ -340,58 +359,25 @@ class Simulation:
     def _heartbeat(self, rank: int) -> None:
         sim_rank = self.ranks[rank]
         if sim_rank.active and self.finish is None:
-            self._send(rank, m.Heartbeat(step=sim_rank.steps_since_sync))
+            self._send(rank, m.Heartbeat(step=sim_rank.proto.steps_since_sync))
             self._at(self.now + self.config.heartbeat_interval_s, lambda: self._heartbeat(rank))
 
     def _on_rank_message(self, rank: int, message: m.CoordMessage) -> None:
         r = self.ranks[rank]
         if not r.active:
             return
-        match message:
-            case m.AssignChunk(epoch=epoch, offset=offset, size=size, budget=budget):
-                r.chunks.append([epoch, offset, size, offset])
-                r.budget = budget
-            case m.SetBudget(budget=budget):
-                r.budget = budget
-            case m.SyncNow(cycle=cycle):
-                r.pending_round = ("collective", cycle)
-            case m.RequestParams(cycle=cycle):
-                r.pending_round = ("snapshot", cycle)
-            case m.Update(cycle=cycle):
-                self._apply_update(r, cycle)
-            case m.Regroup(members=members):
-                self._regroup(r, members)
-            case m.RunEval() | m.RunCheckpoint():
-                r.callbacks.append(message)
-            case m.Shutdown():
-                r.finished = True
-                r.stopped_at_s = self.now
-            case m.ShutdownWithSave(writer=writer):
-                if rank == writer:
-                    self._commit(rank, list(r.uncommitted))
-                r.finished = True
-                r.stopped_at_s = self.now
-                self._send(rank, m.StateSaved(path=f"{self.config.save_path}.rank{rank}"))
-            case m.SetEpochCallbackRole() | m.EvalBroadcast() | m.EpochDone() | m.CoordHeartbeat():
-                pass
+        if isinstance(message, m.Regroup):
+            self._group = set(message.members)
+            self._collective = None  # abandoned with the old group
+        if r.in_collective and isinstance(message, m.Regroup | m.Shutdown | m.ShutdownWithSave):
+            # The collective hangs on a dead member; a real one errors out
+            # once its peer's process is gone, and the rank moves on.
+            r.proto.average_failed()
+            r.in_collective = r.working = False
+        r.proto.handle(message)
+        if r.proto.stage is RankStage.DONE:
+            self._finished(r)  # a step in flight is never reported, as on a real rank
         self._next(r)
-
-    def _regroup(self, r: _Rank, members: list[int]) -> None:
-        self._group = set(members)
-        if r.in_collective:
-            r.in_collective = False
-            r.pending_round = None
-        self._collective = None
-
-    def _apply_update(self, r: _Rank, cycle: int) -> None:
-        if r.waiting_update is not None and r.waiting_update != cycle:
-            return
-        r.waiting_update = None
-        r.steps_since_sync -= r.snapshot_steps
-        steps = r.snapshot_steps
-        r.snapshot = []
-        r.snapshot_steps = 0
-        self._send(r.rank, m.SyncAck(cycle=cycle, steps=steps, divergence=self._divergence(steps)))
 
     def _divergence(self, steps: int) -> float:
         # Synthetic: replicas drift apart roughly with the square root of the
@@ -399,50 +385,56 @@ class Simulation:
         return 0.002 * math.sqrt(max(steps, 1)) * (1.0 + 0.05 * self.rng.gauss(0.0, 1.0))
 
     def _next(self, r: _Rank) -> None:
-        """At a step boundary: decide what the rank does next."""
-        if not r.active or r.working or r.in_collective or r.waiting_update is not None:
-            return
-        if r.pending_round is not None:
-            kind, cycle = r.pending_round
-            r.pending_round = None
-            if kind == "collective":
-                self._enter_collective(r, cycle)
-                return
-            r.snapshot = list(r.uncommitted)
-            r.snapshot_steps = r.steps_since_sync
-            self._send(r.rank, m.SnapshotReady(cycle=cycle, steps=r.snapshot_steps))
-            if self.config.mode.policy is not Policy.ASYNC:
-                r.waiting_update = cycle
-                return
-        if r.callbacks:
-            self._run_callback(r, r.callbacks.popleft())
-            return
-        if r.steps_since_sync >= r.budget or not r.chunks:
-            return
-        chunk = r.chunks[0]
-        size = min(self.config.batch_size, chunk[1] + chunk[2] - chunk[3])
+        """At a step boundary: do what the rank's protocol says, until it waits."""
+        while r.active and not r.working:
+            action = r.proto.next_action()
+            match action:
+                case Hold():
+                    return
+                case Done():
+                    self._finished(r)
+                case Save(writer=writer):
+                    if writer:
+                        self._commit(r.rank, list(r.uncommitted))
+                    self._send(r.rank, r.proto.saved(path=f"{self.config.save_path}.rank{r.rank}"))
+                case FormGroup():
+                    r.proto.regrouped()
+                case Load(steps=steps):
+                    ack = r.proto.loaded(divergence=self._divergence(steps))
+                    r.snapshot = []
+                    self._send(r.rank, ack)
+                case Average(round=cycle, steps=steps):
+                    self._enter_collective(r, cycle, steps)
+                case Upload():
+                    r.snapshot = list(r.uncommitted)
+                    self._send(r.rank, r.proto.uploaded())
+                case Callback(request=request):
+                    self._run_callback(r, request)
+                case Train():
+                    self._train(r, action)
+                case StartEpoch():
+                    raise AssertionError("simulated ranks run no epoch_fn")
+                case _:
+                    assert_never(action)
+
+    def _finished(self, r: _Rank) -> None:
+        r.finished = True
+        r.stopped_at_s = self.now
+
+    def _train(self, r: _Rank, action: Train) -> None:
         factor = max(0.1, 1.0 + self.config.jitter * self.rng.gauss(0.0, 1.0))
         duration_ms = self.config.base_ms / r.speed * factor
-        batch = (chunk[0], chunk[3], size)
-        chunk[3] += size
-        if chunk[3] >= chunk[1] + chunk[2]:
-            r.chunks.popleft()
         r.working = True
         token = r.token
-        self._after_ms(duration_ms, lambda: self._batch_done(r, token, batch, duration_ms))
+        self._after_ms(duration_ms, lambda: self._batch_done(r, token, action, duration_ms))
 
-    def _batch_done(self, r: _Rank, token: int, batch: Batch, duration_ms: float) -> None:
+    def _batch_done(self, r: _Rank, token: int, action: Train, duration_ms: float) -> None:
         if token != r.token or not r.active:
             return
         r.working = False
         r.busy_s += duration_ms / 1000.0
-        r.uncommitted.append(batch)
-        r.steps_since_sync += 1
-        epoch, offset, size = batch
-        self._send(
-            r.rank,
-            m.BatchDone(epoch=epoch, offset=offset, size=size, batch_ms=duration_ms, loss=None),
-        )
+        r.uncommitted.append((action.epoch, action.offset, action.size))
+        self._send(r.rank, r.proto.trained(action, batch_ms=duration_ms, data_ms=0.0, loss=None))
         self._next(r)
 
     def _run_callback(self, r: _Rank, request: m.RunEval | m.RunCheckpoint) -> None:
@@ -459,23 +451,21 @@ class Simulation:
             r.busy_s += elapsed_ms / 1000.0
             reply: m.RankMessage
             if isinstance(request, m.RunEval):
-                reply = m.EvalResult(epoch=request.epoch, metric=1.0, elapsed_ms=elapsed_ms)
+                reply = r.proto.evaluated(metric=1.0, elapsed_ms=elapsed_ms, error=None)
             else:
                 error = "disk full (simulated)" if r.rank in self._fail_checkpoint else None
-                reply = m.CheckpointResult(
-                    version=request.version, elapsed_ms=elapsed_ms, error=error
-                )
+                reply = r.proto.checkpointed(elapsed_ms=elapsed_ms, error=error)
             self._send(r.rank, reply)
             self._next(r)
 
         self._after_ms(elapsed_ms, done)
 
-    def _enter_collective(self, r: _Rank, cycle: int) -> None:
+    def _enter_collective(self, r: _Rank, cycle: int, steps: int) -> None:
         if self._collective is None or self._collective_round != cycle:
             self._collective = {}
             self._collective_round = cycle
-        r.in_collective = True
-        self._collective[r.rank] = r.steps_since_sync
+        r.in_collective = r.working = True
+        self._collective[r.rank] = steps
         if set(self._collective) >= self._group:
             entered = dict(self._collective)
             self._after_ms(self.config.sync_ms, lambda: self._finish_collective(cycle, entered))
@@ -489,10 +479,8 @@ class Simulation:
         for rank, steps in sorted(entered.items()):
             r = self.ranks[rank]
             self._commit(rank, list(r.uncommitted))
-            r.in_collective = False
-            r.steps_since_sync -= steps
-            ack = m.SyncAck(cycle=cycle, steps=steps, divergence=self._divergence(steps))
-            self._send(rank, ack)
+            r.in_collective = r.working = False
+            self._send(rank, r.proto.averaged(divergence=self._divergence(steps)))
             self._next(r)
 
     # -- result ----------------------------------------------------------------
