@@ -7,22 +7,14 @@ numbers and whose step takes no time. It never imports torch, so a test can
 run a ``Host`` and a few fake ranks as threads of one process in well under a
 second.
 
-Rules (the worker's, ``elche/runtime/worker.py``):
-
-- ``AssignChunk`` queues a chunk and sets the budget; ``SetBudget`` sets it.
-  Each batch of each chunk is reported with ``BatchDone(epoch, offset,
-  size=min(batch_size, left), batch_ms=1.0)``. The rank holds (trains
-  nothing) once its steps since the last average reach the budget.
-- ``SyncNow`` is answered at once with ``SyncAck(steps=...)``: there is no
-  group, so the "collective" is a no-op.
-- ``RequestParams`` is answered with ``SnapshotReady`` carrying
-  ``[msgpack(Layout), weight]``; in ``cpu-sync`` and ``cpu-cadence`` the rank
-  then holds until ``Update`` (with or without an average) and acknowledges
-  it with ``SyncAck``; in ``cpu-async`` it keeps training meanwhile.
-- ``RunEval``/``RunCheckpoint`` get an ``EvalResult``/``CheckpointResult``.
-- A ``Heartbeat`` leaves at least every ``heartbeat_interval_s``.
-- ``Shutdown`` ends the run; ``ShutdownWithSave`` is answered with
-  ``StateSaved`` first.
+Rules: the worker's, from the same state machine (``elche.core.rank``).
+Each batch is reported at once with ``batch_ms=1.0``; ``SyncNow`` is
+answered at once (there is no group, so the "collective" is a no-op);
+``RequestParams`` is answered with ``SnapshotReady`` carrying
+``[msgpack(Layout), weight]``; ``RunEval``/``RunCheckpoint`` get an
+``EvalResult``/``CheckpointResult``; a ``Heartbeat`` leaves at least every
+``heartbeat_interval_s``; ``ShutdownWithSave`` is answered with
+``StateSaved(path=None)``.
 
 Theory of operation: ``run`` is one synchronous loop on the calling thread.
 Each turn it beats if due, does the first thing that applies (serve a round,
@@ -41,15 +33,26 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import assert_never
+from typing import Protocol, assert_never
 
 import msgspec
 
 from elche.core import messages as m
-from elche.core.config import Mode, Policy
+from elche.core.config import Mode
+from elche.core.rank import (
+    Average,
+    Callback,
+    Done,
+    FormGroup,
+    Hold,
+    Load,
+    RankProtocol,
+    Save,
+    StartEpoch,
+    Train,
+    Upload,
+)
 from elche.runtime.snapshots import Layout, TensorSpec
 from elche.runtime.transport import MAX_FRAME_BYTES, Buffer, RankEndpoint
 
@@ -71,11 +74,14 @@ _WEIGHT = struct.Struct("<4f")  # snapshot frames are little-endian (elche.runti
 _LAYOUT_FRAME = msgspec.msgpack.encode(LAYOUT)
 
 
-@dataclass(slots=True)
-class _Chunk:
-    epoch: int
-    offset: int
-    size: int
+class Endpoint(Protocol):
+    """What a fake rank talks through: a ``RankEndpoint``, or a test's script."""
+
+    def send(self, message: m.RankMessage, payload: Sequence[Buffer] = ()) -> None: ...
+
+    def recv(self, timeout_s: float) -> tuple[m.CoordMessage, list[bytes | memoryview]] | None: ...
+
+    def close(self) -> None: ...
 
 
 class FakeRank:
@@ -134,21 +140,18 @@ class FakeRank:
         self.num_rounds = 0  # averaging rounds acknowledged
         self.epochs_done: list[int] = []
         self.stopped: str | None = None
+        self.proto = RankProtocol(rank, mode=mode, batch_size=batch_size)
         self._ran = False
-        self._chunks: deque[_Chunk] = deque()
-        self._budget = 0  # no training before the first AssignChunk
-        self._steps_since_sync = 0
-        self._pending: m.SyncNow | m.RequestParams | None = None
-        self._callbacks: deque[m.RunEval | m.RunCheckpoint] = deque()
-        self._waiting_update = False
-        self._snapshot_steps = 0
+        self._update_payload: Sequence[bytes | memoryview] = ()
         self._starved = False  # the last turn wanted a pace token and got none
 
-    def run(self, deadline_s: float) -> str:
+    def run(self, deadline_s: float, *, endpoint: Endpoint | None = None) -> str:
         """Join the run and play the rank until the coordinator stops it.
 
         Args:
             deadline_s: a ``time.monotonic()`` instant; the rank gives up then.
+            endpoint: play on this endpoint instead of opening a
+                ``RankEndpoint`` (a test that scripts the coordinator's side).
 
         Returns:
             Why it stopped: ``"completed"`` (``Shutdown``) or ``"saved: <reason>"``
@@ -170,14 +173,15 @@ class FakeRank:
         if deadline_s <= time.monotonic():
             raise ValueError(f"deadline_s={deadline_s} is past; pass time.monotonic() + timeout")
         self._ran = True
-        endpoint = RankEndpoint(
-            address=self.address,
-            rank=self.rank,
-            world_size=self.world_size,
-            secret=self._secret,
-            host=f"fake-{self.rank}",
-            max_frame_bytes=self.max_frame_bytes,
-        )
+        if endpoint is None:
+            endpoint = RankEndpoint(
+                address=self.address,
+                rank=self.rank,
+                world_size=self.world_size,
+                secret=self._secret,
+                host=f"fake-{self.rank}",
+                max_frame_bytes=self.max_frame_bytes,
+            )
         self.num_sent = 1  # the Hello, sent by the constructor
         try:
             return self._loop(endpoint, deadline_s)
@@ -186,9 +190,9 @@ class FakeRank:
 
     # -- the loop ----------------------------------------------------------------
 
-    def _loop(self, endpoint: RankEndpoint, deadline_s: float) -> str:
+    def _loop(self, endpoint: Endpoint, deadline_s: float) -> str:
         next_beat_s = time.monotonic() + self.heartbeat_interval_s
-        while self.stopped is None:
+        while (done := self._act(endpoint)) is not None:
             now = time.monotonic()
             if now >= deadline_s:
                 raise TimeoutError(
@@ -199,118 +203,80 @@ class FakeRank:
                 self._send(endpoint, m.Heartbeat(step=self.num_batches))
                 next_beat_s = now + self.heartbeat_interval_s
             wait_s = 0.0
-            if not self._act(endpoint):
+            if not done:
                 wait_s = min(next_beat_s, deadline_s) - now
                 if self._starved:
                     wait_s = min(wait_s, PACE_WAIT_S)
             self._receive(endpoint, max(wait_s, 0.0))
+        assert self.stopped is not None
         return self.stopped
 
-    def _act(self, endpoint: RankEndpoint) -> bool:
-        """Do the first thing that applies; False when there is nothing to do."""
+    def _act(self, endpoint: Endpoint) -> bool | None:
+        """Do the protocol's next action: True if it did one, False if it holds,
+        None once the rank has stopped."""
         self._starved = False
-        if self._waiting_update:
-            return False
-        if self._pending is not None:
-            self._serve_round(endpoint, self._pending)
-            self._pending = None
-            return True
-        if self._callbacks:
-            self._run_callback(endpoint, self._callbacks.popleft())
-            return True
-        if not self._chunks or self._steps_since_sync >= self._budget:
-            return False
-        if self._pace is not None and not self._pace.acquire(blocking=False):
-            self._starved = True
-            return False
-        self._train_one(endpoint)
+        action = self.proto.next_action()
+        match action:
+            case Done(reason=reason):
+                self.stopped = reason
+                return None
+            case Hold():
+                return False
+            case Train():
+                if self._pace is not None and not self._pace.acquire(blocking=False):
+                    self._starved = True
+                    return False
+                self._train_one(endpoint, action)
+            case Average():
+                self.num_rounds += 1
+                self._send(endpoint, self.proto.averaged())
+            case Upload():
+                ready = self.proto.uploaded()
+                self._send(endpoint, ready, _LAYOUT_FRAME, _WEIGHT.pack(*self.weight))
+            case Load(alpha=alpha):
+                payload, self._update_payload = self._update_payload, ()
+                if payload:
+                    self._load_average(payload, alpha)
+                self.num_rounds += 1
+                self._send(endpoint, self.proto.loaded())
+            case Callback(request=request):
+                self._run_callback(endpoint, request)
+            case FormGroup():
+                self.proto.regrouped()
+            case Save():
+                self._send(endpoint, self.proto.saved(path=None))
+            case StartEpoch():
+                raise AssertionError("a fake rank runs no epoch_fn")
+            case _:
+                assert_never(action)
         return True
 
-    def _receive(self, endpoint: RankEndpoint, wait_s: float) -> None:
+    def _receive(self, endpoint: Endpoint, wait_s: float) -> None:
         """Wait up to ``wait_s`` for a message, then take every queued one."""
         item = endpoint.recv(wait_s)
-        while item is not None and self.stopped is None:
-            self._handle(endpoint, *item)
+        while item is not None:
+            self._handle(*item)
             item = endpoint.recv(0.0)
 
-    def _send(self, endpoint: RankEndpoint, message: m.RankMessage, *payload: Buffer) -> None:
+    def _send(self, endpoint: Endpoint, message: m.RankMessage, *payload: Buffer) -> None:
         endpoint.send(message, payload)
         self.num_sent += 1
 
-    def _handle(
-        self, endpoint: RankEndpoint, message: m.CoordMessage, payload: list[bytes | memoryview]
-    ) -> None:
-        match message:
-            case m.AssignChunk(epoch=epoch, offset=offset, size=size, budget=budget):
-                self._chunks.append(_Chunk(epoch, offset, size))
-                self._budget = budget
-            case m.SetBudget(budget=budget):
-                self._budget = budget
-            case m.SyncNow() | m.RequestParams():
-                self._pending = message
-            case m.Update():
-                self._apply_update(endpoint, message, payload)
-            case m.RunEval() | m.RunCheckpoint():
-                self._callbacks.append(message)
-            case m.EpochDone(epoch=epoch):
-                self.epochs_done.append(epoch)
-            case m.Shutdown():
-                self.stopped = "completed"
-            case m.ShutdownWithSave(reason=reason):
-                self._send(endpoint, m.StateSaved(path=None))
-                self.stopped = f"saved: {reason}"
-            case m.Regroup() | m.SetEpochCallbackRole() | m.EvalBroadcast() | m.CoordHeartbeat():
-                pass
-            case _:
-                assert_never(message)
+    def _handle(self, message: m.CoordMessage, payload: list[bytes | memoryview]) -> None:
+        if isinstance(message, m.EpochDone):
+            self.epochs_done.append(message.epoch)
+        elif isinstance(message, m.Update):
+            self._update_payload = payload
+        self.proto.handle(message)
 
     # -- training, averaging, callbacks -------------------------------------------
 
-    def _train_one(self, endpoint: RankEndpoint) -> None:
-        chunk = self._chunks[0]
-        size = min(self.batch_size, chunk.size)
+    def _train_one(self, endpoint: Endpoint, action: Train) -> None:
         self.weight = [w - STEP * (i + 1) for i, w in enumerate(self.weight)]
         self.num_batches += 1
-        self.num_samples += size
-        self._steps_since_sync += 1
+        self.num_samples += action.size
         loss = 1.0 / self.num_batches  # falls, like a loss should
-        done = m.BatchDone(
-            epoch=chunk.epoch, offset=chunk.offset, size=size, batch_ms=BATCH_MS, loss=loss
-        )
-        self._send(endpoint, done)
-        chunk.offset += size
-        chunk.size -= size
-        if chunk.size == 0:
-            self._chunks.popleft()
-
-    def _serve_round(self, endpoint: RankEndpoint, request: m.SyncNow | m.RequestParams) -> None:
-        steps = self._steps_since_sync
-        if isinstance(request, m.SyncNow):
-            self._steps_since_sync -= steps
-            self.num_rounds += 1
-            self._send(endpoint, m.SyncAck(cycle=request.cycle, steps=steps))
-            return
-        self._snapshot_steps = steps
-        ready = m.SnapshotReady(cycle=request.cycle, steps=steps)
-        self._send(endpoint, ready, _LAYOUT_FRAME, _WEIGHT.pack(*self.weight))
-        self._waiting_update = self.mode.policy is not Policy.ASYNC
-
-    def _apply_update(
-        self, endpoint: RankEndpoint, update: m.Update, payload: Sequence[bytes | memoryview]
-    ) -> None:
-        """Load the average (if any), then acknowledge the round.
-
-        Raises:
-            ValueError: the average does not match ``LAYOUT``.
-        """
-        if payload:
-            self._load_average(payload, update.alpha)
-        steps = self._snapshot_steps
-        self._snapshot_steps = 0
-        self._waiting_update = False
-        self._steps_since_sync -= steps
-        self.num_rounds += 1
-        self._send(endpoint, m.SyncAck(cycle=update.cycle, steps=steps))
+        self._send(endpoint, self.proto.trained(action, batch_ms=BATCH_MS, data_ms=0.0, loss=loss))
 
     def _load_average(self, payload: Sequence[bytes | memoryview], alpha: float | None) -> None:
         try:
@@ -327,9 +293,9 @@ class FakeRank:
         else:  # EASGD blend: move alpha of the way to the average
             self.weight = [w + alpha * (a - w) for w, a in zip(self.weight, average, strict=True)]
 
-    def _run_callback(self, endpoint: RankEndpoint, request: m.RunEval | m.RunCheckpoint) -> None:
+    def _run_callback(self, endpoint: Endpoint, request: m.RunEval | m.RunCheckpoint) -> None:
         if isinstance(request, m.RunEval):
             metric = 1.0 / (1.0 + sum(abs(w) for w in self.weight))
-            self._send(endpoint, m.EvalResult(epoch=request.epoch, metric=metric, elapsed_ms=0.0))
+            self._send(endpoint, self.proto.evaluated(metric=metric, elapsed_ms=0.0, error=None))
         else:
-            self._send(endpoint, m.CheckpointResult(version=request.version, elapsed_ms=0.0))
+            self._send(endpoint, self.proto.checkpointed(elapsed_ms=0.0, error=None))
