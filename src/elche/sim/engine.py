@@ -189,11 +189,20 @@ class _Rank:
 
 
 class Simulation:
-    """Drives one ``Coordinator`` with simulated ranks in virtual time."""
+    """Drives one ``Coordinator`` with simulated ranks in virtual time.
 
-    def __init__(self, config: SimConfig, *, record_trace: bool = False) -> None:
+    Args:
+        config: the simulated run.
+        record_trace: keep every event and the commands it produced in ``trace``.
+        core: drive this coordinator instead of a new one made from ``config``
+            (a test can script the coordinator's side of the protocol).
+    """
+
+    def __init__(
+        self, config: SimConfig, *, record_trace: bool = False, core: Coordinator | None = None
+    ) -> None:
         self.config = config
-        self.core = Coordinator(config.coordinator_config(), resume=config.resume)
+        self.core = core or Coordinator(config.coordinator_config(), resume=config.resume)
         self.now = 0.0
         self.ranks = [
             _Rank(
