@@ -19,8 +19,9 @@ from elche.core.commands import ArmTimer, AverageSnapshots, Command, Finish, Sen
 from elche.core.config import CoordinatorConfig, Mode
 from elche.core.coordinator import Coordinator
 from elche.core.events import AverageComputed, Event, Started
+from elche.runtime.frames import Buffer
 from elche.runtime.host import Host
-from elche.runtime.transport import Buffer, Inbound
+from elche.runtime.transport import Inbound
 
 CONFIG = CoordinatorConfig(
     mode=Mode.parse("cpu-sync"), world_size=1, num_samples=8, batch_size=4, epochs=1

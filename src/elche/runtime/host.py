@@ -61,6 +61,7 @@ from elche.core.events import (
     TimerFired,
 )
 from elche.core.guards import GuardKind
+from elche.runtime.frames import SECRET_ENV, secret_from_env
 from elche.runtime.snapshots import (
     Layout,
     NesterovOuter,
@@ -68,14 +69,7 @@ from elche.runtime.snapshots import (
     load_outer_state,
     save_outer_state,
 )
-from elche.runtime.transport import (
-    SECRET_ENV,
-    CoordinatorEndpoint,
-    Joined,
-    Received,
-    Rejected,
-    secret_from_env,
-)
+from elche.runtime.transport import CoordinatorEndpoint, Joined, Received, Rejected
 
 __all__ = [
     "ADDRESS_LINE",

@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elche.core.config import CoordinatorConfig
+from elche.runtime.frames import SECRET_ENV, new_secret
 from elche.runtime.host import ADDRESS_LINE, RESUME_OUTER, config_to_json, meta_path, outer_path
 from elche.runtime.plan import Hooks, Plan, TrainResult
-from elche.runtime.transport import SECRET_ENV, new_secret
 
 if TYPE_CHECKING:
     from multiprocessing.context import ForkServerContext, SpawnContext

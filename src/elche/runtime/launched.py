@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from elche.runtime.frames import new_secret
 from elche.runtime.launch import (
     Progress,
     collect,
@@ -34,7 +35,6 @@ from elche.runtime.launch import (
     with_bundle,
 )
 from elche.runtime.plan import Hooks, Plan, TrainResult
-from elche.runtime.transport import new_secret
 from elche.runtime.worker import train_rank
 
 if TYPE_CHECKING:
