@@ -21,34 +21,20 @@ The result carries the final averaged ``state_dict``, per-epoch metrics and a
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from elche.core.config import CallbackPolicy, CoordinatorConfig, Mode, SchedulerConfig
 from elche.core.errors import ConfigError
-from elche.runtime.host import ADDRESS_LINE, RESUME_OUTER, config_to_json, meta_path, outer_path
-from elche.runtime.transport import SECRET_ENV
+from elche.runtime.host import meta_path
+from elche.runtime.plan import Hooks, Plan, TrainResult
 
 __all__ = ["TrainResult", "train"]
 
 # Ranks give up on a silent coordinator after this long (reference: 30 s).
 COORDINATOR_TIMEOUT_S = 30.0
-
-
-@dataclass(slots=True)
-class TrainResult:
-    """What ``train`` returns."""
-
-    state_dict: dict[str, Any]
-    epochs: list[dict[str, object]] = field(default_factory=list)
-    summary: dict[str, object] = field(default_factory=dict)
-    run_dir: str | None = None
 
 
 def train(
@@ -162,7 +148,7 @@ def train(
         eval_fn=eval_fn, eval_dataset=eval_dataset, epoch_fn=epoch_fn,
         checkpoint_fn=checkpoint_fn,
     )  # fmt: skip
-    hooks = _Hooks(eval_result_fn=eval_result_fn, metrics_fn=metrics_fn)
+    hooks = Hooks(eval_result_fn=eval_result_fn, metrics_fn=metrics_fn)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from elche.runtime.launched import train_launched
 
@@ -174,25 +160,6 @@ def train(
     return _train_cluster(
         plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir, progress=progress
     )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Hooks:
-    eval_result_fn: Callable[[int, float], None] | None
-    metrics_fn: Callable[[dict[str, object]], None] | None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Plan:
-    """A validated run: the coordinator config plus per-rank settings."""
-
-    config: CoordinatorConfig
-    speeds: tuple[float, ...]
-    speed_base_s: float | None
-    devices: tuple[str, ...]
-    resume_from: str | None
-    crash: Mapping[int, float]
-    stall: Mapping[int, float]
 
 
 def _plan(
@@ -302,7 +269,7 @@ def _world_size(
 def _train_cluster(
     plan: Plan,
     fns: Any,
-    hooks: _Hooks,
+    hooks: Hooks,
     *,
     max_grad_norm: float | None,
     run_dir: str | None,
@@ -312,31 +279,3 @@ def _train_cluster(
 
     directory = Path(run_dir or tempfile.mkdtemp(prefix="elche-run-"))
     return launch_local(plan, fns, hooks, directory, max_grad_norm=max_grad_norm, progress=progress)
-
-
-def start_coordinator(
-    config: CoordinatorConfig, run_dir: Path, secret: bytes, resume_from: str | None
-) -> tuple[subprocess.Popen[str], str]:
-    """Start ``python -m elche.runtime.host`` and return it with its address."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "coordinator.json").write_text(config_to_json(config), encoding="utf-8")
-    if resume_from is not None:
-        (run_dir / "resume.meta.json").write_text(
-            meta_path(resume_from).read_text(encoding="utf-8"), encoding="utf-8"
-        )
-        if config.outer_lr is not None and outer_path(resume_from).exists():
-            shutil.copyfile(outer_path(resume_from), run_dir / RESUME_OUTER)
-    env = dict(os.environ, **{SECRET_ENV: secret.hex()})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "elche.runtime.host", str(run_dir)],
-        stdin=subprocess.PIPE,  # the launcher reports rank exits here
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline().strip()
-    if not line.startswith(ADDRESS_LINE):
-        proc.kill()
-        raise RuntimeError(f"the coordinator failed to start (said {line!r}); see stderr")
-    return proc, line.split(maxsplit=1)[1]

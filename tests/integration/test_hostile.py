@@ -59,19 +59,9 @@ import zmq.utils.monitor
 
 from elche.core import messages as m
 from elche.core.config import CoordinatorConfig, Mode, SchedulerConfig
+from elche.runtime.frames import HEADER_BYTES, HEADER_PREFIX, MAGIC, frame_tag, new_secret, seal
 from elche.runtime.host import Host
-from elche.runtime.transport import (
-    HEADER_BYTES,
-    HEADER_PREFIX,
-    MAGIC,
-    CoordinatorEndpoint,
-    Inbound,
-    Joined,
-    Rejected,
-    frame_tag,
-    new_secret,
-    seal,
-)
+from elche.runtime.transport import CoordinatorEndpoint, Inbound, Joined, Rejected
 from elche.testing import FakeRank
 
 WORLD_SIZE = 2

@@ -21,22 +21,23 @@ from hypothesis import strategies as st
 
 from elche.core import messages as m
 from elche.core.errors import ConfigError, RemoteProtocolError, TransportError
-from elche.runtime.transport import (
+from elche.runtime.frames import (
     COORDINATOR_SENDER,
     HEADER_PREFIX,
     MAGIC,
     SECRET_ENV,
     Buffer,
+    frame_tag,
+    new_secret,
+    seal,
+)
+from elche.runtime.transport import (
     CoordinatorEndpoint,
     Inbound,
     Joined,
     RankEndpoint,
     Received,
     Rejected,
-    frame_tag,
-    new_secret,
-    seal,
-    secret_from_env,
 )
 
 FORGER = b"forger"  # the raw DEALER's identity, bound into every tag it makes
@@ -479,19 +480,6 @@ def test_rank_refuses_a_frame_limit_below_the_header() -> None:
 def test_rank_refuses_a_malformed_address() -> None:
     with pytest.raises(TransportError, match="cannot connect"):
         RankEndpoint(address="nonsense", rank=0, world_size=1, secret=new_secret())
-
-
-def test_secret_from_env() -> None:
-    secret = new_secret()
-    assert len(secret) == 32
-    assert secret_from_env({SECRET_ENV: secret.hex()}) == secret
-    assert secret_from_env({SECRET_ENV: f" {secret.hex().upper()}\n"}) == secret
-    assert secret_from_env({}) is None
-    assert secret_from_env({SECRET_ENV: ""}) is None
-    with pytest.raises(ConfigError, match="not hex"):
-        secret_from_env({SECRET_ENV: "zz" * 32})
-    with pytest.raises(ConfigError, match="at least 16 bytes"):
-        secret_from_env({SECRET_ENV: "ab" * 15})
 
 
 # --- fuzz ----------------------------------------------------------------------

@@ -5,6 +5,12 @@
 - ``transport`` — the control plane: authenticated ZeroMQ frames between the
   coordinator (ROUTER) and the ranks (DEALER). Never imports torch, so the
   coordinator process starts in well under a second (design §4).
+- ``frames`` — the envelope those frames travel in (version, sequence number,
+  HMAC tag, frame limits, the run's secret): pure, no sockets.
+- ``plan`` — what the launch paths (``solo``, ``launch``, ``launched``) share
+  with ``elche.train``: ``Plan``, ``Hooks``, ``TrainResult``. Imports point
+  one way: nothing here imports the API module, the CLI, the benchmarks or
+  the simulator (an import-linter contract).
 
 Only this package imports ``zmq`` and ``torch``; the layering test keeps
 ``elche.core`` and ``elche.sim`` out of it.

@@ -27,7 +27,8 @@ import zmq
 
 from elche.core import messages as m
 from elche.core.errors import TransportError
-from elche.runtime.transport import Buffer, RankEndpoint
+from elche.runtime.frames import Buffer
+from elche.runtime.transport import RankEndpoint
 
 __all__ = ["Bridge", "CoordinatorLost", "Inbound"]
 

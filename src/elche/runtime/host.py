@@ -4,9 +4,12 @@ Theory of operation. One loop, one thread: wait on the ROUTER socket until the
 next timer deadline, turn what arrived into core events (``Joined`` ->
 ``RankJoined``, ``Received`` -> ``MessageReceived``, ``Rejected`` ->
 ``FrameRejected``), feed them with the monotonic time, and execute the
-commands the core returns. Averaging for the coordinator backends happens
-here, on numpy (``elche.runtime.snapshots``); this process never imports
-torch, so it starts in a fraction of a second.
+commands the core returns, all of them, in order. Averaging for the
+coordinator backends happens here, on numpy (``elche.runtime.snapshots``);
+its ``AverageComputed`` is queued and fed only once the command list that
+asked for it has run to the end, so no command of a later event overtakes
+one the core returned earlier. This process never imports torch, so it
+starts in a fraction of a second.
 
 Run it as ``python -m elche.runtime.host RUN_DIR``: it reads
 ``RUN_DIR/coordinator.json`` (the config), binds, prints one line
@@ -24,10 +27,11 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TextIO, assert_never
 
 import msgspec
 
@@ -57,6 +61,7 @@ from elche.core.events import (
     TimerFired,
 )
 from elche.core.guards import GuardKind
+from elche.runtime.frames import SECRET_ENV, secret_from_env
 from elche.runtime.snapshots import (
     Layout,
     NesterovOuter,
@@ -64,14 +69,7 @@ from elche.runtime.snapshots import (
     load_outer_state,
     save_outer_state,
 )
-from elche.runtime.transport import (
-    SECRET_ENV,
-    CoordinatorEndpoint,
-    Joined,
-    Received,
-    Rejected,
-    secret_from_env,
-)
+from elche.runtime.transport import CoordinatorEndpoint, Joined, Received, Rejected
 
 __all__ = [
     "ADDRESS_LINE",
@@ -150,6 +148,9 @@ class Host:
         )
         self._timeline = (run_dir / "timeline.jsonl").open("a", encoding="utf-8")
         self._reports: queue.Queue[RankLost] = queue.Queue()
+        # Events the shell produced itself (``AverageComputed``), fed after the
+        # command list being executed, in the order they were queued.
+        self._followups: deque[Event] = deque()
         saved_outer = run_dir / RESUME_OUTER
         if self.outer is not None and saved_outer.exists():
             load_outer_state(self.outer, saved_outer)
@@ -206,6 +207,8 @@ class Host:
                 return MessageReceived(rank=rank, message=message)
             case Rejected(reason=reason, rank=rank):
                 return FrameRejected(reason=reason, rank=rank)
+            case _:
+                assert_never(inbound)
 
     def _stash_snapshot(self, rank: int, payload: Sequence[bytes | memoryview]) -> None:
         try:
@@ -216,8 +219,11 @@ class Host:
         self._snapshots[rank] = (layout, list(payload[1:]))
 
     def _feed(self, event: Event) -> None:
-        for command in self.core.handle(event, time.monotonic()):
-            self._execute(command)
+        """Feed ``event``, execute its commands in order, then any follow-ups."""
+        self._followups.append(event)
+        while self._followups:
+            for command in self.core.handle(self._followups.popleft(), time.monotonic()):
+                self._execute(command)
 
     def _execute(self, command: Command) -> None:
         match command:
@@ -242,6 +248,8 @@ class Host:
                 self._record(kind, dict(fields))
             case Finish():
                 self.finish = command
+            case _:
+                assert_never(command)
 
     def _send(self, rank: int, message: m.CoordMessage) -> None:
         payload: Sequence[bytes | memoryview] = ()
@@ -257,7 +265,11 @@ class Host:
     def _average(
         self, cycle: int, param_mass: dict[int, float], buffer_mass: dict[int, float]
     ) -> None:
-        """Average the round's snapshots; the ranks get it with their ``Update``."""
+        """Average the round's snapshots (the ranks get it with their ``Update``).
+
+        Queues ``AverageComputed``; ``_feed`` hands it to the core once the
+        current command list has run to the end.
+        """
         frames: list[bytes | memoryview] = []
         layout: Layout | None = None
         averager: SnapshotAverager | None = None
@@ -276,7 +288,7 @@ class Host:
             frames = [msgspec.msgpack.encode(layout), *result]
         self._update = (cycle, frames)
         self._snapshots.clear()
-        self._feed(AverageComputed(cycle=cycle))
+        self._followups.append(AverageComputed(cycle=cycle))
 
     def _record(self, kind: str, fields: dict[str, object]) -> None:
         now = time.monotonic()

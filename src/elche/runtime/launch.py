@@ -29,18 +29,22 @@ import dataclasses
 import json
 import multiprocessing as mp
 import os
+import shutil
+import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elche.runtime.transport import new_secret
+from elche.core.config import CoordinatorConfig
+from elche.runtime.frames import SECRET_ENV, new_secret
+from elche.runtime.host import ADDRESS_LINE, RESUME_OUTER, config_to_json, meta_path, outer_path
+from elche.runtime.plan import Hooks, Plan, TrainResult
 
 if TYPE_CHECKING:
     from multiprocessing.context import ForkServerContext, SpawnContext
 
-    from elche.api import Plan, TrainResult, _Hooks
     from elche.runtime.worker import RankSpec, UserFns
 
 __all__ = [
@@ -51,6 +55,7 @@ __all__ = [
     "on_record",
     "rank_spec",
     "read_timeline",
+    "start_coordinator",
     "with_bundle",
 ]
 
@@ -168,6 +173,34 @@ def explain_outcome(summary: dict[str, object], save_path: str | None) -> None:
         )
 
 
+def start_coordinator(
+    config: CoordinatorConfig, run_dir: Path, secret: bytes, resume_from: str | None
+) -> tuple[subprocess.Popen[str], str]:
+    """Start ``python -m elche.runtime.host`` and return it with its address."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "coordinator.json").write_text(config_to_json(config), encoding="utf-8")
+    if resume_from is not None:
+        (run_dir / "resume.meta.json").write_text(
+            meta_path(resume_from).read_text(encoding="utf-8"), encoding="utf-8"
+        )
+        if config.outer_lr is not None and outer_path(resume_from).exists():
+            shutil.copyfile(outer_path(resume_from), run_dir / RESUME_OUTER)
+    env = dict(os.environ, **{SECRET_ENV: secret.hex()})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elche.runtime.host", str(run_dir)],
+        stdin=subprocess.PIPE,  # the launcher reports rank exits here
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if not line.startswith(ADDRESS_LINE):
+        proc.kill()
+        raise RuntimeError(f"the coordinator failed to start (said {line!r}); see stderr")
+    return proc, line.split(maxsplit=1)[1]
+
+
 def _rank_context() -> ForkServerContext | SpawnContext:
     """The multiprocessing context rank processes start from (see the module doc)."""
     if "forkserver" not in mp.get_all_start_methods():
@@ -180,15 +213,13 @@ def _rank_context() -> ForkServerContext | SpawnContext:
 def launch_local(
     plan: Plan,
     fns: UserFns,
-    hooks: _Hooks,
+    hooks: Hooks,
     run_dir: Path,
     *,
     max_grad_norm: float | None,
     progress: bool,
 ) -> TrainResult:
     """Run ``plan`` with one local process per rank; see ``elche.train``."""
-    from elche.api import start_coordinator
-
     t0 = time.monotonic()
     plan = with_bundle(plan, run_dir)
     cfg = plan.config
@@ -277,7 +308,7 @@ class Progress:
 def on_record(
     record: dict[str, Any],
     epochs: list[dict[str, object]],
-    hooks: _Hooks,
+    hooks: Hooks,
     display: Progress,
 ) -> None:
     """Apply one timeline record: per-epoch metrics, user hooks, the display."""
@@ -307,8 +338,6 @@ def on_record(
 def collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]]) -> TrainResult:
     """Build the result of a finished run from the files in ``run_dir``."""
     import torch
-
-    from elche.api import TrainResult
 
     summary_file = run_dir / "summary.json"
     if not summary_file.exists():

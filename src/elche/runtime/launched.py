@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from elche.runtime.frames import new_secret
 from elche.runtime.launch import (
     Progress,
     collect,
@@ -30,13 +31,13 @@ from elche.runtime.launch import (
     on_record,
     rank_spec,
     read_timeline,
+    start_coordinator,
     with_bundle,
 )
-from elche.runtime.transport import new_secret
+from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.worker import train_rank
 
 if TYPE_CHECKING:
-    from elche.api import Plan, TrainResult, _Hooks
     from elche.runtime.worker import UserFns
 
 __all__ = ["train_launched"]
@@ -48,14 +49,12 @@ COORDINATOR_EXIT_S = 60.0
 def train_launched(
     plan: Plan,
     fns: UserFns,
-    hooks: _Hooks,
+    hooks: Hooks,
     *,
     max_grad_norm: float | None,
     run_dir: str | None,
 ) -> TrainResult:
     """Train this process as rank ``$RANK`` of ``$WORLD_SIZE``; see ``elche.train``."""
-    from elche.api import TrainResult, start_coordinator
-
     t0 = time.monotonic()
     rank = int(os.environ["RANK"])
     world = plan.config.world_size

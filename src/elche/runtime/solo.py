@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,10 +23,8 @@ from elche.core.dispatch import epoch_permutation
 from elche.runtime.data import fetch
 from elche.runtime.host import meta_path
 from elche.runtime.pacing import Pacer, pacer_for
+from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.worker import UserFns, to_device
-
-if TYPE_CHECKING:
-    from elche.api import Plan, TrainResult, _Hooks
 
 __all__ = ["train_solo"]
 
@@ -76,7 +74,7 @@ class _Solo:
             self.pacer.after_step()
         return float(loss.detach())
 
-    def after_epoch(self, epoch: int, loss: float | None, hooks: _Hooks) -> None:
+    def after_epoch(self, epoch: int, loss: float | None, hooks: Hooks) -> None:
         cfg = self.plan.config
         record: dict[str, object] = {"epoch": epoch, "loss": loss}
         done = epoch + 1
@@ -99,14 +97,12 @@ class _Solo:
 def train_solo(
     plan: Plan,
     fns: UserFns,
-    hooks: _Hooks,
+    hooks: Hooks,
     *,
     max_grad_norm: float | None,
     run_dir: str | None,
 ) -> TrainResult:
     """Train on one device in this process; see ``elche.train``."""
-    from elche.api import TrainResult
-
     t0 = time.monotonic()
     cfg = plan.config
     device = torch.device(plan.devices[0])

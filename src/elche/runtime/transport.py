@@ -1,40 +1,21 @@
 """The control plane: authenticated ZeroMQ frames between the coordinator and the ranks.
 
 The coordinator binds a ROUTER; every rank connects a DEALER (design §4). Both
-ends speak the message catalog of ``elche.core.messages`` inside an envelope
-that carries a protocol version, a sequence number and an HMAC-SHA256 tag keyed
-by a per-run secret. This module never imports torch: the coordinator process
-must start in well under a second.
+ends speak the message catalog of ``elche.core.messages`` inside the envelope of
+``elche.runtime.frames`` (protocol version, sequence number, HMAC-SHA256 tag
+keyed by a per-run secret); this module owns the sockets and the state of each
+connection. It never imports torch: the coordinator process must start in well
+under a second.
 
 Theory of operation
 -------------------
 
-One frame is one ZeroMQ multipart message::
-
-    part 0  header   48 bytes, big-endian  (HEADER_PREFIX + tag)
-              magic     4s   b"ELCH"
-              version   u16  messages.PROTOCOL_VERSION
-              sender    u16  rank, or COORDINATOR_SENDER (0xFFFF)
-              seq       u64  strictly increasing per sender per connection
-              tag       32s  HMAC-SHA256, see below
-    part 1  body     messages.encode(message)
-    part 2… payload  zero or more raw byte frames (parameter snapshots)
-
-    tag = HMAC-SHA256(secret, len(identity) ‖ identity ‖ header[:16]
-                              ‖ len(body) ‖ body ‖ len(p₁) ‖ p₁ ‖ …)
-
-Lengths are u64 big-endian. ``identity`` is the rank's DEALER identity (a rank
-prefix and a random nonce), which both ends know; binding it into the tag ties a
-frame to its connection, so a frame captured on one connection fails on any
-other, and the length prefixes stop anyone from moving bytes between parts
-under a valid tag. Frames of another run fail because its secret differs.
-
-A receiver checks, in order: part count, total size, header size, magic,
-version (the refusal names both versions), tag (``hmac.compare_digest``), then
-— only for an authentic frame — the sender field against the connection's rank,
-the sequence number against the last one accepted, and the body with
-``messages.decode``. The first valid frame of a new DEALER identity must be a
-``Hello``; it binds that identity to its rank for the endpoint's lifetime.
+A receiver runs the envelope's checks (``frames.unseal``: part count, total
+size, header size, magic, version, tag), then — only for an authentic frame —
+the sender field against the connection's rank, the sequence number against
+the last one accepted, and the body with ``messages.decode``. The first valid
+frame of a new DEALER identity must be a ``Hello``; it binds that identity to
+its rank for the endpoint's lifetime.
 
 The coordinator turns every bad frame into ``Rejected`` and counts it; it never
 answers one. ``Rejected.rank`` names a rank only when the frame's tag proved it
@@ -53,13 +34,11 @@ a single ``zmq_poll`` each, cheap to call every few milliseconds.
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import math
 import os
 import secrets
-import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
@@ -68,14 +47,24 @@ import zmq
 
 from elche.core import messages
 from elche.core.errors import ConfigError, RemoteProtocolError, TransportError
+from elche.runtime.frames import (
+    COORDINATOR_SENDER,
+    MAX_FRAME_BYTES,
+    SECRET_ENV,
+    Buffer,
+    Opened,
+    check_limits,
+    check_secret,
+    check_size,
+    new_secret,
+    seal,
+    unseal,
+)
 
+# MAX_FRAME_BYTES and Buffer come from ``frames`` and belong to the endpoints'
+# signatures too, so they are exported here as well.
 __all__ = [
-    "COORDINATOR_SENDER",
-    "HEADER_BYTES",
-    "HEADER_PREFIX",
-    "MAGIC",
     "MAX_FRAME_BYTES",
-    "SECRET_ENV",
     "Buffer",
     "CoordinatorEndpoint",
     "Inbound",
@@ -83,28 +72,8 @@ __all__ = [
     "RankEndpoint",
     "Received",
     "Rejected",
-    "frame_tag",
-    "new_secret",
-    "seal",
-    "secret_from_env",
 ]
 
-SECRET_ENV = "ELCHE_SECRET"
-MAGIC = b"ELCH"
-COORDINATOR_SENDER = 0xFFFF  # the header's sender field for the coordinator
-HEADER_PREFIX = struct.Struct(">4sHHQ")  # magic, version, sender, seq: 16 bytes
-TAG_BYTES = 32  # full HMAC-SHA256, never truncated
-HEADER_BYTES = HEADER_PREFIX.size + TAG_BYTES
-# 64 MiB: control messages are under 1 KiB, but the CPU averaging modes move a
-# whole parameter snapshot in one frame, and 64 MiB holds 16 M fp32 parameters
-# (ResNet-18's 11.7 M fit; bigger models raise the limit on both ends). The
-# bound exists so that no peer can make an endpoint buffer unbounded memory.
-MAX_FRAME_BYTES = 64 * 2**20
-# Reference: a per-run secret of 16+ random bytes. We generate 32, SHA-256's
-# output size (RFC 2104 §3 advises keys no shorter than that), and accept the
-# reference's minimum of 16 from a user who brings their own.
-MIN_SECRET_BYTES = 16
-SECRET_BYTES = 32
 # Long enough to flush a last Exiting/Shutdown over a live connection
 # (microseconds on loopback, milliseconds on a LAN), short enough that closing
 # next to a dead peer never stalls process exit.
@@ -112,9 +81,6 @@ LINGER_MS = 250
 # One chatty peer must not keep ``poll`` draining forever and starve the host's
 # timers: after 1024 frames ``poll`` returns, and the rest wait for the next call.
 _DRAIN_LIMIT = 1024
-_LENGTH = struct.Struct(">Q")
-
-Buffer = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,122 +113,6 @@ class Rejected:
 
 
 Inbound = Joined | Received | Rejected
-
-
-def new_secret() -> bytes:
-    """Return a fresh per-run secret of 32 random bytes."""
-    return secrets.token_bytes(SECRET_BYTES)
-
-
-def secret_from_env(env: Mapping[str, str]) -> bytes | None:
-    """Read the run's secret from ``env[SECRET_ENV]`` (hex).
-
-    Args:
-        env: the environment, usually ``os.environ``.
-
-    Returns:
-        The secret, or None when the variable is unset or blank.
-
-    Raises:
-        ConfigError: the value is not hex, or encodes fewer than 16 bytes.
-    """
-    text = env.get(SECRET_ENV, "").strip()
-    if not text:
-        return None
-    try:
-        secret = bytes.fromhex(text)
-    except ValueError as exc:
-        raise ConfigError("secret", f"{SECRET_ENV} is not hex: {exc}") from exc
-    _check_secret(secret)
-    return secret
-
-
-def frame_tag(secret: bytes, identity: bytes, prefix: bytes, parts: Sequence[Buffer]) -> bytes:
-    """Compute the HMAC-SHA256 tag of one frame (see the module docstring).
-
-    Args:
-        secret: the run's secret.
-        identity: the rank's DEALER identity (the connection).
-        prefix: the header without its tag (``HEADER_PREFIX.pack(...)``).
-        parts: the body, then every payload frame.
-
-    Returns:
-        The 32-byte tag.
-    """
-    mac = hmac.new(secret, digestmod="sha256")
-    mac.update(_LENGTH.pack(len(identity)) + identity + prefix)
-    for part in parts:
-        view = memoryview(part)
-        mac.update(_LENGTH.pack(view.nbytes))
-        mac.update(view)
-    return mac.digest()
-
-
-def seal(
-    secret: bytes,
-    *,
-    identity: bytes,
-    sender: int,
-    seq: int,
-    body: bytes,
-    payload: Sequence[Buffer] = (),
-) -> list[Buffer]:
-    """Build the parts of one frame: ``[header, body, *payload]``.
-
-    Raises:
-        TypeError: a payload buffer is not C-contiguous.
-        struct.error: ``sender`` or ``seq`` is out of its field's range.
-    """
-    parts: list[Buffer] = [body, *(memoryview(p).cast("B") for p in payload)]
-    prefix = HEADER_PREFIX.pack(MAGIC, messages.PROTOCOL_VERSION, sender, seq)
-    return [prefix + frame_tag(secret, identity, prefix, parts), *parts]
-
-
-@dataclass(frozen=True, slots=True)
-class _Opened:
-    sender: int
-    seq: int
-    body: bytes
-    payload: list[bytes | memoryview]
-
-
-def _unseal(
-    frames: Sequence[zmq.Frame], *, secret: bytes, identity: bytes, max_frame_bytes: int
-) -> _Opened:
-    """Check everything a frame carries without knowing the connection's state."""
-    if len(frames) < 2:
-        raise RemoteProtocolError(f"expected at least 2 parts (header, body), got {len(frames)}")
-    size_bytes = sum(len(f) for f in frames)
-    if size_bytes > max_frame_bytes:
-        raise RemoteProtocolError(f"frame of {size_bytes} bytes exceeds {max_frame_bytes}")
-    header = frames[0].bytes
-    if len(header) != HEADER_BYTES:
-        raise RemoteProtocolError(f"header of {len(header)} bytes, expected {HEADER_BYTES}")
-    magic, version, sender, seq = HEADER_PREFIX.unpack_from(header)
-    if magic != MAGIC:
-        raise RemoteProtocolError(f"bad magic {magic!r}, expected {MAGIC!r}")
-    if version != messages.PROTOCOL_VERSION:
-        raise RemoteProtocolError(
-            f"protocol version {version} is not supported (this endpoint speaks version "
-            f"{messages.PROTOCOL_VERSION}); run the same elche release on every host"
-        )
-    parts = [f.buffer for f in frames[1:]]
-    expected = frame_tag(secret, identity, header[: HEADER_PREFIX.size], parts)
-    if not hmac.compare_digest(header[HEADER_PREFIX.size :], expected):
-        raise RemoteProtocolError("bad HMAC tag (tampered frame, or another run's secret)")
-    payload: list[bytes | memoryview] = [*parts[1:]]
-    return _Opened(sender, seq, frames[1].bytes, payload)
-
-
-def _check_secret(secret: bytes) -> None:
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError("secret", f"needs at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
-
-
-def _check_size(body: bytes, payload: Sequence[Buffer], max_frame_bytes: int) -> None:
-    size_bytes = HEADER_BYTES + len(body) + sum(memoryview(p).nbytes for p in payload)
-    if size_bytes > max_frame_bytes:
-        raise ValueError(f"frame of {size_bytes} bytes exceeds max_frame_bytes={max_frame_bytes}")
 
 
 def _timeout_ms(timeout_s: float) -> int:
@@ -338,14 +188,6 @@ class _Peer:
     last_seq_out: int = 0
 
 
-def _check_limits(world_size: int, max_frame_bytes: int) -> None:
-    """Both endpoints' checks of the world size and the frame limit."""
-    if not 1 <= world_size < COORDINATOR_SENDER:
-        raise ConfigError("world_size", f"must be in [1, {COORDINATOR_SENDER}), got {world_size}")
-    if max_frame_bytes < HEADER_BYTES:
-        raise ConfigError("max_frame_bytes", f"must be at least {HEADER_BYTES}")
-
-
 class CoordinatorEndpoint(_Endpoint):
     """The coordinator's ROUTER: one per run, bound before any rank starts.
 
@@ -371,7 +213,7 @@ class CoordinatorEndpoint(_Endpoint):
         bind: str = "tcp://127.0.0.1:0",
         max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
-        _check_limits(world_size, max_frame_bytes)
+        check_limits(world_size, max_frame_bytes)
         if secret is None:
             if not _is_loopback(bind):
                 raise ConfigError(
@@ -381,7 +223,7 @@ class CoordinatorEndpoint(_Endpoint):
                     'the output of python -c "import secrets; print(secrets.token_hex(32))"',
                 )
             secret = new_secret()
-        _check_secret(secret)
+        check_secret(secret)
         self.secret = secret
         self.world_size = world_size
         self.max_frame_bytes = max_frame_bytes
@@ -428,7 +270,7 @@ class CoordinatorEndpoint(_Endpoint):
             TypeError: a payload buffer is not C-contiguous (nothing sent).
         """
         body = messages.encode(message)
-        _check_size(body, payload, self.max_frame_bytes)
+        check_size(body, payload, self.max_frame_bytes)
         failed: list[int] = []
         for rank in ranks:
             try:
@@ -465,7 +307,7 @@ class CoordinatorEndpoint(_Endpoint):
         if identity is None:
             raise TransportError(f"rank {rank} has not joined")
         peer = self._peers[identity]
-        _check_size(body, payload, self.max_frame_bytes)
+        check_size(body, payload, self.max_frame_bytes)
         seq = peer.last_seq_out + 1
         parts = seal(
             self.secret,
@@ -486,8 +328,11 @@ class CoordinatorEndpoint(_Endpoint):
     def _accept(self, identity: bytes, frames: list[zmq.Frame]) -> Inbound:
         peer = self._peers.get(identity)
         try:
-            opened = _unseal(
-                frames, secret=self.secret, identity=identity, max_frame_bytes=self.max_frame_bytes
+            opened = unseal(
+                [f.buffer for f in frames],
+                secret=self.secret,
+                identity=identity,
+                max_frame_bytes=self.max_frame_bytes,
             )
         except RemoteProtocolError as exc:
             where = "" if peer is None else f" (on the connection of rank {peer.rank})"
@@ -497,7 +342,7 @@ class CoordinatorEndpoint(_Endpoint):
         except RemoteProtocolError as exc:
             return self._reject(str(exc), exc.rank)
 
-    def _join(self, identity: bytes, opened: _Opened) -> Joined:
+    def _join(self, identity: bytes, opened: Opened) -> Joined:
         hello = messages.decode(opened.body)
         if not isinstance(hello, messages.Hello):
             raise RemoteProtocolError(f"first frame must be Hello, got {type(hello).__name__}")
@@ -513,7 +358,7 @@ class CoordinatorEndpoint(_Endpoint):
         self._by_rank[hello.rank] = identity
         return Joined(rank=hello.rank, host=hello.host)
 
-    def _receive(self, peer: _Peer, opened: _Opened) -> Received:
+    def _receive(self, peer: _Peer, opened: Opened) -> Received:
         if opened.sender != peer.rank:
             raise RemoteProtocolError(f"header names sender {opened.sender}", rank=peer.rank)
         if opened.seq <= peer.last_seq_in:
@@ -570,10 +415,10 @@ class RankEndpoint(_Endpoint):
         host: str = "",
         max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
-        _check_limits(world_size, max_frame_bytes)
+        check_limits(world_size, max_frame_bytes)
         if not 0 <= rank < world_size:
             raise ConfigError("rank", f"must be in [0, {world_size}), got {rank}")
-        _check_secret(secret)
+        check_secret(secret)
         self.rank = rank
         self._secret = secret
         self.max_frame_bytes = max_frame_bytes
@@ -610,7 +455,7 @@ class RankEndpoint(_Endpoint):
         self._check_open()
         seq = self._last_seq_out + 1
         body = messages.encode(message)
-        _check_size(body, payload, self.max_frame_bytes)
+        check_size(body, payload, self.max_frame_bytes)
         parts = seal(
             self._secret,
             identity=self._identity,
@@ -655,8 +500,8 @@ class RankEndpoint(_Endpoint):
     def _accept(
         self, frames: list[zmq.Frame]
     ) -> tuple[messages.CoordMessage, list[bytes | memoryview]]:
-        opened = _unseal(
-            frames,
+        opened = unseal(
+            [f.buffer for f in frames],
             secret=self._secret,
             identity=self._identity,
             max_frame_bytes=self.max_frame_bytes,

@@ -1,0 +1,87 @@
+"""The host executes the core's commands in the order they were returned.
+
+A host averages in place (cpu-* modes) and answers ``AverageSnapshots`` with an
+``AverageComputed`` event. That event is fed to the core only after the rest
+of the command list it came in was executed, so the follow-up's commands run
+after everything the core asked for before it. The core here is scripted (a
+real ``Coordinator`` whose ``handle`` answers from a table) and the endpoint
+records what it was asked to send: no sockets, no threads.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from elche.core import messages as m
+from elche.core.commands import ArmTimer, AverageSnapshots, Command, Finish, Send
+from elche.core.config import CoordinatorConfig, Mode
+from elche.core.coordinator import Coordinator
+from elche.core.events import AverageComputed, Event, Started
+from elche.runtime.frames import Buffer
+from elche.runtime.host import Host
+from elche.runtime.transport import Inbound
+
+CONFIG = CoordinatorConfig(
+    mode=Mode.parse("cpu-sync"), world_size=1, num_samples=8, batch_size=4, epochs=1
+)
+
+
+class ScriptedCore(Coordinator):
+    """A coordinator whose ``handle`` answers each event type from ``script``."""
+
+    def __init__(self, script: dict[type[Event], list[Command]]) -> None:
+        super().__init__(CONFIG)
+        self.script = script
+        self.seen: list[Event] = []
+
+    def handle(self, event: Event, now_s: float) -> list[Command]:
+        self.seen.append(event)
+        return list(self.script.get(type(event), []))
+
+
+class RecordingEndpoint:
+    """Stands in for ``CoordinatorEndpoint``: nothing arrives, sends are recorded."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, m.CoordMessage]] = []
+
+    def poll(self, timeout_s: float) -> list[Inbound]:
+        return []
+
+    def send(self, rank: int, message: m.CoordMessage, payload: Sequence[Buffer] = ()) -> None:
+        self.sent.append((rank, message))
+
+    def broadcast(
+        self, ranks: Iterable[int], message: m.CoordMessage, payload: Sequence[Buffer] = ()
+    ) -> list[int]:
+        self.sent.extend((rank, message) for rank in ranks)
+        return []
+
+
+def test_an_average_is_handled_after_the_rest_of_its_command_list(tmp_path: Path) -> None:
+    endpoint = RecordingEndpoint()
+    host = Host(CONFIG, endpoint, tmp_path, log=io.StringIO())  # type: ignore[arg-type]
+    core = ScriptedCore(
+        {
+            Started: [
+                AverageSnapshots(cycle=1, param_mass=(), buffer_mass=()),
+                Send(rank=0, message=m.SetBudget(budget=4)),
+                ArmTimer(deadline_s=5.0),
+            ],
+            AverageComputed: [
+                Send(rank=0, message=m.Update(cycle=1, alpha=None)),
+                ArmTimer(deadline_s=9.0),
+                Finish(outcome="completed"),
+            ],
+        }
+    )
+    host.core = core
+
+    finish = host.run()
+
+    assert finish == Finish(outcome="completed")
+    assert core.seen == [Started(), AverageComputed(cycle=1)]
+    assert endpoint.sent == [(0, m.SetBudget(budget=4)), (0, m.Update(cycle=1, alpha=None))]
+    assert host._deadline == 9.0  # the follow-up's timer was armed last
