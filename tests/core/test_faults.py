@@ -58,6 +58,8 @@ def test_bad_fields_are_refused_by_name(build: object, field: str) -> None:
 
 def test_a_failing_checkpoint_needs_no_trigger() -> None:
     assert FailCheckpoint(rank=0) == FaultPlan().fail_checkpoint(rank=0).faults[0]
+    assert FailCheckpoint(rank=0).from_start
+    assert not FailCheckpoint(rank=0, at_epoch=1.0).from_start
 
 
 def test_check_refuses_a_rank_outside_the_world() -> None:

@@ -65,6 +65,11 @@ class _Triggered:
                 f"{type(self).__name__} needs at_s (seconds) or at_epoch (epoch.fraction), or both",
             )
 
+    @property
+    def from_start(self) -> bool:
+        """No trigger: in force from the start (only ``FailCheckpoint`` allows it)."""
+        return self.at_s is None and self.at_epoch is None
+
     def due(self, *, epoch: float, elapsed_s: float | None = None) -> bool:
         """Whether a trigger is reached at a batch boundary.
 

@@ -231,11 +231,7 @@ class Simulation:
         self._collective_round = -1
         self._averaging: dict[int, list[Batch]] = {}
         faults = config.faults.faults
-        self._fail_checkpoint = {
-            f.rank
-            for f in faults
-            if isinstance(f, FailCheckpoint) and f.at_s is None and f.at_epoch is None
-        }
+        self._fail_checkpoint = {f.rank for f in faults if f.from_start}
         self._fired: set[int] = set()  # indices into faults
         self._by_progress = {  # rank -> indices of its faults with a progress trigger
             r: [i for i, f in enumerate(faults) if f.rank == r and f.at_epoch is not None]
