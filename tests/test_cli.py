@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from elche.cli import draw_speeds, main
+from elche import FaultPlan
+from elche.cli import _parser, draw_speeds, main
 
 CONTRACT = {
     "mode", "world_size", "epochs_completed", "samples_trained", "virtual_wall_s",
@@ -34,6 +36,24 @@ def test_kill_flag_reaches_the_simulation(capsys: pytest.CaptureFixture[str]) ->
     assert doc["lost_samples"] == 0
 
 
+def test_kill_at_a_progress_point_and_a_replayed_plan_agree(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    by_flag = run_json(capsys, *SMALL, "--kill", "1@e0.5", "--stall", "2@e0.75")
+    assert by_flag["dead_ranks"] == [1, 2]
+    plan = FaultPlan().kill(rank=1, at_epoch=0.5).stall(rank=2, at_epoch=0.75)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    replayed = run_json(capsys, *SMALL, "--faults", str(path))
+    by_flag.pop("real_s"), replayed.pop("real_s")
+    assert replayed == by_flag
+
+
+def test_demo_takes_a_fault_file_beside_crash_and_stall() -> None:
+    args = _parser().parse_args(["demo", "--faults", "p.json", "--crash", "1@1.5"])
+    assert (args.faults, args.crash) == ("p.json", ["1@1.5"])
+
+
 def test_ranks_draw_speeds_from_the_seed(capsys: pytest.CaptureFixture[str]) -> None:
     doc = run_json(capsys, *SMALL, "--ranks", "5", "--seed", "3")
     speeds = [r["speed"] for r in doc["per_rank"]]  # type: ignore[attr-defined]
@@ -59,6 +79,11 @@ def test_table_output_names_the_outcome(capsys: pytest.CaptureFixture[str]) -> N
         (["--speeds", "1,0"], "speeds"),
         (["--kill", "one@5"], "kill"),
         (["--kill", "7@1"], "faults"),
+        (["--kill", "1@e"], "kill"),
+        (["--stall", "1"], "stall"),
+        (["--kill", "1@-2"], "at_s"),
+        (["--kill", "1@e-2"], "at_epoch"),
+        (["--faults", "/nonexistent/plan.json"], "faults"),
         (["--ranks", "2", "--speeds", "1,1,1"], "ranks"),
         (["--batch-size", "0"], "batch_size"),
     ],

@@ -25,8 +25,8 @@ from elche.core.errors import (
     RemoteProtocolError,
     TransportError,
 )
+from elche.core.faults import FaultPlan
 from elche.sim.engine import SimConfig, SimError, Simulation, simulate
-from elche.sim.faults import FaultPlan
 from elche.sim.result import SimResult
 
 __version__ = "0.1.0"

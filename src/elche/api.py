@@ -28,6 +28,7 @@ from typing import Any
 
 from elche.core.config import CallbackPolicy, CoordinatorConfig, Mode, SchedulerConfig
 from elche.core.errors import ConfigError
+from elche.core.faults import FaultPlan
 from elche.runtime.host import meta_path
 from elche.runtime.plan import Hooks, Plan, TrainResult
 
@@ -71,6 +72,7 @@ def train(
     run_dir: str | None = None,
     crash: Mapping[int, float] | None = None,
     stall: Mapping[int, float] | None = None,
+    faults: FaultPlan | None = None,
     outer_lr: float | None = None,
     outer_momentum: float = 0.9,
 ) -> TrainResult:
@@ -121,9 +123,15 @@ def train(
             default) averages plainly. Suggested: 0.7.
         outer_momentum: its momentum (default 0.9).
         crash: testing hook: ``{rank: epoch.fraction}`` — that rank kills
-            itself with SIGKILL when its training reaches that point.
+            itself with SIGKILL when its training reaches that point
+            (shorthand for ``FaultPlan().kill(rank=r, at_epoch=e)``).
         stall: testing hook: ``{rank: epoch.fraction}`` — that rank hangs
-            there (no work, no heartbeat) until it is declared dead.
+            there (no work, no heartbeat) until it is declared dead
+            (shorthand for ``FaultPlan().stall(rank=r, at_epoch=e)``).
+        faults: testing hook: an ``elche.FaultPlan`` (kill, stall, slow
+            down, failing checkpoints, by progress ``at_epoch`` or by wall
+            seconds ``at_s`` since the rank began training), the same plan
+            ``elche sim`` replays; ``crash`` and ``stall`` are added after it.
 
     Returns:
         The final model state, per-epoch metrics and the run summary.
@@ -139,7 +147,8 @@ def train(
         easgd_alpha=easgd_alpha, seed=seed, heartbeat_timeout_s=heartbeat_timeout_s,
         max_failures=max_failures, has_eval=eval_fn is not None, eval_every=eval_every,
         checkpoint_every=checkpoint_every, save_path=save_path, resume_from=resume_from,
-        crash=crash, stall=stall, outer_lr=outer_lr, outer_momentum=outer_momentum,
+        crash=crash, stall=stall, faults=faults, outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
     )  # fmt: skip
     from elche.runtime.worker import UserFns
 
@@ -185,6 +194,7 @@ def _plan(
     resume_from: str | None,
     crash: Mapping[int, float] | None,
     stall: Mapping[int, float] | None,
+    faults: FaultPlan | None,
     outer_lr: float | None,
     outer_momentum: float,
 ) -> Plan:
@@ -218,19 +228,37 @@ def _plan(
         save_path=save_path, easgd_alpha=easgd_alpha, outer_lr=outer_lr,
         outer_momentum=outer_momentum,
     )  # fmt: skip
-    faults = {"crash": dict(crash or {}), "stall": dict(stall or {})}
-    for name, points in faults.items():
+    return Plan(
+        config=config, speeds=speeds_t, speed_base_s=_speed_base(speed_base_s),
+        devices=devices_t, resume_from=resume_from,
+        faults=_faults(faults, crash, stall, world),
+    )  # fmt: skip
+
+
+def _faults(
+    plan: FaultPlan | None,
+    crash: Mapping[int, float] | None,
+    stall: Mapping[int, float] | None,
+    world: int,
+) -> FaultPlan:
+    """The run's fault plan: ``plan``, then the ``crash`` and ``stall`` shorthands."""
+    if plan is None:
+        plan = FaultPlan()
+    elif not isinstance(plan, FaultPlan):
+        raise ConfigError("faults", f"must be an elche.FaultPlan or None, got {plan!r}")
+    plan.check(world)
+    for name, points in (("crash", dict(crash or {})), ("stall", dict(stall or {}))):
         for rank, at in points.items():
             if not (isinstance(rank, int) and 0 <= rank < world and at >= 0):
                 raise ConfigError(
                     name,
                     f"expects {{rank: epoch.fraction}} with ranks in [0, {world}), got {points}",
                 )
-    return Plan(
-        config=config, speeds=speeds_t, speed_base_s=_speed_base(speed_base_s),
-        devices=devices_t, resume_from=resume_from,
-        crash=faults["crash"], stall=faults["stall"],
-    )  # fmt: skip
+            if name == "crash":
+                plan = plan.kill(rank=rank, at_epoch=at)
+            else:
+                plan = plan.stall(rank=rank, at_epoch=at)
+    return plan
 
 
 def _speed_base(base_s: float | None) -> float | None:

@@ -1,7 +1,9 @@
 """The ``elche`` command.
 
 ``elche sim`` runs the coordinator core against simulated ranks in virtual
-time and prints what a real cluster of those speeds would achieve.
+time and prints what a real cluster of those speeds would achieve. Its fault
+flags and ``--faults FILE.json`` (a ``FaultPlan.to_json`` document) speak the
+same fault vocabulary as ``elche demo`` and ``elche.train(faults=...)``.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from collections.abc import Sequence
 
 from elche.core.config import Mode, SchedulerConfig
 from elche.core.errors import ConfigError
+from elche.core.faults import FaultPlan
 from elche.sim.engine import SimConfig, SimError, simulate
-from elche.sim.faults import FaultPlan
 from elche.sim.result import SimResult
 
 __all__ = ["main"]
@@ -72,15 +74,25 @@ def _parser() -> argparse.ArgumentParser:
         "--kill",
         action="append",
         default=[],
-        metavar="RANK@SECONDS",
-        help="SIGKILL a rank at a virtual time; repeatable",
+        metavar="RANK@WHEN",
+        help="SIGKILL a rank; WHEN is virtual seconds (1@5) or, after an 'e', training "
+        "progress as epoch.fraction (1@e0.5: just before rank 1 trains a batch at or past "
+        "epoch 0.5, as elche demo --crash 1@0.5 does); repeatable",
     )
     sim.add_argument(
         "--stall",
         action="append",
         default=[],
-        metavar="RANK@SECONDS",
-        help="hang a rank (no work, no heartbeat) at a virtual time",
+        metavar="RANK@WHEN",
+        help="hang a rank (no work, no heartbeat); WHEN as for --kill; repeatable",
+    )
+    sim.add_argument(
+        "--faults",
+        default=None,
+        metavar="FILE.json",
+        help="replay a fault plan (FaultPlan.to_json: "
+        '{"faults": [{"kind": "kill", "rank": 1, "at_epoch": 0.5}, ...]}); '
+        "--kill and --stall add to it",
     )
     sim.add_argument(
         "--heartbeat-timeout",
@@ -128,6 +140,13 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="RANK@EPOCH.FRACTION",
         help="testing: that rank hangs at that point (no work, no heartbeat)",
+    )
+    demo.add_argument(
+        "--faults",
+        default=None,
+        metavar="FILE.json",
+        help="testing: a fault plan (FaultPlan.to_json, as elche sim --faults takes; at_s "
+        "counts wall seconds from each rank's start of training); --crash/--stall add to it",
     )
     demo.add_argument(
         "--heartbeat-timeout",
@@ -198,6 +217,43 @@ def _at(text: str, flag: str) -> tuple[int, float]:
         raise ConfigError(flag, f"expected RANK@WHEN such as 1@5, got {text!r}") from None
 
 
+def _trigger(text: str, flag: str) -> tuple[int, dict[str, float]]:
+    """``RANK@SECONDS`` or ``RANK@eEPOCH`` as a rank and its trigger's keywords."""
+    rank_text, sep, when = text.partition("@")
+    key = "at_epoch" if when[:1] in ("e", "E") else "at_s"
+    try:
+        if not sep:
+            raise ValueError
+        return int(rank_text), {key: float(when[1:] if key == "at_epoch" else when)}
+    except ValueError:
+        raise ConfigError(
+            flag, f"expected RANK@SECONDS (1@5) or RANK@eEPOCH (1@e0.5), got {text!r}"
+        ) from None
+
+
+def _read_faults(path: str | None) -> FaultPlan:
+    """The plan in ``path`` (``FaultPlan.to_json``), or an empty plan for None."""
+    if path is None:
+        return FaultPlan()
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ConfigError("faults", f"cannot read {path}: {exc}") from None
+    return FaultPlan.from_json(text)
+
+
+def _sim_faults(args: argparse.Namespace) -> FaultPlan:
+    plan = _read_faults(args.faults)
+    for text in args.kill:
+        rank, when = _trigger(text, "kill")
+        plan = plan.kill(rank=rank, **when)
+    for text in args.stall:
+        rank, when = _trigger(text, "stall")
+        plan = plan.stall(rank=rank, **when)
+    return plan
+
+
 def draw_speeds(num_ranks: int, seed: int) -> tuple[float, ...]:
     """Speeds of a mixed fleet: one rank at 1.0, the rest uniform in [0.25, 1]."""
     rng = random.Random(seed)
@@ -217,13 +273,7 @@ def _run_sim(args: argparse.Namespace) -> int:
             raise ConfigError(
                 "ranks", f"--ranks {args.ranks} disagrees with {len(speeds)} --speeds"
             )
-    plan = FaultPlan()
-    for text in args.kill:
-        rank, at_s = _at(text, "kill")
-        plan = plan.kill(rank=rank, at_s=at_s)
-    for text in args.stall:
-        rank, at_s = _at(text, "stall")
-        plan = plan.stall(rank=rank, at_s=at_s)
+    plan = _sim_faults(args)
     config = SimConfig(
         speeds=speeds,
         mode=Mode.parse(args.mode),
@@ -393,7 +443,8 @@ def _demo_summary(
     *, speeds: list[float], mode: str, epochs: int, batch_size: int, seed: int, progress: bool,
     save_path: str | None = None, resume_from: str | None = None,
     crash: dict[int, float] | None = None, stall: dict[int, float] | None = None,
-    heartbeat_timeout_s: float = 10.0, speed_base_s: float | None = None,
+    faults: FaultPlan | None = None, heartbeat_timeout_s: float = 10.0,
+    speed_base_s: float | None = None,
 ) -> dict[str, object]:  # fmt: skip
     from elche.api import train
     from elche.workloads import digits
@@ -418,6 +469,7 @@ def _demo_summary(
         progress=progress,
         crash=crash,
         stall=stall,
+        faults=faults,
         heartbeat_timeout_s=heartbeat_timeout_s,
     )
     return result.summary
@@ -436,7 +488,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         save_path=args.save_path, resume_from=args.resume_from,
         crash=dict(_at(text, "crash") for text in args.crash),
         stall=dict(_at(text, "stall") for text in args.stall),
-        heartbeat_timeout_s=args.heartbeat_timeout,
+        faults=_read_faults(args.faults), heartbeat_timeout_s=args.heartbeat_timeout,
     )  # fmt: skip
     if args.json:
         print(json.dumps(summary))

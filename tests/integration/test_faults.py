@@ -3,11 +3,14 @@
 Every test trains scikit-learn's digits on real rank processes (gloo, CPU)
 and breaks something on purpose: a rank SIGKILLs itself mid-window, a rank
 hangs, a rank dies inside ``checkpoint_fn``, the only peer of a collective run
-dies (the survivor saves; the bundle resumes), the coordinator is killed.
+dies (the survivor saves; the bundle resumes), the coordinator is killed. One
+``FaultPlan`` drives a simulation and a real run alike; a slow-down and
+failing checkpoints act on real ranks.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -16,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import elche
+from elche import FaultPlan, Mode, SimConfig, simulate
 from elche.workloads import digits
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -60,6 +64,43 @@ def test_sigkill_mid_window_is_survived(
 ) -> None:
     result = train(data, tmp_path, mode=mode, crash={1: 1.4})
     assert_survived(result, dead=[1])
+
+
+def test_one_plan_drives_a_simulation_and_a_real_run_alike(
+    data: tuple[object, object], tmp_path: Path
+) -> None:
+    plan = FaultPlan().kill(rank=1, at_epoch=0.5)
+    replayed = FaultPlan.from_json(plan.to_json())  # as a printed schedule is replayed
+    sim = simulate(
+        SimConfig(speeds=(1.0, 0.5, 0.25), mode=Mode.CADENCE, epochs=3,
+                  samples=len(data[0]), batch_size=32, heartbeat_timeout_s=3.0,
+                  faults=replayed)  # type: ignore[arg-type]  # Dataset
+    ).to_json()  # fmt: skip
+    real = train(data, tmp_path, mode="cadence", faults=plan)
+    for summary in (sim, real.summary):
+        assert summary["outcome"] == "completed"
+        assert summary["dead_ranks"] == [1]
+        assert summary["lost_samples"] == 0
+    assert_survived(real, dead=[1])
+
+
+def no_op_checkpoint(version: int, model: object) -> None:
+    """A checkpoint_fn that succeeds (unless a FailCheckpoint fault says otherwise)."""
+
+
+def test_a_slow_down_paces_a_full_speed_rank_and_checkpoints_fail_on_cue(
+    data: tuple[object, object], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    plan = FaultPlan().slow(rank=0, at_epoch=1.0, speed=0.5)
+    plan = plan.fail_checkpoint(rank=0, at_s=0.0).fail_checkpoint(rank=1, at_s=0.0)
+    result = train(data, tmp_path, speeds=[1.0, 1.0], faults=plan,
+                   checkpoint_fn=no_op_checkpoint, checkpoint_every=1)  # fmt: skip
+    assert_survived(result, dead=[])
+    injected = [
+        json.loads((tmp_path / "run" / f"rank{r}.json").read_text())["injected_s"] for r in (0, 1)
+    ]
+    assert injected[0] > 0.0 and injected[1] == 0.0
+    assert "FailCheckpoint fault" in capfd.readouterr().err
 
 
 def test_a_hung_rank_is_declared_dead_and_survived(

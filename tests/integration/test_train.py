@@ -16,6 +16,7 @@ import pytest
 
 import elche
 from elche.core.errors import ConfigError
+from elche.core.faults import FaultPlan
 from elche.workloads import digits
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -165,6 +166,10 @@ def test_one_rank_trains_in_process(data: tuple[object, object], tmp_path: Path)
         ({"callback_rank": "slowest"}, "callback_rank"),
         ({"resume_from": "/nonexistent/stem"}, "resume_from"),
         ({"speed_base_s": -0.001}, "speed_base_s"),
+        ({"faults": {1: 0.5}}, "faults"),
+        ({"faults": FaultPlan().kill(rank=3, at_epoch=0.5)}, "faults"),
+        ({"crash": {3: 0.5}}, "crash"),
+        ({"stall": {1: -1.0}}, "stall"),
     ],
 )
 def test_bad_config_fails_fast_naming_the_field(

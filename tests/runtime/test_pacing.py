@@ -278,3 +278,33 @@ def test_a_paced_rank_without_a_base_measures_its_own() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     pacer = pacer_for(model, optimizer, mse_step, BATCH, speed=0.5)
     assert pacer is not None and 0.0 < pacer.base_s < 5.0
+
+
+# --- a SlowDown fault: set_speed and slows_later -----------------------------------------
+
+
+def test_set_speed_paces_later_steps_at_the_new_speed() -> None:
+    sleep = RecordingSleep()
+    pacer = Pacer(1.0, 0.01, sleep=sleep)
+    assert pacer.after_step() == 0.0
+    pacer.set_speed(0.5)
+    assert pacer.after_step() == pytest.approx(0.01)
+    assert sleep.calls == [pytest.approx(0.01)]
+    assert (pacer.speed, pacer.injected_s) == (0.5, pytest.approx(0.01))
+
+
+def test_set_speed_refuses_a_bad_speed_and_keeps_the_old_one() -> None:
+    pacer = Pacer(0.5, 0.01, sleep=RecordingSleep())
+    with pytest.raises(ConfigError) as info:
+        pacer.set_speed(0.0)
+    assert info.value.field == "speeds"
+    assert (pacer.speed, pacer.wait_s) == (0.5, pytest.approx(0.01))
+
+
+def test_a_full_speed_rank_that_slows_later_gets_a_pacer_that_waits_nothing() -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    given = pacer_for(model, optimizer, mse_step, BATCH, speed=1.0, base_s=0.01, slows_later=True)
+    assert given is not None and (given.base_s, given.wait_s) == (0.01, 0.0)
+    measured = pacer_for(model, optimizer, mse_step, BATCH, speed=1.0, slows_later=True)
+    assert measured is not None and measured.wait_s == 0.0 and 0.0 < measured.base_s < 5.0

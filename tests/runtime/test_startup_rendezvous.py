@@ -10,10 +10,12 @@ tests call it on a stand-in holding a real ``RankSpec``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from elche.core.faults import SlowDown
 from elche.runtime.worker import RankSpec, Worker
 
 
@@ -45,3 +47,11 @@ def test_a_paced_rank_goes_on_once_every_peer_has_marked(tmp_path: Path) -> None
 def test_a_paced_rank_gives_up_waiting_after_the_timeout(tmp_path: Path) -> None:
     took = wait(spec(tmp_path, rank=1, speed=0.5, timeout_s=0.1))
     assert 0.1 <= took < 1.0  # pacing, not safety: it times its step anyway
+
+
+def test_a_full_speed_rank_that_will_slow_down_waits_like_a_paced_one(tmp_path: Path) -> None:
+    slowed = dataclasses.replace(
+        spec(tmp_path, rank=1, speed=1.0, timeout_s=0.1),
+        faults=(SlowDown(rank=1, at_epoch=1.0, speed=0.5),),
+    )
+    assert 0.1 <= wait(slowed) < 1.0  # it will time its step, so it waits for rank 0

@@ -15,6 +15,10 @@ Theory of operation
 2. After every optimizer step, ``Pacer.after_step`` waits
    ``base × (1/s − 1)``, so one step costs about ``base / s``: a rank at
    s = 0.25 is four times slower than it could be.
+3. A ``SlowDown`` fault (``elche.core.faults``) changes ``s`` mid-run
+   (``Pacer.set_speed``). A full-speed rank has no pacer, unless such a
+   fault is planned for it: then it measures ``base`` too and paces at
+   s = 1 (no wait) until the fault fires.
 
 Rules
 -----
@@ -158,12 +162,14 @@ def pacer_for(
     *,
     speed: float,
     base_s: float | None = None,
+    slows_later: bool = False,
 ) -> Pacer | None:
     """Make a rank ready to train at ``speed``: warm its steps up, build its pacer.
 
-    A rank at full speed only warms up and gets no pacer. A paced rank paces
-    by ``base_s`` when one is given (and warms up), otherwise by its own
-    ``measure_base_step_s``, whose untimed steps warm the same kernels up.
+    A rank at full speed only warms up and gets no pacer, unless it
+    ``slows_later``. A paced rank paces by ``base_s`` when one is given (and
+    warms up), otherwise by its own ``measure_base_step_s``, whose untimed
+    steps warm the same kernels up.
 
     Args:
         model: the rank's model (left as it was).
@@ -172,11 +178,13 @@ def pacer_for(
         batch: one batch, e.g. the rank's first.
         speed: the rank's speed, in (0, 1].
         base_s: the solo step time to pace by; None: measure it.
+        slows_later: a ``SlowDown`` fault is planned for this rank: build a
+            pacer even at full speed (it waits nothing until ``set_speed``).
 
     Returns:
-        The rank's pacer, or None at full speed.
+        The rank's pacer, or None at full speed when it never slows down.
     """
-    if speed >= 1.0:
+    if speed >= 1.0 and not slows_later:
         warm_up(model, step_fn, batch)
         return None
     if base_s is None:
@@ -207,16 +215,26 @@ class Pacer:
         *,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        self.speed = check_speed(speed)
+        check_speed(speed)  # the speed first, then the base (the documented order)
         if isinstance(base_s, bool) or not isinstance(base_s, int | float):
             raise ConfigError("base_s", f"must be a number of seconds, got {base_s!r}")
         if not math.isfinite(base_s) or base_s < 0:
             raise ConfigError("base_s", f"must be finite and >= 0, got {base_s!r}")
         self.base_s = float(base_s)
-        # One step should cost base / speed; the step itself already took base.
-        self.wait_s = self.base_s * (1.0 / self.speed - 1.0)
+        self.set_speed(speed)
         self.injected_s = 0.0  # total wait injected so far (nominal, not measured)
         self._sleep = sleep
+
+    def set_speed(self, speed: float) -> None:
+        """Pace every later step at ``speed`` (a ``SlowDown`` fault).
+
+        Raises:
+            ConfigError: (field ``"speeds"``) ``speed`` outside (0, 1] or not
+                a number; the pacer is unchanged.
+        """
+        self.speed = check_speed(speed)
+        # One step should cost base / speed; the step itself already took base.
+        self.wait_s = self.base_s * (1.0 / self.speed - 1.0)
 
     def after_step(self) -> float:
         """Wait the per-step penalty; call once after every optimizer step.

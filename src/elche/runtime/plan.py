@@ -14,11 +14,12 @@ process stay light.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from elche.core.config import CoordinatorConfig
+from elche.core.faults import FaultPlan
 
 __all__ = ["Hooks", "Plan", "TrainResult"]
 
@@ -50,5 +51,4 @@ class Plan:
     speed_base_s: float | None
     devices: tuple[str, ...]
     resume_from: str | None
-    crash: Mapping[int, float]
-    stall: Mapping[int, float]
+    faults: FaultPlan  # testing hook: what each rank does wrong, and when

@@ -12,6 +12,12 @@ permutation, mapped to dataset indices; every step is reported with
 ``BatchDone`` (compute time including the injected speed wait, and loss).
 ``epoch_fn`` runs on every rank when it starts a new epoch, so a learning-rate
 schedule stays the same everywhere.
+
+Testing hooks: the rank's faults (``RankSpec.faults``, ``elche.core.faults``)
+are checked before each batch, by progress (``at_epoch``) and by wall seconds
+since the training loop began (``at_s``). ``Kill`` SIGKILLs the process,
+``Stall`` freezes the heartbeats and hangs, ``SlowDown`` re-paces every later
+step, ``FailCheckpoint`` makes every later checkpoint report an error.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from elche.core import messages as m
 from elche.core import rank as r
 from elche.core.config import Backend, Mode
 from elche.core.dispatch import epoch_permutation
+from elche.core.faults import FailCheckpoint, Fault, Kill, SlowDown, Stall, position
 from elche.core.rank import RankProtocol
 from elche.runtime.averaging import collective_average, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
@@ -95,8 +102,12 @@ class RankSpec:
     resume_from: str | None = None
     threads: int = 1
     collective_timeout_s: float = 120.0
-    crash_at: float | None = None  # testing: SIGKILL itself at epoch.fraction
-    stall_at: float | None = None  # testing: hang (no work, no heartbeat) at epoch.fraction
+    faults: tuple[Fault, ...] = ()  # testing: this rank's faults (elche.core.faults)
+
+    @property
+    def slows_later(self) -> bool:
+        """A ``SlowDown`` fault is planned: the rank needs a pacer even at full speed."""
+        return any(isinstance(f, SlowDown) for f in self.faults)
 
 
 class Worker:
@@ -128,6 +139,9 @@ class Worker:
         self._perms: dict[int, list[int]] = {}
         self.bridge: Bridge | None = None
         self.owns_group = True
+        self._faults = [f for f in spec.faults if not f.from_start]  # not fired yet
+        self._fail_checkpoint = any(f.from_start for f in spec.faults)
+        self._loop_started_s = time.monotonic()  # reset when run() begins (at_s counts from it)
 
     # -- setup ---------------------------------------------------------------
 
@@ -201,7 +215,7 @@ class Worker:
             return
         run_dir = Path(spec.run_dir)
         (run_dir / f"started.rank{spec.rank}").touch()
-        if spec.speed >= 1.0:
+        if spec.speed >= 1.0 and not spec.slows_later:
             return
         deadline = time.monotonic() + spec.coordinator_timeout_s
         marks = [run_dir / f"started.rank{r}" for r in range(spec.world_size)]
@@ -213,6 +227,7 @@ class Worker:
         self.pacer = pacer_for(
             self.model, self.optimizer, self._loss, batch,
             speed=self.spec.speed, base_s=self.spec.speed_base_s,
+            slows_later=self.spec.slows_later,
         )  # fmt: skip
 
     # -- the loop ------------------------------------------------------------
@@ -221,6 +236,7 @@ class Worker:
         """Train until told to stop; returns why it stopped."""
         assert self.bridge is not None
         proto = self.proto
+        self._loop_started_s = time.monotonic()
         while True:
             self._drain()
             action = proto.next_action()
@@ -294,20 +310,41 @@ class Worker:
     def _loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         return self.fns.step_fn(model, batch)
 
-    def _chaos(self, batch: r.Train) -> None:
-        """Testing hooks: crash or hang once training reaches a point."""
-        at = batch.epoch + batch.offset / max(len(self.fns.dataset), 1)
-        if self.spec.crash_at is not None and at >= self.spec.crash_at:
-            print(f"elche rank {self.spec.rank}: crashing on purpose at {at:.2f}", file=sys.stderr)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.spec.stall_at is not None and at >= self.spec.stall_at:
-            print(f"elche rank {self.spec.rank}: stalling on purpose at {at:.2f}", file=sys.stderr)
-            assert self.bridge is not None
-            self.bridge.freeze()
-            threading.Event().wait()  # hangs until the launcher kills the process
+    def _inject_faults(self, batch: r.Train) -> None:
+        """Testing hooks: before ``batch``, fire this rank's faults that are due, in order."""
+        if not self._faults:
+            return
+        at = position(epoch=batch.epoch, offset=batch.offset, num_samples=len(self.fns.dataset))
+        elapsed_s = time.monotonic() - self._loop_started_s
+        pending, self._faults = self._faults, []
+        for fault in pending:
+            if fault.due(epoch=at, elapsed_s=elapsed_s):
+                self._fire(fault, at)
+            else:
+                self._faults.append(fault)
+
+    def _fire(self, fault: Fault, at: float) -> None:
+        rank = self.spec.rank
+        match fault:
+            case Kill():
+                print(f"elche rank {rank}: crashing on purpose at {at:.2f}", file=sys.stderr)
+                os.kill(os.getpid(), signal.SIGKILL)
+            case Stall():
+                print(f"elche rank {rank}: stalling on purpose at {at:.2f}", file=sys.stderr)
+                assert self.bridge is not None
+                self.bridge.freeze()
+                threading.Event().wait()  # hangs until the launcher kills the process
+            case SlowDown(speed=speed):
+                print(f"elche rank {rank}: slowing to {speed:g} at {at:.2f}", file=sys.stderr)
+                assert self.pacer is not None  # warm_up built one (slows_later)
+                self.pacer.set_speed(speed)
+            case FailCheckpoint():
+                self._fail_checkpoint = True
+            case _:
+                assert_never(fault)
 
     def _train_one(self, action: r.Train) -> None:
-        self._chaos(action)
+        self._inject_faults(action)
         size = action.size
         # Back to back, a step starts where the last one ended: the loop's own
         # cost (messages, reports) is part of this rank's step rate, which is
@@ -414,6 +451,8 @@ class Worker:
                     metric = float(self.fns.eval_fn(self.model, self.fns.eval_dataset))
                 self.model.train()
             else:
+                if self._fail_checkpoint:
+                    raise OSError("disk full (FailCheckpoint fault)")
                 if self.spec.save_path is not None:
                     self._write_bundle(self.spec.save_path, optimizer=True)
                 if self.fns.checkpoint_fn is not None:

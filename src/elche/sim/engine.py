@@ -19,7 +19,9 @@ state machine the worker drives) and adds only virtual time:
 
 Messages travel with a small latency. A killed rank is noticed after
 ``exit_detect_ms`` (the launcher's child watch); a stalled one only through
-the heartbeat timeout.
+the heartbeat timeout. A fault (``elche.core.faults``) fires at its virtual
+``at_s``, or when its rank is about to train the batch at ``at_epoch``,
+whichever comes first, and once.
 
 Besides driving the core, the simulator keeps its own ground truth of which
 trained batches reached a consensus model. ``SimResult.lost_samples`` and
@@ -63,6 +65,7 @@ from elche.core.events import (
     Started,
     TimerFired,
 )
+from elche.core.faults import FailCheckpoint, FaultPlan, Kill, SlowDown, Stall, position
 from elche.core.rank import (
     Average,
     Callback,
@@ -77,7 +80,6 @@ from elche.core.rank import (
     Train,
     Upload,
 )
-from elche.sim.faults import FailCheckpoint, FaultPlan, Kill, SlowDown, Stall
 from elche.sim.result import RankResult, SimResult, coverage_errors
 
 __all__ = ["SimConfig", "SimError", "Simulation", "simulate"]
@@ -228,8 +230,12 @@ class Simulation:
         self._collective: dict[int, int] | None = None  # rank -> steps entered with
         self._collective_round = -1
         self._averaging: dict[int, list[Batch]] = {}
-        self._fail_checkpoint = {
-            f.rank for f in config.faults.faults if isinstance(f, FailCheckpoint)
+        faults = config.faults.faults
+        self._fail_checkpoint = {f.rank for f in faults if f.from_start}
+        self._fired: set[int] = set()  # indices into faults
+        self._by_progress = {  # rank -> indices of its faults with a progress trigger
+            r: [i for i, f in enumerate(faults) if f.rank == r and f.at_epoch is not None]
+            for r in range(len(self.ranks))
         }
 
     # -- the loop --------------------------------------------------------------
@@ -245,9 +251,9 @@ class Simulation:
         for rank in range(len(self.ranks)):
             self._to_core(RankJoined(rank=rank, host="sim"))
             self._at(self.config.heartbeat_interval_s, functools.partial(self._heartbeat, rank))
-        for fault in self.config.faults.faults:
-            if not isinstance(fault, FailCheckpoint):
-                self._at(fault.at_s, functools.partial(self._fault, fault))
+        for index, fault in enumerate(self.config.faults.faults):
+            if fault.at_s is not None:
+                self._at(fault.at_s, functools.partial(self._fault, index))
         while self.finish is None:
             if not self._heap:
                 raise SimError(f"simulation stalled at {self.now:.3f} s with nothing scheduled")
@@ -330,7 +336,12 @@ class Simulation:
 
     # -- faults ----------------------------------------------------------------
 
-    def _fault(self, fault: Kill | Stall | SlowDown | FailCheckpoint) -> None:
+    def _fault(self, index: int) -> None:
+        """Fire fault ``index`` of the plan (once; a gone rank ignores it)."""
+        if index in self._fired:
+            return
+        self._fired.add(index)
+        fault = self.config.faults.faults[index]
         rank = self.ranks[fault.rank]
         if not rank.active:
             return
@@ -349,7 +360,20 @@ class Simulation:
             case SlowDown(speed=speed):
                 rank.speed = speed
             case FailCheckpoint():
-                pass
+                self._fail_checkpoint.add(fault.rank)
+            case _:
+                assert_never(fault)
+
+    def _progress_faults(self, r: _Rank, action: Train) -> None:
+        """Before ``r`` trains ``action``: fire its faults whose ``at_epoch`` is reached."""
+        pending = self._by_progress[r.rank]
+        if not pending:
+            return
+        at = position(epoch=action.epoch, offset=action.offset, num_samples=self.config.samples)
+        faults = self.config.faults.faults
+        for index in [i for i in pending if faults[i].due(epoch=at)]:
+            pending.remove(index)
+            self._fault(index)
 
     def _stop(self, rank: _Rank) -> None:
         rank.token += 1
@@ -420,7 +444,9 @@ class Simulation:
                 case Callback(request=request):
                     self._run_callback(r, request)
                 case Train():
-                    self._train(r, action)
+                    self._progress_faults(r, action)
+                    if r.active:
+                        self._train(r, action)
                 case StartEpoch():
                     raise AssertionError("simulated ranks run no epoch_fn")
                 case _:

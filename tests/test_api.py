@@ -1,0 +1,59 @@
+"""``elche.train``'s fault hooks: ``faults=`` and the ``crash``/``stall`` shorthands.
+
+The shorthands build the same ``FaultPlan`` a user could write, after the
+given one, and each rank's spec carries only its own faults.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elche.api import _faults
+from elche.core.config import CoordinatorConfig, Mode
+from elche.core.errors import ConfigError
+from elche.core.faults import FaultPlan, Kill, SlowDown, Stall
+from elche.runtime.launch import rank_spec
+from elche.runtime.plan import Plan
+
+
+def test_crash_and_stall_are_shorthands_added_after_the_plan() -> None:
+    given = FaultPlan().slow(rank=0, at_s=2.0, speed=0.5)
+    plan = _faults(given, {1: 1.4}, {2: 1.2}, 3)
+    assert plan.faults == (
+        SlowDown(rank=0, at_s=2.0, speed=0.5),
+        Kill(rank=1, at_epoch=1.4),
+        Stall(rank=2, at_epoch=1.2),
+    )
+    assert _faults(None, None, None, 3) == FaultPlan()
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (("plan", None, None), "faults"),
+        ((FaultPlan().kill(rank=3, at_s=1.0), None, None), "faults"),
+        ((None, {3: 1.0}, None), "crash"),
+        ((None, None, {"1": 1.0}), "stall"),
+    ],
+)
+def test_bad_fault_hooks_are_refused_by_name(args: tuple[object, ...], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _faults(*args, 3)  # type: ignore[arg-type]  # bad on purpose
+    assert info.value.field == field
+
+
+def test_each_rank_spec_carries_its_own_faults(tmp_path: Path) -> None:
+    config = CoordinatorConfig(
+        mode=Mode.CADENCE, world_size=3, num_samples=100, batch_size=10, epochs=1
+    )
+    faults = FaultPlan().kill(rank=1, at_epoch=0.5).fail_checkpoint(rank=2).stall(rank=1, at_s=9)
+    plan = Plan(
+        config=config, speeds=(1.0,) * 3, speed_base_s=None, devices=("cpu",) * 3,
+        resume_from=None, faults=faults,
+    )  # fmt: skip
+    specs = [rank_spec(plan, r, "addr", b"k", tmp_path, max_grad_norm=None) for r in range(3)]
+    assert specs[0].faults == ()
+    assert specs[1].faults == (faults.faults[0], faults.faults[2])
+    assert specs[2].faults == (faults.faults[1],)
