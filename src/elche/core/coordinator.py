@@ -64,6 +64,7 @@ from elche.core.events import (
     Started,
     TimerFired,
 )
+from elche.core.ledger import WindowLedger
 from elche.core.planner import Planner
 from elche.core.roles import CallbackRoles, Role
 from elche.core.scheduler import ElChe
@@ -124,10 +125,16 @@ class Coordinator:
         self.roles = CallbackRoles(config.callback_policy, ws, config.callback_rank)
         self.work = WorkBook(ws, config.num_samples, config.batch_size, config.epochs)
         self.planner = Planner(config, self.elche, self.work)
+        self.ledger = WindowLedger(ws)
         self.tuner = Tuner(
-            config, self.elche, self.roles, self.planner, self.work, guard_history=history
+            config,
+            self.elche,
+            self.roles,
+            self.planner,
+            self.work,
+            ledger=self.ledger,
+            guard_history=history,
         )
-        self.ledger = self.tuner.ledger
         self.round = Round()
         self.state = RunState.FORMING
         self.rank_state = [RankState.JOINING] * ws
@@ -271,7 +278,7 @@ class Coordinator:
             case m.Heartbeat():
                 pass
             case m.LrUpdate(lr=lr):
-                self.tuner.lr[rank] = lr
+                self.tuner.note_lr(rank, lr)
             case m.EvalResult():
                 self._on_eval_result(rank, message)
             case m.CheckpointResult():
@@ -577,7 +584,7 @@ class Coordinator:
         self._credit_in_flight_work(rank)
         reissued = self.work.forfeit(rank)
         self.elche.retire(rank)
-        self.planner.quiesced[rank] = False
+        self.planner.note_rank_lost(rank)
         live = self.live
         self._notice(
             "warning",
@@ -629,7 +636,7 @@ class Coordinator:
             self.planner.forget_tail_plan()
             if not rnd.in_flight:
                 for rank in sorted(live):
-                    self.planner.quiesced[rank] = False
+                    self.planner.note_rank_lost(rank)
                     self._dispatch(rank)
             self._unsatisfied = {r for r in live if not self.planner.satisfied(r)}
 

@@ -6,6 +6,9 @@ Rules:
   first calibration. Its *budget* (the steps it may take since the last
   average before it must hold) is the window, plus the overshoot allowance
   under ``async``, or its epoch-tail allocation when that is larger.
+- The automatic overshoot allowance (``async`` without a configured one)
+  starts at ``OVERSHOOT_INITIAL``, grows by one per ``Stable`` verdict up to
+  ``OVERSHOOT_CEILING`` and falls back to the start on a ``NudgeDown``.
 - One chunk in flight per rank. A chunk never runs past the budget.
 - ``sync`` hands each rank its whole equal partition at once and spreads a
   dead rank's partition evenly over the survivors.
@@ -34,14 +37,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from fractions import Fraction
+from typing import assert_never
 
 from elche.core import messages as m
 from elche.core.config import CoordinatorConfig, Policy
 from elche.core.dispatch import Span, batches_in, final_window_alloc, needs_final_window
 from elche.core.scheduler import ElChe
+from elche.core.verdicts import NudgeDown, Stable, SuppressGrowth, Verdict
 from elche.core.work import WorkBook
 
-__all__ = ["PROBE_STEPS", "TAIL_RESERVE_SLOW_STEPS", "Planner"]
+__all__ = [
+    "OVERSHOOT_CEILING",
+    "OVERSHOOT_INITIAL",
+    "PROBE_STEPS",
+    "TAIL_RESERVE_SLOW_STEPS",
+    "Planner",
+]
 
 # Before the first calibration every rank runs this many steps: one batch
 # fills the pipeline, the second gives a marginal timing sample. A full
@@ -52,6 +63,11 @@ PROBE_STEPS = 2
 # cover the jitter of one window on a shared machine, small enough that most
 # of the tail is still planned (see ``Planner._hold_back``).
 TAIL_RESERVE_SLOW_STEPS = 2
+
+# Async overshoot: start at 3 steps past the window, grow by one per Stable
+# round up to 15 (reference defaults).
+OVERSHOOT_INITIAL = 3
+OVERSHOOT_CEILING = 15
 
 
 class Planner:
@@ -67,7 +83,9 @@ class Planner:
         self.config = config
         self.elche = elche
         self.work = work
-        self.max_overshoot = 0
+        configured = config.scheduler.max_overshoot
+        self._overshoot_auto = configured is None and config.policy is Policy.ASYNC
+        self.max_overshoot = OVERSHOOT_INITIAL if configured is None else configured
         self.budget = [0] * config.world_size
         self.quiesced = [False] * config.world_size
         self.tail_plan: dict[int, int] | None = None
@@ -112,6 +130,31 @@ class Planner:
             self.budget[rank] = budget
             self.quiesced[rank] = False
         return updates
+
+    def note_verdict(self, verdict: Verdict) -> None:
+        """The guard judged the last round: the automatic overshoot follows it."""
+        if not self._overshoot_auto:
+            return
+        match verdict:
+            case Stable():
+                self.max_overshoot = min(self.max_overshoot + 1, OVERSHOOT_CEILING)
+            case NudgeDown():
+                self.max_overshoot = OVERSHOOT_INITIAL
+            case SuppressGrowth():
+                pass
+            case _:
+                assert_never(verdict)
+
+    def note_rank_lost(self, rank: int) -> None:
+        """``rank`` died: whatever it was waiting for, it is not quiesced."""
+        self.quiesced[rank] = False
+
+    def note_work_returned(self, rank: int) -> None:
+        """A death put work back in the pools: the gate waits for ``rank`` again.
+
+        It stays unquiesced until it is next planned (``next_chunk``).
+        """
+        self.quiesced[rank] = False
 
     def forget_tail_plan(self) -> None:
         """A rank died mid-window: the tail allocation no longer adds up.
