@@ -244,11 +244,9 @@ class Coordinator:
         self._start_epoch = meta.epoch
         self.global_step = meta.global_step
         self.sync_round = meta.sync_round
-        self.round.number = meta.sync_round
+        self.round = Round(number=meta.sync_round)
         self.epochs_completed = meta.epoch
-        self.work.done.update(range(meta.epoch))
-        for coverage in meta.coverage:
-            self.work.resume_epoch(coverage)
+        self.work.resume(meta.epoch, meta.coverage)
         if meta.epoch < self.config.epochs and meta.epoch not in self.work.pools:
             self._resume = None  # nothing started: a plain epoch open will do
 
@@ -384,14 +382,14 @@ class Coordinator:
                 f"{self.work.steps_since_sync(rank)} since the last average",
                 rank=rank,
             )
-        rnd.snapshot_steps[rank] = msg.steps
+        rnd.record_snapshot(rank, msg.steps)
         self._maybe_average()
 
     def _maybe_average(self) -> None:
         rnd = self.round
         if not rnd.ready_to_average(set(self.live)):
             return
-        rnd.phase = Phase.AVERAGING
+        rnd.begin_averaging()
         gamma = self.config.scheduler.gamma
         holders = sorted(rnd.snapshot_steps)
         self._out.append(
@@ -413,7 +411,7 @@ class Coordinator:
         for rank, steps in sorted(rnd.snapshot_steps.items()):
             if rank in live:
                 self.work.commit(rank, steps)
-        rnd.phase = Phase.APPLYING
+        rnd.begin_applying()
         # The last average of the run is loaded as is, not blended: the final
         # model is the consensus.
         last = self.work.next_epoch_to_open() is None and all(
@@ -581,7 +579,8 @@ class Coordinator:
             if not self._awaiting_save:
                 self._finish_save()
             return
-        self._credit_in_flight_work(rank)
+        # Work of the dead rank that an average already holds is kept.
+        self.work.commit(rank, self.round.leave(rank))
         reissued = self.work.forfeit(rank)
         self.elche.retire(rank)
         self.planner.note_rank_lost(rank)
@@ -598,23 +597,6 @@ class Coordinator:
             return
         self._reassign_callbacks(rank)
         self._after_death()
-
-    def _credit_in_flight_work(self, rank: int) -> None:
-        """Work of the dead ``rank`` that an average already holds is kept.
-
-        A snapshot the shell is already averaging is in the consensus, so its
-        steps count. A snapshot uploaded to a round that has not started
-        averaging is dropped from that round instead: the round may never
-        complete, and its samples go back to the pool with the rest.
-        """
-        rnd = self.round
-        if not rnd.in_flight or rank not in rnd.members:
-            return
-        if rnd.phase is Phase.AVERAGING and rank in rnd.snapshot_steps:
-            self.work.commit(rank, rnd.snapshot_steps[rank])
-        elif rnd.phase is Phase.COLLECTING:
-            rnd.snapshot_steps.pop(rank, None)
-        rnd.members.discard(rank)
 
     def _after_death(self) -> None:
         rnd = self.round

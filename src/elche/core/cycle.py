@@ -67,6 +67,36 @@ class Round:
     def close(self) -> None:
         self.phase = Phase.IDLE
 
+    def record_snapshot(self, rank: int, steps: int) -> None:
+        """Coordinator backend: ``rank`` uploaded a snapshot of ``steps`` steps."""
+        self.snapshot_steps[rank] = steps
+
+    def begin_averaging(self) -> None:
+        """Coordinator backend: the shell is averaging the snapshots."""
+        self.phase = Phase.AVERAGING
+
+    def begin_applying(self) -> None:
+        """Coordinator backend: the average is out (``Update``); acks follow."""
+        self.phase = Phase.APPLYING
+
+    def leave(self, rank: int) -> int:
+        """``rank`` died: it leaves the round; returns its steps that still count.
+
+        A snapshot the shell is already averaging is in the consensus, so its
+        steps count. A snapshot uploaded to a round that has not started
+        averaging is dropped instead: the round may never complete, and its
+        samples go back to the pool with the rest.
+        """
+        if not self.in_flight or rank not in self.members:
+            return 0
+        held = 0
+        if self.phase is Phase.AVERAGING:
+            held = self.snapshot_steps.get(rank, 0)
+        elif self.phase is Phase.COLLECTING:
+            self.snapshot_steps.pop(rank, None)
+        self.members.discard(rank)
+        return held
+
     def record_ack(
         self,
         rank: int,

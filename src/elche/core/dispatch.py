@@ -243,6 +243,10 @@ class ChunkPool:
         residues = sum(end - cur for cur, end in zip(self._cursor, self._end, strict=True))
         return residues + _span_total(self._reclaimed)
 
+    def remaining_batches(self) -> int:
+        """``remaining()`` in batches, a short last batch counting as one."""
+        return batches_in(self.remaining(), self.batch_size)
+
     def outstanding(self, rank: int) -> int:
         """Samples handed to ``rank`` and neither committed nor handed back."""
         return _span_total(self.outstanding_spans(rank))

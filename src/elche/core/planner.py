@@ -216,7 +216,7 @@ class Planner:
         share = self._reserve_share(rank, now_s) if epoch is not None else 0
         span = None
         if epoch is not None and share > 0:
-            span = self.work.take(rank, epoch, share * self.config.batch_size)
+            span = self.work.pools[epoch].take(rank, share * self.config.batch_size)
         self.quiesced[rank] = span is None
         if epoch is None or span is None:
             return None
@@ -276,7 +276,7 @@ class Planner:
         epoch = self.work.serving_epoch()
         if epoch is None:
             return
-        remaining = self.work.remaining_batches(epoch)
+        remaining = self.work.pools[epoch].remaining_batches()
         counts = [self.window_steps(r) for r in range(self.config.world_size)]
         if needs_final_window(remaining, counts, live):
             alloc = final_window_alloc(remaining, counts, live)
@@ -296,16 +296,16 @@ class Planner:
         pool = self.work.pools[epoch]
         if self.config.policy is Policy.SYNC:
             if pool.residue(rank) > 0:
-                return self.work.take(rank, epoch, pool.residue(rank))
+                return pool.take(rank, pool.residue(rank))
             reclaimed = sum(size for _, size in pool.reclaimed_spans())
             share = batches_in(-(-reclaimed // max(live_count, 1)), bs)
-            return self.work.take_reclaimed(rank, epoch, share * bs)
+            return pool.take_reclaimed(rank, share * bs) if share > 0 else None
         batches = left
         if self.tail_plan is not None:
             batches = min(batches, self.tail_plan.get(rank, 0))
             if batches <= 0:
                 return None
-        span = self.work.take(rank, epoch, batches * bs)
+        span = pool.take(rank, batches * bs)
         if span is not None and self.tail_plan is not None:
             self.tail_plan[rank] -= batches_in(span[1], bs)
         return span

@@ -167,7 +167,7 @@ class Tuner:
         if epoch is None:
             return
         total = sum(self.elche.batch_counts[r] for r in live)
-        if total == 0 or self.work.remaining_batches(epoch) > total:
+        if total == 0 or self.work.pools[epoch].remaining_batches() > total:
             return
         slack = self.roles.boundary_slack_ms(
             epoch + 1,
