@@ -473,17 +473,17 @@ class Coordinator:
         """Give ``rank`` its next chunk if it is idle and may take one."""
         if self.rank_state[rank] is not RankState.LIVE or self.state is not RunState.TRAINING:
             return
-        chunk = self.planner.next_chunk(rank, len(self.live), self._stream_ahead, self._now)
+        if self.planner.needs_next_epoch(rank):
+            self._stream_ahead()
+        chunk = self.planner.next_chunk(rank, len(self.live), self._now)
         if chunk is not None:
             self._out.append(Send(rank=rank, message=chunk))
 
-    def _stream_ahead(self) -> int | None:
-        """Async: open the next epoch early so fast ranks keep streaming."""
+    def _stream_ahead(self) -> None:
+        """Async: open the next epoch early (at most two open) so fast ranks keep streaming."""
         nxt = self.work.next_epoch_to_open()
-        if nxt is None or len(self.work.open_epochs()) >= 2:
-            return None
-        self._open_epoch(nxt)
-        return self.work.serving_epoch()
+        if nxt is not None and len(self.work.open_epochs()) < 2:
+            self._open_epoch(nxt)
 
     def _epoch_finished(self, epoch: int) -> None:
         total, count = self._epoch_loss.pop(epoch, (0.0, 0))

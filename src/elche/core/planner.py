@@ -35,7 +35,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from fractions import Fraction
 from typing import assert_never
 
@@ -168,19 +168,26 @@ class Planner:
         """``rank`` reported a batch at ``now_s``: its queue is counted from here."""
         self._progress_s[rank] = now_s
 
-    def next_chunk(
-        self,
-        rank: int,
-        live_count: int,
-        stream_ahead: Callable[[], int | None],
-        now_s: float = 0.0,
-    ) -> m.AssignChunk | None:
+    def needs_next_epoch(self, rank: int) -> bool:
+        """Async: ``rank`` is idle with budget left, but no open epoch has work.
+
+        The coordinator then opens the next epoch early, so fast ranks keep
+        streaming, before it asks ``next_chunk``. (Async plans no epoch
+        tail, so there is no reserve to serve instead.)
+        """
+        return (
+            self.config.policy is Policy.ASYNC
+            and self.work.busy_samples(rank) == 0
+            and self.budget[rank] > self.work.steps_since_sync(rank)
+            and self.work.serving_epoch() is None
+        )
+
+    def next_chunk(self, rank: int, live_count: int, now_s: float = 0.0) -> m.AssignChunk | None:
         """The chunk ``rank`` should train next, if it is idle and may take one.
 
         Args:
             rank: a live rank.
             live_count: how many ranks are live (to split reclaimed work).
-            stream_ahead: opens the next epoch early (async) and returns it.
             now_s: the coordinator's clock, to time the epoch tail's reserve.
         """
         if self.work.busy_samples(rank) > 0:
@@ -191,8 +198,6 @@ class Planner:
         if left <= 0:
             return None  # holds for the next average
         epoch = self.work.serving_epoch()
-        if epoch is None and self.config.policy is Policy.ASYNC:
-            epoch = stream_ahead()
         span = None if epoch is None else self._take(rank, epoch, left, live_count)
         self.quiesced[rank] = span is None
         if epoch is None or span is None:
