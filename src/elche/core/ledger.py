@@ -15,11 +15,45 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from dataclasses import dataclass
 
 from elche.core.errors import ConfigError
-from elche.core.scheduler import WindowReport
 
-__all__ = ["WindowLedger"]
+__all__ = ["WindowLedger", "WindowReport"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WindowReport:
+    """One reduce window's timing, per rank (built by ``WindowLedger``).
+
+    ``wall_ms``/``steps`` is the compute-only scale; ``delivered_ms``/
+    ``delivered_batches`` the marginal delivered scale (first batch excluded);
+    ``fill_ms`` the first-batch excess; ``sync_ms`` the last reduce's cost.
+    """
+
+    wall_ms: tuple[float, ...]
+    steps: tuple[int, ...]
+    delivered_ms: tuple[float, ...]
+    delivered_batches: tuple[int, ...]
+    fill_ms: tuple[float, ...]
+    delivered_coherent: bool
+    sync_ms: float
+
+    def select_feed(self) -> tuple[tuple[float, ...], tuple[int, ...]]:
+        """The ``(ms, batches)`` pair to schedule on: one scale for all ranks.
+
+        Incoherent windows use the compute scale everywhere; coherent ones use
+        each rank's delivered pair when it has one (``> 0`` batches and ms).
+        """
+        if not self.delivered_coherent:
+            return self.wall_ms, self.steps
+        pairs = [
+            (d_ms, d_n) if d_n > 0 and d_ms > 0 else (w_ms, n)
+            for w_ms, n, d_ms, d_n in zip(
+                self.wall_ms, self.steps, self.delivered_ms, self.delivered_batches, strict=True
+            )
+        ]
+        return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
 
 
 class WindowLedger:

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from elche.core.elche_state import Phase
 from elche.core.errors import ConfigError
-from elche.core.scheduler import Phase
 from elche.core.verdicts import NudgeDown, SuppressGrowth, Verdict
 
 __all__ = ["LrEventMeta", "MetaConfig", "effective_factor"]
