@@ -39,6 +39,7 @@ import math
 from typing import assert_never
 
 from elche.core import messages as m
+from elche.core.callbacks import Callbacks
 from elche.core.checkpoint import CheckpointMeta, SaveReason
 from elche.core.commands import (
     ArmTimer,
@@ -66,7 +67,7 @@ from elche.core.events import (
 )
 from elche.core.ledger import WindowLedger
 from elche.core.planner import Planner
-from elche.core.roles import CallbackRoles, Role
+from elche.core.roles import CallbackRoles
 from elche.core.scheduler import ElChe
 from elche.core.tuning import Tuner
 from elche.core.work import WorkBook
@@ -135,6 +136,7 @@ class Coordinator:
             ledger=self.ledger,
             guard_history=history,
         )
+        self.callbacks = Callbacks(config, self.roles, self.ledger)
         self.round = Round()
         self.state = RunState.FORMING
         self.rank_state = [RankState.JOINING] * ws
@@ -152,8 +154,6 @@ class Coordinator:
         self._start_epoch = 0
         self._resume = resume
         self._unsatisfied: set[int] = set()
-        self._pending_evals: dict[int, int] = {}  # epoch -> rank asked
-        self._pending_checkpoints: dict[int, int] = {}  # version -> rank asked
         self._awaiting_save: set[int] = set()
         self._save_writer: int | None = None
         self._epoch_loss: dict[int, tuple[float, int]] = {}
@@ -278,12 +278,13 @@ class Coordinator:
             case m.LrUpdate(lr=lr):
                 self.tuner.note_lr(rank, lr)
             case m.EvalResult():
-                self._on_eval_result(rank, message)
+                self._out += self.callbacks.on_eval_result(rank, message, self.live)
+                self._maybe_close()
             case m.CheckpointResult():
-                self._on_checkpoint_result(rank, message)
+                self._out += self.callbacks.on_checkpoint_result(rank, message, self.live)
+                self._maybe_close()
             case m.EpochFnElapsed(elapsed_ms=elapsed_ms):
-                self.ledger.absorb_callback_cost(rank, elapsed_ms)
-                self.roles.record_cost(Role.EPOCH, elapsed_ms)
+                self.callbacks.on_epoch_fn(rank, elapsed_ms)
             case m.StateSaved():
                 self._on_state_saved(rank, message)
             case m.Exiting(reason=reason):
@@ -492,69 +493,21 @@ class Coordinator:
         self._emit("EpochEnd", epoch=epoch, loss=loss, sync_round=self.sync_round)
         self._broadcast(m.EpochDone(epoch=epoch, loss=loss))
         done = epoch + 1
-        cfg = self.config
-        if cfg.has_eval_fn and (done % cfg.eval_every == 0 or done == cfg.epochs):
-            self._ask_eval(done)
-        if cfg.checkpoint_every is not None and done % cfg.checkpoint_every == 0:
-            self._ask_checkpoint(done)
-            if cfg.save_path is not None:
-                self._out.append(
-                    WriteMeta(stem=cfg.save_path, meta=self._meta(SaveReason.CHECKPOINT))
-                )
-
-    def _ask_eval(self, epoch: int) -> None:
-        rank = self.roles.holder(Role.EVAL)
-        self._pending_evals[epoch] = rank
-        self._out.append(Send(rank=rank, message=m.RunEval(epoch=epoch)))
-
-    def _ask_checkpoint(self, version: int, rank: int | None = None) -> None:
-        target = self.roles.holder(Role.CHECKPOINT) if rank is None else rank
-        self._pending_checkpoints[version] = target
-        self._out.append(Send(rank=target, message=m.RunCheckpoint(version=version)))
+        self._out += self.callbacks.at_epoch_end(done)
+        stem = self.config.save_path
+        if self.callbacks.checkpoint_due(done) and stem is not None:
+            self._out.append(WriteMeta(stem=stem, meta=self._meta(SaveReason.CHECKPOINT)))
 
     def _end_of_training(self) -> None:
-        if self._pending_evals or self._pending_checkpoints:
+        if self.callbacks.pending:
             self.state = RunState.FINISHING
             return
         live = self.live
         self._broadcast(m.Shutdown(writer=min(live) if live else -1))
         self._finish("completed")
 
-    # -- callbacks -------------------------------------------------------------
-
-    def _on_eval_result(self, rank: int, msg: m.EvalResult) -> None:
-        self.ledger.absorb_callback_cost(rank, msg.elapsed_ms)
-        self.roles.record_cost(Role.EVAL, msg.elapsed_ms)
-        self._pending_evals.pop(msg.epoch, None)
-        if msg.error is not None:
-            self._notice("error", f"eval_fn failed on rank {rank} (epoch {msg.epoch}): {msg.error}")
-        else:
-            self._broadcast(m.EvalBroadcast(epoch=msg.epoch, metric=msg.metric))
-            self._emit("Eval", epoch=msg.epoch, metric=msg.metric, rank=rank)
-        self._maybe_close()
-
-    def _on_checkpoint_result(self, rank: int, msg: m.CheckpointResult) -> None:
-        self.ledger.absorb_callback_cost(rank, msg.elapsed_ms)
-        if msg.error is None:
-            self.roles.record_cost(Role.CHECKPOINT, msg.elapsed_ms)
-        else:
-            self._notice("error", f"checkpoint v{msg.version} failed on rank {rank}: {msg.error}")
-        self._settle_checkpoint(rank, msg.version, msg.error)
-        self._maybe_close()
-
-    def _settle_checkpoint(self, rank: int, version: int, error: str | None) -> None:
-        self._pending_checkpoints.pop(version, None)
-        retry = self.roles.on_checkpoint_result(rank, version, error, self.live)
-        if retry is not None:
-            self._ask_checkpoint(version, retry)
-        elif error is not None:
-            self._notice(
-                "error",
-                f"checkpoint v{version} failed on every live rank; giving up on this version "
-                "(training continues)",
-            )
-
     def _maybe_close(self) -> None:
+        """A callback answered: a finishing run may now be done."""
         if self.state is RunState.FINISHING:
             self._end_of_training()
 
@@ -595,7 +548,7 @@ class Coordinator:
         if reason_to_save is not None:
             self._save(reason_to_save)
             return
-        self._reassign_callbacks(rank)
+        self._out += self.callbacks.on_death(rank, self.live)
         self._after_death()
 
     def _after_death(self) -> None:
@@ -621,14 +574,6 @@ class Coordinator:
                     self.planner.note_rank_lost(rank)
                     self._dispatch(rank)
             self._unsatisfied = {r for r in live if not self.planner.satisfied(r)}
-
-    def _reassign_callbacks(self, dead: int) -> None:
-        for epoch, rank in sorted(self._pending_evals.items()):
-            if rank == dead:
-                self._ask_eval(epoch)
-        for version, rank in sorted(self._pending_checkpoints.items()):
-            if rank == dead:
-                self._settle_checkpoint(dead, version, "rank died")
 
     def _unrecoverable(self) -> SaveReason | None:
         limit = self.config.max_failures
