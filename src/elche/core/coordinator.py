@@ -53,7 +53,7 @@ from elche.core.commands import (
     WriteMeta,
 )
 from elche.core.config import Backend, CoordinatorConfig, Policy
-from elche.core.cycle import Phase, Round
+from elche.core.cycle import Round, RoundPhase
 from elche.core.errors import LocalProtocolError, RemoteProtocolError
 from elche.core.events import (
     AverageComputed,
@@ -358,9 +358,9 @@ class Coordinator:
         if msg.cycle != rnd.number or rank not in rnd.members or rank in rnd.acks:
             self.stale_messages += 1
             return
-        if rnd.phase is Phase.COLLECTING and self.config.backend is Backend.COLLECTIVE:
+        if rnd.phase is RoundPhase.COLLECTING and self.config.backend is Backend.COLLECTIVE:
             committed = self.work.commit(rank, msg.steps)
-        elif rnd.phase is Phase.APPLYING:
+        elif rnd.phase is RoundPhase.APPLYING:
             committed = rnd.snapshot_steps.get(rank, 0)
         else:
             raise RemoteProtocolError(
@@ -374,7 +374,11 @@ class Coordinator:
         rnd = self.round
         if self.config.backend is not Backend.COORDINATOR:
             raise RemoteProtocolError("sent a snapshot in a collective mode", rank=rank)
-        if msg.cycle != rnd.number or rank not in rnd.members or rnd.phase is not Phase.COLLECTING:
+        if (
+            msg.cycle != rnd.number
+            or rank not in rnd.members
+            or rnd.phase is not RoundPhase.COLLECTING
+        ):
             self.stale_messages += 1
             return
         if not 0 <= msg.steps <= self.work.steps_since_sync(rank):
@@ -406,7 +410,7 @@ class Coordinator:
 
     def _on_average_computed(self, cycle: int) -> None:
         rnd = self.round
-        if rnd.phase is not Phase.AVERAGING or cycle != rnd.number:
+        if rnd.phase is not RoundPhase.AVERAGING or cycle != rnd.number:
             raise LocalProtocolError(f"AverageComputed({cycle}) but no such average is running")
         live = set(self.live)
         for rank, steps in sorted(rnd.snapshot_steps.items()):
@@ -559,7 +563,7 @@ class Coordinator:
             self._broadcast(m.Regroup(generation=self.generation, members=sorted(live)))
             if rnd.in_flight and not rnd.acks:
                 rnd.close()  # the collective was abandoned; the gate fires again
-        if rnd.phase is Phase.COLLECTING and self.config.backend is Backend.COORDINATOR:
+        if rnd.phase is RoundPhase.COLLECTING and self.config.backend is Backend.COORDINATOR:
             self._maybe_average()
         if rnd.in_flight and rnd.complete(live):
             self._finish_round()

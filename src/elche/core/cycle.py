@@ -14,8 +14,9 @@ Rules:
   any ack was seen is abandoned: the group re-forms and the gate fires again.
 - The round closes when every live member has acked.
 
-Theory of operation: ``Phase`` below is the round's state; the coordinator
-moves it and asks ``ready_to_average``/``complete`` what to do next.
+Theory of operation: ``RoundPhase`` below is the round's state (named apart
+from the balancer's lifecycle ``Phase``); the coordinator moves it and asks
+``ready_to_average``/``complete`` what to do next.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-__all__ = ["Phase", "Round"]
+__all__ = ["Round", "RoundPhase"]
 
 
-class Phase(enum.Enum):
+class RoundPhase(enum.Enum):
+    """Where the averaging round stands; ``IDLE`` between rounds."""
+
     IDLE = "idle"
     COLLECTING = "collecting"  # waiting for acks (collective) or snapshots (coordinator)
     AVERAGING = "averaging"  # coordinator backend: the shell is averaging
@@ -38,7 +41,7 @@ class Round:
     """State of the current (or last) averaging round."""
 
     number: int = 0
-    phase: Phase = Phase.IDLE
+    phase: RoundPhase = RoundPhase.IDLE
     started_s: float = 0.0
     members: set[int] = field(default_factory=set)
     snapshot_steps: dict[int, int] = field(default_factory=dict)
@@ -49,12 +52,12 @@ class Round:
 
     @property
     def in_flight(self) -> bool:
-        return self.phase is not Phase.IDLE
+        return self.phase is not RoundPhase.IDLE
 
     def open(self, members: set[int], now_s: float) -> int:
         """Start round ``number + 1`` with ``members``; returns its number."""
         self.number += 1
-        self.phase = Phase.COLLECTING
+        self.phase = RoundPhase.COLLECTING
         self.started_s = now_s
         self.members = set(members)
         self.snapshot_steps.clear()
@@ -65,7 +68,7 @@ class Round:
         return self.number
 
     def close(self) -> None:
-        self.phase = Phase.IDLE
+        self.phase = RoundPhase.IDLE
 
     def record_snapshot(self, rank: int, steps: int) -> None:
         """Coordinator backend: ``rank`` uploaded a snapshot of ``steps`` steps."""
@@ -73,11 +76,11 @@ class Round:
 
     def begin_averaging(self) -> None:
         """Coordinator backend: the shell is averaging the snapshots."""
-        self.phase = Phase.AVERAGING
+        self.phase = RoundPhase.AVERAGING
 
     def begin_applying(self) -> None:
         """Coordinator backend: the average is out (``Update``); acks follow."""
-        self.phase = Phase.APPLYING
+        self.phase = RoundPhase.APPLYING
 
     def leave(self, rank: int) -> int:
         """``rank`` died: it leaves the round; returns its steps that still count.
@@ -90,9 +93,9 @@ class Round:
         if not self.in_flight or rank not in self.members:
             return 0
         held = 0
-        if self.phase is Phase.AVERAGING:
+        if self.phase is RoundPhase.AVERAGING:
             held = self.snapshot_steps.get(rank, 0)
-        elif self.phase is Phase.COLLECTING:
+        elif self.phase is RoundPhase.COLLECTING:
             self.snapshot_steps.pop(rank, None)
         self.members.discard(rank)
         return held
@@ -115,11 +118,11 @@ class Round:
 
     def ready_to_average(self, live: set[int]) -> bool:
         """Coordinator backend: every live member uploaded its snapshot."""
-        return self.phase is Phase.COLLECTING and all(
+        return self.phase is RoundPhase.COLLECTING and all(
             r in self.snapshot_steps for r in self.members & live
         )
 
     def complete(self, live: set[int]) -> bool:
         """Every live member acknowledged the round."""
-        waiting = self.phase is Phase.COLLECTING or self.phase is Phase.APPLYING
+        waiting = self.phase is RoundPhase.COLLECTING or self.phase is RoundPhase.APPLYING
         return waiting and all(r in self.acks for r in self.members & live)
