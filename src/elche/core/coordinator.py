@@ -43,7 +43,6 @@ from elche.core.callbacks import Callbacks
 from elche.core.checkpoint import CheckpointMeta, SaveReason
 from elche.core.commands import (
     ArmTimer,
-    AverageSnapshots,
     Broadcast,
     Command,
     Emit,
@@ -137,7 +136,7 @@ class Coordinator:
             guard_history=history,
         )
         self.callbacks = Callbacks(config, self.roles, self.ledger)
-        self.round = Round()
+        self.round = Round(config, self.work)
         self.state = RunState.FORMING
         self.rank_state = [RankState.JOINING] * ws
         self.hosts = [""] * ws
@@ -244,7 +243,7 @@ class Coordinator:
         self._start_epoch = meta.epoch
         self.global_step = meta.global_step
         self.sync_round = meta.sync_round
-        self.round = Round(number=meta.sync_round)
+        self.round = Round(self.config, self.work, number=meta.sync_round)
         self.epochs_completed = meta.epoch
         self.work.resume(meta.epoch, meta.coverage)
         if meta.epoch < self.config.epochs and meta.epoch not in self.work.pools:
@@ -342,90 +341,29 @@ class Coordinator:
             self._trigger()
 
     def _trigger(self) -> None:
-        live = set(self.live)
-        number = self.round.open(live, self._now)
-        ranks = tuple(sorted(live))
-        self._emit("SyncStart", round=number)
-        if self.config.backend is Backend.COLLECTIVE:
-            self._out.append(
-                Broadcast(ranks=ranks, message=m.SyncNow(cycle=number, generation=self.generation))
-            )
-        else:
-            self._out.append(Broadcast(ranks=ranks, message=m.RequestParams(cycle=number)))
+        self._out += self.round.start(set(self.live), self._now, self.generation)
 
     def _on_sync_ack(self, rank: int, msg: m.SyncAck) -> None:
-        rnd = self.round
-        if msg.cycle != rnd.number or rank not in rnd.members or rank in rnd.acks:
+        if not self.round.on_ack(rank, msg):
             self.stale_messages += 1
-            return
-        if rnd.phase is RoundPhase.COLLECTING and self.config.backend is Backend.COLLECTIVE:
-            committed = self.work.commit(rank, msg.steps)
-        elif rnd.phase is RoundPhase.APPLYING:
-            committed = rnd.snapshot_steps.get(rank, 0)
-        else:
-            raise RemoteProtocolError(
-                f"acknowledged round {msg.cycle} before its update", rank=rank
-            )
-        rnd.record_ack(rank, committed, msg.divergence, msg.pre_norm, msg.post_norm)
-        if rnd.complete(set(self.live)):
+        elif self.round.complete(set(self.live)):
             self._finish_round()
 
     def _on_snapshot(self, rank: int, msg: m.SnapshotReady) -> None:
-        rnd = self.round
-        if self.config.backend is not Backend.COORDINATOR:
-            raise RemoteProtocolError("sent a snapshot in a collective mode", rank=rank)
-        if (
-            msg.cycle != rnd.number
-            or rank not in rnd.members
-            or rnd.phase is not RoundPhase.COLLECTING
-        ):
+        if not self.round.on_snapshot(rank, msg):
             self.stale_messages += 1
             return
-        if not 0 <= msg.steps <= self.work.steps_since_sync(rank):
-            raise RemoteProtocolError(
-                f"snapshot claims {msg.steps} steps; it made "
-                f"{self.work.steps_since_sync(rank)} since the last average",
-                rank=rank,
-            )
-        rnd.record_snapshot(rank, msg.steps)
         self._maybe_average()
 
     def _maybe_average(self) -> None:
-        rnd = self.round
-        if not rnd.ready_to_average(set(self.live)):
-            return
-        rnd.begin_averaging()
-        gamma = self.config.scheduler.gamma
-        holders = sorted(rnd.snapshot_steps)
-        self._out.append(
-            AverageSnapshots(
-                cycle=rnd.number,
-                param_mass=tuple(
-                    (r, float(rnd.snapshot_steps[r]) ** gamma if rnd.snapshot_steps[r] else 0.0)
-                    for r in holders
-                ),
-                buffer_mass=tuple((r, 1.0 if rnd.snapshot_steps[r] else 0.0) for r in holders),
-            )
-        )
+        order = self.round.average(set(self.live))
+        if order is not None:
+            self._out.append(order)
 
     def _on_average_computed(self, cycle: int) -> None:
-        rnd = self.round
-        if rnd.phase is not RoundPhase.AVERAGING or cycle != rnd.number:
-            raise LocalProtocolError(f"AverageComputed({cycle}) but no such average is running")
         live = set(self.live)
-        for rank, steps in sorted(rnd.snapshot_steps.items()):
-            if rank in live:
-                self.work.commit(rank, steps)
-        rnd.begin_applying()
-        # The last average of the run is loaded as is, not blended: the final
-        # model is the consensus.
-        last = self.work.next_epoch_to_open() is None and all(
-            pool.is_done() for pool in self.work.pools.values()
-        )
-        alpha = None if last else self.config.blend_alpha
-        for rank in sorted(rnd.members & live):
-            self._out.append(Send(rank=rank, message=m.Update(cycle=cycle, alpha=alpha)))
-        if rnd.complete(live):
+        self._out += self.round.on_average_computed(cycle, live)
+        if self.round.complete(live):
             self._finish_round()
 
     def _finish_round(self) -> None:
@@ -536,8 +474,7 @@ class Coordinator:
             if not self._awaiting_save:
                 self._finish_save()
             return
-        # Work of the dead rank that an average already holds is kept.
-        self.work.commit(rank, self.round.leave(rank))
+        self.round.leave(rank)  # what an average already holds stays committed
         reissued = self.work.forfeit(rank)
         self.elche.retire(rank)
         self.planner.note_rank_lost(rank)

@@ -182,6 +182,12 @@ class WorkBook:
                 return epoch
         return None
 
+    def all_done(self) -> bool:
+        """Every planned epoch is open and done: nothing is left to train."""
+        return self.next_epoch_to_open() is None and all(
+            pool.is_done() for pool in self.pools.values()
+        )
+
     def next_epoch_to_open(self) -> int | None:
         opened = max(self.pools, default=-1)
         nxt = opened + 1
