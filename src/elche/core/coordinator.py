@@ -51,8 +51,8 @@ from elche.core.commands import (
     Send,
     WriteMeta,
 )
-from elche.core.config import Backend, CoordinatorConfig, Policy
-from elche.core.cycle import Round, RoundPhase
+from elche.core.config import Backend, CoordinatorConfig
+from elche.core.cycle import Round
 from elche.core.errors import LocalProtocolError, RemoteProtocolError
 from elche.core.events import (
     AverageComputed,
@@ -68,6 +68,7 @@ from elche.core.ledger import WindowLedger
 from elche.core.planner import Planner
 from elche.core.roles import CallbackRoles
 from elche.core.scheduler import ElChe
+from elche.core.shutdown import SaveAndShutdown
 from elche.core.tuning import Tuner
 from elche.core.work import WorkBook
 
@@ -106,18 +107,7 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig, *, resume: CheckpointMeta | None = None) -> None:
         self.config = config
         ws = config.world_size
-        sched = config.scheduler
-        self.elche = ElChe(
-            ws,
-            sched.anchor_for(config.policy),
-            overhead_target=sched.overhead_target,
-            max_anchor=sched.max_anchor,
-            min_anchor=sched.min_anchor,
-            max_batch_diff=sched.max_batch_diff,
-            window_growth_applicable=config.policy is not Policy.SYNC,
-        )
-        # A window never spans more than one epoch of batches.
-        self.elche.set_max_total_batches(config.num_samples // config.batch_size)
+        self.elche = ElChe.for_run(config)
         history = None
         if resume is not None and resume.elche_state is not None:
             self.elche.restore_from_state(resume.elche_state)
@@ -136,6 +126,7 @@ class Coordinator:
             guard_history=history,
         )
         self.callbacks = Callbacks(config, self.roles, self.ledger)
+        self.saving = SaveAndShutdown(config)
         self.round = Round(config, self.work)
         self.state = RunState.FORMING
         self.rank_state = [RankState.JOINING] * ws
@@ -149,15 +140,11 @@ class Coordinator:
         self.stale_messages = 0
         self.epochs_completed = 0
         self.outcome: str | None = None
-        self.save_reason: SaveReason | None = None
         self._start_epoch = 0
         self._resume = resume
         self._unsatisfied: set[int] = set()
-        self._awaiting_save: set[int] = set()
-        self._save_writer: int | None = None
         self._epoch_loss: dict[int, tuple[float, int]] = {}
         self._formation_deadline_s = math.inf
-        self._save_deadline_s = math.inf
         self._now = 0.0
         self._out: list[Command] = []
         if resume is not None:
@@ -399,14 +386,7 @@ class Coordinator:
         self._unsatisfied = {r for r in self.live if not self.planner.satisfied(r)}
 
     def _open_epoch(self, epoch: int) -> None:
-        live = set(self.live)
-        ws = self.config.world_size
-        if self.config.policy is Policy.SYNC or not self.elche.is_calibrated:
-            weights = [1.0 if r in live else 0.0 for r in range(ws)]
-        else:
-            counts = self.elche.batch_counts
-            weights = [float(counts[r]) if r in live else 0.0 for r in range(ws)]
-        self.work.open_epoch(epoch, weights)
+        self.planner.open_epoch(epoch, set(self.live))
         role = self.roles.take_dirty_epoch_role()
         if role is not None:
             self._broadcast(m.SetEpochCallbackRole(rank=role))
@@ -470,8 +450,8 @@ class Coordinator:
             self._finish("failed", f"rank {rank} lost before the run formed: {reason}")
             return
         if self.state is RunState.SAVING:
-            self._awaiting_save.discard(rank)
-            if not self._awaiting_save:
+            self.saving.lost(rank)
+            if self.saving.done:
                 self._finish_save()
             return
         self.round.leave(rank)  # what an average already holds stays committed
@@ -485,7 +465,7 @@ class Coordinator:
             f"{len(live)} survivor(s)",
         )
         self.roles.on_death(rank, live, self.elche.smoothed_ms_per_batch)
-        reason_to_save = self._unrecoverable()
+        reason_to_save = self.saving.reason_to_stop(len(self.dead_ranks), len(live))
         if reason_to_save is not None:
             self._save(reason_to_save)
             return
@@ -498,10 +478,7 @@ class Coordinator:
         if self.config.backend is Backend.COLLECTIVE:
             self.generation += 1
             self._broadcast(m.Regroup(generation=self.generation, members=sorted(live)))
-            if rnd.in_flight and not rnd.acks:
-                rnd.close()  # the collective was abandoned; the gate fires again
-        if rnd.phase is RoundPhase.COLLECTING and self.config.backend is Backend.COORDINATOR:
-            self._maybe_average()
+        self._out += rnd.after_death(live)
         if rnd.in_flight and rnd.complete(live):
             self._finish_round()
             return
@@ -516,38 +493,14 @@ class Coordinator:
                     self._dispatch(rank)
             self._unsatisfied = {r for r in live if not self.planner.satisfied(r)}
 
-    def _unrecoverable(self) -> SaveReason | None:
-        limit = self.config.max_failures
-        if limit is not None and len(self.dead_ranks) >= limit:
-            return SaveReason.MAX_FAILURE_EXCEEDED
-        live = len(self.live)
-        if live == 0:
-            return SaveReason.ALL_RANKS_LOST
-        if live < self.config.min_live_ranks:
-            return SaveReason.SINGLE_SURVIVOR
-        return None
-
     def _save(self, reason: SaveReason) -> None:
-        """Ask the survivors to save and stop; the meta follows their answers.
-
-        The lowest live rank writes the canonical model. Its unaveraged steps
-        are in that model, so once it confirms the save they count as covered;
-        the meta sidecar is written last, when every survivor has answered (or
-        the save deadline passed), so it never claims more than was saved.
-        """
+        """Ask the survivors to save and stop; the meta follows their answers."""
         if self.state is RunState.SAVING:
             return
-        live = self.live
-        self.save_reason = reason
         self.state = RunState.SAVING
-        self._notice("error", f"run cannot continue ({reason.value}); saving state and stopping")
-        if not live:
+        self._out += self.saving.begin(reason, self.live, self._now)
+        if self.saving.done:
             self._finish_save()
-            return
-        self._save_writer = min(live)
-        self._broadcast(m.ShutdownWithSave(reason=reason.value, writer=self._save_writer))
-        self._awaiting_save = set(live)
-        self._save_deadline_s = self._now + self.config.heartbeat_timeout_s
 
     def _meta(self, reason: SaveReason) -> CheckpointMeta:
         state = self.elche.to_state()
@@ -570,16 +523,15 @@ class Coordinator:
         if self.state is not RunState.SAVING:
             self.stale_messages += 1
             return
-        if msg.error is not None:
-            self._notice("error", f"rank {rank} could not save its state: {msg.error}")
-        elif rank == self._save_writer:
+        if msg.error is None and rank == self.saving.writer:
+            # The canonical model holds the writer's unaveraged steps.
             self.work.commit(rank, self.work.steps_since_sync(rank))
-        self._awaiting_save.discard(rank)
-        if not self._awaiting_save:
+        self._out += self.saving.answered(rank, msg.error)
+        if self.saving.done:
             self._finish_save()
 
     def _finish_save(self) -> None:
-        reason = self.save_reason or SaveReason.GRACEFUL_SHUTDOWN
+        reason = self.saving.reason
         if self.config.save_path is not None:
             self._out.append(WriteMeta(stem=self.config.save_path, meta=self._meta(reason)))
         self._finish("saved_and_shutdown", reason.value)
@@ -599,8 +551,9 @@ class Coordinator:
                 return
             self._arm()
             return
-        if self.state is RunState.SAVING and now >= self._save_deadline_s:
-            self._notice("error", f"ranks {sorted(self._awaiting_save)} never confirmed a save")
+        late = self.saving.overdue(now) if self.state is RunState.SAVING else None
+        if late is not None:
+            self._out.append(late)
             self._finish_save()
             return
         timeout = self.config.heartbeat_timeout_s

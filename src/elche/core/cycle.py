@@ -190,6 +190,20 @@ class Round:
             self.snapshot_steps.pop(rank, None)
         self.members.discard(rank)
 
+    def after_death(self, live: set[int]) -> list[Command]:
+        """A member died and left: what the round does without it.
+
+        Collective: a round nobody acknowledged yet is abandoned (the group
+        re-forms and the gate fires again). Coordinator backend: the other
+        members' uploads may now be all there is to average.
+        """
+        if self.config.backend is Backend.COLLECTIVE:
+            if self.in_flight and not self.acks:
+                self.close()
+            return []
+        order = self.average(live)
+        return [] if order is None else [order]
+
     def ready_to_average(self, live: set[int]) -> bool:
         """Coordinator backend: every live member uploaded its snapshot."""
         return self.phase is RoundPhase.COLLECTING and all(

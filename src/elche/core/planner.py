@@ -9,6 +9,9 @@ Rules:
 - The automatic overshoot allowance (``async`` without a configured one)
   starts at ``OVERSHOOT_INITIAL``, grows by one per ``Stable`` verdict up to
   ``OVERSHOOT_CEILING`` and falls back to the start on a ``NudgeDown``.
+- An epoch's pool reserves each live rank a share in proportion to its
+  ElChe count, so each mostly trains its own span; shares are equal under
+  ``sync`` and before the first calibration.
 - One chunk in flight per rank. A chunk never runs past the budget.
 - ``sync`` hands each rank its whole equal partition at once and spreads a
   dead rank's partition evenly over the survivors.
@@ -35,7 +38,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from fractions import Fraction
 from typing import assert_never
 
@@ -91,6 +94,16 @@ class Planner:
         self.tail_plan: dict[int, int] | None = None
         self.tail_reserve = 0  # tail batches held back for whoever frees up first
         self._progress_s = [0.0] * config.world_size  # last assignment or report
+
+    def open_epoch(self, epoch: int, live: Collection[int]) -> None:
+        """Open ``epoch``'s pool with a reservation for each ``live`` rank."""
+        ws = self.config.world_size
+        if self.config.policy is Policy.SYNC or not self.elche.is_calibrated:
+            weights = [1.0 if r in live else 0.0 for r in range(ws)]
+        else:
+            counts = self.elche.batch_counts
+            weights = [float(counts[r]) if r in live else 0.0 for r in range(ws)]
+        self.work.open_epoch(epoch, weights)
 
     def window_steps(self, rank: int) -> int:
         """Steps that complete ``rank``'s window."""

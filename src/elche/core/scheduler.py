@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import assert_never
 
+from elche.core.config import CoordinatorConfig, Policy
 from elche.core.elche_state import ElCheState, Phase
 from elche.core.errors import ConfigError
 from elche.core.ledger import WindowReport
@@ -119,6 +120,29 @@ class ElChe:
         self._proposal: int | None = None
         self._growth_enabled = True
         self._consecutive_stable = 0
+
+    @classmethod
+    def for_run(cls, config: CoordinatorConfig) -> ElChe:
+        """The balancer of a run, its knobs from ``config.scheduler``.
+
+        Its window is capped at one epoch of batches, so a window never
+        spans two epochs; under ``sync`` there is no window to grow.
+
+        Raises:
+            ConfigError: as the constructor.
+        """
+        sched = config.scheduler
+        elche = cls(
+            config.world_size,
+            sched.anchor_for(config.policy),
+            overhead_target=sched.overhead_target,
+            max_anchor=sched.max_anchor,
+            min_anchor=sched.min_anchor,
+            max_batch_diff=sched.max_batch_diff,
+            window_growth_applicable=config.policy is not Policy.SYNC,
+        )
+        elche.set_max_total_batches(config.num_samples // config.batch_size)
+        return elche
 
     # -- read side ---------------------------------------------------------
 
