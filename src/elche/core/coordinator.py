@@ -489,7 +489,7 @@ class Coordinator:
             self.planner.forget_tail_plan()
             if not rnd.in_flight:
                 for rank in sorted(live):
-                    self.planner.note_rank_lost(rank)
+                    self.planner.note_work_returned(rank)
                     self._dispatch(rank)
             self._unsatisfied = {r for r in live if not self.planner.satisfied(r)}
 
