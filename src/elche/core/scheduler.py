@@ -21,7 +21,9 @@ Theory of operation:
     ``Phase.PROBE`` --1st calibration--> ``WARMUP`` --5th--> ``STABLE``
     --20th--> ``MATURE``. A *calibration* is a report that reached the
     recompute step. Warmup proposals need twice the overhead target, so only
-    an unambiguous signal acts before the trust windows fill.
+    an unambiguous signal acts before the trust windows fill. The arithmetic
+    of a recompute (speed targets, the step clamp, the window cap) is in
+    ``elche.core.counts``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ from collections.abc import Sequence
 from typing import assert_never
 
 from elche.core.config import CoordinatorConfig, Policy
+from elche.core.counts import (
+    cap_window,
+    non_negative,
+    round_half_away,
+    slack_batches,
+    speed_target,
+    step_toward,
+)
 from elche.core.elche_state import ElCheState, Phase
 from elche.core.errors import ConfigError
 from elche.core.ledger import WindowReport
@@ -42,7 +52,6 @@ __all__ = ["ElChe"]
 COHORT_BAND = 0.15  # election-eligible within 15 % of the slowest (el_che.rs)
 DOMINANCE_MARGIN = 0.10  # a challenger must be 10 % slower to unseat the anchor
 TRUST_WINDOW_CAP = 5  # samples per rank; also the misses that clear a window
-MAX_SPEED_RATIO = 64.0  # no real rig is 64x apart; caps degenerate samples
 BATCH_COUNTS_WINDOW_CAP = 10  # snapshots behind recent_batch_share
 GROWTH_REARM_STABLE = 5  # clean verdicts before growth re-arms after a veto
 GROWTH_STEP_CAP = 2.0  # at most x2 per proposal: climb fast, never overshoot
@@ -50,8 +59,6 @@ WARMUP_GROWTH_MARGIN = GROWTH_STEP_CAP  # warmup acts only when already capped
 DEAD_ZONE = 0.05  # ignore count changes within 5 % (1-batch chatter)
 STABLE_AT = 5  # calibrations to reach Phase.STABLE
 MATURE_AT = 20  # calibrations to reach Phase.MATURE
-_SAME_MS = 1e-6  # ms readings closer than this are the anchor's own speed
-_SATURATED = 2**63 - 1  # an infinite slack saturates like the reference's usize
 
 
 class ElChe:
@@ -416,7 +423,7 @@ class ElChe:
             ratio = max(means) / min(means)
             if not math.isfinite(ratio):
                 return
-            projected_fast = max(1, _round_half_away((self._anchor + 1) * ratio))
+            projected_fast = max(1, round_half_away((self._anchor + 1) * ratio))
             if projected_fast - (self._anchor + 1) > self._max_batch_diff:
                 return
         self._anchor += 1
@@ -527,7 +534,7 @@ class ElChe:
         if self._cap_binding:  # a bigger anchor would only detach from the capped counts
             return None
         marginal_ms = self._mean(rank)
-        fixed_ms = _non_negative(sync_ms) + _non_negative(self._fill_ms[rank])
+        fixed_ms = non_negative(sync_ms) + non_negative(self._fill_ms[rank])
         if marginal_ms <= 0 or fixed_ms <= 0:
             return None
         overhead = fixed_ms / (self._anchor * marginal_ms + fixed_ms)  # NaN if fixed is inf
@@ -544,44 +551,18 @@ class ElChe:
     def _recompute(self, slow_ms: float) -> None:
         for r in range(self._ws):
             ms = self._mean(r)
-            slack_batches = _slack_batches(self._slack_ms[r], ms)
-            target = max(1, self._speed_target(ms, slow_ms) - slack_batches)
+            slack = slack_batches(self._slack_ms[r], ms)
+            target = max(1, speed_target(self._anchor, ms, slow_ms) - slack)
             current = self._counts[r]
-            if abs(target - current) > DEAD_ZONE * current or not self._calibrated or slack_batches:
-                self._counts[r] = self._step_toward(current, target)
+            if abs(target - current) > DEAD_ZONE * current or not self._calibrated or slack:
+                step = self._max_batch_diff if self._calibrated else None
+                self._counts[r] = step_toward(current, target, step)
         self._apply_window_cap()
         self._slack_ms = [0.0] * self._ws  # slack is consumed exactly once
 
-    def _speed_target(self, ms: float, slow_ms: float) -> int:
-        if ms <= 0 or abs(ms - slow_ms) < _SAME_MS:
-            return self._anchor
-        return max(1, _round_half_away(self._anchor * min(slow_ms / ms, MAX_SPEED_RATIO)))
-
-    def _step_toward(self, current: int, target: int) -> int:
-        step = self._max_batch_diff
-        if step is None or not self._calibrated:
-            return target
-        if target > current:
-            return min(current + step, target)
-        return max(current - step, target, 1)
-
     def _apply_window_cap(self) -> None:
-        self._cap_binding = False
         live = [r for r in range(self._ws) if r not in self._retired]
-        cap = self._max_total
-        total = sum(self._counts[r] for r in live)
-        if cap is None or total <= cap:
-            return
-        self._cap_binding = True
-        for r in live:
-            self._counts[r] = max(1, math.floor(self._counts[r] * (cap / total)))
-        used = sum(self._counts[r] for r in live)
-        if used < cap:  # the remainder goes to the largest count, ties -> highest index
-            self._counts[max(live, key=lambda r: (self._counts[r], r))] += cap - used
-        while used > cap and len(live) <= cap:  # elche: floors of 1 must not break the cap
-            r = max((r for r in live if self._counts[r] > 1), key=lambda r: (self._counts[r], r))
-            self._counts[r] -= 1
-            used -= 1
+        self._cap_binding = cap_window(self._counts, live, self._max_total)
 
     def _advance_phase(self) -> None:
         # One step per calibration at most, as the reference's match.
@@ -591,22 +572,3 @@ class ElChe:
             self._phase = Phase.STABLE
         elif self._phase is Phase.STABLE and self._calibration_count >= MATURE_AT:
             self._phase = Phase.MATURE
-
-
-def _round_half_away(x: float) -> int:
-    """Round a non-negative float half away from zero, as Rust's ``round``."""
-    whole = math.floor(x)
-    return whole + 1 if x - whole >= 0.5 else whole
-
-
-def _non_negative(ms: float) -> float:
-    """``ms`` floored at 0; NaN reads as 0 (Rust ``f64::max`` semantics)."""
-    return ms if ms > 0 else 0.0
-
-
-def _slack_batches(slack_ms: float, ms: float) -> int:
-    """Whole batches of ``ms`` that ``slack_ms`` of callback time displaces."""
-    if not (slack_ms > 0 and ms > 0):
-        return 0
-    batches = slack_ms / ms
-    return math.ceil(batches) if math.isfinite(batches) else _SATURATED
