@@ -28,7 +28,12 @@ Rules:
 
 Theory of operation: events land in ``handle``; each handler updates state
 and appends commands to ``self._out``; after every event ``_progress`` fires
-the averaging gate if it is open.
+the averaging gate if it is open. The coordinator keeps the run and rank
+states and wires its collaborators, each the one owner of its part: the work
+book (``work``), the planner (``planner``: budgets, chunks, epoch pools), the
+round (``cycle``: the averaging protocol), the tuner (``tuning``: what a
+closed round teaches the balancer), the callback requests (``callbacks``) and
+the save-and-shutdown (``shutdown``).
 """
 
 from __future__ import annotations
@@ -325,10 +330,7 @@ class Coordinator:
             return
         live = self.live
         if live and any(self.work.steps_since_sync(r) > 0 for r in live):
-            self._trigger()
-
-    def _trigger(self) -> None:
-        self._out += self.round.start(set(self.live), self._now, self.generation)
+            self._out += self.round.start(set(live), self._now, self.generation)
 
     def _on_sync_ack(self, rank: int, msg: m.SyncAck) -> None:
         if not self.round.on_ack(rank, msg):
@@ -340,9 +342,6 @@ class Coordinator:
         if not self.round.on_snapshot(rank, msg):
             self.stale_messages += 1
             return
-        self._maybe_average()
-
-    def _maybe_average(self) -> None:
         order = self.round.average(set(self.live))
         if order is not None:
             self._out.append(order)
