@@ -59,7 +59,7 @@ Span: TypeAlias = tuple[int, int]
 """``(offset, size)`` in samples: the positions ``offset .. offset + size - 1``."""
 
 DEFAULT_SEED = 42
-"""Base shuffle seed: floDl's default (spec section 9.1), kept so runs compare."""
+"""Base shuffle seed: floDl's default, kept so runs of the two compare."""
 
 
 def _at_least(field: str, value: int, low: int) -> None:

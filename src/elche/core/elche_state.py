@@ -59,7 +59,7 @@ _PHASE_ORDER = {phase: i for i, phase in enumerate(Phase)}
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ElCheState:
-    """The balancer's trajectory, as saved in a checkpoint (spec §3.14).
+    """The balancer's trajectory, saved so a resumed run balances on from it.
 
     Raises:
         ConfigError: a field is out of range (anchor < 1, negative rank or

@@ -2,7 +2,8 @@
 
 The coordinator records every batch a rank reports and, at the reduce, turns
 the ledger into the ``WindowReport`` ElChe schedules on. Behaviour follows
-floDl 0.7.0 ``cluster_coordinator/window_ledger.rs`` (spec §4).
+floDl 0.7.0 ``cluster_coordinator/window_ledger.rs``: ElChe's rules were
+tuned on these two timing scales.
 
 A window's first batch per rank carries the per-window *fill* (control
 transit, plan pickup, prefetch spin-up) and is kept apart; batches 2..n form
@@ -116,7 +117,11 @@ class WindowLedger:
         self._loss_count[:] = [0] * self._ws
 
     def reset_steps(self) -> None:
-        """Zero the step counts (the backend decides when, see spec §4.1)."""
+        """Zero the step counts.
+
+        Apart from ``reset_timing`` because where a window's steps end depends
+        on the backend; elche's tuner zeroes both when a round closes.
+        """
         self._steps[:] = [0] * self._ws
 
     # -- read side ---------------------------------------------------------
@@ -183,7 +188,7 @@ class WindowLedger:
     def build_window_report(
         self, *, dead: Collection[int], delivered_capable: bool, sync_ms: float
     ) -> WindowReport:
-        """The window's ``WindowReport`` (spec §4.2).
+        """The window's ``WindowReport``: what ElChe sizes the next window on.
 
         The delivered scale is coherent only if the mode can deliver it AND
         every live rank that moved has a delivered sample: one mover without a

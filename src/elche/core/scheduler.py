@@ -2,7 +2,8 @@
 
 The slowest rank (the *anchor rank*) runs ``anchor`` batches per window; every
 faster rank runs proportionally more, so all ranks reach the reduce together.
-Behaviour follows floDl 0.7.0 ``distributed/el_che.rs`` (spec §3).
+Behaviour follows floDl 0.7.0 ``distributed/el_che.rs``, so elche's windows
+compare with the reference's.
 
 Rules:
     - Timing enters once per window (``report_window`` / ``report_timing``);
@@ -62,7 +63,7 @@ MATURE_AT = 20  # calibrations to reach Phase.MATURE
 
 
 class ElChe:
-    """The cadence balancer (spec §3).
+    """The cadence balancer: batch counts that give every rank's window one wall time.
 
     Args:
         world_size: ranks in the run (>= 1; one survivor keeps balancing).
@@ -331,7 +332,10 @@ class ElChe:
     def report_timing(
         self, wall_ms: Sequence[float], batches: Sequence[int], sync_ms: float
     ) -> None:
-        """Fold one window's timing in and recompute the counts (spec §3.5).
+        """Fold one window's timing in and recompute the counts.
+
+        The steps run in the reference's order: which ones a report reaches
+        decides whether it elects, proposes growth or counts as a calibration.
 
         Raises:
             ValueError: ``wall_ms`` or ``batches`` is not of length
@@ -361,7 +365,7 @@ class ElChe:
         self._calibration_count += 1
         self._advance_phase()
 
-    # -- the verdict seam and its actuators (spec §3.11) -------------------
+    # -- the verdict seam: verdicts move the anchor only through here -------
 
     def apply_verdict(self, v: Verdict) -> None:
         """Apply a guard's (or the meta-controller's) verdict."""
