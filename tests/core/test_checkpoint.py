@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elche.core.checkpoint import SCHEMA_VERSION, CheckpointMeta, EpochCoverage, SaveReason
+from elche.core.elche_state import ElCheState, Phase
 from elche.core.errors import ConfigError
-from elche.core.scheduler import ElCheState, Phase
 
 STATE = ElCheState(
     anchor=12,

@@ -429,6 +429,19 @@ def test_async_update_carries_the_easgd_blend() -> None:
     assert messages(out, m.Update)[0] == m.Update(cycle=1, alpha=0.5)
 
 
+def test_async_opens_the_next_epoch_early_but_keeps_at_most_two_open() -> None:
+    h = Harness(mode=Mode.CPU_ASYNC, num_samples=64, epochs=3)  # one batch per rank
+    out = h.form()
+    out += h.train(0, 1)  # epoch 0 has nothing left to hand out: epoch 1 opens for rank 0
+    assigned = messages(out, m.AssignChunk)
+    assert [chunk.epoch for chunk in assigned] == [0, 0, 1]  # type: ignore[attr-defined]
+    out += h.train(0, 2)  # rank 0 takes its epoch-1 batch, then steals rank 1's
+    starts = [dict(e.fields)["epoch"] for e in of(out, Emit) if e.kind == "EpochStart"]
+    assert starts == [0, 1]  # epoch 0 still waits for rank 1's batch: no third epoch
+    assert h.core.work.open_epochs() == [0, 1]
+    assert h.core.planner.quiesced[0]
+
+
 # -- end of run, callbacks -----------------------------------------------------
 
 

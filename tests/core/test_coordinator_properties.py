@@ -132,10 +132,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
         """The ranks asked to run callbacks (or to save) answer."""
         assert self.core is not None
         error = "boom" if fail else None
-        for epoch, rank in sorted(self.core._pending_evals.items()):
+        for epoch, rank in sorted(self.core.callbacks.pending_evals.items()):
             self.feed(MessageReceived(rank=rank, message=m.EvalResult(
                 epoch=epoch, metric=0.5, elapsed_ms=3.0, error=error)))  # fmt: skip
-        for version, rank in sorted(self.core._pending_checkpoints.items()):
+        for version, rank in sorted(self.core.callbacks.pending_checkpoints.items()):
             self.feed(MessageReceived(rank=rank, message=m.CheckpointResult(
                 version=version, elapsed_ms=1.0, error=error)))  # fmt: skip
         for rank in self.live():

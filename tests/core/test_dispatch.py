@@ -162,6 +162,15 @@ def test_by_weights_trims_the_last_non_empty_span() -> None:
     assert (pool.residue(0), pool.residue(1)) == (25, 0)
 
 
+def test_remaining_batches_counts_the_short_tail() -> None:
+    pool = ChunkPool(95, [50, 45], batch_size=10)
+    assert pool.remaining_batches() == 10
+    pool.take(0, 50)
+    assert pool.remaining_batches() == 5  # 45 samples: four whole batches and a short one
+    pool.take(1, 45)
+    assert pool.remaining_batches() == 0
+
+
 def test_equal_reserves_whole_batches_extras_first() -> None:
     pool = ChunkPool.equal(95, 3, batch_size=10)
     assert [pool.residue(r) for r in range(3)] == [40, 30, 25]

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from elche.core.elche_state import Phase
 from elche.core.errors import ConfigError
 from elche.core.meta import (
     BASE_FACTOR,
@@ -14,7 +15,6 @@ from elche.core.meta import (
     MetaConfig,
     effective_factor,
 )
-from elche.core.scheduler import Phase
 from elche.core.verdicts import NudgeDown, Stable, SuppressGrowth, Verdict
 
 OK: Verdict = Stable()

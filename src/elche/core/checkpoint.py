@@ -17,8 +17,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from elche.core.elche_state import ElCheState
 from elche.core.errors import ConfigError
-from elche.core.scheduler import ElCheState
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -28,7 +28,12 @@ Rules:
 
 Theory of operation: events land in ``handle``; each handler updates state
 and appends commands to ``self._out``; after every event ``_progress`` fires
-the averaging gate if it is open.
+the averaging gate if it is open. The coordinator keeps the run and rank
+states and wires its collaborators, each the one owner of its part: the work
+book (``work``), the planner (``planner``: budgets, chunks, epoch pools), the
+round (``cycle``: the averaging protocol), the tuner (``tuning``: what a
+closed round teaches the balancer), the callback requests (``callbacks``) and
+the save-and-shutdown (``shutdown``).
 """
 
 from __future__ import annotations
@@ -39,10 +44,10 @@ import math
 from typing import assert_never
 
 from elche.core import messages as m
+from elche.core.callbacks import Callbacks
 from elche.core.checkpoint import CheckpointMeta, SaveReason
 from elche.core.commands import (
     ArmTimer,
-    AverageSnapshots,
     Broadcast,
     Command,
     Emit,
@@ -51,8 +56,8 @@ from elche.core.commands import (
     Send,
     WriteMeta,
 )
-from elche.core.config import Backend, CoordinatorConfig, Policy
-from elche.core.cycle import Phase, Round
+from elche.core.config import Backend, CoordinatorConfig
+from elche.core.cycle import Round
 from elche.core.errors import LocalProtocolError, RemoteProtocolError
 from elche.core.events import (
     AverageComputed,
@@ -64,9 +69,11 @@ from elche.core.events import (
     Started,
     TimerFired,
 )
+from elche.core.ledger import WindowLedger
 from elche.core.planner import Planner
-from elche.core.roles import CallbackRoles, Role
+from elche.core.roles import CallbackRoles
 from elche.core.scheduler import ElChe
+from elche.core.shutdown import SaveAndShutdown
 from elche.core.tuning import Tuner
 from elche.core.work import WorkBook
 
@@ -105,18 +112,7 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig, *, resume: CheckpointMeta | None = None) -> None:
         self.config = config
         ws = config.world_size
-        sched = config.scheduler
-        self.elche = ElChe(
-            ws,
-            sched.anchor_for(config.policy),
-            overhead_target=sched.overhead_target,
-            max_anchor=sched.max_anchor,
-            min_anchor=sched.min_anchor,
-            max_batch_diff=sched.max_batch_diff,
-            window_growth_applicable=config.policy is not Policy.SYNC,
-        )
-        # A window never spans more than one epoch of batches.
-        self.elche.set_max_total_batches(config.num_samples // config.batch_size)
+        self.elche = ElChe.for_run(config)
         history = None
         if resume is not None and resume.elche_state is not None:
             self.elche.restore_from_state(resume.elche_state)
@@ -124,11 +120,19 @@ class Coordinator:
         self.roles = CallbackRoles(config.callback_policy, ws, config.callback_rank)
         self.work = WorkBook(ws, config.num_samples, config.batch_size, config.epochs)
         self.planner = Planner(config, self.elche, self.work)
+        self.ledger = WindowLedger(ws)
         self.tuner = Tuner(
-            config, self.elche, self.roles, self.planner, self.work, guard_history=history
+            config,
+            self.elche,
+            self.roles,
+            self.planner,
+            self.work,
+            ledger=self.ledger,
+            guard_history=history,
         )
-        self.ledger = self.tuner.ledger
-        self.round = Round()
+        self.callbacks = Callbacks(config, self.roles, self.ledger)
+        self.saving = SaveAndShutdown(config)
+        self.round = Round(config, self.work)
         self.state = RunState.FORMING
         self.rank_state = [RankState.JOINING] * ws
         self.hosts = [""] * ws
@@ -141,17 +145,11 @@ class Coordinator:
         self.stale_messages = 0
         self.epochs_completed = 0
         self.outcome: str | None = None
-        self.save_reason: SaveReason | None = None
         self._start_epoch = 0
         self._resume = resume
         self._unsatisfied: set[int] = set()
-        self._pending_evals: dict[int, int] = {}  # epoch -> rank asked
-        self._pending_checkpoints: dict[int, int] = {}  # version -> rank asked
-        self._awaiting_save: set[int] = set()
-        self._save_writer: int | None = None
         self._epoch_loss: dict[int, tuple[float, int]] = {}
         self._formation_deadline_s = math.inf
-        self._save_deadline_s = math.inf
         self._now = 0.0
         self._out: list[Command] = []
         if resume is not None:
@@ -237,11 +235,9 @@ class Coordinator:
         self._start_epoch = meta.epoch
         self.global_step = meta.global_step
         self.sync_round = meta.sync_round
-        self.round.number = meta.sync_round
+        self.round = Round(self.config, self.work, number=meta.sync_round)
         self.epochs_completed = meta.epoch
-        self.work.done.update(range(meta.epoch))
-        for coverage in meta.coverage:
-            self.work.resume_epoch(coverage)
+        self.work.resume(meta.epoch, meta.coverage)
         if meta.epoch < self.config.epochs and meta.epoch not in self.work.pools:
             self._resume = None  # nothing started: a plain epoch open will do
 
@@ -271,14 +267,15 @@ class Coordinator:
             case m.Heartbeat():
                 pass
             case m.LrUpdate(lr=lr):
-                self.tuner.lr[rank] = lr
+                self.tuner.note_lr(rank, lr)
             case m.EvalResult():
-                self._on_eval_result(rank, message)
+                self._out += self.callbacks.on_eval_result(rank, message, self.live)
+                self._maybe_close()
             case m.CheckpointResult():
-                self._on_checkpoint_result(rank, message)
+                self._out += self.callbacks.on_checkpoint_result(rank, message, self.live)
+                self._maybe_close()
             case m.EpochFnElapsed(elapsed_ms=elapsed_ms):
-                self.ledger.absorb_callback_cost(rank, elapsed_ms)
-                self.roles.record_cost(Role.EPOCH, elapsed_ms)
+                self.callbacks.on_epoch_fn(rank, elapsed_ms)
             case m.StateSaved():
                 self._on_state_saved(rank, message)
             case m.Exiting(reason=reason):
@@ -333,89 +330,26 @@ class Coordinator:
             return
         live = self.live
         if live and any(self.work.steps_since_sync(r) > 0 for r in live):
-            self._trigger()
-
-    def _trigger(self) -> None:
-        live = set(self.live)
-        number = self.round.open(live, self._now)
-        ranks = tuple(sorted(live))
-        self._emit("SyncStart", round=number)
-        if self.config.backend is Backend.COLLECTIVE:
-            self._out.append(
-                Broadcast(ranks=ranks, message=m.SyncNow(cycle=number, generation=self.generation))
-            )
-        else:
-            self._out.append(Broadcast(ranks=ranks, message=m.RequestParams(cycle=number)))
+            self._out += self.round.start(set(live), self._now, self.generation)
 
     def _on_sync_ack(self, rank: int, msg: m.SyncAck) -> None:
-        rnd = self.round
-        if msg.cycle != rnd.number or rank not in rnd.members or rank in rnd.acks:
+        if not self.round.on_ack(rank, msg):
             self.stale_messages += 1
-            return
-        if rnd.phase is Phase.COLLECTING and self.config.backend is Backend.COLLECTIVE:
-            committed = self.work.commit(rank, msg.steps)
-        elif rnd.phase is Phase.APPLYING:
-            committed = rnd.snapshot_steps.get(rank, 0)
-        else:
-            raise RemoteProtocolError(
-                f"acknowledged round {msg.cycle} before its update", rank=rank
-            )
-        rnd.record_ack(rank, committed, msg.divergence, msg.pre_norm, msg.post_norm)
-        if rnd.complete(set(self.live)):
+        elif self.round.complete(set(self.live)):
             self._finish_round()
 
     def _on_snapshot(self, rank: int, msg: m.SnapshotReady) -> None:
-        rnd = self.round
-        if self.config.backend is not Backend.COORDINATOR:
-            raise RemoteProtocolError("sent a snapshot in a collective mode", rank=rank)
-        if msg.cycle != rnd.number or rank not in rnd.members or rnd.phase is not Phase.COLLECTING:
+        if not self.round.on_snapshot(rank, msg):
             self.stale_messages += 1
             return
-        if not 0 <= msg.steps <= self.work.steps_since_sync(rank):
-            raise RemoteProtocolError(
-                f"snapshot claims {msg.steps} steps; it made "
-                f"{self.work.steps_since_sync(rank)} since the last average",
-                rank=rank,
-            )
-        rnd.snapshot_steps[rank] = msg.steps
-        self._maybe_average()
-
-    def _maybe_average(self) -> None:
-        rnd = self.round
-        if not rnd.ready_to_average(set(self.live)):
-            return
-        rnd.phase = Phase.AVERAGING
-        gamma = self.config.scheduler.gamma
-        holders = sorted(rnd.snapshot_steps)
-        self._out.append(
-            AverageSnapshots(
-                cycle=rnd.number,
-                param_mass=tuple(
-                    (r, float(rnd.snapshot_steps[r]) ** gamma if rnd.snapshot_steps[r] else 0.0)
-                    for r in holders
-                ),
-                buffer_mass=tuple((r, 1.0 if rnd.snapshot_steps[r] else 0.0) for r in holders),
-            )
-        )
+        order = self.round.average(set(self.live))
+        if order is not None:
+            self._out.append(order)
 
     def _on_average_computed(self, cycle: int) -> None:
-        rnd = self.round
-        if rnd.phase is not Phase.AVERAGING or cycle != rnd.number:
-            raise LocalProtocolError(f"AverageComputed({cycle}) but no such average is running")
         live = set(self.live)
-        for rank, steps in sorted(rnd.snapshot_steps.items()):
-            if rank in live:
-                self.work.commit(rank, steps)
-        rnd.phase = Phase.APPLYING
-        # The last average of the run is loaded as is, not blended: the final
-        # model is the consensus.
-        last = self.work.next_epoch_to_open() is None and all(
-            pool.is_done() for pool in self.work.pools.values()
-        )
-        alpha = None if last else self.config.blend_alpha
-        for rank in sorted(rnd.members & live):
-            self._out.append(Send(rank=rank, message=m.Update(cycle=cycle, alpha=alpha)))
-        if rnd.complete(live):
+        self._out += self.round.on_average_computed(cycle, live)
+        if self.round.complete(live):
             self._finish_round()
 
     def _finish_round(self) -> None:
@@ -451,14 +385,7 @@ class Coordinator:
         self._unsatisfied = {r for r in self.live if not self.planner.satisfied(r)}
 
     def _open_epoch(self, epoch: int) -> None:
-        live = set(self.live)
-        ws = self.config.world_size
-        if self.config.policy is Policy.SYNC or not self.elche.is_calibrated:
-            weights = [1.0 if r in live else 0.0 for r in range(ws)]
-        else:
-            counts = self.elche.batch_counts
-            weights = [float(counts[r]) if r in live else 0.0 for r in range(ws)]
-        self.work.open_epoch(epoch, weights)
+        self.planner.open_epoch(epoch, set(self.live))
         role = self.roles.take_dirty_epoch_role()
         if role is not None:
             self._broadcast(m.SetEpochCallbackRole(rank=role))
@@ -468,17 +395,17 @@ class Coordinator:
         """Give ``rank`` its next chunk if it is idle and may take one."""
         if self.rank_state[rank] is not RankState.LIVE or self.state is not RunState.TRAINING:
             return
-        chunk = self.planner.next_chunk(rank, len(self.live), self._stream_ahead, self._now)
+        if self.planner.needs_next_epoch(rank):
+            self._stream_ahead()
+        chunk = self.planner.next_chunk(rank, len(self.live), self._now)
         if chunk is not None:
             self._out.append(Send(rank=rank, message=chunk))
 
-    def _stream_ahead(self) -> int | None:
-        """Async: open the next epoch early so fast ranks keep streaming."""
+    def _stream_ahead(self) -> None:
+        """Async: open the next epoch early (at most two open) so fast ranks keep streaming."""
         nxt = self.work.next_epoch_to_open()
-        if nxt is None or len(self.work.open_epochs()) >= 2:
-            return None
-        self._open_epoch(nxt)
-        return self.work.serving_epoch()
+        if nxt is not None and len(self.work.open_epochs()) < 2:
+            self._open_epoch(nxt)
 
     def _epoch_finished(self, epoch: int) -> None:
         total, count = self._epoch_loss.pop(epoch, (0.0, 0))
@@ -487,69 +414,21 @@ class Coordinator:
         self._emit("EpochEnd", epoch=epoch, loss=loss, sync_round=self.sync_round)
         self._broadcast(m.EpochDone(epoch=epoch, loss=loss))
         done = epoch + 1
-        cfg = self.config
-        if cfg.has_eval_fn and (done % cfg.eval_every == 0 or done == cfg.epochs):
-            self._ask_eval(done)
-        if cfg.checkpoint_every is not None and done % cfg.checkpoint_every == 0:
-            self._ask_checkpoint(done)
-            if cfg.save_path is not None:
-                self._out.append(
-                    WriteMeta(stem=cfg.save_path, meta=self._meta(SaveReason.CHECKPOINT))
-                )
-
-    def _ask_eval(self, epoch: int) -> None:
-        rank = self.roles.holder(Role.EVAL)
-        self._pending_evals[epoch] = rank
-        self._out.append(Send(rank=rank, message=m.RunEval(epoch=epoch)))
-
-    def _ask_checkpoint(self, version: int, rank: int | None = None) -> None:
-        target = self.roles.holder(Role.CHECKPOINT) if rank is None else rank
-        self._pending_checkpoints[version] = target
-        self._out.append(Send(rank=target, message=m.RunCheckpoint(version=version)))
+        self._out += self.callbacks.at_epoch_end(done)
+        stem = self.config.save_path
+        if self.callbacks.checkpoint_due(done) and stem is not None:
+            self._out.append(WriteMeta(stem=stem, meta=self._meta(SaveReason.CHECKPOINT)))
 
     def _end_of_training(self) -> None:
-        if self._pending_evals or self._pending_checkpoints:
+        if self.callbacks.pending:
             self.state = RunState.FINISHING
             return
         live = self.live
         self._broadcast(m.Shutdown(writer=min(live) if live else -1))
         self._finish("completed")
 
-    # -- callbacks -------------------------------------------------------------
-
-    def _on_eval_result(self, rank: int, msg: m.EvalResult) -> None:
-        self.ledger.absorb_callback_cost(rank, msg.elapsed_ms)
-        self.roles.record_cost(Role.EVAL, msg.elapsed_ms)
-        self._pending_evals.pop(msg.epoch, None)
-        if msg.error is not None:
-            self._notice("error", f"eval_fn failed on rank {rank} (epoch {msg.epoch}): {msg.error}")
-        else:
-            self._broadcast(m.EvalBroadcast(epoch=msg.epoch, metric=msg.metric))
-            self._emit("Eval", epoch=msg.epoch, metric=msg.metric, rank=rank)
-        self._maybe_close()
-
-    def _on_checkpoint_result(self, rank: int, msg: m.CheckpointResult) -> None:
-        self.ledger.absorb_callback_cost(rank, msg.elapsed_ms)
-        if msg.error is None:
-            self.roles.record_cost(Role.CHECKPOINT, msg.elapsed_ms)
-        else:
-            self._notice("error", f"checkpoint v{msg.version} failed on rank {rank}: {msg.error}")
-        self._settle_checkpoint(rank, msg.version, msg.error)
-        self._maybe_close()
-
-    def _settle_checkpoint(self, rank: int, version: int, error: str | None) -> None:
-        self._pending_checkpoints.pop(version, None)
-        retry = self.roles.on_checkpoint_result(rank, version, error, self.live)
-        if retry is not None:
-            self._ask_checkpoint(version, retry)
-        elif error is not None:
-            self._notice(
-                "error",
-                f"checkpoint v{version} failed on every live rank; giving up on this version "
-                "(training continues)",
-            )
-
     def _maybe_close(self) -> None:
+        """A callback answered: a finishing run may now be done."""
         if self.state is RunState.FINISHING:
             self._end_of_training()
 
@@ -570,14 +449,14 @@ class Coordinator:
             self._finish("failed", f"rank {rank} lost before the run formed: {reason}")
             return
         if self.state is RunState.SAVING:
-            self._awaiting_save.discard(rank)
-            if not self._awaiting_save:
+            self.saving.lost(rank)
+            if self.saving.done:
                 self._finish_save()
             return
-        self._credit_in_flight_work(rank)
+        self.round.leave(rank)  # what an average already holds stays committed
         reissued = self.work.forfeit(rank)
         self.elche.retire(rank)
-        self.planner.quiesced[rank] = False
+        self.planner.note_rank_lost(rank)
         live = self.live
         self._notice(
             "warning",
@@ -585,29 +464,12 @@ class Coordinator:
             f"{len(live)} survivor(s)",
         )
         self.roles.on_death(rank, live, self.elche.smoothed_ms_per_batch)
-        reason_to_save = self._unrecoverable()
+        reason_to_save = self.saving.reason_to_stop(len(self.dead_ranks), len(live))
         if reason_to_save is not None:
             self._save(reason_to_save)
             return
-        self._reassign_callbacks(rank)
+        self._out += self.callbacks.on_death(rank, self.live)
         self._after_death()
-
-    def _credit_in_flight_work(self, rank: int) -> None:
-        """Work of the dead ``rank`` that an average already holds is kept.
-
-        A snapshot the shell is already averaging is in the consensus, so its
-        steps count. A snapshot uploaded to a round that has not started
-        averaging is dropped from that round instead: the round may never
-        complete, and its samples go back to the pool with the rest.
-        """
-        rnd = self.round
-        if not rnd.in_flight or rank not in rnd.members:
-            return
-        if rnd.phase is Phase.AVERAGING and rank in rnd.snapshot_steps:
-            self.work.commit(rank, rnd.snapshot_steps[rank])
-        elif rnd.phase is Phase.COLLECTING:
-            rnd.snapshot_steps.pop(rank, None)
-        rnd.members.discard(rank)
 
     def _after_death(self) -> None:
         rnd = self.round
@@ -615,10 +477,7 @@ class Coordinator:
         if self.config.backend is Backend.COLLECTIVE:
             self.generation += 1
             self._broadcast(m.Regroup(generation=self.generation, members=sorted(live)))
-            if rnd.in_flight and not rnd.acks:
-                rnd.close()  # the collective was abandoned; the gate fires again
-        if rnd.phase is Phase.COLLECTING and self.config.backend is Backend.COORDINATOR:
-            self._maybe_average()
+        self._out += rnd.after_death(live)
         if rnd.in_flight and rnd.complete(live):
             self._finish_round()
             return
@@ -629,50 +488,18 @@ class Coordinator:
             self.planner.forget_tail_plan()
             if not rnd.in_flight:
                 for rank in sorted(live):
-                    self.planner.quiesced[rank] = False
+                    self.planner.note_work_returned(rank)
                     self._dispatch(rank)
             self._unsatisfied = {r for r in live if not self.planner.satisfied(r)}
 
-    def _reassign_callbacks(self, dead: int) -> None:
-        for epoch, rank in sorted(self._pending_evals.items()):
-            if rank == dead:
-                self._ask_eval(epoch)
-        for version, rank in sorted(self._pending_checkpoints.items()):
-            if rank == dead:
-                self._settle_checkpoint(dead, version, "rank died")
-
-    def _unrecoverable(self) -> SaveReason | None:
-        limit = self.config.max_failures
-        if limit is not None and len(self.dead_ranks) >= limit:
-            return SaveReason.MAX_FAILURE_EXCEEDED
-        live = len(self.live)
-        if live == 0:
-            return SaveReason.ALL_RANKS_LOST
-        if live < self.config.min_live_ranks:
-            return SaveReason.SINGLE_SURVIVOR
-        return None
-
     def _save(self, reason: SaveReason) -> None:
-        """Ask the survivors to save and stop; the meta follows their answers.
-
-        The lowest live rank writes the canonical model. Its unaveraged steps
-        are in that model, so once it confirms the save they count as covered;
-        the meta sidecar is written last, when every survivor has answered (or
-        the save deadline passed), so it never claims more than was saved.
-        """
+        """Ask the survivors to save and stop; the meta follows their answers."""
         if self.state is RunState.SAVING:
             return
-        live = self.live
-        self.save_reason = reason
         self.state = RunState.SAVING
-        self._notice("error", f"run cannot continue ({reason.value}); saving state and stopping")
-        if not live:
+        self._out += self.saving.begin(reason, self.live, self._now)
+        if self.saving.done:
             self._finish_save()
-            return
-        self._save_writer = min(live)
-        self._broadcast(m.ShutdownWithSave(reason=reason.value, writer=self._save_writer))
-        self._awaiting_save = set(live)
-        self._save_deadline_s = self._now + self.config.heartbeat_timeout_s
 
     def _meta(self, reason: SaveReason) -> CheckpointMeta:
         state = self.elche.to_state()
@@ -695,16 +522,15 @@ class Coordinator:
         if self.state is not RunState.SAVING:
             self.stale_messages += 1
             return
-        if msg.error is not None:
-            self._notice("error", f"rank {rank} could not save its state: {msg.error}")
-        elif rank == self._save_writer:
+        if msg.error is None and rank == self.saving.writer:
+            # The canonical model holds the writer's unaveraged steps.
             self.work.commit(rank, self.work.steps_since_sync(rank))
-        self._awaiting_save.discard(rank)
-        if not self._awaiting_save:
+        self._out += self.saving.answered(rank, msg.error)
+        if self.saving.done:
             self._finish_save()
 
     def _finish_save(self) -> None:
-        reason = self.save_reason or SaveReason.GRACEFUL_SHUTDOWN
+        reason = self.saving.reason
         if self.config.save_path is not None:
             self._out.append(WriteMeta(stem=self.config.save_path, meta=self._meta(reason)))
         self._finish("saved_and_shutdown", reason.value)
@@ -724,8 +550,9 @@ class Coordinator:
                 return
             self._arm()
             return
-        if self.state is RunState.SAVING and now >= self._save_deadline_s:
-            self._notice("error", f"ranks {sorted(self._awaiting_save)} never confirmed a save")
+        late = self.saving.overdue(now) if self.state is RunState.SAVING else None
+        if late is not None:
+            self._out.append(late)
             self._finish_save()
             return
         timeout = self.config.heartbeat_timeout_s

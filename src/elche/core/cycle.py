@@ -5,56 +5,219 @@ Rules:
 - At most one round is in flight. It opens with the live ranks as members.
 - Collective backend: ``SyncNow`` goes to the members; each answers
   ``SyncAck`` after the all-reduce. A collective completes for all members
-  or for none, so the first ack proves it completed.
+  or for none, so the first ack proves it completed, and the steps it
+  reports are committed at once.
 - Coordinator backend: ``RequestParams`` goes to the members; each uploads a
   snapshot and says ``SnapshotReady``. Once every live member has, the shell
-  averages (``AverageSnapshots`` -> ``AverageComputed``), ``Update`` goes out,
-  and each member answers ``SyncAck``.
-- A member that dies leaves the round. A collective round it leaves before
-  any ack was seen is abandoned: the group re-forms and the gate fires again.
+  averages (``AverageSnapshots`` -> ``AverageComputed``), the snapshots'
+  steps are committed, ``Update`` goes out, and each member answers
+  ``SyncAck``. The last average of the run is loaded as is, not blended:
+  the final model is the consensus.
+- An ack for another round, from a non-member or repeated, and a snapshot
+  outside ``COLLECTING``, are stale: ignored (the coordinator counts them).
+  An ack before the update, a snapshot in a collective mode or one claiming
+  more steps than the rank made are protocol errors.
+- A member that dies leaves the round. Its snapshot counts if the shell is
+  already averaging it; uploaded earlier, it is dropped with the rest of the
+  rank's work (the round may never complete). A collective round it leaves
+  before any ack was seen is abandoned: the group re-forms and the gate
+  fires again.
 - The round closes when every live member has acked.
 
-Theory of operation: ``Phase`` below is the round's state; the coordinator
-moves it and asks ``ready_to_average``/``complete`` what to do next.
+Theory of operation: ``RoundPhase`` below is the round's state (named apart
+from the balancer's lifecycle ``Phase``). ``Round`` moves it on each message
+and returns the commands the protocol sends; the coordinator decides when a
+round starts and, once ``complete`` says so, closes it.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
 
-__all__ = ["Phase", "Round"]
+from elche.core import messages as m
+from elche.core.commands import AverageSnapshots, Broadcast, Command, Emit, Send
+from elche.core.config import Backend, CoordinatorConfig
+from elche.core.errors import LocalProtocolError, RemoteProtocolError
+from elche.core.work import WorkBook
+
+__all__ = ["Round", "RoundPhase"]
 
 
-class Phase(enum.Enum):
+class RoundPhase(enum.Enum):
+    """Where the averaging round stands; ``IDLE`` between rounds."""
+
     IDLE = "idle"
     COLLECTING = "collecting"  # waiting for acks (collective) or snapshots (coordinator)
     AVERAGING = "averaging"  # coordinator backend: the shell is averaging
     APPLYING = "applying"  # coordinator backend: Update sent, waiting for acks
 
 
-@dataclass(slots=True)
 class Round:
-    """State of the current (or last) averaging round."""
+    """State of the current (or last) averaging round, and its protocol.
 
-    number: int = 0
-    phase: Phase = Phase.IDLE
-    started_s: float = 0.0
-    members: set[int] = field(default_factory=set)
-    snapshot_steps: dict[int, int] = field(default_factory=dict)
-    acks: dict[int, int] = field(default_factory=dict)
-    divergence: dict[int, float] = field(default_factory=dict)
-    pre_norms: dict[int, float] = field(default_factory=dict)
-    post_norm: float | None = None
+    Args:
+        config: the run's configuration (backend, averaging weights, blend).
+        work: the work book a completed average commits batches to.
+        number: rounds completed before (a resumed run continues the count).
+    """
+
+    def __init__(self, config: CoordinatorConfig, work: WorkBook, *, number: int = 0) -> None:
+        self.config = config
+        self.work = work
+        self.number = number
+        self.phase = RoundPhase.IDLE
+        self.started_s = 0.0
+        self.members: set[int] = set()
+        self.snapshot_steps: dict[int, int] = {}
+        self.acks: dict[int, int] = {}
+        self.divergence: dict[int, float] = {}
+        self.pre_norms: dict[int, float] = {}
+        self.post_norm: float | None = None
 
     @property
     def in_flight(self) -> bool:
-        return self.phase is not Phase.IDLE
+        return self.phase is not RoundPhase.IDLE
 
-    def open(self, members: set[int], now_s: float) -> int:
-        """Start round ``number + 1`` with ``members``; returns its number."""
+    def start(self, members: set[int], now_s: float, generation: int) -> list[Command]:
+        """Open round ``number + 1`` with ``members``; returns its trigger.
+
+        Args:
+            members: the live ranks.
+            now_s: the coordinator's clock (the round's start).
+            generation: the collective group the members are in.
+        """
+        number = self._open(members, now_s)
+        ranks = tuple(sorted(members))
+        trigger: m.CoordMessage = m.RequestParams(cycle=number)
+        if self.config.backend is Backend.COLLECTIVE:
+            trigger = m.SyncNow(cycle=number, generation=generation)
+        return [
+            Emit(kind="SyncStart", fields=(("round", number),)),
+            Broadcast(ranks=ranks, message=trigger),
+        ]
+
+    def close(self) -> None:
+        self.phase = RoundPhase.IDLE
+
+    def on_ack(self, rank: int, msg: m.SyncAck) -> bool:
+        """Book ``rank``'s acknowledgement; False if it is stale (nothing changed).
+
+        Raises:
+            RemoteProtocolError: the rank acknowledged before its update; the
+                round is unchanged.
+        """
+        if msg.cycle != self.number or rank not in self.members or rank in self.acks:
+            return False
+        if self.phase is RoundPhase.COLLECTING and self.config.backend is Backend.COLLECTIVE:
+            committed = self.work.commit(rank, msg.steps)
+        elif self.phase is RoundPhase.APPLYING:
+            committed = self.snapshot_steps.get(rank, 0)
+        else:
+            raise RemoteProtocolError(
+                f"acknowledged round {msg.cycle} before its update", rank=rank
+            )
+        self.acks[rank] = committed
+        if msg.divergence is not None:
+            self.divergence[rank] = msg.divergence
+        if msg.pre_norm is not None:
+            self.pre_norms[rank] = msg.pre_norm
+        if msg.post_norm is not None and self.post_norm is None:
+            self.post_norm = msg.post_norm
+        return True
+
+    def on_snapshot(self, rank: int, msg: m.SnapshotReady) -> bool:
+        """Coordinator backend: book ``rank``'s upload; False if it is stale.
+
+        Raises:
+            RemoteProtocolError: a snapshot in a collective mode, or one
+                claiming more steps than the rank made since the last
+                average; the round is unchanged.
+        """
+        if self.config.backend is not Backend.COORDINATOR:
+            raise RemoteProtocolError("sent a snapshot in a collective mode", rank=rank)
+        collecting = self.phase is RoundPhase.COLLECTING
+        if msg.cycle != self.number or rank not in self.members or not collecting:
+            return False
+        made = self.work.steps_since_sync(rank)
+        if not 0 <= msg.steps <= made:
+            raise RemoteProtocolError(
+                f"snapshot claims {msg.steps} steps; it made {made} since the last average",
+                rank=rank,
+            )
+        self.snapshot_steps[rank] = msg.steps
+        return True
+
+    def average(self, live: set[int]) -> AverageSnapshots | None:
+        """Coordinator backend: the averaging order, once every live member uploaded.
+
+        Parameters weigh ``steps ** gamma``, buffers 1 per rank that moved.
+        """
+        if not self.ready_to_average(live):
+            return None
+        self.phase = RoundPhase.AVERAGING
+        gamma = self.config.scheduler.gamma
+        steps = self.snapshot_steps
+        holders = sorted(steps)
+        return AverageSnapshots(
+            cycle=self.number,
+            param_mass=tuple((r, float(steps[r]) ** gamma if steps[r] else 0.0) for r in holders),
+            buffer_mass=tuple((r, 1.0 if steps[r] else 0.0) for r in holders),
+        )
+
+    def on_average_computed(self, cycle: int, live: set[int]) -> list[Command]:
+        """The shell averaged round ``cycle``: commit it and send the update.
+
+        Raises:
+            LocalProtocolError: no such average is running; nothing changed.
+        """
+        if self.phase is not RoundPhase.AVERAGING or cycle != self.number:
+            raise LocalProtocolError(f"AverageComputed({cycle}) but no such average is running")
+        for rank, steps in sorted(self.snapshot_steps.items()):
+            if rank in live:
+                self.work.commit(rank, steps)
+        self.phase = RoundPhase.APPLYING
+        alpha = None if self.work.all_done() else self.config.blend_alpha
+        update = m.Update(cycle=cycle, alpha=alpha)
+        return [Send(rank=rank, message=update) for rank in sorted(self.members & live)]
+
+    def leave(self, rank: int) -> None:
+        """``rank`` died: it leaves the round, and the work book keeps what counts."""
+        if not self.in_flight or rank not in self.members:
+            return
+        if self.phase is RoundPhase.AVERAGING and rank in self.snapshot_steps:
+            self.work.commit(rank, self.snapshot_steps[rank])
+        elif self.phase is RoundPhase.COLLECTING:
+            self.snapshot_steps.pop(rank, None)
+        self.members.discard(rank)
+
+    def after_death(self, live: set[int]) -> list[Command]:
+        """A member died and left: what the round does without it.
+
+        Collective: a round nobody acknowledged yet is abandoned (the group
+        re-forms and the gate fires again). Coordinator backend: the other
+        members' uploads may now be all there is to average.
+        """
+        if self.config.backend is Backend.COLLECTIVE:
+            if self.in_flight and not self.acks:
+                self.close()
+            return []
+        order = self.average(live)
+        return [] if order is None else [order]
+
+    def ready_to_average(self, live: set[int]) -> bool:
+        """Coordinator backend: every live member uploaded its snapshot."""
+        return self.phase is RoundPhase.COLLECTING and all(
+            r in self.snapshot_steps for r in self.members & live
+        )
+
+    def complete(self, live: set[int]) -> bool:
+        """Every live member acknowledged the round."""
+        waiting = self.phase is RoundPhase.COLLECTING or self.phase is RoundPhase.APPLYING
+        return waiting and all(r in self.acks for r in self.members & live)
+
+    def _open(self, members: set[int], now_s: float) -> int:
         self.number += 1
-        self.phase = Phase.COLLECTING
+        self.phase = RoundPhase.COLLECTING
         self.started_s = now_s
         self.members = set(members)
         self.snapshot_steps.clear()
@@ -63,33 +226,3 @@ class Round:
         self.pre_norms.clear()
         self.post_norm = None
         return self.number
-
-    def close(self) -> None:
-        self.phase = Phase.IDLE
-
-    def record_ack(
-        self,
-        rank: int,
-        steps: int,
-        divergence: float | None,
-        pre_norm: float | None,
-        post_norm: float | None,
-    ) -> None:
-        self.acks[rank] = steps
-        if divergence is not None:
-            self.divergence[rank] = divergence
-        if pre_norm is not None:
-            self.pre_norms[rank] = pre_norm
-        if post_norm is not None and self.post_norm is None:
-            self.post_norm = post_norm
-
-    def ready_to_average(self, live: set[int]) -> bool:
-        """Coordinator backend: every live member uploaded its snapshot."""
-        return self.phase is Phase.COLLECTING and all(
-            r in self.snapshot_steps for r in self.members & live
-        )
-
-    def complete(self, live: set[int]) -> bool:
-        """Every live member acknowledged the round."""
-        waiting = self.phase is Phase.COLLECTING or self.phase is Phase.APPLYING
-        return waiting and all(r in self.acks for r in self.members & live)

@@ -59,7 +59,7 @@ Span: TypeAlias = tuple[int, int]
 """``(offset, size)`` in samples: the positions ``offset .. offset + size - 1``."""
 
 DEFAULT_SEED = 42
-"""Base shuffle seed: floDl's default (spec section 9.1), kept so runs compare."""
+"""Base shuffle seed: floDl's default, kept so runs of the two compare."""
 
 
 def _at_least(field: str, value: int, low: int) -> None:
@@ -242,6 +242,10 @@ class ChunkPool:
         """Samples not handed out yet: every residue plus the reclaimed queue."""
         residues = sum(end - cur for cur, end in zip(self._cursor, self._end, strict=True))
         return residues + _span_total(self._reclaimed)
+
+    def remaining_batches(self) -> int:
+        """``remaining()`` in batches, a short last batch counting as one."""
+        return batches_in(self.remaining(), self.batch_size)
 
     def outstanding(self, rank: int) -> int:
         """Samples handed to ``rank`` and neither committed nor handed back."""

@@ -3,7 +3,8 @@
 After every reduce each rank reports how far its parameters were from the
 consensus (``divergence``). A guard turns the per-window ``DivergenceReport``
 into a ``Verdict`` for ``ElChe.apply_verdict``. Behaviour follows floDl 0.7.0
-``ddp_run/convergence.rs`` and ``divergence.rs`` (spec §5).
+``ddp_run/convergence.rs`` and ``divergence.rs``, so the same divergences get
+the reference's verdicts.
 
 - ``NoGuard``: always ``Stable``; the control baseline.
 - ``TrendGuard``: the production default. ``SuppressGrowth`` when the last
@@ -41,7 +42,7 @@ __all__ = [
 NORM_EPS = 1e-10  # below this a norm is zero: no direction, no ratio
 TREND_HISTORY_CAP = 5  # ring of recent worst-rank divergences (reference)
 TREND_RISES = 3  # strictly rising samples that count as a trend
-DEFAULT_TREND_THRESHOLD = 0.05  # production default without EASGD (spec §2.4)
+DEFAULT_TREND_THRESHOLD = 0.05  # without EASGD: what the reference's run builder picks
 EASGD_TREND_THRESHOLD = 0.3  # EASGD's elastic pull keeps replicas further apart
 
 
@@ -99,7 +100,7 @@ class DivergenceReport:
 
 
 def divergence(pre: Sequence[float], post: Sequence[float]) -> tuple[float, float, float]:
-    """The divergence triple over flat parameter values (spec §5.1).
+    """The divergence triple over flat values: one definition, so every backend compares.
 
     Returns:
         ``(‖pre − post‖ / ‖post‖, ‖pre‖, ‖post‖)``; the ratio is 0 when
@@ -224,7 +225,7 @@ class LambdaSample:
 
 
 class LambdaEstimator:
-    """Bias-corrected EMA of ``λ = ln(D_t / D_{t−1}) / k_max`` (spec §5.6).
+    """EMA of ``λ = ln(D_t / D_{t−1}) / k_max``, bias-corrected: early ones lean to 0.
 
     Args:
         alpha: EMA coefficient, clamped to [ε, 1]; a non-finite value falls
@@ -386,7 +387,7 @@ def build_guard(
     easgd: bool,
     history: Sequence[float] | None,
 ) -> Guard:
-    """Build the guard a run asked for, with the reference's defaults (§2.4).
+    """Build the guard a run asked for, with the thresholds the reference's run builder sets.
 
     Args:
         kind: which guard.

@@ -2,7 +2,8 @@
 
 The coordinator records every batch a rank reports and, at the reduce, turns
 the ledger into the ``WindowReport`` ElChe schedules on. Behaviour follows
-floDl 0.7.0 ``cluster_coordinator/window_ledger.rs`` (spec §4).
+floDl 0.7.0 ``cluster_coordinator/window_ledger.rs``: ElChe's rules were
+tuned on these two timing scales.
 
 A window's first batch per rank carries the per-window *fill* (control
 transit, plan pickup, prefetch spin-up) and is kept apart; batches 2..n form
@@ -15,11 +16,45 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from dataclasses import dataclass
 
 from elche.core.errors import ConfigError
-from elche.core.scheduler import WindowReport
 
-__all__ = ["WindowLedger"]
+__all__ = ["WindowLedger", "WindowReport"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WindowReport:
+    """One reduce window's timing, per rank (built by ``WindowLedger``).
+
+    ``wall_ms``/``steps`` is the compute-only scale; ``delivered_ms``/
+    ``delivered_batches`` the marginal delivered scale (first batch excluded);
+    ``fill_ms`` the first-batch excess; ``sync_ms`` the last reduce's cost.
+    """
+
+    wall_ms: tuple[float, ...]
+    steps: tuple[int, ...]
+    delivered_ms: tuple[float, ...]
+    delivered_batches: tuple[int, ...]
+    fill_ms: tuple[float, ...]
+    delivered_coherent: bool
+    sync_ms: float
+
+    def select_feed(self) -> tuple[tuple[float, ...], tuple[int, ...]]:
+        """The ``(ms, batches)`` pair to schedule on: one scale for all ranks.
+
+        Incoherent windows use the compute scale everywhere; coherent ones use
+        each rank's delivered pair when it has one (``> 0`` batches and ms).
+        """
+        if not self.delivered_coherent:
+            return self.wall_ms, self.steps
+        pairs = [
+            (d_ms, d_n) if d_n > 0 and d_ms > 0 else (w_ms, n)
+            for w_ms, n, d_ms, d_n in zip(
+                self.wall_ms, self.steps, self.delivered_ms, self.delivered_batches, strict=True
+            )
+        ]
+        return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
 
 
 class WindowLedger:
@@ -82,7 +117,11 @@ class WindowLedger:
         self._loss_count[:] = [0] * self._ws
 
     def reset_steps(self) -> None:
-        """Zero the step counts (the backend decides when, see spec §4.1)."""
+        """Zero the step counts.
+
+        Apart from ``reset_timing`` because where a window's steps end depends
+        on the backend; elche's tuner zeroes both when a round closes.
+        """
         self._steps[:] = [0] * self._ws
 
     # -- read side ---------------------------------------------------------
@@ -149,7 +188,7 @@ class WindowLedger:
     def build_window_report(
         self, *, dead: Collection[int], delivered_capable: bool, sync_ms: float
     ) -> WindowReport:
-        """The window's ``WindowReport`` (spec §4.2).
+        """The window's ``WindowReport``: what ElChe sizes the next window on.
 
         The delivered scale is coherent only if the mode can deliver it AND
         every live rank that moved has a delivered sample: one mover without a

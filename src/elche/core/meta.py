@@ -10,7 +10,8 @@ Two watchers feed one actuator (``ElChe.apply_verdict(NudgeDown(f))``):
 
 The factor is softened while the anchor is already below its recent mean (it
 is recovering from a nudge) and sharpened while it climbs. Behaviour follows
-floDl 0.7.0 ``distributed/lr_event_meta.rs`` (spec §6).
+floDl 0.7.0 ``distributed/lr_event_meta.rs``, so the anchor answers an LR
+schedule as the reference's does.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from elche.core.elche_state import Phase
 from elche.core.errors import ConfigError
-from elche.core.scheduler import Phase
 from elche.core.verdicts import NudgeDown, SuppressGrowth, Verdict
 
 __all__ = ["LrEventMeta", "MetaConfig", "effective_factor"]

@@ -6,6 +6,12 @@ Rules:
   first calibration. Its *budget* (the steps it may take since the last
   average before it must hold) is the window, plus the overshoot allowance
   under ``async``, or its epoch-tail allocation when that is larger.
+- The automatic overshoot allowance (``async`` without a configured one)
+  starts at ``OVERSHOOT_INITIAL``, grows by one per ``Stable`` verdict up to
+  ``OVERSHOOT_CEILING`` and falls back to the start on a ``NudgeDown``.
+- An epoch's pool reserves each live rank a share in proportion to its
+  ElChe count, so each mostly trains its own span; shares are equal under
+  ``sync`` and before the first calibration.
 - One chunk in flight per rank. A chunk never runs past the budget.
 - ``sync`` hands each rank its whole equal partition at once and spreads a
   dead rank's partition evenly over the survivors.
@@ -32,16 +38,24 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Collection, Sequence
 from fractions import Fraction
+from typing import assert_never
 
 from elche.core import messages as m
 from elche.core.config import CoordinatorConfig, Policy
 from elche.core.dispatch import Span, batches_in, final_window_alloc, needs_final_window
 from elche.core.scheduler import ElChe
+from elche.core.verdicts import NudgeDown, Stable, SuppressGrowth, Verdict
 from elche.core.work import WorkBook
 
-__all__ = ["PROBE_STEPS", "TAIL_RESERVE_SLOW_STEPS", "Planner"]
+__all__ = [
+    "OVERSHOOT_CEILING",
+    "OVERSHOOT_INITIAL",
+    "PROBE_STEPS",
+    "TAIL_RESERVE_SLOW_STEPS",
+    "Planner",
+]
 
 # Before the first calibration every rank runs this many steps: one batch
 # fills the pipeline, the second gives a marginal timing sample. A full
@@ -52,6 +66,11 @@ PROBE_STEPS = 2
 # cover the jitter of one window on a shared machine, small enough that most
 # of the tail is still planned (see ``Planner._hold_back``).
 TAIL_RESERVE_SLOW_STEPS = 2
+
+# Async overshoot: start at 3 steps past the window, grow by one per Stable
+# round up to 15 (reference defaults).
+OVERSHOOT_INITIAL = 3
+OVERSHOOT_CEILING = 15
 
 
 class Planner:
@@ -67,12 +86,24 @@ class Planner:
         self.config = config
         self.elche = elche
         self.work = work
-        self.max_overshoot = 0
+        configured = config.scheduler.max_overshoot
+        self._overshoot_auto = configured is None and config.policy is Policy.ASYNC
+        self.max_overshoot = OVERSHOOT_INITIAL if configured is None else configured
         self.budget = [0] * config.world_size
         self.quiesced = [False] * config.world_size
         self.tail_plan: dict[int, int] | None = None
         self.tail_reserve = 0  # tail batches held back for whoever frees up first
         self._progress_s = [0.0] * config.world_size  # last assignment or report
+
+    def open_epoch(self, epoch: int, live: Collection[int]) -> None:
+        """Open ``epoch``'s pool with a reservation for each ``live`` rank."""
+        ws = self.config.world_size
+        if self.config.policy is Policy.SYNC or not self.elche.is_calibrated:
+            weights = [1.0 if r in live else 0.0 for r in range(ws)]
+        else:
+            counts = self.elche.batch_counts
+            weights = [float(counts[r]) if r in live else 0.0 for r in range(ws)]
+        self.work.open_epoch(epoch, weights)
 
     def window_steps(self, rank: int) -> int:
         """Steps that complete ``rank``'s window."""
@@ -113,6 +144,31 @@ class Planner:
             self.quiesced[rank] = False
         return updates
 
+    def note_verdict(self, verdict: Verdict) -> None:
+        """The guard judged the last round: the automatic overshoot follows it."""
+        if not self._overshoot_auto:
+            return
+        match verdict:
+            case Stable():
+                self.max_overshoot = min(self.max_overshoot + 1, OVERSHOOT_CEILING)
+            case NudgeDown():
+                self.max_overshoot = OVERSHOOT_INITIAL
+            case SuppressGrowth():
+                pass
+            case _:
+                assert_never(verdict)
+
+    def note_rank_lost(self, rank: int) -> None:
+        """``rank`` died: whatever it was waiting for, it is not quiesced."""
+        self.quiesced[rank] = False
+
+    def note_work_returned(self, rank: int) -> None:
+        """A death put work back in the pools: the gate waits for ``rank`` again.
+
+        It stays unquiesced until it is next planned (``next_chunk``).
+        """
+        self.quiesced[rank] = False
+
     def forget_tail_plan(self) -> None:
         """A rank died mid-window: the tail allocation no longer adds up.
 
@@ -125,19 +181,26 @@ class Planner:
         """``rank`` reported a batch at ``now_s``: its queue is counted from here."""
         self._progress_s[rank] = now_s
 
-    def next_chunk(
-        self,
-        rank: int,
-        live_count: int,
-        stream_ahead: Callable[[], int | None],
-        now_s: float = 0.0,
-    ) -> m.AssignChunk | None:
+    def needs_next_epoch(self, rank: int) -> bool:
+        """Async: ``rank`` is idle with budget left, but no open epoch has work.
+
+        The coordinator then opens the next epoch early, so fast ranks keep
+        streaming, before it asks ``next_chunk``. (Async plans no epoch
+        tail, so there is no reserve to serve instead.)
+        """
+        return (
+            self.config.policy is Policy.ASYNC
+            and self.work.busy_samples(rank) == 0
+            and self.budget[rank] > self.work.steps_since_sync(rank)
+            and self.work.serving_epoch() is None
+        )
+
+    def next_chunk(self, rank: int, live_count: int, now_s: float = 0.0) -> m.AssignChunk | None:
         """The chunk ``rank`` should train next, if it is idle and may take one.
 
         Args:
             rank: a live rank.
             live_count: how many ranks are live (to split reclaimed work).
-            stream_ahead: opens the next epoch early (async) and returns it.
             now_s: the coordinator's clock, to time the epoch tail's reserve.
         """
         if self.work.busy_samples(rank) > 0:
@@ -148,8 +211,6 @@ class Planner:
         if left <= 0:
             return None  # holds for the next average
         epoch = self.work.serving_epoch()
-        if epoch is None and self.config.policy is Policy.ASYNC:
-            epoch = stream_ahead()
         span = None if epoch is None else self._take(rank, epoch, left, live_count)
         self.quiesced[rank] = span is None
         if epoch is None or span is None:
@@ -173,7 +234,7 @@ class Planner:
         share = self._reserve_share(rank, now_s) if epoch is not None else 0
         span = None
         if epoch is not None and share > 0:
-            span = self.work.take(rank, epoch, share * self.config.batch_size)
+            span = self.work.pools[epoch].take(rank, share * self.config.batch_size)
         self.quiesced[rank] = span is None
         if epoch is None or span is None:
             return None
@@ -233,7 +294,7 @@ class Planner:
         epoch = self.work.serving_epoch()
         if epoch is None:
             return
-        remaining = self.work.remaining_batches(epoch)
+        remaining = self.work.pools[epoch].remaining_batches()
         counts = [self.window_steps(r) for r in range(self.config.world_size)]
         if needs_final_window(remaining, counts, live):
             alloc = final_window_alloc(remaining, counts, live)
@@ -253,16 +314,16 @@ class Planner:
         pool = self.work.pools[epoch]
         if self.config.policy is Policy.SYNC:
             if pool.residue(rank) > 0:
-                return self.work.take(rank, epoch, pool.residue(rank))
+                return pool.take(rank, pool.residue(rank))
             reclaimed = sum(size for _, size in pool.reclaimed_spans())
             share = batches_in(-(-reclaimed // max(live_count, 1)), bs)
-            return self.work.take_reclaimed(rank, epoch, share * bs)
+            return pool.take_reclaimed(rank, share * bs) if share > 0 else None
         batches = left
         if self.tail_plan is not None:
             batches = min(batches, self.tail_plan.get(rank, 0))
             if batches <= 0:
                 return None
-        span = self.work.take(rank, epoch, batches * bs)
+        span = pool.take(rank, batches * bs)
         if span is not None and self.tail_plan is not None:
             self.tail_plan[rank] -= batches_in(span[1], bs)
         return span

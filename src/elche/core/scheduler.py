@@ -2,7 +2,8 @@
 
 The slowest rank (the *anchor rank*) runs ``anchor`` batches per window; every
 faster rank runs proportionally more, so all ranks reach the reduce together.
-Behaviour follows floDl 0.7.0 ``distributed/el_che.rs`` (spec §3).
+Behaviour follows floDl 0.7.0 ``distributed/el_che.rs``, so elche's windows
+compare with the reference's.
 
 Rules:
     - Timing enters once per window (``report_window`` / ``report_timing``);
@@ -21,27 +22,37 @@ Theory of operation:
     ``Phase.PROBE`` --1st calibration--> ``WARMUP`` --5th--> ``STABLE``
     --20th--> ``MATURE``. A *calibration* is a report that reached the
     recompute step. Warmup proposals need twice the overhead target, so only
-    an unambiguous signal acts before the trust windows fill.
+    an unambiguous signal acts before the trust windows fill. The arithmetic
+    of a recompute (speed targets, the step clamp, the window cap) is in
+    ``elche.core.counts``.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import assert_never
 
+from elche.core.config import CoordinatorConfig, Policy
+from elche.core.counts import (
+    cap_window,
+    non_negative,
+    round_half_away,
+    slack_batches,
+    speed_target,
+    step_toward,
+)
+from elche.core.elche_state import ElCheState, Phase
 from elche.core.errors import ConfigError
+from elche.core.ledger import WindowReport
 from elche.core.verdicts import NudgeDown, Stable, SuppressGrowth, Verdict
 
-__all__ = ["ElChe", "ElCheState", "Phase", "WindowReport"]
+__all__ = ["ElChe"]
 
 COHORT_BAND = 0.15  # election-eligible within 15 % of the slowest (el_che.rs)
 DOMINANCE_MARGIN = 0.10  # a challenger must be 10 % slower to unseat the anchor
 TRUST_WINDOW_CAP = 5  # samples per rank; also the misses that clear a window
-MAX_SPEED_RATIO = 64.0  # no real rig is 64x apart; caps degenerate samples
 BATCH_COUNTS_WINDOW_CAP = 10  # snapshots behind recent_batch_share
 GROWTH_REARM_STABLE = 5  # clean verdicts before growth re-arms after a veto
 GROWTH_STEP_CAP = 2.0  # at most x2 per proposal: climb fast, never overshoot
@@ -49,160 +60,10 @@ WARMUP_GROWTH_MARGIN = GROWTH_STEP_CAP  # warmup acts only when already capped
 DEAD_ZONE = 0.05  # ignore count changes within 5 % (1-batch chatter)
 STABLE_AT = 5  # calibrations to reach Phase.STABLE
 MATURE_AT = 20  # calibrations to reach Phase.MATURE
-_SAME_MS = 1e-6  # ms readings closer than this are the anchor's own speed
-_SATURATED = 2**63 - 1  # an infinite slack saturates like the reference's usize
-
-
-class Phase(enum.Enum):
-    """Lifecycle of the balancer; ordered ``PROBE < WARMUP < STABLE < MATURE``."""
-
-    PROBE = "probe"
-    WARMUP = "warmup"
-    STABLE = "stable"
-    MATURE = "mature"
-
-    @property
-    def order(self) -> int:
-        """Position in the lifecycle, 0 for ``PROBE``."""
-        return _PHASE_ORDER[self]
-
-    def __lt__(self, other: object) -> bool:
-        return self.order < _order_of(other)
-
-    def __le__(self, other: object) -> bool:
-        return self.order <= _order_of(other)
-
-    def __gt__(self, other: object) -> bool:
-        return self.order > _order_of(other)
-
-    def __ge__(self, other: object) -> bool:
-        return self.order >= _order_of(other)
-
-
-def _order_of(other: object) -> int:
-    if not isinstance(other, Phase):
-        raise TypeError(f"cannot order a Phase against {type(other).__name__}")
-    return other.order
-
-
-_PHASE_ORDER = {phase: i for i, phase in enumerate(Phase)}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WindowReport:
-    """One reduce window's timing, per rank (built by ``WindowLedger``).
-
-    ``wall_ms``/``steps`` is the compute-only scale; ``delivered_ms``/
-    ``delivered_batches`` the marginal delivered scale (first batch excluded);
-    ``fill_ms`` the first-batch excess; ``sync_ms`` the last reduce's cost.
-    """
-
-    wall_ms: tuple[float, ...]
-    steps: tuple[int, ...]
-    delivered_ms: tuple[float, ...]
-    delivered_batches: tuple[int, ...]
-    fill_ms: tuple[float, ...]
-    delivered_coherent: bool
-    sync_ms: float
-
-    def select_feed(self) -> tuple[tuple[float, ...], tuple[int, ...]]:
-        """The ``(ms, batches)`` pair to schedule on: one scale for all ranks.
-
-        Incoherent windows use the compute scale everywhere; coherent ones use
-        each rank's delivered pair when it has one (``> 0`` batches and ms).
-        """
-        if not self.delivered_coherent:
-            return self.wall_ms, self.steps
-        pairs = [
-            (d_ms, d_n) if d_n > 0 and d_ms > 0 else (w_ms, n)
-            for w_ms, n, d_ms, d_n in zip(
-                self.wall_ms, self.steps, self.delivered_ms, self.delivered_batches, strict=True
-            )
-        ]
-        return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ElCheState:
-    """The balancer's trajectory, as saved in a checkpoint (spec §3.14).
-
-    Raises:
-        ConfigError: a field is out of range (anchor < 1, negative rank or
-            count, a negative or non-finite mean).
-    """
-
-    anchor: int
-    anchor_rank: int | None
-    smoothed_ms_per_batch: tuple[float, ...]
-    phase: Phase
-    calibration_count: int
-    trend_history: tuple[float, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.anchor < 1:
-            raise ConfigError("anchor", f"must be >= 1, got {self.anchor}")
-        if self.anchor_rank is not None and self.anchor_rank < 0:
-            raise ConfigError("anchor_rank", f"must be >= 0, got {self.anchor_rank}")
-        if self.calibration_count < 0:
-            raise ConfigError("calibration_count", f"must be >= 0, got {self.calibration_count}")
-        if not all(math.isfinite(m) and m >= 0 for m in self.smoothed_ms_per_batch):
-            raise ConfigError("smoothed_ms_per_batch", "entries must be finite and >= 0")
-
-    def to_json(self) -> dict[str, object]:
-        """A JSON-ready mapping; the phase is its lower-case name."""
-        history = None if self.trend_history is None else list(self.trend_history)
-        return {
-            "anchor": self.anchor,
-            "anchor_rank": self.anchor_rank,
-            "smoothed_ms_per_batch": list(self.smoothed_ms_per_batch),
-            "phase": self.phase.value,
-            "calibration_count": self.calibration_count,
-            "trend_history": history,
-        }
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, object]) -> ElCheState:
-        """Parse ``to_json`` output.
-
-        Raises:
-            ConfigError: a field is missing, of the wrong type or out of range.
-        """
-        phase = d.get("phase")
-        if not isinstance(phase, str) or phase not in _PHASES_BY_NAME:
-            raise ConfigError("phase", f"must be one of {sorted(_PHASES_BY_NAME)}, got {phase!r}")
-        rank = d.get("anchor_rank")
-        history = d.get("trend_history")
-        return cls(
-            anchor=_json_int(d.get("anchor"), "anchor"),
-            anchor_rank=None if rank is None else _json_int(rank, "anchor_rank"),
-            smoothed_ms_per_batch=_json_floats(
-                d.get("smoothed_ms_per_batch"), "smoothed_ms_per_batch"
-            ),
-            phase=_PHASES_BY_NAME[phase],
-            calibration_count=_json_int(d.get("calibration_count"), "calibration_count"),
-            trend_history=None if history is None else _json_floats(history, "trend_history"),
-        )
-
-
-_PHASES_BY_NAME = {phase.value: phase for phase in Phase}
-
-
-def _json_int(value: object, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(field, f"must be an integer, got {value!r}")
-    return value
-
-
-def _json_floats(value: object, field: str) -> tuple[float, ...]:
-    if not isinstance(value, list) or not all(
-        isinstance(v, int | float) and not isinstance(v, bool) for v in value
-    ):
-        raise ConfigError(field, f"must be a list of numbers, got {value!r}")
-    return tuple(float(v) for v in value)
 
 
 class ElChe:
-    """The cadence balancer (spec §3).
+    """The cadence balancer: batch counts that give every rank's window one wall time.
 
     Args:
         world_size: ranks in the run (>= 1; one survivor keeps balancing).
@@ -267,6 +128,29 @@ class ElChe:
         self._proposal: int | None = None
         self._growth_enabled = True
         self._consecutive_stable = 0
+
+    @classmethod
+    def for_run(cls, config: CoordinatorConfig) -> ElChe:
+        """The balancer of a run, its knobs from ``config.scheduler``.
+
+        Its window is capped at one epoch of batches, so a window never
+        spans two epochs; under ``sync`` there is no window to grow.
+
+        Raises:
+            ConfigError: as the constructor.
+        """
+        sched = config.scheduler
+        elche = cls(
+            config.world_size,
+            sched.anchor_for(config.policy),
+            overhead_target=sched.overhead_target,
+            max_anchor=sched.max_anchor,
+            min_anchor=sched.min_anchor,
+            max_batch_diff=sched.max_batch_diff,
+            window_growth_applicable=config.policy is not Policy.SYNC,
+        )
+        elche.set_max_total_batches(config.num_samples // config.batch_size)
+        return elche
 
     # -- read side ---------------------------------------------------------
 
@@ -448,7 +332,10 @@ class ElChe:
     def report_timing(
         self, wall_ms: Sequence[float], batches: Sequence[int], sync_ms: float
     ) -> None:
-        """Fold one window's timing in and recompute the counts (spec §3.5).
+        """Fold one window's timing in and recompute the counts.
+
+        The steps run in the reference's order: which ones a report reaches
+        decides whether it elects, proposes growth or counts as a calibration.
 
         Raises:
             ValueError: ``wall_ms`` or ``batches`` is not of length
@@ -478,7 +365,7 @@ class ElChe:
         self._calibration_count += 1
         self._advance_phase()
 
-    # -- the verdict seam and its actuators (spec §3.11) -------------------
+    # -- the verdict seam: verdicts move the anchor only through here -------
 
     def apply_verdict(self, v: Verdict) -> None:
         """Apply a guard's (or the meta-controller's) verdict."""
@@ -540,7 +427,7 @@ class ElChe:
             ratio = max(means) / min(means)
             if not math.isfinite(ratio):
                 return
-            projected_fast = max(1, _round_half_away((self._anchor + 1) * ratio))
+            projected_fast = max(1, round_half_away((self._anchor + 1) * ratio))
             if projected_fast - (self._anchor + 1) > self._max_batch_diff:
                 return
         self._anchor += 1
@@ -651,7 +538,7 @@ class ElChe:
         if self._cap_binding:  # a bigger anchor would only detach from the capped counts
             return None
         marginal_ms = self._mean(rank)
-        fixed_ms = _non_negative(sync_ms) + _non_negative(self._fill_ms[rank])
+        fixed_ms = non_negative(sync_ms) + non_negative(self._fill_ms[rank])
         if marginal_ms <= 0 or fixed_ms <= 0:
             return None
         overhead = fixed_ms / (self._anchor * marginal_ms + fixed_ms)  # NaN if fixed is inf
@@ -668,44 +555,18 @@ class ElChe:
     def _recompute(self, slow_ms: float) -> None:
         for r in range(self._ws):
             ms = self._mean(r)
-            slack_batches = _slack_batches(self._slack_ms[r], ms)
-            target = max(1, self._speed_target(ms, slow_ms) - slack_batches)
+            slack = slack_batches(self._slack_ms[r], ms)
+            target = max(1, speed_target(self._anchor, ms, slow_ms) - slack)
             current = self._counts[r]
-            if abs(target - current) > DEAD_ZONE * current or not self._calibrated or slack_batches:
-                self._counts[r] = self._step_toward(current, target)
+            if abs(target - current) > DEAD_ZONE * current or not self._calibrated or slack:
+                step = self._max_batch_diff if self._calibrated else None
+                self._counts[r] = step_toward(current, target, step)
         self._apply_window_cap()
         self._slack_ms = [0.0] * self._ws  # slack is consumed exactly once
 
-    def _speed_target(self, ms: float, slow_ms: float) -> int:
-        if ms <= 0 or abs(ms - slow_ms) < _SAME_MS:
-            return self._anchor
-        return max(1, _round_half_away(self._anchor * min(slow_ms / ms, MAX_SPEED_RATIO)))
-
-    def _step_toward(self, current: int, target: int) -> int:
-        step = self._max_batch_diff
-        if step is None or not self._calibrated:
-            return target
-        if target > current:
-            return min(current + step, target)
-        return max(current - step, target, 1)
-
     def _apply_window_cap(self) -> None:
-        self._cap_binding = False
         live = [r for r in range(self._ws) if r not in self._retired]
-        cap = self._max_total
-        total = sum(self._counts[r] for r in live)
-        if cap is None or total <= cap:
-            return
-        self._cap_binding = True
-        for r in live:
-            self._counts[r] = max(1, math.floor(self._counts[r] * (cap / total)))
-        used = sum(self._counts[r] for r in live)
-        if used < cap:  # the remainder goes to the largest count, ties -> highest index
-            self._counts[max(live, key=lambda r: (self._counts[r], r))] += cap - used
-        while used > cap and len(live) <= cap:  # elche: floors of 1 must not break the cap
-            r = max((r for r in live if self._counts[r] > 1), key=lambda r: (self._counts[r], r))
-            self._counts[r] -= 1
-            used -= 1
+        self._cap_binding = cap_window(self._counts, live, self._max_total)
 
     def _advance_phase(self) -> None:
         # One step per calibration at most, as the reference's match.
@@ -715,22 +576,3 @@ class ElChe:
             self._phase = Phase.STABLE
         elif self._phase is Phase.STABLE and self._calibration_count >= MATURE_AT:
             self._phase = Phase.MATURE
-
-
-def _round_half_away(x: float) -> int:
-    """Round a non-negative float half away from zero, as Rust's ``round``."""
-    whole = math.floor(x)
-    return whole + 1 if x - whole >= 0.5 else whole
-
-
-def _non_negative(ms: float) -> float:
-    """``ms`` floored at 0; NaN reads as 0 (Rust ``f64::max`` semantics)."""
-    return ms if ms > 0 else 0.0
-
-
-def _slack_batches(slack_ms: float, ms: float) -> int:
-    """Whole batches of ``ms`` that ``slack_ms`` of callback time displaces."""
-    if not (slack_ms > 0 and ms > 0):
-        return 0
-    batches = slack_ms / ms
-    return math.ceil(batches) if math.isfinite(batches) else _SATURATED

@@ -9,8 +9,8 @@ matters and follows the reference coordinator's finish head):
 3. ask the convergence guard for a verdict on the round's divergence;
 4. let the LR-aware meta-controller observe the round (it may nudge the
    anchor down, discarding a staged growth of the same round);
-5. apply the guard's verdict (async: the overshoot allowance grows by one
-   per Stable round up to its ceiling and resets on a nudge);
+5. apply the guard's verdict, to ElChe and to the planner (whose async
+   overshoot allowance follows it);
 6. reset the window ledger.
 """
 
@@ -31,16 +31,21 @@ from elche.core.scheduler import ElChe
 from elche.core.verdicts import NudgeDown, Stable, SuppressGrowth, Verdict
 from elche.core.work import WorkBook
 
-__all__ = ["OVERSHOOT_CEILING", "OVERSHOOT_INITIAL", "Tuner"]
-
-# Async overshoot: start at 3 steps past the window, grow by one per Stable
-# round up to 15 (reference defaults).
-OVERSHOOT_INITIAL = 3
-OVERSHOOT_CEILING = 15
+__all__ = ["Tuner"]
 
 
 class Tuner:
-    """Closes rounds: timing to ElChe, divergence to the guard, LR to the meta."""
+    """Closes rounds: timing to ElChe, divergence to the guard, LR to the meta.
+
+    Args:
+        config: the run's configuration.
+        elche: the balancer the rounds' timing and verdicts feed.
+        roles: the callback roles (elected at the first calibration).
+        planner: told each verdict (the async overshoot allowance).
+        work: the work book (how much of the serving epoch is left).
+        ledger: the window's timing, recorded by the coordinator; reset here.
+        guard_history: the convergence guard's history from a checkpoint.
+    """
 
     def __init__(
         self,
@@ -50,6 +55,7 @@ class Tuner:
         planner: Planner,
         work: WorkBook,
         *,
+        ledger: WindowLedger,
         guard_history: Sequence[float] | None = None,
     ) -> None:
         sched = config.scheduler
@@ -58,7 +64,7 @@ class Tuner:
         self.roles = roles
         self.planner = planner
         self.work = work
-        self.ledger = WindowLedger(config.world_size)
+        self.ledger = ledger
         self.guard = build_guard(
             sched.guard,
             divergence_threshold=sched.divergence_threshold,
@@ -66,11 +72,11 @@ class Tuner:
             history=guard_history,
         )
         self.meta = LrEventMeta() if sched.meta_controller else None
-        self.lr: list[float | None] = [None] * config.world_size
-        self._overshoot_auto = sched.max_overshoot is None
-        planner.max_overshoot = (
-            OVERSHOOT_INITIAL if self._overshoot_auto else (sched.max_overshoot or 0)
-        )
+        self._lr: list[float | None] = [None] * config.world_size
+
+    def note_lr(self, rank: int, lr: float) -> None:
+        """``rank`` reported its learning rate (the meta-controller watches it)."""
+        self._lr[rank] = lr
 
     def close_round(
         self, rnd: Round, sync_ms: float, live: Collection[int], dead: Collection[int]
@@ -123,7 +129,7 @@ class Tuner:
         )
 
     def _observe_meta(self, verdict: Verdict) -> list[Command]:
-        lr = next((x for x in self.lr if x is not None), None)
+        lr = next((x for x in self._lr if x is not None), None)
         if self.meta is None or lr is None:
             return []
         action = self.meta.observe(lr, self.elche.anchor, verdict, self.elche.phase)
@@ -135,21 +141,15 @@ class Tuner:
         return [Emit(kind="MetaNudge", fields=fields)]
 
     def _apply_verdict(self, verdict: Verdict) -> list[Command]:
-        is_async = self.config.policy is Policy.ASYNC
-        auto = is_async and self._overshoot_auto
-        planner = self.planner
+        self.planner.note_verdict(verdict)
         match verdict:
             case Stable():
-                relax = is_async and self.config.scheduler.relax_up
+                relax = self.config.policy is Policy.ASYNC and self.config.scheduler.relax_up
                 self.elche.apply_verdict(Stable(relax_up=relax))
-                if auto:
-                    planner.max_overshoot = min(planner.max_overshoot + 1, OVERSHOOT_CEILING)
             case SuppressGrowth():
                 self.elche.apply_verdict(verdict)
             case NudgeDown():
                 self.elche.apply_verdict(verdict)
-                if auto:
-                    planner.max_overshoot = OVERSHOOT_INITIAL
                 text = (
                     "divergence rising: convergence guard nudged the anchor down "
                     f"(x{verdict.factor:.2f}) to {self.elche.anchor}"
@@ -167,7 +167,7 @@ class Tuner:
         if epoch is None:
             return
         total = sum(self.elche.batch_counts[r] for r in live)
-        if total == 0 or self.work.remaining_batches(epoch) > total:
+        if total == 0 or self.work.pools[epoch].remaining_batches() > total:
             return
         slack = self.roles.boundary_slack_ms(
             epoch + 1,

@@ -1,6 +1,7 @@
 """Verdicts: what a convergence guard (or the meta-controller) tells ElChe.
 
-One seam, three answers. ``ElChe.apply_verdict`` is the only consumer:
+One seam, three answers. ``ElChe.apply_verdict`` acts on them (the planner's
+async overshoot allowance follows them too, ``Planner.note_verdict``):
 
 - ``Stable`` commits a staged anchor-growth proposal (and may relax the
   anchor up by one under the async policy);

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elche.core.checkpoint import EpochCoverage
-from elche.core.dispatch import ChunkPool, Span, batches_in
+from elche.core.dispatch import ChunkPool, Span
 from elche.core.errors import RemoteProtocolError
 
 __all__ = ["Chunk", "WorkBook"]
@@ -56,7 +56,7 @@ class WorkBook:
         self.batch_size = batch_size
         self.epochs = epochs
         self.pools: dict[int, ChunkPool] = {}
-        self.done: set[int] = set()
+        self._done: set[int] = set()
         self._queue: list[deque[Chunk]] = [deque() for _ in range(world_size)]
         # (epoch, samples) of each trained batch not yet in a completed average.
         self._uncommitted: list[deque[tuple[int, int]]] = [deque() for _ in range(world_size)]
@@ -72,23 +72,31 @@ class WorkBook:
         self.pools[epoch] = pool
         return pool
 
-    def resume_epoch(self, coverage: EpochCoverage) -> None:
-        """Recreate a started epoch from a checkpoint: only its holes remain."""
-        self.pools[coverage.epoch] = ChunkPool.from_uncovered(
-            coverage.total_samples,
-            list(coverage.uncovered),
-            batch_size=self.batch_size,
-            num_ranks=self.world_size,
-        )
+    def resume(self, first_open: int, coverage: Sequence[EpochCoverage]) -> None:
+        """Continue from a checkpoint: epochs before ``first_open`` are done.
+
+        Each started epoch of ``coverage`` is recreated with only its holes
+        left to serve.
+        """
+        self._done.update(range(first_open))
+        for started in coverage:
+            self.pools[started.epoch] = ChunkPool.from_uncovered(
+                started.total_samples,
+                list(started.uncovered),
+                batch_size=self.batch_size,
+                num_ranks=self.world_size,
+            )
 
     def finished_epochs(self) -> list[int]:
         """Epochs whose pool just became done, in ascending order."""
-        newly = sorted(e for e, pool in self.pools.items() if e not in self.done and pool.is_done())
-        self.done.update(newly)
+        newly = sorted(
+            e for e, pool in self.pools.items() if e not in self._done and pool.is_done()
+        )
+        self._done.update(newly)
         return newly
 
     def open_epochs(self) -> list[int]:
-        return sorted(e for e in self.pools if e not in self.done)
+        return sorted(e for e in self.pools if e not in self._done)
 
     def coverage(self) -> tuple[EpochCoverage, ...]:
         """Uncovered spans of every started, unfinished epoch."""
@@ -174,18 +182,11 @@ class WorkBook:
                 return epoch
         return None
 
-    def remaining_batches(self, epoch: int) -> int:
-        return batches_in(self.pools[epoch].remaining(), self.batch_size)
-
-    def take(self, rank: int, epoch: int, samples: int) -> Span | None:
-        if samples <= 0:
-            return None
-        return self.pools[epoch].take(rank, samples)
-
-    def take_reclaimed(self, rank: int, epoch: int, samples: int) -> Span | None:
-        if samples <= 0:
-            return None
-        return self.pools[epoch].take_reclaimed(rank, samples)
+    def all_done(self) -> bool:
+        """Every planned epoch is open and done: nothing is left to train."""
+        return self.next_epoch_to_open() is None and all(
+            pool.is_done() for pool in self.pools.values()
+        )
 
     def next_epoch_to_open(self) -> int | None:
         opened = max(self.pools, default=-1)

@@ -1,0 +1,147 @@
+"""Callback requests: the eval and checkpoint runs asked of ranks, and their answers.
+
+Who runs each callback is ``elche.core.roles``; this module asks them and
+books what comes back.
+
+Rules:
+
+- At the end of epoch ``e`` (``done = e + 1`` epochs finished) the eval role
+  is asked to run ``eval_fn`` when ``done`` is a multiple of ``eval_every`` or
+  the last epoch, and the checkpoint role to run ``checkpoint_fn`` when
+  ``done`` is a multiple of ``checkpoint_every``. A request is *pending* until
+  its rank answers.
+- Every answer's wall time is taken out of the rank's window timing, so the
+  balancer does not read it as the rank being slow, and feeds that
+  callback's cost estimate (a checkpoint's only when it succeeded).
+- A successful eval is broadcast to every live rank and emitted on the
+  timeline; a failed one is only logged.
+- A failed checkpoint is retried on a live rank not yet tried for that
+  version; once every live rank failed it, the version is given up, loudly
+  (training goes on).
+- A rank that dies with requests pending: its eval is asked again of the
+  eval role (already re-resolved), its checkpoint counts as failed on it.
+- The run finishes only when nothing is pending.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from elche.core import messages as m
+from elche.core.commands import Broadcast, Command, Emit, Notice, Send
+from elche.core.config import CoordinatorConfig
+from elche.core.ledger import WindowLedger
+from elche.core.roles import CallbackRoles, Role
+
+__all__ = ["Callbacks"]
+
+
+class Callbacks:
+    """The eval and checkpoint requests in flight, and what their answers do.
+
+    Args:
+        config: the run's configuration (which callbacks run, how often).
+        roles: who runs each callback.
+        ledger: the window timing a callback's wall time is taken out of.
+    """
+
+    def __init__(
+        self, config: CoordinatorConfig, roles: CallbackRoles, ledger: WindowLedger
+    ) -> None:
+        self.config = config
+        self.roles = roles
+        self.ledger = ledger
+        self.pending_evals: dict[int, int] = {}  # epoch -> rank asked
+        self.pending_checkpoints: dict[int, int] = {}  # version -> rank asked
+
+    @property
+    def pending(self) -> bool:
+        """Whether some rank still owes an eval or checkpoint answer."""
+        return bool(self.pending_evals or self.pending_checkpoints)
+
+    def checkpoint_due(self, done: int) -> bool:
+        """Whether a checkpoint is due once ``done`` epochs are finished."""
+        every = self.config.checkpoint_every
+        return every is not None and done % every == 0
+
+    def at_epoch_end(self, done: int) -> list[Command]:
+        """``done`` epochs are finished: ask for the callbacks due now."""
+        cfg = self.config
+        out: list[Command] = []
+        if cfg.has_eval_fn and (done % cfg.eval_every == 0 or done == cfg.epochs):
+            out.append(self._ask_eval(done))
+        if self.checkpoint_due(done):
+            out.append(self._ask_checkpoint(done))
+        return out
+
+    def on_epoch_fn(self, rank: int, elapsed_ms: float) -> None:
+        """``rank`` ran ``epoch_fn`` for ``elapsed_ms``."""
+        self.ledger.absorb_callback_cost(rank, elapsed_ms)
+        self.roles.record_cost(Role.EPOCH, elapsed_ms)
+
+    def on_eval_result(self, rank: int, msg: m.EvalResult, live: Sequence[int]) -> list[Command]:
+        """``rank`` answered an eval request; returns what to tell the others."""
+        self.ledger.absorb_callback_cost(rank, msg.elapsed_ms)
+        self.roles.record_cost(Role.EVAL, msg.elapsed_ms)
+        self.pending_evals.pop(msg.epoch, None)
+        if msg.error is not None:
+            text = f"eval_fn failed on rank {rank} (epoch {msg.epoch}): {msg.error}"
+            return [Notice(level="error", text=text)]
+        out = _broadcast(live, m.EvalBroadcast(epoch=msg.epoch, metric=msg.metric))
+        fields = (("epoch", msg.epoch), ("metric", msg.metric), ("rank", rank))
+        out.append(Emit(kind="Eval", fields=fields))
+        return out
+
+    def on_checkpoint_result(
+        self, rank: int, msg: m.CheckpointResult, live: Sequence[int]
+    ) -> list[Command]:
+        """``rank`` answered a checkpoint request; returns a retry or a notice."""
+        self.ledger.absorb_callback_cost(rank, msg.elapsed_ms)
+        out: list[Command] = []
+        if msg.error is None:
+            self.roles.record_cost(Role.CHECKPOINT, msg.elapsed_ms)
+        else:
+            text = f"checkpoint v{msg.version} failed on rank {rank}: {msg.error}"
+            out.append(Notice(level="error", text=text))
+        return out + self._settle_checkpoint(rank, msg.version, msg.error, live)
+
+    def on_death(self, dead: int, live: Sequence[int]) -> list[Command]:
+        """``dead`` died: ask again what it owed (roles already re-resolved)."""
+        out: list[Command] = []
+        for epoch, rank in sorted(self.pending_evals.items()):
+            if rank == dead:
+                out.append(self._ask_eval(epoch))
+        for version, rank in sorted(self.pending_checkpoints.items()):
+            if rank == dead:
+                out += self._settle_checkpoint(dead, version, "rank died", live)
+        return out
+
+    def _ask_eval(self, epoch: int) -> Command:
+        rank = self.roles.holder(Role.EVAL)
+        self.pending_evals[epoch] = rank
+        return Send(rank=rank, message=m.RunEval(epoch=epoch))
+
+    def _ask_checkpoint(self, version: int, rank: int | None = None) -> Command:
+        target = self.roles.holder(Role.CHECKPOINT) if rank is None else rank
+        self.pending_checkpoints[version] = target
+        return Send(rank=target, message=m.RunCheckpoint(version=version))
+
+    def _settle_checkpoint(
+        self, rank: int, version: int, error: str | None, live: Sequence[int]
+    ) -> list[Command]:
+        self.pending_checkpoints.pop(version, None)
+        retry = self.roles.on_checkpoint_result(rank, version, error, live)
+        if retry is not None:
+            return [self._ask_checkpoint(version, retry)]
+        if error is None:
+            return []
+        text = (
+            f"checkpoint v{version} failed on every live rank; giving up on this version "
+            "(training continues)"
+        )
+        return [Notice(level="error", text=text)]
+
+
+def _broadcast(live: Sequence[int], message: m.CoordMessage) -> list[Command]:
+    ranks = tuple(live)
+    return [Broadcast(ranks=ranks, message=message)] if ranks else []
