@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elche.core import messages as m
+from elche.core import timeline as tl
 from elche.core.checkpoint import SaveReason
 from elche.core.commands import (
     ArmTimer,
@@ -121,7 +122,7 @@ def test_acks_close_the_round_and_calibrate_counts_by_speed() -> None:
     assert [c.size for c in chunks] == [40 * 32, 10 * 32]  # type: ignore[attr-defined]
     # Roles move to the fastest rank at the first calibration (it already is 0).
     assert h.core.roles.holder(Role.EVAL) == 0
-    assert any(isinstance(c, Emit) and c.kind == "SyncEnd" for c in out)
+    assert any(isinstance(c, Emit) and isinstance(c.event, tl.SyncEnd) for c in out)
 
 
 def test_roles_follow_pace_at_first_calibration() -> None:
@@ -436,7 +437,7 @@ def test_async_opens_the_next_epoch_early_but_keeps_at_most_two_open() -> None:
     assigned = messages(out, m.AssignChunk)
     assert [chunk.epoch for chunk in assigned] == [0, 0, 1]  # type: ignore[attr-defined]
     out += h.train(0, 2)  # rank 0 takes its epoch-1 batch, then steals rank 1's
-    starts = [dict(e.fields)["epoch"] for e in of(out, Emit) if e.kind == "EpochStart"]
+    starts = [e.event.epoch for e in of(out, Emit) if isinstance(e.event, tl.EpochStart)]
     assert starts == [0, 1]  # epoch 0 still waits for rank 1's batch: no third epoch
     assert h.core.work.open_epochs() == [0, 1]
     assert h.core.planner.quiesced[0]
@@ -543,7 +544,7 @@ def test_lr_cliff_nudges_the_anchor_down() -> None:
         out = []
         for rank in (0, 1):
             out += h.send(rank, m.SyncAck(cycle=cycle, steps=h.core.work.steps_since_sync(rank)))
-        kinds += [c.kind for c in of(out, Emit)]  # type: ignore[attr-defined]
+        kinds += [type(c.event).__name__ for c in of(out, Emit)]  # type: ignore[attr-defined]
     assert "MetaNudge" in kinds
     assert h.core.elche.anchor < 10
 

@@ -15,7 +15,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from elche.core import messages as m
-from elche.core.commands import ArmTimer, AverageSnapshots, Command, Finish, Send
+from elche.core import timeline as tl
+from elche.core.commands import ArmTimer, AverageSnapshots, Command, Emit, Finish, Send
 from elche.core.config import CoordinatorConfig, Mode
 from elche.core.coordinator import Coordinator
 from elche.core.events import AverageComputed, Event, Started
@@ -25,6 +26,18 @@ from elche.runtime.transport import Inbound
 
 CONFIG = CoordinatorConfig(
     mode=Mode.parse("cpu-sync"), world_size=1, num_samples=8, batch_size=4, epochs=1
+)
+
+END = tl.RunEnd(
+    outcome="completed",
+    reason="",
+    epochs_completed=1,
+    syncs=1,
+    lost_samples=0,
+    dead_ranks=(),
+    rejected_frames=0,
+    anchor=1,
+    samples_per_rank=(8,),
 )
 
 
@@ -73,6 +86,7 @@ def test_an_average_is_handled_after_the_rest_of_its_command_list(tmp_path: Path
             AverageComputed: [
                 Send(rank=0, message=m.Update(cycle=1, alpha=None)),
                 ArmTimer(deadline_s=9.0),
+                Emit(event=END),  # the core's account, always just before Finish
                 Finish(outcome="completed"),
             ],
         }

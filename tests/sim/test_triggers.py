@@ -8,6 +8,7 @@ triggers fires once, at the first reached.
 from __future__ import annotations
 
 from elche import FaultPlan, Mode, SimConfig, SimResult, Simulation
+from elche.core import timeline as tl
 from elche.core.rank import Train
 from elche.sim.engine import _Rank
 
@@ -71,7 +72,7 @@ def test_failing_checkpoints_start_at_their_trigger() -> None:
     for rank in range(3):
         late = late.fail_checkpoint(rank=rank, at_epoch=1.5).fail_checkpoint(rank=rank, at_s=1e6)
     failures = checkpoint_failures(simulate(late, checkpoint_every=1)[0])
-    first_epoch_end = min(t for t, kind, _ in plain.timeline if kind == "EpochEnd")
+    first_epoch_end = min(e.t for e in plain.timeline if isinstance(e, tl.EpochEnd))
     assert failures and min(failures) > first_epoch_end
 
 

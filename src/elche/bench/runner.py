@@ -50,6 +50,9 @@ from pathlib import Path
 from typing import Any
 
 from elche.bench.suites import DDP, SOLO, Suite, WorkloadPlan
+from elche.core import timeline as tl
+from elche.monitor.summary import rank_report_file
+from elche.monitor.timeline import read_timeline
 from elche.workloads import Workload
 from elche.workloads import get as get_workload
 
@@ -286,8 +289,8 @@ def _elche(
             seed=seed, progress=False, run_dir=tmp,
         )  # fmt: skip
         run_dir = Path(tmp)
-        timeline = _read_jsonl(run_dir / "timeline.jsonl")
-        reports = [_read_json(run_dir / f"rank{r}.json") for r in range(len(speeds))]
+        timeline = read_timeline(run_dir)
+        reports = [_read_json(rank_report_file(run_dir, r)) for r in range(len(speeds))]
     summary = result.summary
     if summary.get("outcome") != "completed":
         raise RuntimeError(f"elche {mode}: {summary.get('outcome')} ({summary.get('reason')})")
@@ -315,21 +318,14 @@ def _elche(
     }
 
 
-def _epochs_from_timeline(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def _epochs_from_timeline(events: Sequence[tl.TimelineEvent]) -> list[dict[str, Any]]:
     """``EpochEnd`` times relative to ``RunStart`` (the first dispatch)."""
-    t0 = next((float(r["t"]) for r in records if r.get("kind") == "RunStart"), 0.0)
+    t0 = next((e.t for e in events if isinstance(e, tl.RunStart)), 0.0)
     return [
-        {"epoch": r["epoch"], "t": round(float(r["t"]) - t0, 4), "loss": r.get("loss")}
-        for r in records
-        if r.get("kind") == "EpochEnd"
+        {"epoch": e.epoch, "t": round(e.t - t0, 4), "loss": e.loss}
+        for e in events
+        if isinstance(e, tl.EpochEnd)
     ]
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from elche.core import messages as m
+from elche.core import timeline as tl
 from elche.core.commands import Broadcast, Command, Emit, Notice, Send
 from elche.core.config import CoordinatorConfig
 from elche.core.ledger import WindowLedger
@@ -88,8 +89,7 @@ class Callbacks:
             text = f"eval_fn failed on rank {rank} (epoch {msg.epoch}): {msg.error}"
             return [Notice(level="error", text=text)]
         out = _broadcast(live, m.EvalBroadcast(epoch=msg.epoch, metric=msg.metric))
-        fields = (("epoch", msg.epoch), ("metric", msg.metric), ("rank", rank))
-        out.append(Emit(kind="Eval", fields=fields))
+        out.append(Emit(event=tl.Eval(epoch=msg.epoch, metric=msg.metric, rank=rank)))
         return out
 
     def on_checkpoint_result(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from elche.core.checkpoint import CheckpointMeta
 from elche.core.messages import CoordMessage
+from elche.core.timeline import TimelineEvent
 
 __all__ = [
     "ArmTimer",
@@ -82,15 +83,17 @@ class Notice:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Emit:
-    """Append a timeline event of ``kind`` with ``fields``."""
+    """Append ``event`` to the run's timeline (the shell stamps its time)."""
 
-    kind: str
-    fields: tuple[tuple[str, Scalar], ...] = ()
+    event: TimelineEvent
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Finish:
-    """The run is over: ``outcome`` is ``completed`` or ``saved_and_shutdown``."""
+    """The run is over: ``outcome`` is ``completed`` or ``saved_and_shutdown``.
+
+    Always right after ``Emit(event=RunEnd(...))``, the core's account of the run.
+    """
 
     outcome: str
     reason: str = ""

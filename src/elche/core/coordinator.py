@@ -44,18 +44,10 @@ import math
 from typing import assert_never
 
 from elche.core import messages as m
+from elche.core import timeline as tl
 from elche.core.callbacks import Callbacks
 from elche.core.checkpoint import CheckpointMeta, SaveReason
-from elche.core.commands import (
-    ArmTimer,
-    Broadcast,
-    Command,
-    Emit,
-    Finish,
-    Notice,
-    Send,
-    WriteMeta,
-)
+from elche.core.commands import ArmTimer, Broadcast, Command, Emit, Finish, Notice, Send, WriteMeta
 from elche.core.config import Backend, CoordinatorConfig
 from elche.core.cycle import Round
 from elche.core.errors import LocalProtocolError, RemoteProtocolError
@@ -122,14 +114,9 @@ class Coordinator:
         self.planner = Planner(config, self.elche, self.work)
         self.ledger = WindowLedger(ws)
         self.tuner = Tuner(
-            config,
-            self.elche,
-            self.roles,
-            self.planner,
-            self.work,
-            ledger=self.ledger,
-            guard_history=history,
-        )
+            config, self.elche, self.roles, self.planner, self.work,
+            ledger=self.ledger, guard_history=history,
+        )  # fmt: skip
         self.callbacks = Callbacks(config, self.roles, self.ledger)
         self.saving = SaveAndShutdown(config)
         self.round = Round(config, self.work)
@@ -225,7 +212,7 @@ class Coordinator:
 
     def _begin_training(self) -> None:
         self.state = RunState.TRAINING
-        self._emit("RunStart", world_size=self.config.world_size, mode=self.config.mode.value)
+        self._emit(tl.RunStart(world_size=self.config.world_size, mode=self.config.mode.value))
         self._arm()
         if self._resume is None:
             self._open_epoch(self._start_epoch)
@@ -389,7 +376,7 @@ class Coordinator:
         role = self.roles.take_dirty_epoch_role()
         if role is not None:
             self._broadcast(m.SetEpochCallbackRole(rank=role))
-        self._emit("EpochStart", epoch=epoch)
+        self._emit(tl.EpochStart(epoch=epoch))
 
     def _dispatch(self, rank: int) -> None:
         """Give ``rank`` its next chunk if it is idle and may take one."""
@@ -411,7 +398,7 @@ class Coordinator:
         total, count = self._epoch_loss.pop(epoch, (0.0, 0))
         loss = total / count if count else None
         self.epochs_completed = max(self.epochs_completed, epoch + 1)
-        self._emit("EpochEnd", epoch=epoch, loss=loss, sync_round=self.sync_round)
+        self._emit(tl.EpochEnd(epoch=epoch, loss=loss, sync_round=self.sync_round))
         self._broadcast(m.EpochDone(epoch=epoch, loss=loss))
         done = epoch + 1
         self._out += self.callbacks.at_epoch_end(done)
@@ -444,7 +431,7 @@ class Coordinator:
             return
         self.rank_state[rank] = RankState.ERRORED if errored else RankState.DEAD
         self.dead_ranks.append(rank)
-        self._emit("RankLost", rank=rank, reason=reason)
+        self._emit(tl.RankLost(rank=rank, reason=reason))
         if self.state is RunState.FORMING:
             self._finish("failed", f"rank {rank} lost before the run formed: {reason}")
             return
@@ -582,10 +569,24 @@ class Coordinator:
     def _notice(self, level: str, text: str) -> None:
         self._out.append(Notice(level=level, text=text))
 
-    def _emit(self, kind: str, **fields: float | int | str | bool | None) -> None:
-        self._out.append(Emit(kind=kind, fields=tuple(fields.items())))
+    def _emit(self, event: tl.TimelineEvent) -> None:
+        self._out.append(Emit(event=event))
 
     def _finish(self, outcome: str, reason: str = "") -> None:
         self.state = RunState.DONE
         self.outcome = outcome
+        done = self.epochs_completed
+        self._emit(
+            tl.RunEnd(
+                outcome=outcome,
+                reason=reason,
+                epochs_completed=done,
+                syncs=self.sync_round,
+                lost_samples=self.work.samples_missing(done),
+                dead_ranks=tuple(sorted(self.dead_ranks)),
+                rejected_frames=self.rejected_frames,
+                anchor=self.elche.anchor,
+                samples_per_rank=tuple(self.work.samples_committed),
+            )
+        )
         self._out.append(Finish(outcome=outcome, reason=reason))

@@ -35,6 +35,7 @@ from __future__ import annotations
 import enum
 
 from elche.core import messages as m
+from elche.core import timeline as tl
 from elche.core.commands import AverageSnapshots, Broadcast, Command, Emit, Send
 from elche.core.config import Backend, CoordinatorConfig
 from elche.core.errors import LocalProtocolError, RemoteProtocolError
@@ -92,7 +93,7 @@ class Round:
         if self.config.backend is Backend.COLLECTIVE:
             trigger = m.SyncNow(cycle=number, generation=generation)
         return [
-            Emit(kind="SyncStart", fields=(("round", number),)),
+            Emit(event=tl.SyncStart(round=number)),
             Broadcast(ranks=ranks, message=trigger),
         ]
 

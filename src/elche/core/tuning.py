@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import assert_never
 
+from elche.core import timeline as tl
 from elche.core.commands import Command, Emit, Notice
 from elche.core.config import CoordinatorConfig, Policy
 from elche.core.cycle import Round
@@ -99,22 +100,16 @@ class Tuner:
         verdict = self.guard.report(divergence, k_used, max(rnd.acks.values(), default=0))
         out += self._observe_meta(verdict)
         out += self._apply_verdict(verdict)
-        out.append(
-            Emit(
-                kind="SyncEnd",
-                fields=(
-                    ("round", rnd.number),
-                    ("duration_ms", round(sync_ms, 3)),
-                    ("d_raw", divergence.max_relative_delta()),
-                    ("k_used", k_used),
-                    ("anchor", self.elche.anchor),
-                ),
-            )
+        end = tl.SyncEnd(
+            round=rnd.number,
+            duration_ms=round(sync_ms, 3),
+            d_raw=divergence.max_relative_delta(),
+            k_used=k_used,
+            anchor=self.elche.anchor,
         )
+        out.append(Emit(event=end))
         if self.elche.anchor != old_anchor:
-            out.append(
-                Emit(kind="AnchorChanged", fields=(("old", old_anchor), ("new", self.elche.anchor)))
-            )
+            out.append(Emit(event=tl.AnchorChanged(old=old_anchor, new=self.elche.anchor)))
         self.ledger.reset_timing()
         self.ledger.reset_steps()
         return k_used, out
@@ -137,8 +132,7 @@ class Tuner:
             return []
         old = self.elche.anchor
         self.elche.apply_verdict(action)
-        fields = (("factor", action.factor), ("old", old), ("new", self.elche.anchor))
-        return [Emit(kind="MetaNudge", fields=fields)]
+        return [Emit(event=tl.MetaNudge(factor=action.factor, old=old, new=self.elche.anchor))]
 
     def _apply_verdict(self, verdict: Verdict) -> list[Command]:
         self.planner.note_verdict(verdict)

@@ -95,6 +95,10 @@ class WorkBook:
         self._done.update(newly)
         return newly
 
+    def samples_missing(self, before_epoch: int) -> int:
+        """Samples of the epochs before ``before_epoch`` that no completed average holds."""
+        return sum(p.total - p.committed() for e, p in self.pools.items() if e < before_epoch)
+
     def open_epochs(self) -> list[int]:
         return sorted(e for e in self.pools if e not in self._done)
 

@@ -29,13 +29,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO, assert_never
 
 import msgspec
 
 from elche.core import messages as m
+from elche.core import timeline as tl
 from elche.core.checkpoint import CheckpointMeta
 from elche.core.commands import (
     ArmTimer,
@@ -61,6 +61,8 @@ from elche.core.events import (
     TimerFired,
 )
 from elche.core.guards import GuardKind
+from elche.monitor.summary import SUMMARY_FILE, RunStats, coordinator_summary
+from elche.monitor.timeline import TimelineWriter
 from elche.runtime.frames import SECRET_ENV, secret_from_env
 from elche.runtime.snapshots import (
     Layout,
@@ -99,18 +101,6 @@ def outer_path(stem: str) -> Path:
     return Path(f"{stem}.outer.npz")
 
 
-@dataclass(slots=True)
-class _Stats:
-    """What the host measures for the run summary."""
-
-    first_dispatch_s: float | None = None
-    last_average_s: float | None = None
-    final_loss: float | None = None
-    eval_metric: float | None = None
-    eval_epoch: int = -1
-    notices: list[str] = field(default_factory=list)
-
-
 class Host:
     """Runs one coordinator over a ``CoordinatorEndpoint`` until it finishes.
 
@@ -135,7 +125,7 @@ class Host:
         self.endpoint = endpoint
         self.run_dir = run_dir
         self.log = log
-        self.stats = _Stats()
+        self.stats = RunStats()
         self.finish: Finish | None = None
         self._deadline = math.inf
         self._started = time.monotonic()
@@ -146,7 +136,7 @@ class Host:
             if config.outer_lr is not None
             else None
         )
-        self._timeline = (run_dir / "timeline.jsonl").open("a", encoding="utf-8")
+        self._timeline = TimelineWriter(run_dir, started_s=self._started)
         self._reports: queue.Queue[RankLost] = queue.Queue()
         # Events the shell produced itself (``AverageComputed``), fed after the
         # command list being executed, in the order they were queued.
@@ -154,7 +144,7 @@ class Host:
         saved_outer = run_dir / RESUME_OUTER
         if self.outer is not None and saved_outer.exists():
             load_outer_state(self.outer, saved_outer)
-            self._record("OuterMomentumRestored", {"file": str(saved_outer)})
+            self._record(tl.OuterMomentumRestored(file=str(saved_outer)))
 
     def watch(self, stream: TextIO) -> None:
         """Read launcher reports from ``stream`` (a pipe) on a daemon thread.
@@ -244,8 +234,8 @@ class Host:
                 _write_atomic(meta_path(stem), meta.to_json())
             case Notice(level=level, text=text):
                 self._print(level, text)
-            case Emit(kind=kind, fields=fields):
-                self._record(kind, dict(fields))
+            case Emit(event=event):
+                self._record(event)
             case Finish():
                 self.finish = command
             case _:
@@ -290,55 +280,24 @@ class Host:
         self._snapshots.clear()
         self._followups.append(AverageComputed(cycle=cycle))
 
-    def _record(self, kind: str, fields: dict[str, object]) -> None:
+    def _record(self, event: tl.TimelineEvent) -> None:
         now = time.monotonic()
-        if kind == "SyncEnd":
-            self.stats.last_average_s = now
-        elif kind == "EpochEnd" and fields.get("loss") is not None:
-            self.stats.final_loss = float(fields["loss"])  # type: ignore[arg-type]  # JSON scalar
-        elif kind == "Eval":
-            epoch = int(fields.get("epoch", -1))  # type: ignore[call-overload]  # JSON scalar
-            if epoch >= self.stats.eval_epoch:
-                self.stats.eval_epoch = epoch
-                self.stats.eval_metric = float(fields["metric"])  # type: ignore[arg-type]  # JSON scalar
-        record = {"t": round(now - self._started, 6), "kind": kind, **fields}
-        self._timeline.write(json.dumps(record) + "\n")
+        self.stats.observe(event, now)
+        try:
+            self._timeline.write(event, now)
+        except OSError as exc:  # the timeline is for watching; the run goes on
+            self._print("warning", f"could not write the timeline: {exc}")
 
     def _print(self, level: str, text: str) -> None:
         self.stats.notices.append(f"{level}: {text}")
         print(f"elche coordinator [{level}] {text}", file=self.log, flush=True)
 
     def _write_summary(self) -> None:
-        core = self.core
-        finish = self.finish
-        assert finish is not None
-        first = self.stats.first_dispatch_s
-        last = self.stats.last_average_s
-        wall_s = (last - first) if first is not None and last is not None else 0.0
-        done = core.epochs_completed
-        lost = sum(
-            pool.total - pool.committed() for epoch, pool in core.work.pools.items() if epoch < done
+        config = self.core.config
+        summary = coordinator_summary(
+            self.stats, mode=config.mode.value, world_size=config.world_size
         )
-        summary = {
-            "mode": core.config.mode.value,
-            "world_size": core.config.world_size,
-            "epochs_completed": done,
-            "wall_s": round(wall_s, 4),
-            "first_dispatch_monotonic": first,
-            "samples_trained": sum(core.work.samples_committed),
-            "final_loss": self.stats.final_loss,
-            "eval_accuracy": self.stats.eval_metric,
-            "syncs": core.sync_round,
-            "lost_samples": lost,
-            "dead_ranks": sorted(core.dead_ranks),
-            "outcome": finish.outcome,
-            "reason": finish.reason,
-            "rejected_frames": core.rejected_frames,
-            "anchor": core.elche.anchor,
-            "samples_per_rank": list(core.work.samples_committed),
-            "notices": self.stats.notices,
-        }
-        _write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+        _write_atomic(self.run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -26,7 +26,6 @@ stopped.
 from __future__ import annotations
 
 import dataclasses
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -37,7 +36,11 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from elche.core import timeline as tl
 from elche.core.config import CoordinatorConfig
+from elche.monitor.progress import Progress
+from elche.monitor.summary import read_run, run_summary
+from elche.monitor.timeline import TimelineReader
 from elche.runtime.frames import SECRET_ENV, new_secret
 from elche.runtime.host import ADDRESS_LINE, RESUME_OUTER, config_to_json, meta_path, outer_path
 from elche.runtime.plan import Hooks, Plan, TrainResult
@@ -48,13 +51,11 @@ if TYPE_CHECKING:
     from elche.runtime.worker import RankSpec, UserFns
 
 __all__ = [
-    "Progress",
     "collect",
     "explain_outcome",
     "launch_local",
     "on_record",
     "rank_spec",
-    "read_timeline",
     "start_coordinator",
     "with_bundle",
 ]
@@ -96,32 +97,6 @@ def _report_lost(host: Any, rank: int, code: int | None) -> None:
         host.stdin.flush()
     except (BrokenPipeError, OSError, ValueError):
         pass  # the coordinator is already gone
-
-
-class _Timeline:
-    """Follows ``timeline.jsonl`` as the coordinator appends to it."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.buffer = ""
-
-    def new_records(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with self.path.open(encoding="utf-8") as fh:
-            fh.seek(self.offset)
-            chunk = fh.read()
-            self.offset = fh.tell()
-        self.buffer += chunk
-        lines = self.buffer.split("\n")
-        self.buffer = lines.pop()
-        return [json.loads(line) for line in lines if line.strip()]
-
-
-def read_timeline(run_dir: Path) -> list[dict[str, Any]]:
-    """Every timeline record of a finished run."""
-    return _Timeline(run_dir / "timeline.jsonl").new_records()
 
 
 def rank_spec(
@@ -236,19 +211,19 @@ def launch_local(
         )
         proc.start()
         procs.append(proc)
-    timeline = _Timeline(run_dir / "timeline.jsonl")
+    timeline = TimelineReader(run_dir)
     epochs: list[dict[str, object]] = []
     display = Progress(cfg.epochs, enabled=progress)
     reported: set[int] = set()
     try:
         while host.poll() is None:
             time.sleep(SUPERVISE_EVERY_S)  # supervision cadence, not synchronisation
-            for record in timeline.new_records():
-                on_record(record, epochs, hooks, display)
-                if record.get("kind") == "RankLost":
+            for event in timeline.new_records():
+                on_record(event, epochs, hooks, display)
+                if isinstance(event, tl.RankLost):
                     # Declared dead: it must not come back (a hung rank is killed).
-                    reported.add(int(record["rank"]))
-                    procs[int(record["rank"])].kill()
+                    reported.add(event.rank)
+                    procs[event.rank].kill()
             for rank, proc in enumerate(procs):
                 if proc.exitcode not in (None, 0) and rank not in reported:
                     reported.add(rank)
@@ -263,119 +238,49 @@ def launch_local(
                 proc.join(timeout=5)
         if host.poll() is None:
             host.kill()
-    for record in timeline.new_records():
-        on_record(record, epochs, hooks, display)
+    for event in timeline.new_records():
+        on_record(event, epochs, hooks, display)
     result = collect(plan, run_dir, t0, epochs)
     explain_outcome(result.summary, cfg.save_path)
     return result
 
 
-class Progress:
-    """A rich progress bar over epochs, on stderr."""
-
-    def __init__(self, epochs: int, *, enabled: bool) -> None:
-        self.bar: Any = None
-        if not enabled:
-            return
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.bar = Progress(
-            TextColumn("[bold]elche[/bold] {task.description}"),
-            BarColumn(),
-            TextColumn("epoch {task.completed}/{task.total}"),
-            TimeElapsedColumn(),
-            console=Console(stderr=True),
-            transient=False,
-        )
-        self.task = self.bar.add_task("training", total=epochs)
-        self.bar.start()
-
-    def update(self, *, epochs_done: int | None = None, description: str | None = None) -> None:
-        if self.bar is None:
-            return
-        if epochs_done is not None:
-            self.bar.update(self.task, completed=epochs_done)
-        if description is not None:
-            self.bar.update(self.task, description=description)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None
-
-
 def on_record(
-    record: dict[str, Any],
+    event: tl.TimelineEvent,
     epochs: list[dict[str, object]],
     hooks: Hooks,
     display: Progress,
 ) -> None:
     """Apply one timeline record: per-epoch metrics, user hooks, the display."""
-    kind = record.get("kind")
-    if kind == "EpochEnd":
-        entry = {
-            "epoch": record["epoch"],
-            "loss": record.get("loss"),
-            "syncs": record.get("sync_round"),
-        }
-        epochs.append(entry)
-        loss = entry["loss"]
-        text = f"loss {loss:.4f}" if isinstance(loss, float) else "training"
-        display.update(epochs_done=int(record["epoch"]) + 1, description=text)
-        if hooks.metrics_fn is not None:
-            hooks.metrics_fn(entry)
-    elif kind == "Eval":
-        for entry in epochs:
-            if entry["epoch"] == int(record["epoch"]) - 1:
-                entry["eval"] = record["metric"]
-        if hooks.eval_result_fn is not None:
-            hooks.eval_result_fn(int(record["epoch"]), float(record["metric"]))
-    elif kind == "RankLost":
-        display.update(description=f"rank {record['rank']} lost")
+    display.show(event)
+    match event:
+        case tl.EpochEnd(epoch=epoch, loss=loss, sync_round=syncs):
+            entry: dict[str, object] = {"epoch": epoch, "loss": loss, "syncs": syncs}
+            epochs.append(entry)
+            if hooks.metrics_fn is not None:
+                hooks.metrics_fn(entry)
+        case tl.Eval(epoch=epoch, metric=metric):
+            for entry in epochs:
+                if entry["epoch"] == epoch - 1:
+                    entry["eval"] = metric
+            if hooks.eval_result_fn is not None:
+                hooks.eval_result_fn(epoch, metric)
+        case _:
+            pass
 
 
 def collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]]) -> TrainResult:
-    """Build the result of a finished run from the files in ``run_dir``."""
+    """Build the result of a finished run from the files in ``run_dir``.
+
+    Raises:
+        RuntimeError: the coordinator left no summary.
+    """
     import torch
 
-    summary_file = run_dir / "summary.json"
-    if not summary_file.exists():
-        raise RuntimeError(f"the coordinator exited without a summary; see {run_dir}")
-    host = json.loads(summary_file.read_text(encoding="utf-8"))
-    ranks = {}
-    for rank in range(plan.config.world_size):
-        report = run_dir / f"rank{rank}.json"
-        if report.exists():
-            ranks[rank] = json.loads(report.read_text(encoding="utf-8"))
-    first = host.get("first_dispatch_monotonic")
-    wall_s = float(host["wall_s"])
-    trained = int(host["samples_trained"])
-    summary: dict[str, object] = {
-        "mode": host["mode"],
-        "world_size": host["world_size"],
-        "epochs_completed": host["epochs_completed"],
-        "wall_s": wall_s,
-        "startup_s": round(first - t0, 4) if first is not None else None,
-        "samples_per_s": round(trained / wall_s, 2) if wall_s > 0 else 0.0,
-        "final_loss": host["final_loss"],
-        "eval_accuracy": host["eval_accuracy"],
-        "syncs": host["syncs"],
-        "lost_samples": host["lost_samples"],
-        "dead_ranks": host["dead_ranks"],
-        "outcome": host["outcome"],
-        "reason": host["reason"],
-        "bundle": plan.config.save_path if host["outcome"] == "saved_and_shutdown" else None,
-        "per_rank": [
-            {
-                "rank": rank,
-                "speed": plan.speeds[rank],
-                "samples": host["samples_per_rank"][rank],
-                "idle_s": ranks.get(rank, {}).get("idle_s"),
-            }
-            for rank in range(plan.config.world_size)
-        ],
-    }
+    host, ranks = read_run(run_dir, plan.config.world_size)
+    summary = run_summary(
+        host, ranks, speeds=plan.speeds, launched_s=t0, save_path=plan.config.save_path
+    )
     model_file = run_dir / "final_model.pt"
     state = torch.load(model_file, map_location="cpu") if model_file.exists() else {}
     return TrainResult(state_dict=state, epochs=epochs, summary=summary, run_dir=str(run_dir))

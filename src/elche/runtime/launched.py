@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from elche.monitor.progress import Progress
+from elche.monitor.timeline import read_timeline
 from elche.runtime.frames import new_secret
 from elche.runtime.launch import (
-    Progress,
     collect,
     explain_outcome,
     on_record,
     rank_spec,
-    read_timeline,
     start_coordinator,
     with_bundle,
 )
@@ -93,8 +93,8 @@ def train_launched(
     host.wait(timeout=COORDINATOR_EXIT_S)
     epochs: list[dict[str, object]] = []
     quiet = Progress(plan.config.epochs, enabled=False)
-    for record in read_timeline(directory):
-        on_record(record, epochs, hooks, quiet)
+    for event in read_timeline(directory):
+        on_record(event, epochs, hooks, quiet)
     result = collect(plan, directory, t0, epochs)
     explain_outcome(result.summary, plan.config.save_path)
     if not result.state_dict:

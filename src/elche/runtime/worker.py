@@ -47,6 +47,7 @@ from elche.core.config import Backend, Mode
 from elche.core.dispatch import epoch_permutation
 from elche.core.faults import FailCheckpoint, Fault, Kill, SlowDown, Stall, position
 from elche.core.rank import RankProtocol
+from elche.monitor.summary import rank_report_file
 from elche.runtime.averaging import collective_average, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
 from elche.runtime.data import fetch
@@ -563,7 +564,7 @@ def train_rank(
             dist.destroy_process_group()
     report = worker.report()
     report["last_loss"] = worker.last_loss
-    (Path(spec.run_dir) / f"rank{spec.rank}.json").write_text(json.dumps(report))
+    rank_report_file(Path(spec.run_dir), spec.rank).write_text(json.dumps(report))
     state = {k: v.detach().cpu().clone() for k, v in worker.model.state_dict().items()}
     return report, state
 

@@ -40,7 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import assert_never
 
+import msgspec
+
 from elche.core import messages as m
+from elche.core import timeline as tl
 from elche.core.checkpoint import CheckpointMeta, SaveReason
 from elche.core.commands import (
     ArmTimer,
@@ -216,7 +219,7 @@ class Simulation:
         ]
         self.rng = random.Random(config.seed)
         self.notices: list[tuple[float, str, str]] = []
-        self.timeline: list[tuple[float, str, tuple[tuple[str, object], ...]]] = []
+        self.timeline: list[tl.TimelineEvent] = []  # stamped with virtual time
         self.trace: list[str] | None = [] if record_trace else None
         self.metas: list[CheckpointMeta] = []
         self.committed: dict[int, list[tuple[int, int]]] = {}
@@ -304,8 +307,8 @@ class Simulation:
                 self.metas.append(meta)
             case Notice(level=level, text=text):
                 self.notices.append((self.now, level, text))
-            case Emit(kind=kind, fields=fields):
-                self.timeline.append((self.now, kind, fields))
+            case Emit(event=event):
+                self.timeline.append(msgspec.structs.replace(event, t=self.now))
             case Finish():
                 self.finish = command
 

@@ -1,0 +1,159 @@
+"""The timeline's typed catalog: one struct per kind of event a run records.
+
+The coordinator core emits these (``Emit(event=...)``) and the shell adds
+its own (``OuterMomentumRestored``); ``elche.monitor`` writes them to
+``RUN_DIR/timeline.jsonl``, one JSON object a line, and reads them back as
+the same structs. The catalog lives in the core because the core is what
+emits most of it, and the core imports nothing above itself.
+
+On disk a record is flat: ``{"kind": "EpochEnd", "epoch": 0, ..., "t": 1.25}``.
+``kind`` is the struct's name; ``t`` is seconds since the coordinator
+started, stamped by the writer (0 until then). Readers match on the struct
+types, never on the ``kind`` string, and ignore fields they do not know, so
+adding a field is compatible; renaming or removing one is not.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = [
+    "AnchorChanged",
+    "EpochEnd",
+    "EpochStart",
+    "Eval",
+    "MetaNudge",
+    "OuterMomentumRestored",
+    "RankLost",
+    "RunEnd",
+    "RunStart",
+    "SyncEnd",
+    "SyncStart",
+    "TimelineEvent",
+    "decode",
+    "encode",
+]
+
+
+class _Record(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag=True):
+    """Base of every record: its kind is its class name."""
+
+    t: float = 0.0  # seconds since the coordinator started, stamped by the writer
+
+
+class RunStart(_Record, frozen=True):
+    """Every rank joined; training begins."""
+
+    world_size: int
+    mode: str
+
+
+class EpochStart(_Record, frozen=True):
+    """The first work of ``epoch`` was handed out."""
+
+    epoch: int
+
+
+class EpochEnd(_Record, frozen=True):
+    """Every sample of ``epoch`` is in the consensus model."""
+
+    epoch: int
+    loss: float | None  # the mean of the ranks' last reported losses in the epoch
+    sync_round: int  # averaging rounds completed so far
+
+
+class SyncStart(_Record, frozen=True):
+    """Averaging round ``round`` was triggered."""
+
+    round: int
+
+
+class SyncEnd(_Record, frozen=True):
+    """Averaging round ``round`` completed on every live member."""
+
+    round: int
+    duration_ms: float  # trigger to the last acknowledgement
+    d_raw: float  # the largest relative divergence a member reported
+    k_used: int  # steps averaged, summed over the members
+    anchor: int  # the anchor after this round's feedback
+
+
+class AnchorChanged(_Record, frozen=True):
+    """The balancer moved its anchor (batches of the slowest rank per window)."""
+
+    old: int
+    new: int
+
+
+class MetaNudge(_Record, frozen=True):
+    """The LR-aware meta-controller scaled the anchor by ``factor``."""
+
+    factor: float
+    old: int
+    new: int
+
+
+class Eval(_Record, frozen=True):
+    """``eval_fn`` after ``epoch`` epochs gave ``metric`` on ``rank``."""
+
+    epoch: int
+    metric: float
+    rank: int
+
+
+class RankLost(_Record, frozen=True):
+    """``rank`` was declared dead (or evicted) for ``reason``."""
+
+    rank: int
+    reason: str
+
+
+class RunEnd(_Record, frozen=True):
+    """The run is over: the coordinator's account of it (the summary's core)."""
+
+    outcome: str  # completed | saved_and_shutdown | failed
+    reason: str
+    epochs_completed: int
+    syncs: int  # averaging rounds completed
+    lost_samples: int  # samples of completed epochs missing from the consensus (0 unless a bug)
+    dead_ranks: tuple[int, ...]
+    rejected_frames: int
+    anchor: int
+    samples_per_rank: tuple[int, ...]  # samples each rank put into the consensus
+
+
+class OuterMomentumRestored(_Record, frozen=True):
+    """The shell loaded a resumed run's DiLoCo outer momentum from ``file``."""
+
+    file: str
+
+
+TimelineEvent = (
+    RunStart
+    | RunEnd
+    | EpochStart
+    | EpochEnd
+    | SyncStart
+    | SyncEnd
+    | AnchorChanged
+    | MetaNudge
+    | Eval
+    | RankLost
+    | OuterMomentumRestored
+)
+
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder(TimelineEvent)
+
+
+def encode(event: TimelineEvent) -> bytes:
+    """One record as a JSON line's bytes (no newline)."""
+    return _ENCODER.encode(event)
+
+
+def decode(line: bytes | str) -> TimelineEvent | None:
+    """One record, or None for a kind this release does not know or a damaged line."""
+    try:
+        return _DECODER.decode(line)
+    except msgspec.DecodeError:  # ValidationError (an unknown kind) included
+        return None

@@ -1,0 +1,85 @@
+"""The timeline file: one writer, one reader, records visible as they happen.
+
+``RUN_DIR/timeline.jsonl`` holds one JSON record a line (the catalog is
+``elche.core.timeline``). The coordinator process is its only writer; the
+launcher follows it while the run goes on (progress, ``metrics_fn``) and
+the benchmarks read it afterwards.
+
+Every record reaches the file (the OS, not a buffer in the writer) before
+``write`` returns, so ``tail -f RUN_DIR/timeline.jsonl`` and a following
+reader see each one as it happens. No fsync: the timeline is for watching a
+run, and a record lost to a machine crash costs nothing that a bundle needs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from elche.core import timeline as tl
+
+__all__ = ["TIMELINE_FILE", "TimelineReader", "TimelineWriter", "read_timeline"]
+
+TIMELINE_FILE = "timeline.jsonl"
+
+
+class TimelineWriter:
+    """Appends records to ``RUN_DIR/timeline.jsonl``, each stamped and flushed.
+
+    Args:
+        run_dir: the run directory (must exist).
+        started_s: the clock reading that ``t = 0`` stands for.
+
+    Raises:
+        OSError: the file cannot be opened.
+    """
+
+    def __init__(self, run_dir: Path, *, started_s: float) -> None:
+        self.path = run_dir / TIMELINE_FILE
+        self._started_s = started_s
+        self._file = self.path.open("ab", buffering=0)  # unbuffered: every write is visible
+
+    def write(self, event: tl.TimelineEvent, now_s: float) -> tl.TimelineEvent:
+        """Stamp ``event`` with ``t`` for ``now_s`` and append it; returns the stamped record.
+
+        Raises:
+            OSError: the write failed (a full disk, say); the file stays usable.
+        """
+        stamped = msgspec.structs.replace(event, t=round(now_s - self._started_s, 6))
+        self._file.write(tl.encode(stamped) + b"\n")
+        return stamped
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TimelineReader:
+    """Follows a timeline as its writer appends: each call returns the new records.
+
+    A line still being written is kept until its newline arrives; a line of
+    a kind this release does not know is skipped.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / TIMELINE_FILE
+        self._offset = 0
+        self._partial = b""
+
+    def new_records(self) -> list[tl.TimelineEvent]:
+        """The records appended since the last call (all of them, the first time)."""
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(self._offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(chunk)
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        events = (tl.decode(line) for line in lines if line.strip())
+        return [event for event in events if event is not None]
+
+
+def read_timeline(run_dir: Path) -> list[tl.TimelineEvent]:
+    """Every record of a (finished) run's timeline."""
+    return TimelineReader(run_dir).new_records()

@@ -1,0 +1,74 @@
+"""The timeline file: typed records, visible as written, followed incrementally."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from elche.core import timeline as tl
+from elche.monitor.timeline import TIMELINE_FILE, TimelineReader, TimelineWriter, read_timeline
+
+
+def test_a_record_is_on_disk_as_soon_as_it_is_written(tmp_path: Path) -> None:
+    writer = TimelineWriter(tmp_path, started_s=100.0)
+    stamped = writer.write(tl.EpochEnd(epoch=2, loss=0.25, sync_round=7), now_s=101.5)
+    assert stamped == tl.EpochEnd(t=1.5, epoch=2, loss=0.25, sync_round=7)
+    # Not closed, not flushed by hand: another process reading now sees it.
+    line = (tmp_path / TIMELINE_FILE).read_bytes()
+    assert line == b'{"kind":"EpochEnd","epoch":2,"loss":0.25,"sync_round":7,"t":1.5}\n'
+    writer.close()
+
+
+def test_a_reader_follows_the_writer_and_keeps_a_partial_line(tmp_path: Path) -> None:
+    reader = TimelineReader(tmp_path)
+    assert reader.new_records() == []  # no file yet
+    writer = TimelineWriter(tmp_path, started_s=0.0)
+    writer.write(tl.RunStart(world_size=3, mode="cadence"), now_s=0.0)
+    writer.write(tl.RankLost(rank=2, reason="process ended"), now_s=2.0)
+    assert reader.new_records() == [
+        tl.RunStart(world_size=3, mode="cadence"),
+        tl.RankLost(t=2.0, rank=2, reason="process ended"),
+    ]
+    writer.close()
+    with (tmp_path / TIMELINE_FILE).open("ab") as fh:
+        fh.write(b'{"kind":"SyncStart","t":3.0,"rou')  # a record half written
+    assert reader.new_records() == []
+    with (tmp_path / TIMELINE_FILE).open("ab") as fh:
+        fh.write(b'nd":4}\n')
+    assert reader.new_records() == [tl.SyncStart(t=3.0, round=4)]
+
+
+def test_unknown_kinds_and_damaged_lines_are_skipped(tmp_path: Path) -> None:
+    (tmp_path / TIMELINE_FILE).write_bytes(
+        b'{"kind":"FromTheFuture","t":0.1}\n'
+        b"not json\n"
+        b'{"kind":"Eval","t":0.2,"epoch":1,"metric":0.9,"rank":0,"new_field":1}\n'
+    )
+    assert read_timeline(tmp_path) == [tl.Eval(t=0.2, epoch=1, metric=0.9, rank=0)]
+
+
+def test_every_kind_round_trips() -> None:
+    events = [
+        tl.RunStart(world_size=2, mode="sync"),
+        tl.EpochStart(epoch=0),
+        tl.EpochEnd(epoch=0, loss=None, sync_round=1),
+        tl.SyncStart(round=1),
+        tl.SyncEnd(round=1, duration_ms=3.5, d_raw=0.01, k_used=9, anchor=10),
+        tl.AnchorChanged(old=10, new=12),
+        tl.MetaNudge(factor=0.5, old=12, new=6),
+        tl.Eval(epoch=1, metric=0.5, rank=1),
+        tl.RankLost(rank=1, reason="heartbeat stale"),
+        tl.OuterMomentumRestored(file="x.outer.npz"),
+        tl.RunEnd(
+            outcome="completed",
+            reason="",
+            epochs_completed=3,
+            syncs=12,
+            lost_samples=0,
+            dead_ranks=(1,),
+            rejected_frames=0,
+            anchor=10,
+            samples_per_rank=(600, 300, 100),
+        ),
+    ]
+    assert len(events) == len(tl.TimelineEvent.__args__)  # every kind is covered
+    assert [tl.decode(tl.encode(event)) for event in events] == events
