@@ -13,7 +13,6 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,9 +20,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from elche.core import messages as m
-from elche.core.commands import ArmTimer, Command, Finish, Send
+from elche.core import timeline as tl
+from elche.core.commands import ArmTimer, Command, Emit, Finish, Send
 from elche.core.config import Mode
-from elche.core.coordinator import RunState
 from elche.core.events import Event, MessageReceived, RankJoined, TimerFired
 from elche.runtime.worker import RankSpec, UserFns, Worker
 from elche.sim.engine import SimConfig, Simulation
@@ -90,6 +89,19 @@ def seen(message: m.RankMessage) -> list[Seen]:
     raise AssertionError(f"unexpected message {message!r}")
 
 
+END = tl.RunEnd(
+    outcome="completed",
+    reason="",
+    epochs_completed=0,
+    syncs=0,
+    lost_samples=0,
+    dead_ranks=(),
+    rejected_frames=0,
+    anchor=0,
+    samples_per_rank=(0,),
+)
+
+
 class ScriptedLink:
     """The coordinator's side for the worker (as its bridge) and FakeRank (as its endpoint).
 
@@ -122,11 +134,6 @@ class ScriptedLink:
 class ScriptedCore:
     """The coordinator's side for the simulator: one stage per virtual second."""
 
-    state = RunState.TRAINING
-    epochs_completed = sync_round = rejected_frames = 0
-    dead_ranks: tuple[int, ...] = ()
-    elche = SimpleNamespace(anchor=0)
-
     def __init__(self, script: Script) -> None:
         self._stages = deque(script)
         self.answers: list[list[Seen]] = []
@@ -135,7 +142,7 @@ class ScriptedCore:
         match event:
             case RankJoined() | TimerFired():
                 if not self._stages:
-                    return [Finish(outcome="completed")]
+                    return [Emit(event=END), Finish(outcome="completed")]
                 self.answers.append([])
                 stage = self._stages.popleft()
                 return [

@@ -57,7 +57,7 @@ from elche.core.commands import (
     WriteMeta,
 )
 from elche.core.config import CoordinatorConfig, Mode, SchedulerConfig
-from elche.core.coordinator import Coordinator, RunState
+from elche.core.coordinator import Coordinator
 from elche.core.errors import ConfigError
 from elche.core.events import (
     AverageComputed,
@@ -225,7 +225,8 @@ class Simulation:
         self.committed: dict[int, list[tuple[int, int]]] = {}
         self.committed_by_rank = [0] * len(self.ranks)
         self.finish: Finish | None = None
-        self.started_s: float | None = None
+        self.started_s: float | None = None  # RunStart: every rank joined
+        self.end: tl.RunEnd | None = None  # the core's account of the run
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
         self._timer_token = 0
@@ -285,8 +286,6 @@ class Simulation:
         commands = self.core.handle(event, self.now)
         if self.trace is not None:
             self.trace.append(f"{self.now:.6f} {event!r} -> {commands!r}")
-        if self.started_s is None and self.core.state is not RunState.FORMING:
-            self.started_s = self.now
         for command in commands:
             self._execute(command)
 
@@ -309,6 +308,10 @@ class Simulation:
                 self.notices.append((self.now, level, text))
             case Emit(event=event):
                 self.timeline.append(msgspec.structs.replace(event, t=self.now))
+                if isinstance(event, tl.RunStart):
+                    self.started_s = self.now
+                elif isinstance(event, tl.RunEnd):
+                    self.end = event
             case Finish():
                 self.finish = command
 
@@ -524,7 +527,8 @@ class Simulation:
     # -- result ----------------------------------------------------------------
 
     def _result(self) -> SimResult:
-        assert self.finish is not None
+        assert self.finish is not None and self.end is not None
+        account = self.end
         started = self.started_s if self.started_s is not None else 0.0
         wall_s = max(self.now - started, 1e-9)
         cfg = self.config
@@ -535,7 +539,7 @@ class Simulation:
             num_samples=cfg.samples,
             epochs=range(cfg.resume.epoch if cfg.resume else 0, cfg.epochs),
             resumed=cfg.resume,
-            saved=saved if self.finish.outcome == "saved_and_shutdown" else None,
+            saved=saved if account.outcome == "saved_and_shutdown" else None,
         )
         trained = sum(self.committed_by_rank)
         ideal = sum(cfg.speeds) * cfg.batch_size * 1000.0 / cfg.base_ms
@@ -556,21 +560,21 @@ class Simulation:
         return SimResult(
             mode=cfg.mode.value,
             world_size=len(self.ranks),
-            epochs_completed=self.core.epochs_completed,
+            epochs_completed=account.epochs_completed,
             samples_trained=trained,
             virtual_wall_s=round(wall_s, 6),
             throughput=round(throughput, 3),
             ideal_throughput=round(ideal, 3),
             efficiency=round(throughput / ideal, 4),
-            syncs=self.core.sync_round,
+            syncs=account.syncs,
             lost_samples=lost,
             duplicated_samples=duplicated,
-            dead_ranks=sorted(self.core.dead_ranks),
-            outcome=self.finish.outcome,
-            reason=self.finish.reason,
+            dead_ranks=list(account.dead_ranks),
+            outcome=account.outcome,
+            reason=account.reason,
             per_rank=per_rank,
-            rejected_frames=self.core.rejected_frames,
-            anchor=self.core.elche.anchor,
+            rejected_frames=account.rejected_frames,
+            anchor=account.anchor,
             saved_meta=saved,
         )
 
