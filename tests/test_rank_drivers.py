@@ -33,9 +33,9 @@ Seen = tuple[object, ...]
 
 COLLECTIVE: Script = [
     [m.AssignChunk(epoch=0, offset=0, size=96, budget=2, window=2)],
-    [m.SyncNow(cycle=1, generation=0)],
+    [m.SyncNow(round=1, generation=0)],
     [m.RunEval(epoch=0), m.AssignChunk(epoch=0, offset=96, size=64, budget=2)],
-    [m.Regroup(generation=1, members=[0]), m.SyncNow(cycle=2, generation=1)],
+    [m.Regroup(generation=1, members=[0]), m.SyncNow(round=2, generation=1)],
     [m.RunCheckpoint(version=1)],
     [m.Shutdown(writer=0)],
 ]
@@ -49,9 +49,9 @@ COLLECTIVE_ANSWERS: list[list[Seen]] = [
 ]
 COORDINATOR: Script = [
     [m.AssignChunk(epoch=0, offset=0, size=64, budget=2)],
-    [m.RequestParams(cycle=1)],
-    [m.Update(cycle=7), m.AssignChunk(epoch=0, offset=64, size=32, budget=2)],
-    [m.Update(cycle=1)],
+    [m.RequestParams(round=1)],
+    [m.Update(round=7), m.AssignChunk(epoch=0, offset=64, size=32, budget=2)],
+    [m.Update(round=1)],
     [m.ShutdownWithSave(reason="unrecoverable", writer=0)],
 ]
 COORDINATOR_ANSWERS: list[list[Seen]] = [
@@ -76,8 +76,8 @@ def seen(message: m.RankMessage) -> list[Seen]:
             return [x for item in items for x in seen(item)]
         case m.BatchDone(epoch=epoch, offset=offset, size=size):
             return [("BatchDone", epoch, offset, size)]
-        case m.SyncAck(cycle=cycle, steps=steps) | m.SnapshotReady(cycle=cycle, steps=steps):
-            return [(type(message).__name__, cycle, steps)]
+        case m.SyncAck(round=number, steps=steps) | m.SnapshotReady(round=number, steps=steps):
+            return [(type(message).__name__, number, steps)]
         case m.EvalResult(epoch=epoch):
             return [("EvalResult", epoch)]
         case m.CheckpointResult(version=version):
@@ -93,7 +93,7 @@ END = tl.RunEnd(
     outcome="completed",
     reason="",
     epochs_completed=0,
-    syncs=0,
+    rounds_done=0,
     lost_samples=0,
     dead_ranks=(),
     rejected_frames=0,

@@ -35,7 +35,7 @@ COVERAGE = (
 BASE = CheckpointMeta(
     epoch=3,
     global_step=1234,
-    sync_round=88,
+    rounds_done=88,
     world_size=3,
     reason=SaveReason.MAX_FAILURE_EXCEEDED,
     seed=42,
@@ -168,7 +168,7 @@ def case(case_id: str, text: str, field: str) -> object:
         case("epoch-bool", doc(epoch=True), "epoch"),
         case("epoch-negative", doc(epoch=-1), "epoch"),
         case("global_step-null", doc(global_step=None), "global_step"),
-        case("sync_round-list", doc(sync_round=[1]), "sync_round"),
+        case("rounds_done-list", doc(rounds_done=[1]), "rounds_done"),
         case("world_size-bool", doc(world_size=False), "world_size"),
         case("seed-negative", doc(seed=-5), "seed"),
         case("batch_size-str", doc(batch_size="32"), "batch_size"),
@@ -286,7 +286,7 @@ METAS = st.builds(
     CheckpointMeta,
     epoch=COUNTS,
     global_step=COUNTS,
-    sync_round=COUNTS,
+    rounds_done=COUNTS,
     world_size=st.integers(min_value=1, max_value=4096),
     reason=st.sampled_from(SaveReason),
     seed=COUNTS,
@@ -302,3 +302,11 @@ METAS = st.builds(
 @given(METAS)
 def test_property_any_meta_round_trips(original: CheckpointMeta) -> None:
     assert CheckpointMeta.from_json(original.to_json()) == original
+
+
+def test_a_schema_1_meta_names_its_rounds_sync_round_and_still_resumes() -> None:
+    raw = json.loads(meta().to_json())
+    raw["schema_version"] = 1
+    raw["sync_round"] = raw.pop("rounds_done")
+    parsed = CheckpointMeta.from_json(json.dumps(raw))
+    assert parsed == meta(schema_version=1)

@@ -33,9 +33,9 @@ from elche.core.roles import Role
 from tests.core.harness import Harness, messages, of
 
 
-def acked_round(h: Harness, cycle: int, steps: dict[int, int]) -> None:
+def acked_round(h: Harness, number: int, steps: dict[int, int]) -> None:
     for rank, k in steps.items():
-        h.send(rank, m.SyncAck(cycle=cycle, steps=k, divergence=0.001))
+        h.send(rank, m.SyncAck(round=number, steps=k, divergence=0.001))
 
 
 # -- formation ---------------------------------------------------------------
@@ -71,10 +71,10 @@ def test_formation_timeout_names_how_many_joined() -> None:
 def test_event_for_a_rank_outside_the_world_raises_and_changes_nothing() -> None:
     h = Harness()
     h.form()
-    before = (h.core.state, list(h.core.rank_state), h.core.sync_round)
+    before = (h.core.state, list(h.core.rank_state), h.core.rounds_done)
     with pytest.raises(LocalProtocolError):
         h.feed(RankLost(rank=7, reason="?"))
-    assert (h.core.state, list(h.core.rank_state), h.core.sync_round) == before
+    assert (h.core.state, list(h.core.rank_state), h.core.rounds_done) == before
 
 
 # -- the averaging gate ------------------------------------------------------
@@ -94,7 +94,7 @@ def test_cadence_gate_waits_for_every_rank_then_fires_once() -> None:
     out = h.train(0, PROBE_STEPS) + h.train(1, PROBE_STEPS - 1)
     assert not messages(out, m.SyncNow)  # one step short holds the gate
     out = h.train(1, 1)
-    assert messages(out, m.SyncNow) == [m.SyncNow(cycle=1, generation=0)]
+    assert messages(out, m.SyncNow) == [m.SyncNow(round=1, generation=0)]
     assert of(out, Broadcast)[-1].ranks == (0, 1)  # type: ignore[attr-defined]
     assert h.core.round.in_flight
 
@@ -113,9 +113,9 @@ def test_acks_close_the_round_and_calibrate_counts_by_speed() -> None:
     h.train(1, PROBE_STEPS, batch_ms=40.0)
     out: list = []
     for rank in (0, 1):
-        out += h.send(rank, m.SyncAck(cycle=1, steps=PROBE_STEPS, divergence=0.001))
+        out += h.send(rank, m.SyncAck(round=1, steps=PROBE_STEPS, divergence=0.001))
     assert not h.core.round.in_flight
-    assert h.core.sync_round == 1
+    assert h.core.rounds_done == 1
     assert h.core.global_step == 2 * PROBE_STEPS
     assert h.core.elche.batch_counts == (40, 10)  # 4x faster rank does 4x the steps
     chunks = messages(out, m.AssignChunk)
@@ -170,10 +170,10 @@ def test_cadence_tail_window_is_averaged_in_one_round() -> None:
     out = h.train(0, 5)
     assert not messages(out, m.SyncNow)
     out = h.train(0, 1)
-    assert messages(out, m.SyncNow) == [m.SyncNow(cycle=2, generation=0)]
+    assert messages(out, m.SyncNow) == [m.SyncNow(round=2, generation=0)]
     acked_round(h, 2, {0: 41, 1: 10})
     assert h.core.state is not RunState.TRAINING  # the epoch (the run) ended in that round
-    assert h.core.sync_round == 2
+    assert h.core.rounds_done == 2
     assert h.core.planner.tail_reserve == 0
 
 
@@ -265,7 +265,7 @@ def test_stale_ack_is_counted_and_ignored() -> None:
     h.form()
     h.train(0, PROBE_STEPS)
     h.train(1, PROBE_STEPS)
-    out = h.send(0, m.SyncAck(cycle=9, steps=1))
+    out = h.send(0, m.SyncAck(round=9, steps=1))
     assert out == []
     assert h.core.stale_messages == 1
     assert h.core.round.in_flight
@@ -345,7 +345,7 @@ def test_death_mid_collective_abandons_the_round_and_regroups() -> None:
     assert messages(out, m.Regroup) == [m.Regroup(generation=1, members=[0, 1])]
     assert h.core.round.members == {0, 1}
     # Survivors hold uncommitted steps, so the gate fires again at once.
-    assert messages(out, m.SyncNow) == [m.SyncNow(cycle=2, generation=1)]
+    assert messages(out, m.SyncNow) == [m.SyncNow(round=2, generation=1)]
 
 
 def test_single_survivor_of_a_collective_run_saves_then_finishes() -> None:
@@ -389,17 +389,17 @@ def test_coordinator_round_snapshot_average_update_ack() -> None:
     h.form()
     h.train(0, PROBE_STEPS)
     out = h.train(1, PROBE_STEPS)
-    assert messages(out, m.RequestParams) == [m.RequestParams(cycle=1)]
-    h.send(0, m.SnapshotReady(cycle=1, steps=2))
-    out = h.send(1, m.SnapshotReady(cycle=1, steps=1))
+    assert messages(out, m.RequestParams) == [m.RequestParams(round=1)]
+    h.send(0, m.SnapshotReady(round=1, steps=2))
+    out = h.send(1, m.SnapshotReady(round=1, steps=1))
     assert of(out, AverageSnapshots) == [
-        AverageSnapshots(cycle=1, param_mass=((0, 2.0), (1, 1.0)), buffer_mass=((0, 1.0), (1, 1.0)))
+        AverageSnapshots(round=1, param_mass=((0, 2.0), (1, 1.0)), buffer_mass=((0, 1.0), (1, 1.0)))
     ]
-    out = h.feed(AverageComputed(cycle=1))
+    out = h.feed(AverageComputed(round=1))
     assert [c.rank for c in of(out, Send)] == [0, 1]  # type: ignore[attr-defined]
-    assert messages(out, m.Update) == [m.Update(cycle=1), m.Update(cycle=1)]
+    assert messages(out, m.Update) == [m.Update(round=1), m.Update(round=1)]
     acked_round(h, 1, {0: 2, 1: 1})
-    assert h.core.sync_round == 1 and not h.core.round.in_flight
+    assert h.core.rounds_done == 1 and not h.core.round.in_flight
 
 
 def test_snapshot_claiming_more_steps_than_made_evicts() -> None:
@@ -407,7 +407,7 @@ def test_snapshot_claiming_more_steps_than_made_evicts() -> None:
     h.form()
     for rank in range(3):
         h.train(rank, PROBE_STEPS)
-    h.send(2, m.SnapshotReady(cycle=1, steps=99))
+    h.send(2, m.SnapshotReady(round=1, steps=99))
     assert h.core.rank_state[2] is RankState.ERRORED
 
 
@@ -415,7 +415,7 @@ def test_average_computed_for_unknown_round_is_a_local_error() -> None:
     h = Harness(mode=Mode.CPU_CADENCE)
     h.form()
     with pytest.raises(LocalProtocolError):
-        h.feed(AverageComputed(cycle=5))
+        h.feed(AverageComputed(round=5))
 
 
 def test_async_update_carries_the_easgd_blend() -> None:
@@ -424,10 +424,10 @@ def test_async_update_carries_the_easgd_blend() -> None:
     assert h.received(0, m.AssignChunk)[0].budget == PROBE_STEPS + 3  # type: ignore[attr-defined]
     h.train(0, PROBE_STEPS)
     h.train(1, PROBE_STEPS)
-    h.send(0, m.SnapshotReady(cycle=1, steps=2))
-    h.send(1, m.SnapshotReady(cycle=1, steps=2))
-    out = h.feed(AverageComputed(cycle=1))
-    assert messages(out, m.Update)[0] == m.Update(cycle=1, alpha=0.5)
+    h.send(0, m.SnapshotReady(round=1, steps=2))
+    h.send(1, m.SnapshotReady(round=1, steps=2))
+    out = h.feed(AverageComputed(round=1))
+    assert messages(out, m.Update)[0] == m.Update(round=1, alpha=0.5)
 
 
 def test_async_opens_the_next_epoch_early_but_keeps_at_most_two_open() -> None:
@@ -449,7 +449,7 @@ def test_async_opens_the_next_epoch_early_but_keeps_at_most_two_open() -> None:
 def run_to_end(h: Harness) -> list:
     """Train every rank through every window until the coordinator stops."""
     out: list = []
-    cycle = 0
+    number = 0
     for _ in range(200):
         if h.core.state is not RunState.TRAINING:
             break
@@ -460,11 +460,11 @@ def run_to_end(h: Harness) -> list:
                     and h.core.work.steps_since_sync(rank) < h.core.planner.budget[rank]
                 ):
                     out += h.train(rank, 1)
-        if h.core.round.in_flight and h.core.round.number != cycle:
-            cycle = h.core.round.number
+        if h.core.round.in_flight and h.core.round.number != number:
+            number = h.core.round.number
             for rank in sorted(h.core.round.members):
                 out += h.send(
-                    rank, m.SyncAck(cycle=cycle, steps=h.core.work.steps_since_sync(rank))
+                    rank, m.SyncAck(round=number, steps=h.core.work.steps_since_sync(rank))
                 )
     return out
 
@@ -537,13 +537,13 @@ def test_lr_cliff_nudges_the_anchor_down() -> None:
     h = Harness(num_samples=64_000, epochs=1)
     h.form()
     kinds: list[str] = []
-    for cycle in range(1, 9):
+    for number in range(1, 9):
         for rank in (0, 1):
-            h.send(rank, m.LrUpdate(lr=0.1 if cycle < 7 else 0.001))
+            h.send(rank, m.LrUpdate(lr=0.1 if number < 7 else 0.001))
             h.train(rank, h.core.planner.budget[rank])
         out = []
         for rank in (0, 1):
-            out += h.send(rank, m.SyncAck(cycle=cycle, steps=h.core.work.steps_since_sync(rank)))
+            out += h.send(rank, m.SyncAck(round=number, steps=h.core.work.steps_since_sync(rank)))
         kinds += [type(c.event).__name__ for c in of(out, Emit)]  # type: ignore[attr-defined]
     assert "MetaNudge" in kinds
     assert h.core.elche.anchor < 10

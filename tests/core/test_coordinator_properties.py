@@ -113,18 +113,18 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 if rnd.phase.value == "collecting":
                     steps = self.core.work.steps_since_sync(rank)
                     self.feed(MessageReceived(rank=rank, message=m.SnapshotReady(
-                        cycle=rnd.number, steps=steps)))  # fmt: skip
+                        round=rnd.number, steps=steps)))  # fmt: skip
                 elif rnd.phase.value == "applying":
                     self.feed(MessageReceived(rank=rank, message=m.SyncAck(
-                        cycle=rnd.number, steps=0)))  # fmt: skip
+                        round=rnd.number, steps=0)))  # fmt: skip
             else:
                 steps = self.core.work.steps_since_sync(rank)
                 self.feed(MessageReceived(rank=rank, message=m.SyncAck(
-                    cycle=rnd.number, steps=steps, divergence=0.01)))  # fmt: skip
+                    round=rnd.number, steps=steps, divergence=0.01)))  # fmt: skip
             if not rnd.in_flight:
                 return
         if rnd.phase.value == "averaging":
-            self.feed(AverageComputed(cycle=rnd.number))
+            self.feed(AverageComputed(round=rnd.number))
 
     @rule(fail=st.booleans())
     @precondition(lambda self: self.core is not None)
@@ -151,16 +151,16 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @rule(
         rank=st.integers(0, WORLD - 1),
         offset=st.integers(0, 1000),
-        cycle=st.integers(0, 9),
+        number=st.integers(0, 9),
         kind=st.integers(0, 3),
     )
     @precondition(lambda self: self.core is not None and self.faults < 2)
-    def misbehave(self, rank: int, offset: int, cycle: int, kind: int) -> None:
+    def misbehave(self, rank: int, offset: int, number: int, kind: int) -> None:
         self.faults += 1
         junk = [
             m.BatchDone(epoch=0, offset=offset, size=1, batch_ms=1.0),
-            m.SyncAck(cycle=cycle, steps=offset),
-            m.SnapshotReady(cycle=cycle, steps=offset),
+            m.SyncAck(round=number, steps=offset),
+            m.SnapshotReady(round=number, steps=offset),
             m.Hello(rank=rank, world_size=WORLD),
         ][kind]
         self.feed(MessageReceived(rank=rank, message=junk))

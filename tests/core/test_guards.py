@@ -298,7 +298,7 @@ def test_msf_nudge_fires_and_wins_over_suppress() -> None:
 def test_msf_streaks_fire_independently() -> None:
     # Derived: λ_ema = ln2/4 ≈ 0.17 clears both bars from report 2. Both streaks hit
     # 3 at report 4; the nudge wins and resets only its own streak, so the suppress
-    # streak (now 4) fires on report 5, and the cycle repeats with period 3.
+    # streak (now 4) fires on report 5, and the pattern repeats with period 3.
     verdicts = doubling(MsfGuard(), 8)
     nudge, sup, ok = NudgeDown(factor=0.5), SuppressGrowth(), Stable()
     assert verdicts == [ok, ok, ok, nudge, sup, ok, nudge, sup]

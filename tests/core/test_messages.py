@@ -30,8 +30,8 @@ SAMPLES: list[m.Message] = [
             m.BatchDone(epoch=0, offset=8, size=8, batch_ms=1.25, loss=0.5),
         ]
     ),
-    m.SyncAck(cycle=9, steps=12, divergence=0.04, pre_norm=3.5, post_norm=3.25),
-    m.SnapshotReady(cycle=9, steps=12),
+    m.SyncAck(round=9, steps=12, divergence=0.04, pre_norm=3.5, post_norm=3.25),
+    m.SnapshotReady(round=9, steps=12),
     m.Heartbeat(step=77),
     m.LrUpdate(lr=0.001),
     m.EvalResult(epoch=3, metric=0.91, elapsed_ms=812.0, error="nan loss"),
@@ -41,9 +41,9 @@ SAMPLES: list[m.Message] = [
     m.Exiting(reason="user interrupt"),
     m.AssignChunk(epoch=2, offset=0, size=640, budget=20),
     m.SetBudget(budget=15),
-    m.SyncNow(cycle=10, generation=2),
-    m.RequestParams(cycle=10),
-    m.Update(cycle=10, alpha=0.5),
+    m.SyncNow(round=10, generation=2),
+    m.RequestParams(round=10),
+    m.Update(round=10, alpha=0.5),
     m.Regroup(generation=3, members=[0, 2, 3]),
     m.SetEpochCallbackRole(rank=1),
     m.RunCheckpoint(version=5),
@@ -57,12 +57,12 @@ SAMPLES: list[m.Message] = [
 DEFAULTS_ONLY: list[m.Message] = [
     m.Hello(rank=0, world_size=1),
     m.BatchDone(epoch=0, offset=0, size=1, batch_ms=0.0),
-    m.SyncAck(cycle=0, steps=0),
+    m.SyncAck(round=0, steps=0),
     m.Heartbeat(),
     m.EvalResult(epoch=0, metric=float("inf"), elapsed_ms=0.0),
     m.StateSaved(),
     m.Exiting(),
-    m.Update(cycle=0),
+    m.Update(round=0),
     m.Regroup(generation=0, members=[]),
     m.EpochDone(epoch=0),
 ]
@@ -109,7 +109,7 @@ def test_nan_float_round_trips_as_nan() -> None:
     assert math.isnan(decoded.lr)
 
 
-@pytest.mark.parametrize("version", [0, 2, 17, -1, 2**64 - 1])
+@pytest.mark.parametrize("version", [0, 1, 3, 17, -1, 2**64 - 1])
 def test_foreign_protocol_version_is_refused_naming_both_versions(version: int) -> None:
     data = frame(version, {"type": "Shutdown"})
     with pytest.raises(RemoteProtocolError) as info:
@@ -142,10 +142,10 @@ def test_remote_error_without_rank_has_none() -> None:
         {"type": "Hello", "rank": 2, "world_size": 4, "host": 7},
         {"type": "BatchDone", "epoch": 0, "offset": 0, "size": 1, "batch_ms": "fast"},
         {"type": "BatchDone", "epoch": 0, "offset": 0, "size": 1, "batch_ms": 1.0, "loss": "x"},
-        {"type": "SyncAck", "cycle": None, "steps": 1},
+        {"type": "SyncAck", "round": None, "steps": 1},
         {"type": "Regroup", "generation": 1, "members": [0, "1"]},
         {"type": "Regroup", "generation": 1, "members": 3},
-        {"type": "Update", "cycle": 1, "alpha": "half"},
+        {"type": "Update", "round": 1, "alpha": "half"},
         {"type": "ShutdownWithSave", "reason": 1, "writer": 0},
         {"type": "StateSaved", "path": ["a"]},
     ],

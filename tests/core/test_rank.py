@@ -100,10 +100,10 @@ def test_a_collective_round_acknowledges_every_step_since_the_last() -> None:
     p.handle(m.AssignChunk(epoch=0, offset=0, size=320, budget=5))
     train(p)
     train(p)
-    p.handle(m.SyncNow(cycle=4, generation=0))
+    p.handle(m.SyncNow(round=4, generation=0))
     assert p.next_action() == Average(round=4, generation=0, steps=2)
     ack = p.averaged(divergence=0.1, pre_norm=2.0, post_norm=1.5)
-    assert ack == m.SyncAck(cycle=4, steps=2, divergence=0.1, pre_norm=2.0, post_norm=1.5)
+    assert ack == m.SyncAck(round=4, steps=2, divergence=0.1, pre_norm=2.0, post_norm=1.5)
     assert p.steps_since_sync == 0
     assert isinstance(p.next_action(), Train)
 
@@ -113,16 +113,16 @@ def test_an_upload_holds_for_its_update_unless_async(mode: Mode, holds: bool) ->
     p = proto(mode)
     p.handle(m.AssignChunk(epoch=0, offset=0, size=320, budget=10))
     train(p)
-    p.handle(m.RequestParams(cycle=1))
+    p.handle(m.RequestParams(round=1))
     assert p.next_action() == Upload(round=1, steps=1)
-    assert p.uploaded() == m.SnapshotReady(cycle=1, steps=1)
+    assert p.uploaded() == m.SnapshotReady(round=1, steps=1)
     assert (p.next_action() == Hold()) is holds
     assert p.stage is (RankStage.WAITING_UPDATE if holds else RankStage.TRAINING)
     if not holds:
         train(p)  # async trains on while the average round-trips
-    p.handle(m.Update(cycle=1, alpha=0.5))
+    p.handle(m.Update(round=1, alpha=0.5))
     assert p.next_action() == Load(round=1, alpha=0.5, steps=1)
-    assert p.loaded(divergence=0.2) == m.SyncAck(cycle=1, steps=1, divergence=0.2)
+    assert p.loaded(divergence=0.2) == m.SyncAck(round=1, steps=1, divergence=0.2)
     assert p.steps_since_sync == (0 if holds else 1)
     assert p.stage is RankStage.TRAINING
 
@@ -131,13 +131,13 @@ def test_an_update_for_another_round_is_stale_and_ignored() -> None:
     p = proto(Mode.CPU_SYNC)
     p.handle(m.AssignChunk(epoch=0, offset=0, size=64, budget=1))
     train(p)
-    p.handle(m.Update(cycle=1))  # nothing uploaded yet
-    p.handle(m.RequestParams(cycle=2))
+    p.handle(m.Update(round=1))  # nothing uploaded yet
+    p.handle(m.RequestParams(round=2))
     p.uploaded()
-    p.handle(m.Update(cycle=1))  # an older round's
+    p.handle(m.Update(round=1))  # an older round's
     assert p.num_stale == 2
     assert p.next_action() == Hold()
-    p.handle(m.Update(cycle=2))
+    p.handle(m.Update(round=2))
     assert p.next_action() == Load(round=2, alpha=None, steps=1)
 
 
@@ -146,7 +146,7 @@ def test_priority_round_before_callbacks_before_training() -> None:
     p.handle(m.AssignChunk(epoch=0, offset=0, size=320, budget=5))
     p.handle(m.RunEval(epoch=0))
     p.handle(m.RunCheckpoint(version=3))
-    p.handle(m.SyncNow(cycle=1, generation=0))
+    p.handle(m.SyncNow(round=1, generation=0))
     assert isinstance(p.next_action(), Average)
     p.averaged()
     assert p.next_action() == Callback(request=m.RunEval(epoch=0))
@@ -162,8 +162,8 @@ def test_priority_round_before_callbacks_before_training() -> None:
 
 def test_a_newer_request_replaces_an_older_one() -> None:
     p = proto()
-    p.handle(m.SyncNow(cycle=1, generation=0))
-    p.handle(m.SyncNow(cycle=2, generation=0))
+    p.handle(m.SyncNow(round=1, generation=0))
+    p.handle(m.SyncNow(round=2, generation=0))
     assert p.next_action() == Average(round=2, generation=0, steps=0)
 
 
@@ -186,7 +186,7 @@ def test_epoch_fn_runs_once_before_each_new_epoch() -> None:
 
 def test_regroup_drops_the_old_groups_round_and_reforms() -> None:
     p = proto(rank=1)
-    p.handle(m.SyncNow(cycle=3, generation=0))
+    p.handle(m.SyncNow(round=3, generation=0))
     p.handle(m.Regroup(generation=1, members=[0, 1]))
     assert p.next_action() == FormGroup(generation=1, members=(0, 1))
     p.regrouped()
@@ -268,9 +268,9 @@ _COORD_MESSAGES = st.one_of(
         window=st.integers(0, 6),
     ),
     st.builds(m.SetBudget, budget=st.integers(0, 6), window=st.integers(0, 6)),
-    st.builds(m.SyncNow, cycle=st.integers(1, 4), generation=st.just(0)),
-    st.builds(m.RequestParams, cycle=st.integers(1, 4)),
-    st.builds(m.Update, cycle=st.integers(1, 4)),
+    st.builds(m.SyncNow, round=st.integers(1, 4), generation=st.just(0)),
+    st.builds(m.RequestParams, round=st.integers(1, 4)),
+    st.builds(m.Update, round=st.integers(1, 4)),
     st.builds(m.RunEval, epoch=st.integers(0, 2)),
     st.builds(m.RunCheckpoint, version=st.integers(0, 2)),
     st.builds(m.Regroup, generation=st.integers(1, 3), members=st.just([0, 1])),

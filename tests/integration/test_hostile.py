@@ -325,8 +325,8 @@ class Attacker:
             [
                 m.BatchDone(epoch=0, offset=rng.randrange(NUM_SAMPLES), size=8, batch_ms=1.0),
                 m.Heartbeat(step=rng.randrange(1000)),
-                m.SyncAck(cycle=rng.randrange(50), steps=rng.randrange(20)),
-                m.SnapshotReady(cycle=rng.randrange(50), steps=3),
+                m.SyncAck(round=rng.randrange(50), steps=rng.randrange(20)),
+                m.SnapshotReady(round=rng.randrange(50), steps=3),
                 m.Exiting(reason="attacker"),
                 m.StateSaved(path="/tmp/x"),
                 m.Shutdown(),  # a coordinator message, from a "rank"

@@ -21,7 +21,7 @@ END = tl.RunEnd(
     outcome="completed",
     reason="",
     epochs_completed=2,
-    syncs=9,
+    rounds_done=9,
     lost_samples=0,
     dead_ranks=(2,),
     rejected_frames=1,
@@ -34,10 +34,10 @@ def test_stats_follow_the_records_and_keep_the_latest_eval() -> None:
     stats = RunStats(first_dispatch_s=10.0)
     for now, event in [
         (11.0, tl.SyncEnd(round=1, duration_ms=2.0, d_raw=0.0, k_used=5, anchor=10)),
-        (11.5, tl.EpochEnd(epoch=0, loss=0.7, sync_round=1)),
+        (11.5, tl.EpochEnd(epoch=0, loss=0.7, rounds_done=1)),
         (12.0, tl.Eval(epoch=2, metric=0.9, rank=0)),
         (12.1, tl.Eval(epoch=1, metric=0.5, rank=1)),  # late, for an older epoch
-        (12.5, tl.EpochEnd(epoch=1, loss=None, sync_round=2)),  # no loss: keep the last
+        (12.5, tl.EpochEnd(epoch=1, loss=None, rounds_done=2)),  # no loss: keep the last
         (13.0, tl.SyncEnd(round=2, duration_ms=2.0, d_raw=0.0, k_used=5, anchor=10)),
         (13.1, END),
     ]:

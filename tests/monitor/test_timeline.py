@@ -10,11 +10,11 @@ from elche.monitor.timeline import TIMELINE_FILE, TimelineReader, TimelineWriter
 
 def test_a_record_is_on_disk_as_soon_as_it_is_written(tmp_path: Path) -> None:
     writer = TimelineWriter(tmp_path, started_s=100.0)
-    stamped = writer.write(tl.EpochEnd(epoch=2, loss=0.25, sync_round=7), now_s=101.5)
-    assert stamped == tl.EpochEnd(t=1.5, epoch=2, loss=0.25, sync_round=7)
+    stamped = writer.write(tl.EpochEnd(epoch=2, loss=0.25, rounds_done=7), now_s=101.5)
+    assert stamped == tl.EpochEnd(t=1.5, epoch=2, loss=0.25, rounds_done=7)
     # Not closed, not flushed by hand: another process reading now sees it.
     line = (tmp_path / TIMELINE_FILE).read_bytes()
-    assert line == b'{"kind":"EpochEnd","epoch":2,"loss":0.25,"sync_round":7,"t":1.5}\n'
+    assert line == b'{"kind":"EpochEnd","epoch":2,"loss":0.25,"rounds_done":7,"t":1.5}\n'
     writer.close()
 
 
@@ -50,7 +50,7 @@ def test_every_kind_round_trips() -> None:
     events = [
         tl.RunStart(world_size=2, mode="sync"),
         tl.EpochStart(epoch=0),
-        tl.EpochEnd(epoch=0, loss=None, sync_round=1),
+        tl.EpochEnd(epoch=0, loss=None, rounds_done=1),
         tl.SyncStart(round=1),
         tl.SyncEnd(round=1, duration_ms=3.5, d_raw=0.01, k_used=9, anchor=10),
         tl.AnchorChanged(old=10, new=12),
@@ -62,7 +62,7 @@ def test_every_kind_round_trips() -> None:
             outcome="completed",
             reason="",
             epochs_completed=3,
-            syncs=12,
+            rounds_done=12,
             lost_samples=0,
             dead_ranks=(1,),
             rejected_frames=0,

@@ -32,7 +32,7 @@ END = tl.RunEnd(
     outcome="completed",
     reason="",
     epochs_completed=1,
-    syncs=1,
+    rounds_done=1,
     lost_samples=0,
     dead_ranks=(),
     rejected_frames=0,
@@ -79,12 +79,12 @@ def test_an_average_is_handled_after_the_rest_of_its_command_list(tmp_path: Path
     core = ScriptedCore(
         {
             Started: [
-                AverageSnapshots(cycle=1, param_mass=(), buffer_mass=()),
+                AverageSnapshots(round=1, param_mass=(), buffer_mass=()),
                 Send(rank=0, message=m.SetBudget(budget=4)),
                 ArmTimer(deadline_s=5.0),
             ],
             AverageComputed: [
-                Send(rank=0, message=m.Update(cycle=1, alpha=None)),
+                Send(rank=0, message=m.Update(round=1, alpha=None)),
                 ArmTimer(deadline_s=9.0),
                 Emit(event=END),  # the core's account, always just before Finish
                 Finish(outcome="completed"),
@@ -96,6 +96,6 @@ def test_an_average_is_handled_after_the_rest_of_its_command_list(tmp_path: Path
     finish = host.run()
 
     assert finish == Finish(outcome="completed")
-    assert core.seen == [Started(), AverageComputed(cycle=1)]
-    assert endpoint.sent == [(0, m.SetBudget(budget=4)), (0, m.Update(cycle=1, alpha=None))]
+    assert core.seen == [Started(), AverageComputed(round=1)]
+    assert endpoint.sent == [(0, m.SetBudget(budget=4)), (0, m.Update(round=1, alpha=None))]
     assert host._deadline == 9.0  # the follow-up's timer was armed last

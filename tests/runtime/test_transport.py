@@ -126,7 +126,7 @@ def test_round_trip_both_ways_with_payload_frames(coord: CoordinatorEndpoint) ->
     doubles = memoryview(array.array("d", [1.5, -2.0]))  # itemsize 8: sent as its 16 bytes
     with join(coord, 0) as rank:
         rank.send(m.BatchDone(epoch=1, offset=64, size=32, batch_ms=4.5, loss=0.25))
-        rank.send(m.SnapshotReady(cycle=3, steps=7), [big, bytearray(b"tail"), doubles])
+        rank.send(m.SnapshotReady(round=3, steps=7), [big, bytearray(b"tail"), doubles])
         rank.send(m.Heartbeat(step=9))
         assert poll_n(coord, 3) == [
             Received(
@@ -136,14 +136,14 @@ def test_round_trip_both_ways_with_payload_frames(coord: CoordinatorEndpoint) ->
             ),
             Received(
                 rank=0,
-                message=m.SnapshotReady(cycle=3, steps=7),
+                message=m.SnapshotReady(round=3, steps=7),
                 payload=[big, b"tail", doubles.tobytes()],
             ),
             Received(rank=0, message=m.Heartbeat(step=9), payload=[]),
         ]
         sent: list[tuple[m.CoordMessage, list[bytes]]] = [
             (m.AssignChunk(epoch=1, offset=0, size=640, budget=20), []),
-            (m.Update(cycle=3, alpha=0.5), [big, b"x"]),
+            (m.Update(round=3, alpha=0.5), [big, b"x"]),
             (m.Regroup(generation=2, members=[0, 1]), []),
             (m.Shutdown(), []),
         ]
@@ -199,9 +199,9 @@ def test_oversize_sends_are_refused_before_anything_leaves() -> None:
             with pytest.raises(ValueError, match="exceeds max_frame_bytes=4096"):
                 rank.send(m.Heartbeat(), [bytes(4096)])
             with pytest.raises(ValueError, match="exceeds"):
-                coord.send(0, m.Update(cycle=0), [bytes(4096)])
+                coord.send(0, m.Update(round=0), [bytes(4096)])
             with pytest.raises(ValueError, match="exceeds"):
-                coord.broadcast([0], m.Update(cycle=0), [bytes(4096)])
+                coord.broadcast([0], m.Update(round=0), [bytes(4096)])
             rank.send(m.Heartbeat(step=1))  # the refused sends burned no sequence numbers
             coord.send(0, m.CoordHeartbeat())
             assert poll_n(coord, 1) == [Received(rank=0, message=m.Heartbeat(step=1), payload=[])]

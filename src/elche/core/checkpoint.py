@@ -27,7 +27,8 @@ __all__ = [
     "SaveReason",
 ]
 
-SCHEMA_VERSION = 1
+# 2: ``rounds_done`` (was ``sync_round``). Schema 1 metas are still read.
+SCHEMA_VERSION = 2
 
 
 class SaveReason(enum.Enum):
@@ -61,7 +62,7 @@ class CheckpointMeta:
     Args:
         epoch: the first epoch that is not finished.
         global_step: optimizer steps folded into the consensus so far.
-        sync_round: averaging rounds completed.
+        rounds_done: averaging rounds completed.
         world_size: ranks at the start of the run.
         reason: why the bundle was written.
         seed: shuffle seed of the run (the permutation of each epoch).
@@ -73,7 +74,7 @@ class CheckpointMeta:
 
     epoch: int
     global_step: int
-    sync_round: int
+    rounds_done: int
     world_size: int
     reason: SaveReason
     seed: int
@@ -89,7 +90,7 @@ class CheckpointMeta:
             "schema_version": self.schema_version,
             "epoch": self.epoch,
             "global_step": self.global_step,
-            "sync_round": self.sync_round,
+            "rounds_done": self.rounds_done,
             "world_size": self.world_size,
             "save_reason": self.reason.value,
             "seed": self.seed,
@@ -136,7 +137,7 @@ class CheckpointMeta:
         return cls(
             epoch=_int(doc, "epoch"),
             global_step=_int(doc, "global_step"),
-            sync_round=_int(doc, "sync_round"),
+            rounds_done=_int(doc, _rounds_key(doc, version)),
             world_size=_int(doc, "world_size"),
             reason=reason,
             seed=_int(doc, "seed"),
@@ -148,6 +149,12 @@ class CheckpointMeta:
             coverage=tuple(_coverage(c) for c in _list(doc, "coverage")),
             schema_version=version,
         )
+
+
+def _rounds_key(doc: Mapping[str, object], version: int) -> str:
+    """A meta of schema 1 or older names its rounds ``sync_round``."""
+    older = version < 2 and "rounds_done" not in doc and "sync_round" in doc
+    return "sync_round" if older else "rounds_done"
 
 
 def _coverage(raw: object) -> EpochCoverage:

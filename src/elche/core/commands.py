@@ -53,14 +53,14 @@ class ArmTimer:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AverageSnapshots:
-    """Coordinator backend: average the uploaded snapshots of round ``cycle``.
+    """Coordinator backend: average the uploaded snapshots of ``round``.
 
     ``param_mass[r]`` weighs rank r's parameters (steps ** gamma);
     ``buffer_mass[r]`` weighs its buffers (1 if it moved, else 0). Ranks not
     listed are left out. Reply with ``AverageComputed``.
     """
 
-    cycle: int
+    round: int
     param_mass: tuple[tuple[int, float], ...]
     buffer_mass: tuple[tuple[int, float], ...]
 

@@ -31,7 +31,7 @@ and appends commands to ``self._out``; after every event ``_progress`` fires
 the averaging gate if it is open. The coordinator keeps the run and rank
 states and wires its collaborators, each the one owner of its part: the work
 book (``work``), the planner (``planner``: budgets, chunks, epoch pools), the
-round (``cycle``: the averaging protocol), the tuner (``tuning``: what a
+round (``rounds``: the averaging protocol), the tuner (``tuning``: what a
 closed round teaches the balancer), the callback requests (``callbacks``) and
 the save-and-shutdown (``shutdown``).
 """
@@ -49,7 +49,6 @@ from elche.core.callbacks import Callbacks
 from elche.core.checkpoint import CheckpointMeta, SaveReason
 from elche.core.commands import ArmTimer, Broadcast, Command, Emit, Finish, Notice, Send, WriteMeta
 from elche.core.config import Backend, CoordinatorConfig
-from elche.core.cycle import Round
 from elche.core.errors import LocalProtocolError, RemoteProtocolError
 from elche.core.events import (
     AverageComputed,
@@ -64,6 +63,7 @@ from elche.core.events import (
 from elche.core.ledger import WindowLedger
 from elche.core.planner import Planner
 from elche.core.roles import CallbackRoles
+from elche.core.rounds import Round
 from elche.core.scheduler import ElChe
 from elche.core.shutdown import SaveAndShutdown
 from elche.core.tuning import Tuner
@@ -126,7 +126,7 @@ class Coordinator:
         self.last_seen_s = [0.0] * ws
         self.dead_ranks: list[int] = []
         self.generation = 0
-        self.sync_round = 0
+        self.rounds_done = 0
         self.global_step = 0
         self.rejected_frames = 0
         self.stale_messages = 0
@@ -182,8 +182,8 @@ class Coordinator:
                 self._lose(rank, reason)
             case FrameRejected(reason=reason, rank=rank):
                 self._on_rejected(reason, rank)
-            case AverageComputed(cycle=cycle):
-                self._on_average_computed(cycle)
+            case AverageComputed(round=number):
+                self._on_average_computed(number)
             case TimerFired():
                 self._on_timer()
             case _:
@@ -221,8 +221,8 @@ class Coordinator:
     def _apply_resume(self, meta: CheckpointMeta) -> None:
         self._start_epoch = meta.epoch
         self.global_step = meta.global_step
-        self.sync_round = meta.sync_round
-        self.round = Round(self.config, self.work, number=meta.sync_round)
+        self.rounds_done = meta.rounds_done
+        self.round = Round(self.config, self.work, number=meta.rounds_done)
         self.epochs_completed = meta.epoch
         self.work.resume(meta.epoch, meta.coverage)
         if meta.epoch < self.config.epochs and meta.epoch not in self.work.pools:
@@ -333,9 +333,9 @@ class Coordinator:
         if order is not None:
             self._out.append(order)
 
-    def _on_average_computed(self, cycle: int) -> None:
+    def _on_average_computed(self, number: int) -> None:
         live = set(self.live)
-        self._out += self.round.on_average_computed(cycle, live)
+        self._out += self.round.on_average_computed(number, live)
         if self.round.complete(live):
             self._finish_round()
 
@@ -345,7 +345,7 @@ class Coordinator:
         sync_ms = (self._now - rnd.started_s) * 1000.0
         k_used, commands = self.tuner.close_round(rnd, sync_ms, self.live, set(self.dead_ranks))
         self._out.extend(commands)
-        self.sync_round += 1
+        self.rounds_done += 1
         self.global_step += k_used
         self._open_window()
 
@@ -398,7 +398,7 @@ class Coordinator:
         total, count = self._epoch_loss.pop(epoch, (0.0, 0))
         loss = total / count if count else None
         self.epochs_completed = max(self.epochs_completed, epoch + 1)
-        self._emit(tl.EpochEnd(epoch=epoch, loss=loss, sync_round=self.sync_round))
+        self._emit(tl.EpochEnd(epoch=epoch, loss=loss, rounds_done=self.rounds_done))
         self._broadcast(m.EpochDone(epoch=epoch, loss=loss))
         done = epoch + 1
         self._out += self.callbacks.at_epoch_end(done)
@@ -495,7 +495,7 @@ class Coordinator:
         return CheckpointMeta(
             epoch=open_epochs[0] if open_epochs else self.epochs_completed,
             global_step=self.global_step,
-            sync_round=self.sync_round,
+            rounds_done=self.rounds_done,
             world_size=self.config.world_size,
             reason=reason,
             seed=self.config.seed,
@@ -581,7 +581,7 @@ class Coordinator:
                 outcome=outcome,
                 reason=reason,
                 epochs_completed=done,
-                syncs=self.sync_round,
+                rounds_done=self.rounds_done,
                 lost_samples=self.work.samples_missing(done),
                 dead_ranks=tuple(sorted(self.dead_ranks)),
                 rejected_frames=self.rejected_frames,

@@ -62,9 +62,9 @@ class FrameRejected:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AverageComputed:
-    """Coordinator backend: the shell finished averaging round ``cycle``."""
+    """Coordinator backend: the shell finished averaging ``round``."""
 
-    cycle: int
+    round: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -57,7 +57,7 @@ __all__ = [
 
 # Bumped on any incompatible change to a struct below. A frame of another
 # version is refused with a message naming both versions.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the averaging round is `round` in every message (was `cycle`)
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -99,9 +99,9 @@ class Batches(_Msg, frozen=True):
 
 
 class SyncAck(_Msg, frozen=True):
-    """The rank finished averaging round ``cycle``; ``steps`` went into it."""
+    """The rank finished averaging ``round``; ``steps`` went into it."""
 
-    cycle: int
+    round: int
     steps: int
     divergence: float | None = None
     pre_norm: float | None = None
@@ -109,9 +109,9 @@ class SyncAck(_Msg, frozen=True):
 
 
 class SnapshotReady(_Msg, frozen=True):
-    """Coordinator backend: the rank's snapshot of round ``cycle`` is uploaded."""
+    """Coordinator backend: the rank's snapshot of ``round`` is uploaded."""
 
-    cycle: int
+    round: int
     steps: int
 
 
@@ -189,25 +189,25 @@ class SetBudget(_Msg, frozen=True):
 
 
 class SyncNow(_Msg, frozen=True):
-    """Collective backend: join weighted all-reduce round ``cycle``."""
+    """Collective backend: join weighted all-reduce ``round``."""
 
-    cycle: int
+    round: int
     generation: int
 
 
 class RequestParams(_Msg, frozen=True):
-    """Coordinator backend: upload a snapshot for round ``cycle``."""
+    """Coordinator backend: upload a snapshot for ``round``."""
 
-    cycle: int
+    round: int
 
 
 class Update(_Msg, frozen=True):
-    """Coordinator backend: the average of round ``cycle`` is ready.
+    """Coordinator backend: the average of ``round`` is ready.
 
     ``alpha`` is the EASGD blend weight (None: overwrite).
     """
 
-    cycle: int
+    round: int
     alpha: float | None = None
 
 

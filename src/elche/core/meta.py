@@ -80,7 +80,7 @@ def effective_factor(base: float, trend: float, lo: float = 0.1, hi: float = 0.9
 
 
 class LrEventMeta:
-    """Watches LR, anchor and verdicts once per averaging cycle.
+    """Watches LR, anchor and verdicts once per averaging round.
 
     Args:
         config: window sizes and clamps.
@@ -109,12 +109,12 @@ class LrEventMeta:
         return tuple(self._verdicts)
 
     def observe(self, lr: float, anchor: int, verdict: Verdict, phase: Phase) -> NudgeDown | None:
-        """Record one cycle and return a nudge when a watcher fires.
+        """Record one round and return a nudge when a watcher fires.
 
         Args:
-            lr: the learning rate in force this cycle.
-            anchor: ElChe's anchor before this cycle's verdict is applied.
-            verdict: the guard's verdict this cycle.
+            lr: the learning rate in force this round.
+            anchor: ElChe's anchor before this round's verdict is applied.
+            verdict: the guard's verdict this round.
             phase: ElChe's phase; ``PROBE`` never acts.
 
         Returns:

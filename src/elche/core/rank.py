@@ -229,8 +229,8 @@ class RankProtocol:
                 self.budget, self.window = budget, window
             case m.SyncNow() | m.RequestParams():
                 self._request = message
-            case m.Update(cycle=cycle):
-                if self._uploaded is None or self._uploaded[0] != cycle:
+            case m.Update(round=number):
+                if self._uploaded is None or self._uploaded[0] != number:
                     self.num_stale += 1
                 else:
                     self._update = message
@@ -284,7 +284,7 @@ class RankProtocol:
             return FormGroup(generation=regroup.generation, members=tuple(regroup.members))
         if self._update is not None:
             assert self._uploaded is not None  # only the uploaded round's Update is kept
-            return Load(round=self._update.cycle, alpha=self._update.alpha, steps=self._uploaded[1])
+            return Load(round=self._update.round, alpha=self._update.alpha, steps=self._uploaded[1])
         if self.stage is RankStage.WAITING_UPDATE:
             return _HOLD
         if self._request is not None:
@@ -301,9 +301,9 @@ class RankProtocol:
     def _serve(self, request: m.SyncNow | m.RequestParams) -> Average | Upload:
         if isinstance(request, m.SyncNow):
             return Average(
-                round=request.cycle, generation=request.generation, steps=self.steps_since_sync
+                round=request.round, generation=request.generation, steps=self.steps_since_sync
             )
-        return Upload(round=request.cycle, steps=self.steps_since_sync)
+        return Upload(round=request.round, steps=self.steps_since_sync)
 
     @property
     def report_due(self) -> bool:
@@ -387,7 +387,7 @@ class RankProtocol:
         self._request = None
         self.steps_since_sync = 0
         return m.SyncAck(
-            cycle=request.cycle,
+            round=request.round,
             steps=steps,
             divergence=divergence,
             pre_norm=pre_norm,
@@ -420,10 +420,10 @@ class RankProtocol:
         if not isinstance(request, m.RequestParams):
             raise self._illegal("uploaded", "no snapshot is requested")
         self._request = None
-        self._uploaded = (request.cycle, self.steps_since_sync)
+        self._uploaded = (request.round, self.steps_since_sync)
         if self.mode.policy is not Policy.ASYNC:
             self.stage = RankStage.WAITING_UPDATE
-        return m.SnapshotReady(cycle=request.cycle, steps=self.steps_since_sync)
+        return m.SnapshotReady(round=request.round, steps=self.steps_since_sync)
 
     def loaded(
         self,
@@ -448,7 +448,7 @@ class RankProtocol:
         if self.stage is RankStage.WAITING_UPDATE:
             self.stage = RankStage.TRAINING
         return m.SyncAck(
-            cycle=update.cycle,
+            round=update.round,
             steps=uploaded[1],
             divergence=divergence,
             pre_norm=pre_norm,

@@ -59,7 +59,7 @@ class EpochEnd(_Record, frozen=True):
 
     epoch: int
     loss: float | None  # the mean of the ranks' last reported losses in the epoch
-    sync_round: int  # averaging rounds completed so far
+    rounds_done: int  # averaging rounds completed so far
 
 
 class SyncStart(_Record, frozen=True):
@@ -114,7 +114,7 @@ class RunEnd(_Record, frozen=True):
     outcome: str  # completed | saved_and_shutdown | failed
     reason: str
     epochs_completed: int
-    syncs: int  # averaging rounds completed
+    rounds_done: int  # averaging rounds completed
     lost_samples: int  # samples of completed epochs missing from the consensus (0 unless a bug)
     dead_ranks: tuple[int, ...]
     rejected_frames: int

@@ -22,12 +22,12 @@ from typing import assert_never
 from elche.core import timeline as tl
 from elche.core.commands import Command, Emit, Notice
 from elche.core.config import CoordinatorConfig, Policy
-from elche.core.cycle import Round
 from elche.core.guards import DivergenceReport, build_guard
 from elche.core.ledger import WindowLedger
 from elche.core.meta import LrEventMeta
 from elche.core.planner import Planner
 from elche.core.roles import CallbackRoles
+from elche.core.rounds import Round
 from elche.core.scheduler import ElChe
 from elche.core.verdicts import NudgeDown, Stable, SuppressGrowth, Verdict
 from elche.core.work import WorkBook

@@ -85,7 +85,7 @@ def coordinator_summary(stats: RunStats, *, mode: str, world_size: int) -> dict[
         "samples_trained": sum(report.samples_per_rank),
         "final_loss": stats.final_loss,
         "eval_accuracy": stats.eval_metric,
-        "syncs": report.syncs,
+        "syncs": report.rounds_done,
         "lost_samples": report.lost_samples,
         "dead_ranks": list(report.dead_ranks),
         "outcome": report.outcome,

@@ -225,8 +225,8 @@ class Host:
                     self._print("warning", f"{type(message).__name__} did not reach {failed}")
             case ArmTimer(deadline_s=deadline):
                 self._deadline = deadline
-            case AverageSnapshots(cycle=cycle, param_mass=param_mass, buffer_mass=buffer_mass):
-                self._average(cycle, dict(param_mass), dict(buffer_mass))
+            case AverageSnapshots(round=number, param_mass=param_mass, buffer_mass=buffer_mass):
+                self._average(number, dict(param_mass), dict(buffer_mass))
             case WriteMeta(stem=stem, meta=meta):
                 # The meta is the bundle's commit mark: everything else first.
                 if self.outer is not None:
@@ -253,7 +253,7 @@ class Host:
             self._print("warning", f"could not send {type(message).__name__} to rank {rank}: {exc}")
 
     def _average(
-        self, cycle: int, param_mass: dict[int, float], buffer_mass: dict[int, float]
+        self, number: int, param_mass: dict[int, float], buffer_mass: dict[int, float]
     ) -> None:
         """Average the round's snapshots (the ranks get it with their ``Update``).
 
@@ -272,13 +272,13 @@ class Host:
             try:
                 averager.add(mass, stashed[1], buffer_mass=buffer_mass.get(rank, 0.0))
             except ValueError as exc:
-                self._print("warning", f"snapshot of rank {rank} left out of round {cycle}: {exc}")
+                self._print("warning", f"snapshot of rank {rank} left out of round {number}: {exc}")
         result = averager.result(self.outer) if averager is not None else None
         if result is not None and layout is not None:
             frames = [msgspec.msgpack.encode(layout), *result]
-        self._update = (cycle, frames)
+        self._update = (number, frames)
         self._snapshots.clear()
-        self._followups.append(AverageComputed(cycle=cycle))
+        self._followups.append(AverageComputed(round=number))
 
     def _record(self, event: tl.TimelineEvent) -> None:
         now = time.monotonic()

@@ -254,7 +254,7 @@ def on_record(
     """Apply one timeline record: per-epoch metrics, user hooks, the display."""
     display.show(event)
     match event:
-        case tl.EpochEnd(epoch=epoch, loss=loss, sync_round=syncs):
+        case tl.EpochEnd(epoch=epoch, loss=loss, rounds_done=syncs):
             entry: dict[str, object] = {"epoch": epoch, "loss": loss, "syncs": syncs}
             epochs.append(entry)
             if hooks.metrics_fn is not None:

@@ -300,8 +300,8 @@ class Simulation:
                 self._timer_token += 1
                 token = self._timer_token
                 self._at(max(deadline, self.now), lambda: self._timer(token))
-            case AverageSnapshots(cycle=cycle, param_mass=mass):
-                self._start_average(cycle, [r for r, _ in mass])
+            case AverageSnapshots(round=number, param_mass=mass):
+                self._start_average(number, [r for r, _ in mass])
             case WriteMeta(meta=meta):
                 self.metas.append(meta)
             case Notice(level=level, text=text):
@@ -319,14 +319,14 @@ class Simulation:
         if token == self._timer_token:
             self._core_handle(TimerFired())
 
-    def _start_average(self, cycle: int, holders: list[int]) -> None:
+    def _start_average(self, number: int, holders: list[int]) -> None:
         self._averaging = {r: list(self.ranks[r].snapshot) for r in holders}
 
         def done() -> None:
             for rank, batches in sorted(self._averaging.items()):
                 self._commit(rank, batches)
             self._averaging = {}
-            self._core_handle(AverageComputed(cycle=cycle))
+            self._core_handle(AverageComputed(round=number))
 
         self._after_ms(self.config.sync_ms, done)
 
@@ -442,8 +442,8 @@ class Simulation:
                     ack = r.proto.loaded(divergence=self._divergence(steps))
                     r.snapshot = []
                     self._send(r.rank, ack)
-                case Average(round=cycle, steps=steps):
-                    self._enter_collective(r, cycle, steps)
+                case Average(round=number, steps=steps):
+                    self._enter_collective(r, number, steps)
                 case Upload():
                     r.snapshot = list(r.uncommitted)
                     self._send(r.rank, r.proto.uploaded())
@@ -501,18 +501,18 @@ class Simulation:
 
         self._after_ms(elapsed_ms, done)
 
-    def _enter_collective(self, r: _Rank, cycle: int, steps: int) -> None:
-        if self._collective is None or self._collective_round != cycle:
+    def _enter_collective(self, r: _Rank, number: int, steps: int) -> None:
+        if self._collective is None or self._collective_round != number:
             self._collective = {}
-            self._collective_round = cycle
+            self._collective_round = number
         r.in_collective = r.working = True
         self._collective[r.rank] = steps
         if set(self._collective) >= self._group:
             entered = dict(self._collective)
-            self._after_ms(self.config.sync_ms, lambda: self._finish_collective(cycle, entered))
+            self._after_ms(self.config.sync_ms, lambda: self._finish_collective(number, entered))
 
-    def _finish_collective(self, cycle: int, entered: dict[int, int]) -> None:
-        if self._collective_round != cycle or self._collective is None:
+    def _finish_collective(self, number: int, entered: dict[int, int]) -> None:
+        if self._collective_round != number or self._collective is None:
             return  # abandoned by a regroup
         if not all(self.ranks[r].active for r in entered):
             return  # a member vanished mid-collective: it hangs until Regroup
@@ -566,7 +566,7 @@ class Simulation:
             throughput=round(throughput, 3),
             ideal_throughput=round(ideal, 3),
             efficiency=round(throughput / ideal, 4),
-            syncs=account.syncs,
+            syncs=account.rounds_done,
             lost_samples=lost,
             duplicated_samples=duplicated,
             dead_ranks=list(account.dead_ranks),

@@ -89,9 +89,9 @@ class Round:
         """
         number = self._open(members, now_s)
         ranks = tuple(sorted(members))
-        trigger: m.CoordMessage = m.RequestParams(cycle=number)
+        trigger: m.CoordMessage = m.RequestParams(round=number)
         if self.config.backend is Backend.COLLECTIVE:
-            trigger = m.SyncNow(cycle=number, generation=generation)
+            trigger = m.SyncNow(round=number, generation=generation)
         return [
             Emit(event=tl.SyncStart(round=number)),
             Broadcast(ranks=ranks, message=trigger),
@@ -107,7 +107,7 @@ class Round:
             RemoteProtocolError: the rank acknowledged before its update; the
                 round is unchanged.
         """
-        if msg.cycle != self.number or rank not in self.members or rank in self.acks:
+        if msg.round != self.number or rank not in self.members or rank in self.acks:
             return False
         if self.phase is RoundPhase.COLLECTING and self.config.backend is Backend.COLLECTIVE:
             committed = self.work.commit(rank, msg.steps)
@@ -115,7 +115,7 @@ class Round:
             committed = self.snapshot_steps.get(rank, 0)
         else:
             raise RemoteProtocolError(
-                f"acknowledged round {msg.cycle} before its update", rank=rank
+                f"acknowledged round {msg.round} before its update", rank=rank
             )
         self.acks[rank] = committed
         if msg.divergence is not None:
@@ -137,7 +137,7 @@ class Round:
         if self.config.backend is not Backend.COORDINATOR:
             raise RemoteProtocolError("sent a snapshot in a collective mode", rank=rank)
         collecting = self.phase is RoundPhase.COLLECTING
-        if msg.cycle != self.number or rank not in self.members or not collecting:
+        if msg.round != self.number or rank not in self.members or not collecting:
             return False
         made = self.work.steps_since_sync(rank)
         if not 0 <= msg.steps <= made:
@@ -160,25 +160,25 @@ class Round:
         steps = self.snapshot_steps
         holders = sorted(steps)
         return AverageSnapshots(
-            cycle=self.number,
+            round=self.number,
             param_mass=tuple((r, float(steps[r]) ** gamma if steps[r] else 0.0) for r in holders),
             buffer_mass=tuple((r, 1.0 if steps[r] else 0.0) for r in holders),
         )
 
-    def on_average_computed(self, cycle: int, live: set[int]) -> list[Command]:
-        """The shell averaged round ``cycle``: commit it and send the update.
+    def on_average_computed(self, number: int, live: set[int]) -> list[Command]:
+        """The shell averaged ``round``: commit it and send the update.
 
         Raises:
             LocalProtocolError: no such average is running; nothing changed.
         """
-        if self.phase is not RoundPhase.AVERAGING or cycle != self.number:
-            raise LocalProtocolError(f"AverageComputed({cycle}) but no such average is running")
+        if self.phase is not RoundPhase.AVERAGING or number != self.number:
+            raise LocalProtocolError(f"AverageComputed({number}) but no such average is running")
         for rank, steps in sorted(self.snapshot_steps.items()):
             if rank in live:
                 self.work.commit(rank, steps)
         self.phase = RoundPhase.APPLYING
         alpha = None if self.work.all_done() else self.config.blend_alpha
-        update = m.Update(cycle=cycle, alpha=alpha)
+        update = m.Update(round=number, alpha=alpha)
         return [Send(rank=rank, message=update) for rank in sorted(self.members & live)]
 
     def leave(self, rank: int) -> None:
