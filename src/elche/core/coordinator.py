@@ -236,11 +236,11 @@ class Coordinator:
             return
         self.last_seen_s[rank] = self._now
         try:
-            self._dispatch_message(rank, message)
+            self._route(rank, message)
         except RemoteProtocolError as exc:
             self._evict(rank, exc)
 
-    def _dispatch_message(self, rank: int, message: m.RankMessage) -> None:
+    def _route(self, rank: int, message: m.RankMessage) -> None:
         match message:
             case m.BatchDone():
                 self._on_batch(rank, message)
