@@ -21,6 +21,8 @@ The result carries the final averaged ``state_dict``, per-epoch metrics and a
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -140,6 +142,7 @@ def train(
         ConfigError: a bad argument (the message names it and what is accepted).
         RuntimeError: the run failed to start or a process crashed.
     """
+    _check_user_fns(model_fn=model_fn, eval_fn=eval_fn, eval_dataset=eval_dataset)
     plan = _plan(
         dataset=dataset, batch_size=batch_size, epochs=epochs, mode=mode, ranks=ranks,
         speeds=speeds, speed_base_s=speed_base_s, devices=devices,
@@ -202,6 +205,8 @@ def _plan(
         num_samples = len(dataset)
     except TypeError:
         raise ConfigError("dataset", "must be a map-style Dataset with __len__") from None
+    if num_samples == 0:
+        raise ConfigError("dataset", "is empty: there is nothing to train on")
     env_world = os.environ.get("WORLD_SIZE")
     world = _world_size(ranks, speeds, devices, int(env_world) if env_world else None)
     speeds_t = tuple(float(s) for s in speeds) if speeds is not None else (1.0,) * world
@@ -217,6 +222,9 @@ def _plan(
         policy, pinned = CallbackPolicy.FASTEST, 0
     else:
         policy, pinned = CallbackPolicy.PINNED, callback_rank
+    _check_devices(devices_t)
+    if save_path is not None:
+        _check_writable(save_path)
     if resume_from is not None and not meta_path(resume_from).exists():
         raise ConfigError("resume_from", f"no checkpoint meta at {meta_path(resume_from)}")
     config = CoordinatorConfig(
@@ -233,6 +241,50 @@ def _plan(
         devices=devices_t, resume_from=resume_from,
         faults=_faults(faults, crash, stall, world),
     )  # fmt: skip
+
+
+def _check_user_fns(*, model_fn: Any, eval_fn: Any, eval_dataset: Any) -> None:
+    """Mistakes a new user makes, caught before any process starts."""
+    if hasattr(model_fn, "state_dict") and hasattr(model_fn, "parameters"):
+        raise ConfigError(
+            "model_fn",
+            "got a model; pass the function that builds it, model_fn(device) -> nn.Module, "
+            "defined at the top level of a module so each rank can build its own",
+        )
+    if not callable(model_fn):
+        raise ConfigError("model_fn", f"must be a function model_fn(device), got {model_fn!r}")
+    if eval_fn is not None and eval_dataset is None:
+        raise ConfigError("eval_dataset", "eval_fn is given but eval_dataset is not")
+
+
+def _check_devices(devices: Sequence[str]) -> None:
+    """Every device names one this machine has (imports torch only for non-CPU devices)."""
+    if all(device == "cpu" for device in devices):
+        return
+    import torch
+
+    for device in devices:
+        try:
+            parsed = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError("devices", f"{device!r} is not a device: {exc}") from None
+        if parsed.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if (parsed.index or 0) >= count:
+                raise ConfigError("devices", f"{device!r}: this machine has {count} CUDA device(s)")
+        elif parsed.type != "cpu":
+            raise ConfigError("devices", f"{device!r}: accepted are 'cpu' and 'cuda[:N]'")
+
+
+def _check_writable(save_path: str) -> None:
+    """The bundle's directory exists (or can be made) and takes a file, before training."""
+    folder = Path(save_path).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".elche-probe-"):
+            pass
+    except OSError as exc:
+        raise ConfigError("save_path", f"cannot write in {folder}: {exc}") from None
 
 
 def _faults(
@@ -303,7 +355,22 @@ def _train_cluster(
     run_dir: str | None,
     progress: bool,
 ) -> TrainResult:
-    from elche.runtime.launch import launch_local
+    from elche.runtime.launch import check_picklable, launch_local
 
+    check_picklable(fns)  # before anything starts: nothing to clean up
     directory = Path(run_dir or tempfile.mkdtemp(prefix="elche-run-"))
-    return launch_local(plan, fns, hooks, directory, max_grad_norm=max_grad_norm, progress=progress)
+    result = launch_local(
+        plan, fns, hooks, directory, max_grad_norm=max_grad_norm, progress=progress
+    )
+    if run_dir is None:
+        _tidy(result, directory)
+    return result
+
+
+def _tidy(result: TrainResult, directory: Path) -> None:
+    """A completed run's temporary directory goes; any other run's is kept and named."""
+    if result.summary.get("outcome") == "completed":
+        shutil.rmtree(directory, ignore_errors=True)
+        result.run_dir = None
+    else:
+        print(f"elche: the run's files are kept in {directory}", file=sys.stderr, flush=True)

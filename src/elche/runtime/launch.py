@@ -28,16 +28,19 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elche.core import timeline as tl
 from elche.core.config import CoordinatorConfig
+from elche.core.errors import ConfigError
 from elche.monitor.progress import Progress
 from elche.monitor.summary import read_run, run_summary
 from elche.monitor.timeline import TimelineReader
@@ -185,6 +188,27 @@ def _rank_context() -> ForkServerContext | SpawnContext:
     return ctx
 
 
+def check_picklable(fns: UserFns) -> None:
+    """Every function a rank needs can be sent to it (ranks are separate processes).
+
+    Raises:
+        ConfigError: naming the function that cannot be pickled.
+    """
+    for name in ("model_fn", "optimizer_fn", "step_fn", "eval_fn", "epoch_fn",
+                 "checkpoint_fn", "collate_fn"):  # fmt: skip
+        fn = getattr(fns, name)
+        if fn is None:
+            continue
+        try:
+            pickle.dumps(fn)
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            raise ConfigError(
+                name,
+                f"{fn!r} cannot be sent to the rank processes ({exc}); define it with def at "
+                "the top level of a module (not a lambda or a nested function)",
+            ) from None
+
+
 def launch_local(
     plan: Plan,
     fns: UserFns,
@@ -258,15 +282,27 @@ def on_record(
             entry: dict[str, object] = {"epoch": epoch, "loss": loss, "syncs": syncs}
             epochs.append(entry)
             if hooks.metrics_fn is not None:
-                hooks.metrics_fn(entry)
+                _call_hook("metrics_fn", hooks.metrics_fn, entry)
         case tl.Eval(epoch=epoch, metric=metric):
             for entry in epochs:
                 if entry["epoch"] == epoch - 1:
                     entry["eval"] = metric
             if hooks.eval_result_fn is not None:
-                hooks.eval_result_fn(epoch, metric)
+                _call_hook("eval_result_fn", hooks.eval_result_fn, epoch, metric)
         case _:
             pass
+
+
+def _call_hook(name: str, fn: Callable[..., object], *args: object) -> None:
+    """Run a user hook; one that raises is reported and the run goes on."""
+    try:
+        fn(*args)
+    except Exception:
+        print(
+            f"elche: {name} raised; training goes on:\n{traceback.format_exc()}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]]) -> TrainResult:

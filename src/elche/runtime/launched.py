@@ -87,7 +87,8 @@ def train_launched(
     try:
         _, state = train_rank(spec, fns, plan.config.batch_size)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a regroup after a death replaced the launcher's group
+            dist.destroy_process_group()
     if host is None:
         return TrainResult(state_dict=state, summary={}, run_dir=str(directory))
     host.wait(timeout=COORDINATOR_EXIT_S)

@@ -1,0 +1,99 @@
+"""Issue 12's survival items under launchers and in the launching process.
+
+Real processes: a script run by ``elche run`` whose rank 1 kills itself
+mid-run, and a local run whose user hooks raise.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import elche
+from tests.promises.tiny import make_model, make_optimizer, score, step
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SCRIPT = """
+import json, os, sys
+import elche
+from elche.workloads import digits
+
+if __name__ == "__main__":
+    train_set, test_set = digits.load_digits_split(seed=0)
+    result = elche.train(
+        digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+        batch_size=32, epochs=3, mode=sys.argv[1], crash={1: 1.5}, heartbeat_timeout_s=5.0,
+        eval_fn=digits.eval_fn, eval_dataset=test_set, progress=False,
+    )
+    print(f"RETURNED {os.environ['RANK']}", flush=True)
+    if result.summary:
+        print("SUMMARY " + json.dumps(result.summary), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["cadence", "cpu-cadence"])
+def test_issue12_item01_survivors_of_a_killed_rank_under_elche_run_return(
+    tmp_path: Path, mode: str
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "elche.cli", "run", "--nproc", "3", str(script), mode],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    returned = sorted(line for line in done.stdout.splitlines() if line.startswith("RETURNED"))
+    assert returned == ["RETURNED 0", "RETURNED 2"], done.stderr[-4000:]
+    assert "Process group cannot be None" not in done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("SUMMARY ")]
+    summary = json.loads(line.removeprefix("SUMMARY "))
+    assert summary["outcome"] == "completed"
+    assert summary["dead_ranks"] == [1]
+    assert summary["lost_samples"] == 0
+    assert summary["epochs_completed"] == 3
+
+
+def broken_metrics(entry: dict[str, object]) -> None:
+    raise RuntimeError("the user's metrics_fn is broken")
+
+
+def broken_eval_result(epoch: int, metric: float) -> None:
+    raise KeyError("the user's eval_result_fn is broken")
+
+
+def test_issue12_item05_hooks_that_raise_are_reported_and_the_run_goes_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    data = TensorDataset(torch.randn(128, 4), torch.randint(0, 2, (128,)))
+    result = elche.train(
+        make_model, make_optimizer, step, data, batch_size=16, epochs=3, ranks=2,
+        eval_fn=score, eval_dataset=data, metrics_fn=broken_metrics,
+        eval_result_fn=broken_eval_result, progress=False,
+    )  # fmt: skip
+    assert result.summary["outcome"] == "completed"
+    assert result.summary["epochs_completed"] == 3
+    err = capsys.readouterr().err
+    assert "metrics_fn raised; training goes on" in err
+    assert "the user's metrics_fn is broken" in err
+    assert "eval_result_fn raised; training goes on" in err
+
+
+def test_issue12_item13_a_completed_run_removes_its_temporary_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp puts run dirs
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    result = elche.train(
+        make_model, make_optimizer, step, data, batch_size=16, epochs=1, ranks=2, progress=False
+    )
+    assert result.summary["outcome"] == "completed"
+    assert result.run_dir is None
+    assert list(tmp_path.iterdir()) == []
+    assert "files are kept" not in capsys.readouterr().err
