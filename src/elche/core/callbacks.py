@@ -18,9 +18,16 @@ Rules:
 - A failed checkpoint is retried on a live rank not yet tried for that
   version; once every live rank failed it, the version is given up, loudly
   (training goes on).
+- An eval is asked only of a live rank. The eval role of a ``PINNED``
+  policy never moves (the reference: a request to a dead pinned rank fails
+  loudly rather than re-route), so an eval owed by a dead pinned rank is
+  given up with an error notice; under ``FASTEST`` the role has already moved
+  to a live rank.
 - A rank that dies with requests pending: its eval is asked again of the
-  eval role (already re-resolved), its checkpoint counts as failed on it.
-- The run finishes only when nothing is pending.
+  eval role (already re-resolved) or given up as above; its checkpoint
+  counts as failed on it.
+- The run finishes only when nothing is pending; a death that leaves nothing
+  pending lets a finishing run close.
 """
 
 from __future__ import annotations
@@ -65,12 +72,12 @@ class Callbacks:
         every = self.config.checkpoint_every
         return every is not None and done % every == 0
 
-    def at_epoch_end(self, done: int) -> list[Command]:
+    def at_epoch_end(self, done: int, live: Sequence[int]) -> list[Command]:
         """``done`` epochs are finished: ask for the callbacks due now."""
         cfg = self.config
         out: list[Command] = []
         if cfg.has_eval_fn and (done % cfg.eval_every == 0 or done == cfg.epochs):
-            out.append(self._ask_eval(done))
+            out.append(self._ask_eval(done, live))
         if self.checkpoint_due(done):
             out.append(self._ask_checkpoint(done))
         return out
@@ -110,14 +117,21 @@ class Callbacks:
         out: list[Command] = []
         for epoch, rank in sorted(self.pending_evals.items()):
             if rank == dead:
-                out.append(self._ask_eval(epoch))
+                del self.pending_evals[epoch]
+                out.append(self._ask_eval(epoch, live))
         for version, rank in sorted(self.pending_checkpoints.items()):
             if rank == dead:
                 out += self._settle_checkpoint(dead, version, "rank died", live)
         return out
 
-    def _ask_eval(self, epoch: int) -> Command:
+    def _ask_eval(self, epoch: int, live: Sequence[int]) -> Command:
         rank = self.roles.holder(Role.EVAL)
+        if rank not in live:
+            text = (
+                f"eval_fn for epoch {epoch} not run: its pinned rank {rank} is gone "
+                "(callback_rank pins the eval role; it does not fail over)"
+            )
+            return Notice(level="error", text=text)
         self.pending_evals[epoch] = rank
         return Send(rank=rank, message=m.RunEval(epoch=epoch))
 
@@ -133,13 +147,15 @@ class Callbacks:
         retry = self.roles.on_checkpoint_result(rank, version, error, live)
         if retry is not None:
             return [self._ask_checkpoint(version, retry)]
-        if error is None:
-            return []
-        text = (
-            f"checkpoint v{version} failed on every live rank; giving up on this version "
-            "(training continues)"
-        )
-        return [Notice(level="error", text=text)]
+        return [] if error is None else [_give_up(version)]
+
+
+def _give_up(version: int) -> Command:
+    text = (
+        f"checkpoint v{version} failed on every live rank; giving up on this version "
+        "(training continues)"
+    )
+    return Notice(level="error", text=text)
 
 
 def _broadcast(live: Sequence[int], message: m.CoordMessage) -> list[Command]:

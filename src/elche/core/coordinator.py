@@ -401,7 +401,7 @@ class Coordinator:
         self._emit(tl.EpochEnd(epoch=epoch, loss=loss, rounds_done=self.rounds_done))
         self._broadcast(m.EpochDone(epoch=epoch, loss=loss))
         done = epoch + 1
-        self._out += self.callbacks.at_epoch_end(done)
+        self._out += self.callbacks.at_epoch_end(done, self.live)
         stem = self.config.save_path
         if self.callbacks.checkpoint_due(done) and stem is not None:
             self._out.append(WriteMeta(stem=stem, meta=self._meta(SaveReason.CHECKPOINT)))
@@ -457,6 +457,7 @@ class Coordinator:
             return
         self._out += self.callbacks.on_death(rank, self.live)
         self._after_death()
+        self._maybe_close()  # what the dead rank owed may have been all that was left
 
     def _after_death(self) -> None:
         rnd = self.round
