@@ -98,10 +98,37 @@ def test_issue12_item03b_last_checkpoint_retry_dying_ends_the_run() -> None:
     assert h.core.state is RunState.DONE
 
 
+# -- item 4: checkpoint failover follows the fastest policy --------------------
+
+
+PACE_MS = {0: 10.0, 1: 40.0, 2: 20.0}  # fastest 0, then 2, then 1
+
+
+def test_issue12_item04_checkpoint_moves_to_the_fastest_survivor_when_its_rank_dies() -> None:
+    h = Harness(world_size=3, num_samples=3200, checkpoint_every=1)
+    out = h.form() + run_to_end(h, PACE_MS)
+    assert h.core.state is RunState.FINISHING
+    assert sent(out, m.RunCheckpoint) == [(0, m.RunCheckpoint(version=1))]
+    out = h.feed(RankLost(rank=0, reason="process killed"))
+    # Rank 2 is the fastest survivor; rank 1 is only the lowest.
+    assert sent(out, m.RunCheckpoint) == [(2, m.RunCheckpoint(version=1))]
+    assert h.core.roles.holder(Role.CHECKPOINT) == 2
+    out = h.send(2, m.CheckpointResult(version=1, elapsed_ms=1.0))
+    assert of(out, Finish) == [Finish(outcome="completed")]
+
+
+def test_a_failed_checkpoint_still_retries_the_next_untried_rank() -> None:
+    h = Harness(world_size=3, num_samples=3200, checkpoint_every=1)
+    h.form()
+    run_to_end(h, PACE_MS)
+    out = h.send(0, m.CheckpointResult(version=1, elapsed_ms=1.0, error="disk full"))
+    assert sent(out, m.RunCheckpoint) == [(1, m.RunCheckpoint(version=1))]  # reference rule
+
+
 def test_issue12_item03b_death_after_failures_skips_the_ranks_that_failed() -> None:
     h = Harness(world_size=3, num_samples=3200, checkpoint_every=1)
     h.form()
-    run_to_end(h, {0: 10.0, 1: 40.0, 2: 20.0})
+    run_to_end(h, PACE_MS)
     h.send(0, m.CheckpointResult(version=1, elapsed_ms=1.0, error="disk full"))  # retry on 1
     h.send(1, m.CheckpointResult(version=1, elapsed_ms=1.0, error="disk full"))  # retry on 2
     h.send(0, m.Heartbeat())

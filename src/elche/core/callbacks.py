@@ -24,8 +24,10 @@ Rules:
   given up with an error notice; under ``FASTEST`` the role has already moved
   to a live rank.
 - A rank that dies with requests pending: its eval is asked again of the
-  eval role (already re-resolved) or given up as above; its checkpoint
-  counts as failed on it.
+  eval role (already re-resolved) or given up as above; its checkpoint goes
+  to the checkpoint role, already re-resolved by the policy, unless that rank
+  failed this version, in which case the failure rule picks (a death is not
+  a failure: the dead rank does not join the version's tried set).
 - The run finishes only when nothing is pending; a death that leaves nothing
   pending lets a finishing run close.
 """
@@ -121,7 +123,8 @@ class Callbacks:
                 out.append(self._ask_eval(epoch, live))
         for version, rank in sorted(self.pending_checkpoints.items()):
             if rank == dead:
-                out += self._settle_checkpoint(dead, version, "rank died", live)
+                del self.pending_checkpoints[version]
+                out += self._resend_checkpoint(version, live)
         return out
 
     def _ask_eval(self, epoch: int, live: Sequence[int]) -> Command:
@@ -148,6 +151,11 @@ class Callbacks:
         if retry is not None:
             return [self._ask_checkpoint(version, retry)]
         return [] if error is None else [_give_up(version)]
+
+    def _resend_checkpoint(self, version: int, live: Sequence[int]) -> list[Command]:
+        """The rank running ``version`` died: run it where the roles say now."""
+        target = self.roles.checkpoint_target(version, live)
+        return [_give_up(version)] if target is None else [self._ask_checkpoint(version, target)]
 
 
 def _give_up(version: int) -> Command:

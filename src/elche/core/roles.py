@@ -17,7 +17,9 @@ Rules (the reference coordinator's callback-role election, restated):
 6. A checkpoint that succeeds makes its rank the checkpoint role. One that
    fails is retried on the lowest live rank not yet tried for that version;
    when none is left the coordinator gives up loudly (the failure threshold
-   still governs the run's health).
+   still governs the run's health). A checkpoint whose rank *dies* is not a
+   failure: it goes to the role rule 2 or 4 just re-resolved, unless that
+   rank already failed the version (then the failure rule picks).
 7. Every callback report is time-excluded from the rank's window and feeds an
    EWMA (alpha 0.3, seeded by the first sample) of that callback's cost.
 8. Before the last window of an epoch, the EWMA cost of the callbacks that
@@ -141,9 +143,25 @@ class CallbackRoles:
             self.checkpoint_tried.pop(version, None)
             self.roles[Role.CHECKPOINT] = rank
             return None
-        tried = self.checkpoint_tried.setdefault(version, set())
-        tried.add(rank)
-        untried = [r for r in sorted(live) if r != rank and r not in tried]
+        self.checkpoint_tried.setdefault(version, set()).add(rank)
+        return self._untried(version, live)
+
+    def checkpoint_target(self, version: int, live: Collection[int]) -> int | None:
+        """The rank running ``version`` died: where to run it now.
+
+        Call after ``on_death``. The checkpoint role (re-resolved by the
+        policy) if it has not failed ``version``; otherwise the lowest live
+        untried rank, which becomes the role; ``None`` when every live rank
+        failed it (the version is dropped).
+        """
+        holder = self.roles[Role.CHECKPOINT]
+        if holder in live and holder not in self.checkpoint_tried.get(version, ()):
+            return holder
+        return self._untried(version, live)
+
+    def _untried(self, version: int, live: Collection[int]) -> int | None:
+        tried = self.checkpoint_tried.get(version, set())
+        untried = [r for r in sorted(live) if r not in tried]
         if not untried:
             self.checkpoint_tried.pop(version, None)
             return None
