@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from elche.core import messages as m
 from elche.core.commands import Finish, Notice, Send
-from elche.core.config import CallbackPolicy
+from elche.core.config import CallbackPolicy, Mode
 from elche.core.coordinator import RankState, RunState
-from elche.core.events import RankLost
+from elche.core.events import AverageComputed, RankJoined, RankLost, Started
 from elche.core.roles import Role
 from tests.core.harness import Harness, of
 
@@ -136,3 +136,101 @@ def test_issue12_item03b_death_after_failures_skips_the_ranks_that_failed() -> N
     # Rank 0 is the fastest survivor but failed this version already.
     assert not sent(out, m.RunCheckpoint)
     assert of(out, Finish) == [Finish(outcome="completed")]
+
+
+# -- item 6: each rank's epoch_fn cost shrinks its own quota, in the right window
+
+
+Window = tuple[int | None, bool, tuple[int, ...]]  # (serving epoch, epoch tail?, budgets)
+
+
+def windows(epoch_fn_ms: dict[int, float] | None, mode: Mode = Mode.CADENCE) -> list[Window]:
+    """Drive a 2-epoch run at 10 and 20 ms/batch; what each window was.
+
+    Every rank reports its ``epoch_fn`` cost as it starts an epoch, as
+    ``RankProtocol`` makes it. Epoch 0's reports arrive as the ranks join,
+    before any batch: the ledger's time exclusion, which takes a callback's
+    cost out of the batch timings, then has nothing to take it from, and the
+    balancer's pace is the same as without ``epoch_fn``.
+    """
+    ms = {0: 10.0, 1: 20.0}
+    h = Harness(num_samples=32 * 120, epochs=2, mode=mode)
+    started = [0, 0]
+    h.feed(Started())
+    for rank in (0, 1):
+        h.feed(RankJoined(rank=rank))
+        if epoch_fn_ms is not None:
+            h.send(rank, m.EpochFnElapsed(epoch=0, elapsed_ms=epoch_fn_ms[rank]))
+
+    def window() -> Window:
+        core = h.core
+        return (
+            core.work.serving_epoch(),
+            core.planner.tail_plan is not None,
+            tuple(core.planner.budget),
+        )
+
+    def quota(rank: int) -> int:  # async: the round is instant, nobody overshoots
+        planner = h.core.planner
+        return planner.window_steps(rank) if mode is Mode.CPU_ASYNC else planner.budget[rank]
+
+    seen = [window()]
+    number = 0
+    for _ in range(100):
+        if h.core.state is not RunState.TRAINING:
+            break
+        for rank in (0, 1):
+            while h.chunks[rank] and h.core.work.steps_since_sync(rank) < quota(rank):
+                epoch = h.chunks[rank][0][0]
+                if epoch_fn_ms is not None and epoch > started[rank]:
+                    started[rank] = epoch
+                    h.send(rank, m.EpochFnElapsed(epoch=epoch, elapsed_ms=epoch_fn_ms[rank]))
+                h.train(rank, 1, batch_ms=ms[rank])
+        if h.core.round.in_flight and h.core.round.number != number:
+            number = h.core.round.number
+            steps = {rank: h.core.work.steps_since_sync(rank) for rank in (0, 1)}
+            if mode is Mode.CPU_ASYNC:  # the coordinator backend averages snapshots
+                for rank in (0, 1):
+                    h.send(rank, m.SnapshotReady(round=number, steps=steps[rank]))
+                h.feed(AverageComputed(round=number))
+            for rank in (0, 1):
+                h.send(rank, m.SyncAck(round=number, steps=steps[rank]))
+            seen.append(window())
+    assert h.core.state is RunState.DONE
+    return seen
+
+
+def boundary(seen: list[Window]) -> int:
+    """Index of the first window of epoch 1."""
+    return next(i for i, (epoch, _, _) in enumerate(seen) if epoch == 1)
+
+
+def test_issue12_item06_each_ranks_epoch_fn_shrinks_its_own_quota_in_the_boundary_window() -> None:
+    plain = windows(None)
+    costly = windows({0: 30.0, 1: 150.0})
+    b = boundary(plain)
+    assert plain[b - 1][:2] == (0, True)  # epoch 0's tail window comes just before
+    assert plain[b] == (1, False, (20, 10))  # calibrated: rank 0 runs twice as fast
+    # Up to epoch 0's tail every window is planned as if there were no epoch_fn.
+    assert costly[:b] == plain[:b]
+    # The window that starts epoch 1, where every rank runs epoch_fn, carves
+    # out rank 1's own 150 ms (8 of its 20 ms batches); rank 0's 30 ms is
+    # under the 100 ms floor.
+    assert costly[b] == (1, False, (20, 10 - 8))
+
+
+def test_issue12_item06_slack_is_not_staged_before_the_boundary() -> None:
+    plain = windows(None)
+    costly = windows({0: 200.0, 1: 200.0})
+    b = boundary(plain)
+    assert costly[:b] == plain[:b]  # the tail window is not shrunk
+    assert costly[b] == (1, False, (1, 1))  # 200 ms is 20 and 10 batches: clamped at 1
+
+
+def test_issue12_item06_async_slack_lands_in_the_window_that_crosses_the_boundary() -> None:
+    plain = windows(None, Mode.CPU_ASYNC)
+    costly = windows({0: 30.0, 1: 150.0}, Mode.CPU_ASYNC)
+    b = boundary(plain) - 1  # async streams: the last window serving epoch 0 crosses into 1
+    assert costly[:b] == plain[:b]
+    fast, slow = plain[b][2]
+    assert costly[b] == (0, False, (fast, slow - 8))

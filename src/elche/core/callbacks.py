@@ -74,25 +74,35 @@ class Callbacks:
         every = self.config.checkpoint_every
         return every is not None and done % every == 0
 
+    def due(self, done: int) -> tuple[Role, ...]:
+        """The callbacks asked for once ``done`` epochs are finished."""
+        cfg = self.config
+        roles: tuple[Role, ...] = ()
+        if cfg.has_eval_fn and (done % cfg.eval_every == 0 or done == cfg.epochs):
+            roles += (Role.EVAL,)
+        if self.checkpoint_due(done):
+            roles += (Role.CHECKPOINT,)
+        return roles
+
     def at_epoch_end(self, done: int, live: Sequence[int]) -> list[Command]:
         """``done`` epochs are finished: ask for the callbacks due now."""
-        cfg = self.config
+        due = self.due(done)
         out: list[Command] = []
-        if cfg.has_eval_fn and (done % cfg.eval_every == 0 or done == cfg.epochs):
+        if Role.EVAL in due:
             out.append(self._ask_eval(done, live))
-        if self.checkpoint_due(done):
+        if Role.CHECKPOINT in due:
             out.append(self._ask_checkpoint(done))
         return out
 
     def on_epoch_fn(self, rank: int, elapsed_ms: float) -> None:
         """``rank`` ran ``epoch_fn`` for ``elapsed_ms``."""
         self.ledger.absorb_callback_cost(rank, elapsed_ms)
-        self.roles.record_cost(Role.EPOCH, elapsed_ms)
+        self.roles.record_cost(Role.EPOCH, elapsed_ms, rank=rank)
 
     def on_eval_result(self, rank: int, msg: m.EvalResult, live: Sequence[int]) -> list[Command]:
         """``rank`` answered an eval request; returns what to tell the others."""
         self.ledger.absorb_callback_cost(rank, msg.elapsed_ms)
-        self.roles.record_cost(Role.EVAL, msg.elapsed_ms)
+        self.roles.record_cost(Role.EVAL, msg.elapsed_ms, rank=rank)
         self.pending_evals.pop(msg.epoch, None)
         if msg.error is not None:
             text = f"eval_fn failed on rank {rank} (epoch {msg.epoch}): {msg.error}"
@@ -108,7 +118,7 @@ class Callbacks:
         self.ledger.absorb_callback_cost(rank, msg.elapsed_ms)
         out: list[Command] = []
         if msg.error is None:
-            self.roles.record_cost(Role.CHECKPOINT, msg.elapsed_ms)
+            self.roles.record_cost(Role.CHECKPOINT, msg.elapsed_ms, rank=rank)
         else:
             text = f"checkpoint v{msg.version} failed on rank {rank}: {msg.error}"
             out.append(Notice(level="error", text=text))

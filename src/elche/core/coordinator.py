@@ -113,11 +113,11 @@ class Coordinator:
         self.work = WorkBook(ws, config.num_samples, config.batch_size, config.epochs)
         self.planner = Planner(config, self.elche, self.work)
         self.ledger = WindowLedger(ws)
+        self.callbacks = Callbacks(config, self.roles, self.ledger)
         self.tuner = Tuner(
-            config, self.elche, self.roles, self.planner, self.work,
+            config, self.elche, self.callbacks, self.planner, self.work,
             ledger=self.ledger, guard_history=history,
         )  # fmt: skip
-        self.callbacks = Callbacks(config, self.roles, self.ledger)
         self.saving = SaveAndShutdown(config)
         self.round = Round(config, self.work)
         self.state = RunState.FORMING

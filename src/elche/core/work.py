@@ -95,6 +95,10 @@ class WorkBook:
         self._done.update(newly)
         return newly
 
+    def finishing_epochs(self) -> list[int]:
+        """Open epochs whose pool is done but not yet booked by ``finished_epochs``."""
+        return [e for e in self.open_epochs() if self.pools[e].is_done()]
+
     def samples_missing(self, before_epoch: int) -> int:
         """Samples of the epochs before ``before_epoch`` that no completed average holds."""
         return sum(p.total - p.committed() for e, p in self.pools.items() if e < before_epoch)
