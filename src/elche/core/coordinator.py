@@ -190,7 +190,8 @@ class Coordinator:
                 assert_never(event)
         if self.state is RunState.TRAINING:
             self._progress()
-        return self._out
+        out, self._out = self._out, []  # the commands are the shell's now, not state
+        return out
 
     # -- formation -----------------------------------------------------------
 
