@@ -38,7 +38,6 @@ the save-and-shutdown (``shutdown``).
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 from typing import assert_never
@@ -105,10 +104,6 @@ class Coordinator:
         self.config = config
         ws = config.world_size
         self.elche = ElChe.for_run(config)
-        history = None
-        if resume is not None and resume.elche_state is not None:
-            self.elche.restore_from_state(resume.elche_state)
-            history = resume.elche_state.trend_history
         self.roles = CallbackRoles(config.callback_policy, ws, config.callback_rank)
         self.work = WorkBook(ws, config.num_samples, config.batch_size, config.epochs)
         self.planner = Planner(config, self.elche, self.work)
@@ -116,7 +111,7 @@ class Coordinator:
         self.callbacks = Callbacks(config, self.roles, self.ledger)
         self.tuner = Tuner(
             config, self.elche, self.callbacks, self.planner, self.work,
-            ledger=self.ledger, guard_history=history,
+            ledger=self.ledger, saved=None if resume is None else resume.elche_state,
         )  # fmt: skip
         self.saving = SaveAndShutdown(config)
         self.round = Round(config, self.work)
@@ -491,8 +486,6 @@ class Coordinator:
             self._finish_save()
 
     def _meta(self, reason: SaveReason) -> CheckpointMeta:
-        state = self.elche.to_state()
-        history = self.tuner.guard.trend_history()
         open_epochs = self.work.open_epochs()
         return CheckpointMeta(
             epoch=open_epochs[0] if open_epochs else self.epochs_completed,
@@ -503,7 +496,7 @@ class Coordinator:
             seed=self.config.seed,
             batch_size=self.config.batch_size,
             epochs=self.config.epochs,
-            elche_state=dataclasses.replace(state, trend_history=history),
+            elche_state=self.tuner.saved_state(),
             coverage=self.work.coverage(),
         )
 

@@ -17,6 +17,7 @@ matters and follows the reference coordinator's finish head):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 from typing import assert_never
 
@@ -24,6 +25,7 @@ from elche.core import timeline as tl
 from elche.core.callbacks import Callbacks
 from elche.core.commands import Command, Emit, Notice
 from elche.core.config import CoordinatorConfig, Policy
+from elche.core.elche_state import ElCheState
 from elche.core.guards import DivergenceReport, build_guard
 from elche.core.ledger import WindowLedger
 from elche.core.meta import LrEventMeta
@@ -47,7 +49,9 @@ class Tuner:
         planner: told each verdict (the async overshoot allowance).
         work: the work book (how much of the serving epoch is left).
         ledger: the window's timing, recorded by the coordinator; reset here.
-        guard_history: the convergence guard's history from a checkpoint.
+        saved: the balancer's trajectory from a checkpoint, with the guard's
+            history (``saved_state`` wrote it): ElChe and the guard go on
+            from it.
     """
 
     def __init__(
@@ -59,7 +63,7 @@ class Tuner:
         work: WorkBook,
         *,
         ledger: WindowLedger,
-        guard_history: Sequence[float] | None = None,
+        saved: ElCheState | None = None,
     ) -> None:
         sched = config.scheduler
         self.config = config
@@ -73,10 +77,17 @@ class Tuner:
             sched.guard,
             divergence_threshold=sched.divergence_threshold,
             easgd=config.blend_alpha is not None,
-            history=guard_history,
+            history=None if saved is None else saved.trend_history,
         )
+        if saved is not None:
+            elche.restore_from_state(saved)
         self.meta = LrEventMeta() if sched.meta_controller else None
         self._lr: list[float | None] = [None] * config.world_size
+
+    def saved_state(self) -> ElCheState:
+        """The balancer's trajectory and the guard's history, for a checkpoint meta."""
+        state = self.elche.to_state()
+        return dataclasses.replace(state, trend_history=self.guard.trend_history())
 
     def note_lr(self, rank: int, lr: float) -> None:
         """``rank`` reported its learning rate (the meta-controller watches it)."""
