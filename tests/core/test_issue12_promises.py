@@ -5,10 +5,18 @@ Each test is named after the item it pins down and failed before its fix.
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from elche.core import messages as m
-from elche.core.commands import Finish, Notice, Send
+from elche.core import timeline as tl
+from elche.core.checkpoint import CheckpointMeta, EpochCoverage, SaveReason
+from elche.core.commands import Emit, Finish, Notice, Send
 from elche.core.config import CallbackPolicy, Mode
-from elche.core.coordinator import RankState, RunState
+from elche.core.coordinator import Coordinator, RankState, RunState
+from elche.core.elche_state import ElCheState, Phase
+from elche.core.errors import ConfigError
 from elche.core.events import AverageComputed, RankJoined, RankLost, Started
 from elche.core.roles import Role
 from tests.core.harness import Harness, of
@@ -234,3 +242,142 @@ def test_issue12_item06_async_slack_lands_in_the_window_that_crosses_the_boundar
     assert costly[:b] == plain[:b]
     fast, slow = plain[b][2]
     assert costly[b] == (0, False, (fast, slow - 8))
+
+
+# -- item 11: resumes that check -----------------------------------------------
+
+
+def meta_doc(**overrides: object) -> dict[str, object]:
+    """A meta a 2-rank, 640-sample, 3-epoch run saved in epoch 1."""
+    raw = json.loads(
+        CheckpointMeta(
+            epoch=1,
+            global_step=30,
+            rounds_done=8,
+            world_size=2,
+            reason=SaveReason.SINGLE_SURVIVOR,
+            seed=42,
+            batch_size=32,
+            epochs=3,
+            elche_state=ElCheState(
+                anchor=10,
+                anchor_rank=1,
+                smoothed_ms_per_batch=(10.0, 20.0),
+                phase=Phase.WARMUP,
+                calibration_count=4,
+                trend_history=(0.01,),
+            ),
+            coverage=(EpochCoverage(epoch=1, total_samples=640, uncovered=((320, 320),)),),
+        ).to_json()
+    )
+    raw.update(overrides)
+    return raw
+
+
+def with_state(**overrides: object) -> dict[str, object]:
+    state = dict(meta_doc()["elche_state"])  # type: ignore[call-overload]  # a JSON object
+    state.update(overrides)
+    return meta_doc(elche_state=state)
+
+
+def with_coverage(**overrides: object) -> dict[str, object]:
+    entry = {"epoch": 1, "total_samples": 640, "uncovered": [[320, 320]]}
+    entry.update(overrides)
+    return meta_doc(coverage=[entry])
+
+
+BIG = 10**30
+MAX_COUNT = 2**53  # the bound on a meta's counts (elche.core.elche_state.MAX_COUNT)
+
+
+@pytest.mark.parametrize(
+    ("raw", "field", "accepted"),
+    [
+        (meta_doc(epoch=10**18), "epoch", "[0, 3]"),
+        (meta_doc(epochs=BIG, epoch=BIG), "epochs", f"[1, {MAX_COUNT}]"),
+        (meta_doc(global_step=BIG), "global_step", f"[0, {MAX_COUNT}]"),
+        (meta_doc(rounds_done=BIG), "rounds_done", f"[0, {MAX_COUNT}]"),
+        (meta_doc(world_size=0), "world_size", f"[1, {MAX_COUNT}]"),
+        (meta_doc(batch_size=0), "batch_size", f"[1, {MAX_COUNT}]"),
+        (meta_doc(seed=2**64), "seed", f"[0, {2**64 - 1}]"),
+        (with_coverage(uncovered=[[600, 64]]), "coverage", "[0, 640]"),
+        (with_coverage(uncovered=[[BIG, 1]]), "coverage", "[0, 640]"),
+        (with_coverage(total_samples=0), "total_samples", f"[1, {MAX_COUNT}]"),
+        (with_coverage(total_samples=BIG), "total_samples", f"[1, {MAX_COUNT}]"),
+        (with_coverage(epoch=0), "coverage", "[1, 3)"),  # before the meta's epoch
+        (with_coverage(epoch=3), "coverage", "[1, 3)"),  # past the plan
+        (with_state(anchor=BIG), "anchor", f"[1, {MAX_COUNT}]"),
+        (with_state(anchor_rank=BIG), "anchor_rank", f"[0, {MAX_COUNT}]"),
+        (with_state(calibration_count=BIG), "calibration_count", f"[0, {MAX_COUNT}]"),
+    ],
+)
+def test_issue12_item11_out_of_range_meta_numbers_are_refused_naming_field_and_range(
+    raw: dict[str, object], field: str, accepted: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        CheckpointMeta.from_json(json.dumps(raw))
+    assert info.value.field == field
+    assert accepted in str(info.value)
+
+
+def test_issue12_item11_two_coverage_entries_for_one_epoch_are_refused() -> None:
+    entry = {"epoch": 1, "total_samples": 640, "uncovered": [[0, 32]]}
+    with pytest.raises(ConfigError) as info:
+        CheckpointMeta.from_json(json.dumps(meta_doc(coverage=[entry, entry])))
+    assert info.value.field == "coverage"
+
+
+def test_issue12_item11_non_finite_trend_history_is_refused() -> None:
+    text = json.dumps(with_state(trend_history=[0.01, float("nan")]))
+    with pytest.raises(ConfigError) as info:
+        CheckpointMeta.from_json(text)
+    assert info.value.field == "trend_history"
+
+
+def resumed(meta: CheckpointMeta, **overrides: object) -> Harness:
+    h = Harness(**{"num_samples": 640, "epochs": 3, "seed": 42, **overrides})
+    h.core = Coordinator(h.cfg, resume=meta)
+    return h
+
+
+@pytest.mark.parametrize(
+    ("field", "saved", "ours"), [("seed", 7, 42), ("batch_size", 16, 32), ("world_size", 3, 2)]
+)
+def test_issue12_item11_a_meta_of_another_run_is_refused_naming_both_values(
+    field: str, saved: int, ours: int
+) -> None:
+    raw = meta_doc(**{field: saved})
+    if field == "world_size":
+        raw["elche_state"] = None  # its per-rank means would be refused first
+    meta = CheckpointMeta.from_json(json.dumps(raw))
+    with pytest.raises(ConfigError) as info:
+        resumed(meta)
+    assert info.value.field == field
+    assert f"{saved}" in str(info.value) and f"{ours}" in str(info.value)
+
+
+def test_issue12_item11_coverage_of_another_dataset_length_is_refused() -> None:
+    meta = CheckpointMeta.from_json(json.dumps(with_coverage(total_samples=1000)))
+    with pytest.raises(ConfigError) as info:
+        resumed(meta)
+    assert info.value.field == "num_samples"
+    assert "1000" in str(info.value) and "640" in str(info.value)
+
+
+def test_issue12_item11_a_finished_runs_meta_completes_at_once() -> None:
+    meta = CheckpointMeta.from_json(json.dumps(meta_doc(epoch=3, coverage=[])))
+    h = resumed(meta)
+    out = h.form()
+    assert of(out, Finish) == [Finish(outcome="completed")]
+    assert not sent(out, m.AssignChunk)
+    assert h.core.epochs_completed == 3
+
+
+def test_issue12_item11_a_bundle_at_epoch_1_resumed_with_epochs_1_completes_with_1() -> None:
+    meta = CheckpointMeta.from_json(json.dumps(meta_doc()))  # epoch 1 of 3, half of it to do
+    h = resumed(meta, epochs=1)
+    out = h.form()
+    assert of(out, Finish) == [Finish(outcome="completed")]
+    assert not sent(out, m.AssignChunk)  # epoch 1 is past this run's plan
+    ends = [c.event for c in of(out, Emit) if isinstance(c.event, tl.RunEnd)]  # type: ignore[attr-defined]
+    assert [(e.epochs_completed, sum(e.samples_per_rank)) for e in ends] == [(1, 0)]

@@ -97,10 +97,12 @@ class Coordinator:
         resume: a checkpoint meta to continue from, or None for a fresh run.
 
     Raises:
-        ConfigError: ``resume`` does not fit ``config``.
+        ConfigError: ``resume`` does not fit ``config`` (``CheckpointMeta.check_fits``).
     """
 
     def __init__(self, config: CoordinatorConfig, *, resume: CheckpointMeta | None = None) -> None:
+        if resume is not None:
+            resume.check_fits(config)
         self.config = config
         ws = config.world_size
         self.elche = ElChe.for_run(config)
@@ -215,13 +217,13 @@ class Coordinator:
         self._open_window()
 
     def _apply_resume(self, meta: CheckpointMeta) -> None:
-        self._start_epoch = meta.epoch
+        # At or past this run's plan the run is finished: it completes at once.
+        start = self._start_epoch = self.epochs_completed = min(meta.epoch, self.config.epochs)
         self.global_step = meta.global_step
         self.rounds_done = meta.rounds_done
         self.round = Round(self.config, self.work, number=meta.rounds_done)
-        self.epochs_completed = meta.epoch
-        self.work.resume(meta.epoch, meta.coverage)
-        if meta.epoch < self.config.epochs and meta.epoch not in self.work.pools:
+        self.work.resume(start, meta.coverage)
+        if start < self.config.epochs and start not in self.work.pools:
             self._resume = None  # nothing started: a plain epoch open will do
 
     # -- messages --------------------------------------------------------------

@@ -80,11 +80,13 @@ class WorkBook:
     def resume(self, first_open: int, coverage: Sequence[EpochCoverage]) -> None:
         """Continue from a checkpoint: epochs before ``first_open`` are done.
 
-        Each started epoch of ``coverage`` is recreated with only its holes
-        left to serve.
+        Each started epoch of ``coverage`` within the plan is recreated with
+        only its holes left to serve; one past the plan is not resumed.
         """
         self._next_open = max(self._next_open, first_open)
         for started in coverage:
+            if started.epoch >= self.epochs:
+                continue
             self.pools[started.epoch] = ChunkPool.from_uncovered(
                 started.total_samples,
                 list(started.uncovered),
