@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elche.core.checkpoint import SCHEMA_VERSION, CheckpointMeta, EpochCoverage, SaveReason
-from elche.core.elche_state import ElCheState, Phase
+from elche.core.elche_state import MAX_COUNT, ElCheState, Phase
 from elche.core.errors import ConfigError
 
 STATE = ElCheState(
@@ -255,7 +255,7 @@ def test_deeply_nested_json_is_refused_as_config_error() -> None:
 
 # --- property ------------------------------------------------------------------
 
-COUNTS = st.integers(min_value=0, max_value=2**63)
+COUNTS = st.integers(min_value=0, max_value=MAX_COUNT)
 FINITE_MS = st.floats(min_value=0.0, max_value=1e9, allow_nan=False, allow_infinity=False)
 TRENDS = st.floats(allow_nan=False, allow_infinity=False)
 
@@ -275,27 +275,43 @@ def elche_states(draw: st.DrawFn) -> ElCheState:
     )
 
 
-SPANS = st.tuples(COUNTS, COUNTS)
-COVERAGES = st.builds(
-    EpochCoverage,
-    epoch=COUNTS,
-    total_samples=COUNTS,
-    uncovered=st.lists(SPANS, max_size=4).map(tuple),
-)
-METAS = st.builds(
-    CheckpointMeta,
-    epoch=COUNTS,
-    global_step=COUNTS,
-    rounds_done=COUNTS,
-    world_size=st.integers(min_value=1, max_value=4096),
-    reason=st.sampled_from(SaveReason),
-    seed=COUNTS,
-    batch_size=st.integers(min_value=1, max_value=65_536),
-    epochs=st.integers(min_value=1, max_value=10_000),
-    elche_state=st.none() | elche_states(),
-    coverage=st.lists(COVERAGES, max_size=3).map(tuple),
-    schema_version=st.integers(min_value=0, max_value=SCHEMA_VERSION),
-)
+@st.composite
+def coverage_of(draw: st.DrawFn, epoch: int) -> EpochCoverage:
+    """A valid coverage entry: every span lies inside the epoch."""
+    total = draw(st.integers(min_value=1, max_value=MAX_COUNT))
+    spans = []
+    for _ in range(draw(st.integers(min_value=0, max_value=4))):
+        offset = draw(st.integers(min_value=0, max_value=total))
+        spans.append((offset, draw(st.integers(min_value=0, max_value=total - offset))))
+    return EpochCoverage(epoch=epoch, total_samples=total, uncovered=tuple(spans))
+
+
+@st.composite
+def metas(draw: st.DrawFn) -> CheckpointMeta:
+    """Any meta within the bounds: counts to MAX_COUNT, coverage inside the plan."""
+    epochs = draw(st.integers(min_value=1, max_value=10_000))
+    epoch = draw(st.integers(min_value=0, max_value=epochs))
+    started = draw(
+        st.lists(st.integers(min_value=epoch, max_value=epochs - 1), unique=True, max_size=3)
+        if epoch < epochs
+        else st.just([])
+    )
+    return CheckpointMeta(
+        epoch=epoch,
+        global_step=draw(COUNTS),
+        rounds_done=draw(COUNTS),
+        world_size=draw(st.integers(min_value=1, max_value=4096)),
+        reason=draw(st.sampled_from(SaveReason)),
+        seed=draw(st.integers(min_value=0, max_value=2**64 - 1)),
+        batch_size=draw(st.integers(min_value=1, max_value=65_536)),
+        epochs=epochs,
+        elche_state=draw(st.none() | elche_states()),
+        coverage=tuple(draw(coverage_of(e)) for e in started),
+        schema_version=draw(st.integers(min_value=0, max_value=SCHEMA_VERSION)),
+    )
+
+
+METAS = metas()
 
 
 @settings(max_examples=100, deadline=None)

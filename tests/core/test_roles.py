@@ -315,7 +315,7 @@ def test_ewma_folds_samples(samples: list[float], expected: float) -> None:
 
 def test_checkpoint_round_trip_reproduces_the_reference_ewma() -> None:
     roles = fresh(2)
-    roles.record_cost(Role.CHECKPOINT, 12.5)
+    roles.record_cost(Role.CHECKPOINT, 12.5, rank=0)
     assert roles.on_checkpoint_result(0, version=1, error=None, live={0, 1}) is None
     assert roles.cost == CallbackCost(checkpoint_ms=12.5)
     assert roles.checkpoint_tried == {}
@@ -324,11 +324,19 @@ def test_checkpoint_round_trip_reproduces_the_reference_ewma() -> None:
 
 def test_record_cost_feeds_only_that_callbacks_ewma() -> None:
     roles = fresh(2)
-    roles.record_cost(Role.EPOCH, 10.0)
-    roles.record_cost(Role.EPOCH, 20.0)
-    assert roles.cost == CallbackCost(epoch_fn_ms=13.0)
-    roles.record_cost(Role.EVAL, 40.0)
-    assert roles.cost == CallbackCost(epoch_fn_ms=13.0, eval_ms=40.0)
+    roles.record_cost(Role.EPOCH, 10.0, rank=1)
+    roles.record_cost(Role.EPOCH, 20.0, rank=1)
+    assert roles.cost == CallbackCost(epoch_fn_ms={1: 13.0})
+    roles.record_cost(Role.EVAL, 40.0, rank=0)
+    assert roles.cost == CallbackCost(epoch_fn_ms={1: 13.0}, eval_ms=40.0)
+
+
+def test_record_cost_keeps_one_epoch_fn_ewma_per_rank() -> None:
+    roles = fresh(2)
+    roles.record_cost(Role.EPOCH, 10.0, rank=0)
+    roles.record_cost(Role.EPOCH, 300.0, rank=1)
+    roles.record_cost(Role.EPOCH, 20.0, rank=0)
+    assert roles.cost.epoch_fn_ms == {0: 13.0, 1: 300.0}
 
 
 # --- rule 8: boundary slack --------------------------------------------------
@@ -337,43 +345,47 @@ def test_record_cost_feeds_only_that_callbacks_ewma() -> None:
 def costly(
     world_size: int = 3,
     *,
-    epoch_ms: float | None = 300.0,
+    epoch_ms: Mapping[int, float] | None = None,
     eval_ms: float | None = 500.0,
     checkpoint_ms: float | None = 700.0,
-    epoch_role: int = 0,
     eval_role: int = 1,
     checkpoint_role: int = 2,
 ) -> CallbackRoles:
     roles = fresh(world_size)
-    roles.roles = {Role.EPOCH: epoch_role, Role.EVAL: eval_role, Role.CHECKPOINT: checkpoint_role}
-    roles.cost = CallbackCost(epoch_fn_ms=epoch_ms, eval_ms=eval_ms, checkpoint_ms=checkpoint_ms)
+    roles.roles = {Role.EPOCH: 0, Role.EVAL: eval_role, Role.CHECKPOINT: checkpoint_role}
+    epoch_fn = {0: 300.0, 1: 200.0, 2: 100.0} if epoch_ms is None else dict(epoch_ms)
+    roles.cost = CallbackCost(epoch_fn_ms=epoch_fn, eval_ms=eval_ms, checkpoint_ms=checkpoint_ms)
     return roles
 
 
 @pytest.mark.parametrize(
-    ("next_epoch", "eval_every", "checkpoint_every", "expected"),
+    ("epoch_fn_ranks", "due", "expected"),
     [
-        (3, 2, 2, [300.0, 0.0, 0.0]),  # odd boundary: epoch_fn only
-        (4, 2, 2, [300.0, 500.0, 700.0]),  # both cadences hit
-        (4, 2, 3, [300.0, 500.0, 0.0]),  # eval only
-        (6, 4, 3, [300.0, 0.0, 700.0]),  # checkpoint only
-        (4, None, None, [300.0, 0.0, 0.0]),  # no cadences configured
-        (0, 1, 1, [300.0, 0.0, 0.0]),  # epoch 0 is never a cadence boundary
+        ((0, 1, 2), (), [300.0, 200.0, 100.0]),  # every rank starts an epoch
+        ((), (Role.EVAL, Role.CHECKPOINT), [0.0, 500.0, 700.0]),  # asked, no epoch start
+        ((0, 1, 2), (Role.EVAL,), [300.0, 700.0, 100.0]),  # eval on rank 1 adds to its own
+        ((1,), (Role.CHECKPOINT,), [0.0, 200.0, 700.0]),  # only live ranks start
+        ((), (), None),  # nothing at this boundary
     ],
 )
-def test_boundary_slack_counts_only_callbacks_due_at_that_boundary(
-    next_epoch: int, eval_every: int | None, checkpoint_every: int | None, expected: list[float]
+def test_boundary_slack_counts_the_work_the_window_holds(
+    epoch_fn_ranks: tuple[int, ...], due: tuple[Role, ...], expected: list[float] | None
 ) -> None:
     slack = costly().boundary_slack_ms(
-        next_epoch, eval_every=eval_every, checkpoint_every=checkpoint_every, anchor_wall_ms=1000.0
+        epoch_fn_ranks=epoch_fn_ranks, due=due, anchor_wall_ms=1000.0
     )
     assert slack == expected
 
 
 def test_boundary_slack_skips_callbacks_with_no_cost_yet() -> None:
-    roles = costly(epoch_ms=None, eval_ms=500.0, checkpoint_ms=None)
-    slack = roles.boundary_slack_ms(2, eval_every=1, checkpoint_every=1, anchor_wall_ms=1000.0)
-    assert slack == [0.0, 500.0, 0.0]
+    roles = costly(epoch_ms={1: 150.0}, eval_ms=500.0, checkpoint_ms=None)
+    slack = roles.boundary_slack_ms(
+        epoch_fn_ranks=(0, 1, 2), due=(Role.EVAL, Role.CHECKPOINT), anchor_wall_ms=1000.0
+    )
+    assert slack == [0.0, 650.0, 0.0]
+
+
+ALL_DUE = (Role.EVAL, Role.CHECKPOINT)
 
 
 @pytest.mark.parametrize(
@@ -390,9 +402,9 @@ def test_boundary_slack_skips_callbacks_with_no_cost_yet() -> None:
 def test_boundary_slack_drops_entries_below_the_noise_floor(
     anchor_wall_ms: float, expected: list[float]
 ) -> None:
-    roles = costly(epoch_ms=99.9, eval_ms=100.0, checkpoint_ms=150.0)
+    roles = costly(epoch_ms={0: 99.9}, eval_ms=100.0, checkpoint_ms=150.0)
     slack = roles.boundary_slack_ms(
-        2, eval_every=1, checkpoint_every=1, anchor_wall_ms=anchor_wall_ms
+        epoch_fn_ranks=(0, 1, 2), due=ALL_DUE, anchor_wall_ms=anchor_wall_ms
     )
     assert slack == expected
 
@@ -400,36 +412,31 @@ def test_boundary_slack_drops_entries_below_the_noise_floor(
 @pytest.mark.parametrize(
     ("roles", "anchor_wall_ms"),
     [
-        (costly(epoch_ms=99.0, eval_ms=50.0, checkpoint_ms=10.0), 0.0),  # all under 100 ms
-        (costly(epoch_ms=400.0, eval_ms=450.0, checkpoint_ms=499.0), 10_000.0),  # under 5 %
-        (costly(epoch_ms=None, eval_ms=None, checkpoint_ms=None), 1000.0),  # nothing measured
+        (costly(epoch_ms={0: 99.0}, eval_ms=50.0, checkpoint_ms=10.0), 0.0),  # all under 100 ms
+        (costly(epoch_ms={0: 400.0}, eval_ms=450.0, checkpoint_ms=499.0), 10_000.0),  # under 5 %
+        (costly(epoch_ms={}, eval_ms=None, checkpoint_ms=None), 1000.0),  # nothing measured
     ],
     ids=["absolute-floor", "relative-floor", "no-costs"],
 )
 def test_boundary_slack_is_none_when_nothing_clears_the_floor(
     roles: CallbackRoles, anchor_wall_ms: float
 ) -> None:
-    assert (
-        roles.boundary_slack_ms(2, eval_every=1, checkpoint_every=1, anchor_wall_ms=anchor_wall_ms)
-        is None
+    slack = roles.boundary_slack_ms(
+        epoch_fn_ranks=(0, 1, 2), due=ALL_DUE, anchor_wall_ms=anchor_wall_ms
     )
+    assert slack is None
 
 
-def test_boundary_slack_sums_the_roles_one_rank_holds_before_the_floor() -> None:
+def test_boundary_slack_sums_the_work_one_rank_holds_before_the_floor() -> None:
     # 60 + 50 + 40 = 150 ms on rank 1: each alone is under the 100 ms floor.
     roles = costly(
-        epoch_ms=60.0,
-        eval_ms=50.0,
-        checkpoint_ms=40.0,
-        epoch_role=1,
-        eval_role=1,
-        checkpoint_role=1,
+        epoch_ms={1: 60.0}, eval_ms=50.0, checkpoint_ms=40.0, eval_role=1, checkpoint_role=1
     )
-    slack = roles.boundary_slack_ms(2, eval_every=1, checkpoint_every=1, anchor_wall_ms=1000.0)
+    slack = roles.boundary_slack_ms(epoch_fn_ranks=(0, 1, 2), due=ALL_DUE, anchor_wall_ms=1000.0)
     assert slack == [0.0, 150.0, 0.0]
 
 
-def test_boundary_slack_ignores_roles_outside_the_world() -> None:
-    roles = costly(epoch_ms=300.0, eval_ms=500.0, checkpoint_ms=700.0, checkpoint_role=3)
-    slack = roles.boundary_slack_ms(2, eval_every=1, checkpoint_every=1, anchor_wall_ms=1000.0)
+def test_boundary_slack_ignores_ranks_outside_the_world() -> None:
+    roles = costly(epoch_ms={0: 300.0, 3: 900.0}, checkpoint_role=3)
+    slack = roles.boundary_slack_ms(epoch_fn_ranks=(0, 3), due=ALL_DUE, anchor_wall_ms=1000.0)
     assert slack == [300.0, 500.0, 0.0]

@@ -18,9 +18,18 @@ Rules:
 - A failed checkpoint is retried on a live rank not yet tried for that
   version; once every live rank failed it, the version is given up, loudly
   (training goes on).
+- An eval is asked only of a live rank. The eval role of a ``PINNED``
+  policy never moves (the reference: a request to a dead pinned rank fails
+  loudly rather than re-route), so an eval owed by a dead pinned rank is
+  given up with an error notice; under ``FASTEST`` the role has already moved
+  to a live rank.
 - A rank that dies with requests pending: its eval is asked again of the
-  eval role (already re-resolved), its checkpoint counts as failed on it.
-- The run finishes only when nothing is pending.
+  eval role (already re-resolved) or given up as above; its checkpoint goes
+  to the checkpoint role, already re-resolved by the policy, unless that rank
+  failed this version, in which case the failure rule picks (a death is not
+  a failure: the dead rank does not join the version's tried set).
+- The run finishes only when nothing is pending; a death that leaves nothing
+  pending lets a finishing run close.
 """
 
 from __future__ import annotations
@@ -65,25 +74,35 @@ class Callbacks:
         every = self.config.checkpoint_every
         return every is not None and done % every == 0
 
-    def at_epoch_end(self, done: int) -> list[Command]:
-        """``done`` epochs are finished: ask for the callbacks due now."""
+    def due(self, done: int) -> tuple[Role, ...]:
+        """The callbacks asked for once ``done`` epochs are finished."""
         cfg = self.config
-        out: list[Command] = []
+        roles: tuple[Role, ...] = ()
         if cfg.has_eval_fn and (done % cfg.eval_every == 0 or done == cfg.epochs):
-            out.append(self._ask_eval(done))
+            roles += (Role.EVAL,)
         if self.checkpoint_due(done):
+            roles += (Role.CHECKPOINT,)
+        return roles
+
+    def at_epoch_end(self, done: int, live: Sequence[int]) -> list[Command]:
+        """``done`` epochs are finished: ask for the callbacks due now."""
+        due = self.due(done)
+        out: list[Command] = []
+        if Role.EVAL in due:
+            out.append(self._ask_eval(done, live))
+        if Role.CHECKPOINT in due:
             out.append(self._ask_checkpoint(done))
         return out
 
     def on_epoch_fn(self, rank: int, elapsed_ms: float) -> None:
         """``rank`` ran ``epoch_fn`` for ``elapsed_ms``."""
         self.ledger.absorb_callback_cost(rank, elapsed_ms)
-        self.roles.record_cost(Role.EPOCH, elapsed_ms)
+        self.roles.record_cost(Role.EPOCH, elapsed_ms, rank=rank)
 
     def on_eval_result(self, rank: int, msg: m.EvalResult, live: Sequence[int]) -> list[Command]:
         """``rank`` answered an eval request; returns what to tell the others."""
         self.ledger.absorb_callback_cost(rank, msg.elapsed_ms)
-        self.roles.record_cost(Role.EVAL, msg.elapsed_ms)
+        self.roles.record_cost(Role.EVAL, msg.elapsed_ms, rank=rank)
         self.pending_evals.pop(msg.epoch, None)
         if msg.error is not None:
             text = f"eval_fn failed on rank {rank} (epoch {msg.epoch}): {msg.error}"
@@ -99,7 +118,7 @@ class Callbacks:
         self.ledger.absorb_callback_cost(rank, msg.elapsed_ms)
         out: list[Command] = []
         if msg.error is None:
-            self.roles.record_cost(Role.CHECKPOINT, msg.elapsed_ms)
+            self.roles.record_cost(Role.CHECKPOINT, msg.elapsed_ms, rank=rank)
         else:
             text = f"checkpoint v{msg.version} failed on rank {rank}: {msg.error}"
             out.append(Notice(level="error", text=text))
@@ -110,14 +129,22 @@ class Callbacks:
         out: list[Command] = []
         for epoch, rank in sorted(self.pending_evals.items()):
             if rank == dead:
-                out.append(self._ask_eval(epoch))
+                del self.pending_evals[epoch]
+                out.append(self._ask_eval(epoch, live))
         for version, rank in sorted(self.pending_checkpoints.items()):
             if rank == dead:
-                out += self._settle_checkpoint(dead, version, "rank died", live)
+                del self.pending_checkpoints[version]
+                out += self._resend_checkpoint(version, live)
         return out
 
-    def _ask_eval(self, epoch: int) -> Command:
+    def _ask_eval(self, epoch: int, live: Sequence[int]) -> Command:
         rank = self.roles.holder(Role.EVAL)
+        if rank not in live:
+            text = (
+                f"eval_fn for epoch {epoch} not run: its pinned rank {rank} is gone "
+                "(callback_rank pins the eval role; it does not fail over)"
+            )
+            return Notice(level="error", text=text)
         self.pending_evals[epoch] = rank
         return Send(rank=rank, message=m.RunEval(epoch=epoch))
 
@@ -133,13 +160,20 @@ class Callbacks:
         retry = self.roles.on_checkpoint_result(rank, version, error, live)
         if retry is not None:
             return [self._ask_checkpoint(version, retry)]
-        if error is None:
-            return []
-        text = (
-            f"checkpoint v{version} failed on every live rank; giving up on this version "
-            "(training continues)"
-        )
-        return [Notice(level="error", text=text)]
+        return [] if error is None else [_give_up(version)]
+
+    def _resend_checkpoint(self, version: int, live: Sequence[int]) -> list[Command]:
+        """The rank running ``version`` died: run it where the roles say now."""
+        target = self.roles.checkpoint_target(version, live)
+        return [_give_up(version)] if target is None else [self._ask_checkpoint(version, target)]
+
+
+def _give_up(version: int) -> Command:
+    text = (
+        f"checkpoint v{version} failed on every live rank; giving up on this version "
+        "(training continues)"
+    )
+    return Notice(level="error", text=text)
 
 
 def _broadcast(live: Sequence[int], message: m.CoordMessage) -> list[Command]:

@@ -8,6 +8,10 @@ history, and only the samples of the interrupted epoch that no consensus
 model has seen yet.
 
 The JSON form carries ``schema_version``; a reader refuses a newer schema.
+Every number a meta holds is bounded (``MAX_COUNT`` for counts; an epoch
+within its plan, a coverage span within its epoch), and a meta is checked
+against the run that resumes it (``check_fits``), so a corrupt or foreign
+file is a ``ConfigError`` naming the field, never a hang or a crash.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from elche.core.elche_state import ElCheState
+from elche.core.config import CoordinatorConfig
+from elche.core.elche_state import ElCheState, check_range
 from elche.core.errors import ConfigError
 
 __all__ = [
@@ -29,6 +34,9 @@ __all__ = [
 
 # 2: ``rounds_done`` (was ``sync_round``). Schema 1 metas are still read.
 SCHEMA_VERSION = 2
+
+# Seeds reach torch's generators and the wire as unsigned 64-bit integers.
+MAX_SEED = 2**64 - 1
 
 
 class SaveReason(enum.Enum):
@@ -50,6 +58,17 @@ class EpochCoverage:
     total_samples: int
     uncovered: tuple[tuple[int, int], ...]  # (offset, size) in shuffled order
 
+    def __post_init__(self) -> None:
+        check_range("epoch", self.epoch, 0)
+        check_range("total_samples", self.total_samples, 1)
+        for offset, size in self.uncovered:
+            if min(offset, size) < 0 or offset + size > self.total_samples:
+                raise ConfigError(
+                    "coverage",
+                    f"uncovered span ({offset}, {size}) of epoch {self.epoch} must lie in "
+                    f"[0, {self.total_samples}]",
+                )
+
     @property
     def uncovered_samples(self) -> int:
         return sum(size for _, size in self.uncovered)
@@ -70,6 +89,12 @@ class CheckpointMeta:
         epochs: epochs planned.
         elche_state: the balancer's state, with the guard's history.
         coverage: one entry per started, unfinished epoch.
+
+    Raises:
+        ConfigError: a count is outside [0, MAX_COUNT] (sizes: [1, MAX_COUNT]),
+            ``epoch`` is past ``epochs``, the seed is not a 64-bit unsigned
+            integer, or coverage names an epoch twice or one outside
+            [``epoch``, ``epochs``).
     """
 
     epoch: int
@@ -83,6 +108,51 @@ class CheckpointMeta:
     elche_state: ElCheState | None = None
     coverage: tuple[EpochCoverage, ...] = ()
     schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        check_range("epochs", self.epochs, 1)
+        check_range("epoch", self.epoch, 0, self.epochs)
+        for field in ("global_step", "rounds_done"):
+            check_range(field, getattr(self, field), 0)
+        for field in ("world_size", "batch_size"):
+            check_range(field, getattr(self, field), 1)
+        check_range("seed", self.seed, 0, MAX_SEED)
+        epochs = [c.epoch for c in self.coverage]
+        if len(set(epochs)) != len(epochs):
+            raise ConfigError("coverage", f"names an epoch twice: {epochs}")
+        for epoch in epochs:
+            if not self.epoch <= epoch < self.epochs:
+                raise ConfigError(
+                    "coverage",
+                    f"epoch {epoch} must be in [{self.epoch}, {self.epochs}) "
+                    "(the unfinished epochs of the plan)",
+                )
+
+    def check_fits(self, config: CoordinatorConfig) -> None:
+        """Refuse to resume ``config`` from a meta another run wrote.
+
+        The seed (each epoch's permutation), the batch size (the span grid)
+        and the world size (the ranks the balancer's state is for) must be
+        the run's; so must each started epoch's length. ``epochs`` may
+        differ: a run can be resumed to go on for longer, or to stop sooner
+        (an ``epoch`` at or past the new plan finishes at once).
+
+        Raises:
+            ConfigError: naming the field, with the meta's value and the run's.
+        """
+        for field in ("seed", "batch_size", "world_size"):
+            saved, ours = getattr(self, field), getattr(config, field)
+            if saved != ours:
+                raise ConfigError(
+                    field, f"the checkpoint was saved with {field}={saved}, this run has {ours}"
+                )
+        for started in self.coverage:
+            if started.total_samples != config.num_samples:
+                raise ConfigError(
+                    "num_samples",
+                    f"the checkpoint's epoch {started.epoch} has {started.total_samples} "
+                    f"samples, this run's dataset has {config.num_samples}",
+                )
 
     def to_json(self) -> str:
         """Pretty-printed JSON, stable key order."""

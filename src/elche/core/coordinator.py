@@ -38,7 +38,6 @@ the save-and-shutdown (``shutdown``).
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 from typing import assert_never
@@ -98,26 +97,24 @@ class Coordinator:
         resume: a checkpoint meta to continue from, or None for a fresh run.
 
     Raises:
-        ConfigError: ``resume`` does not fit ``config``.
+        ConfigError: ``resume`` does not fit ``config`` (``CheckpointMeta.check_fits``).
     """
 
     def __init__(self, config: CoordinatorConfig, *, resume: CheckpointMeta | None = None) -> None:
+        if resume is not None:
+            resume.check_fits(config)
         self.config = config
         ws = config.world_size
         self.elche = ElChe.for_run(config)
-        history = None
-        if resume is not None and resume.elche_state is not None:
-            self.elche.restore_from_state(resume.elche_state)
-            history = resume.elche_state.trend_history
         self.roles = CallbackRoles(config.callback_policy, ws, config.callback_rank)
         self.work = WorkBook(ws, config.num_samples, config.batch_size, config.epochs)
         self.planner = Planner(config, self.elche, self.work)
         self.ledger = WindowLedger(ws)
-        self.tuner = Tuner(
-            config, self.elche, self.roles, self.planner, self.work,
-            ledger=self.ledger, guard_history=history,
-        )  # fmt: skip
         self.callbacks = Callbacks(config, self.roles, self.ledger)
+        self.tuner = Tuner(
+            config, self.elche, self.callbacks, self.planner, self.work,
+            ledger=self.ledger, saved=None if resume is None else resume.elche_state,
+        )  # fmt: skip
         self.saving = SaveAndShutdown(config)
         self.round = Round(config, self.work)
         self.state = RunState.FORMING
@@ -190,7 +187,8 @@ class Coordinator:
                 assert_never(event)
         if self.state is RunState.TRAINING:
             self._progress()
-        return self._out
+        out, self._out = self._out, []  # the commands are the shell's now, not state
+        return out
 
     # -- formation -----------------------------------------------------------
 
@@ -219,13 +217,13 @@ class Coordinator:
         self._open_window()
 
     def _apply_resume(self, meta: CheckpointMeta) -> None:
-        self._start_epoch = meta.epoch
+        # At or past this run's plan the run is finished: it completes at once.
+        start = self._start_epoch = self.epochs_completed = min(meta.epoch, self.config.epochs)
         self.global_step = meta.global_step
         self.rounds_done = meta.rounds_done
         self.round = Round(self.config, self.work, number=meta.rounds_done)
-        self.epochs_completed = meta.epoch
-        self.work.resume(meta.epoch, meta.coverage)
-        if meta.epoch < self.config.epochs and meta.epoch not in self.work.pools:
+        self.work.resume(start, meta.coverage)
+        if start < self.config.epochs and start not in self.work.pools:
             self._resume = None  # nothing started: a plain epoch open will do
 
     # -- messages --------------------------------------------------------------
@@ -401,7 +399,7 @@ class Coordinator:
         self._emit(tl.EpochEnd(epoch=epoch, loss=loss, rounds_done=self.rounds_done))
         self._broadcast(m.EpochDone(epoch=epoch, loss=loss))
         done = epoch + 1
-        self._out += self.callbacks.at_epoch_end(done)
+        self._out += self.callbacks.at_epoch_end(done, self.live)
         stem = self.config.save_path
         if self.callbacks.checkpoint_due(done) and stem is not None:
             self._out.append(WriteMeta(stem=stem, meta=self._meta(SaveReason.CHECKPOINT)))
@@ -457,6 +455,7 @@ class Coordinator:
             return
         self._out += self.callbacks.on_death(rank, self.live)
         self._after_death()
+        self._maybe_close()  # what the dead rank owed may have been all that was left
 
     def _after_death(self) -> None:
         rnd = self.round
@@ -489,8 +488,6 @@ class Coordinator:
             self._finish_save()
 
     def _meta(self, reason: SaveReason) -> CheckpointMeta:
-        state = self.elche.to_state()
-        history = self.tuner.guard.trend_history()
         open_epochs = self.work.open_epochs()
         return CheckpointMeta(
             epoch=open_epochs[0] if open_epochs else self.epochs_completed,
@@ -501,7 +498,7 @@ class Coordinator:
             seed=self.config.seed,
             batch_size=self.config.batch_size,
             epochs=self.config.epochs,
-            elche_state=dataclasses.replace(state, trend_history=history),
+            elche_state=self.tuner.saved_state(),
             coverage=self.work.coverage(),
         )
 

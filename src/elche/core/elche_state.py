@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from elche.core.errors import ConfigError
 
-__all__ = ["ElCheState", "Phase"]
+__all__ = ["MAX_COUNT", "ElCheState", "Phase", "check_range"]
 
 
 class Phase(enum.Enum):
@@ -56,14 +56,27 @@ def _order_of(other: object) -> int:
 
 _PHASE_ORDER = {phase: i for i, phase in enumerate(Phase)}
 
+# The largest count a checkpoint meta may carry: the largest integer a JSON
+# number (an IEEE double) holds exactly, well inside the wire's 64-bit ints;
+# a million steps a second would take 285 years to reach it. A count past it
+# is a corrupt or hostile meta, not a run (10**30 steps overflowed the wire).
+MAX_COUNT = 2**53
+
+
+def check_range(field: str, value: int, low: int, high: int = MAX_COUNT) -> None:
+    """Raise ``ConfigError`` naming ``field`` unless ``low <= value <= high``."""
+    if not low <= value <= high:
+        raise ConfigError(field, f"must be in [{low}, {high}], got {value}")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ElCheState:
     """The balancer's trajectory, saved so a resumed run balances on from it.
 
     Raises:
-        ConfigError: a field is out of range (anchor < 1, negative rank or
-            count, a negative or non-finite mean).
+        ConfigError: a field is out of range (anchor outside [1, MAX_COUNT],
+            a rank or count outside [0, MAX_COUNT], a negative or non-finite
+            mean, a non-finite trend).
     """
 
     anchor: int
@@ -74,14 +87,14 @@ class ElCheState:
     trend_history: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.anchor < 1:
-            raise ConfigError("anchor", f"must be >= 1, got {self.anchor}")
-        if self.anchor_rank is not None and self.anchor_rank < 0:
-            raise ConfigError("anchor_rank", f"must be >= 0, got {self.anchor_rank}")
-        if self.calibration_count < 0:
-            raise ConfigError("calibration_count", f"must be >= 0, got {self.calibration_count}")
+        check_range("anchor", self.anchor, 1)
+        if self.anchor_rank is not None:
+            check_range("anchor_rank", self.anchor_rank, 0)
+        check_range("calibration_count", self.calibration_count, 0)
         if not all(math.isfinite(m) and m >= 0 for m in self.smoothed_ms_per_batch):
             raise ConfigError("smoothed_ms_per_batch", "entries must be finite and >= 0")
+        if self.trend_history is not None and not all(map(math.isfinite, self.trend_history)):
+            raise ConfigError("trend_history", "entries must be finite")
 
     def to_json(self) -> dict[str, object]:
         """A JSON-ready mapping; the phase is its lower-case name."""

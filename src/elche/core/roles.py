@@ -17,13 +17,20 @@ Rules (the reference coordinator's callback-role election, restated):
 6. A checkpoint that succeeds makes its rank the checkpoint role. One that
    fails is retried on the lowest live rank not yet tried for that version;
    when none is left the coordinator gives up loudly (the failure threshold
-   still governs the run's health).
+   still governs the run's health). A checkpoint whose rank *dies* is not a
+   failure: it goes to the role rule 2 or 4 just re-resolved, unless that
+   rank already failed the version (then the failure rule picks).
 7. Every callback report is time-excluded from the rank's window and feeds an
-   EWMA (alpha 0.3, seeded by the first sample) of that callback's cost.
-8. Before the last window of an epoch, the EWMA cost of the callbacks that
-   fire at the coming boundary is staged as *slack* on the rank that runs
-   them, so the balancer shrinks its quota instead of stretching the barrier;
-   only entries above max(5 % of the anchor window, 100 ms) count.
+   EWMA (alpha 0.3, seeded by the first sample) of that callback's cost;
+   ``epoch_fn`` runs on every rank (elche differs here), so its EWMA is kept
+   per rank.
+8. The window that holds boundary work has that work's EWMA cost staged as
+   *slack* on the rank that runs it, so the balancer shrinks that rank's
+   quota instead of stretching the barrier: each rank's own ``epoch_fn``
+   cost in the window where it starts an epoch, the eval and checkpoint
+   costs on their roles in the window they are asked in (which window that
+   is, is ``Tuner``'s call). Only per-rank sums above max(5 % of the anchor
+   window, 100 ms) count.
 """
 
 from __future__ import annotations
@@ -56,9 +63,9 @@ def ewma(previous: float | None, sample: float, alpha: float = CALLBACK_EWMA_ALP
 
 @dataclass(slots=True)
 class CallbackCost:
-    """EWMA of each callback's wall time, in ms (None until first report)."""
+    """EWMA of each callback's wall time, in ms (None or absent until first report)."""
 
-    epoch_fn_ms: float | None = None
+    epoch_fn_ms: dict[int, float] = field(default_factory=dict)  # rank -> EWMA
     eval_ms: float | None = None
     checkpoint_ms: float | None = None
 
@@ -141,45 +148,70 @@ class CallbackRoles:
             self.checkpoint_tried.pop(version, None)
             self.roles[Role.CHECKPOINT] = rank
             return None
-        tried = self.checkpoint_tried.setdefault(version, set())
-        tried.add(rank)
-        untried = [r for r in sorted(live) if r != rank and r not in tried]
+        self.checkpoint_tried.setdefault(version, set()).add(rank)
+        return self._untried(version, live)
+
+    def checkpoint_target(self, version: int, live: Collection[int]) -> int | None:
+        """The rank running ``version`` died: where to run it now.
+
+        Call after ``on_death``. The checkpoint role (re-resolved by the
+        policy) if it has not failed ``version``; otherwise the lowest live
+        untried rank, which becomes the role; ``None`` when every live rank
+        failed it (the version is dropped).
+        """
+        holder = self.roles[Role.CHECKPOINT]
+        if holder in live and holder not in self.checkpoint_tried.get(version, ()):
+            return holder
+        return self._untried(version, live)
+
+    def _untried(self, version: int, live: Collection[int]) -> int | None:
+        tried = self.checkpoint_tried.get(version, set())
+        untried = [r for r in sorted(live) if r not in tried]
         if not untried:
             self.checkpoint_tried.pop(version, None)
             return None
         self.roles[Role.CHECKPOINT] = untried[0]
         return untried[0]
 
-    def record_cost(self, role: Role, elapsed_ms: float) -> None:
-        """Fold one callback's wall time into its EWMA (success or failure)."""
+    def record_cost(self, role: Role, elapsed_ms: float, *, rank: int) -> None:
+        """Fold one callback's wall time on ``rank`` into its EWMA.
+
+        ``epoch_fn`` keeps one EWMA per rank (every rank runs it); eval and
+        checkpoint keep one each (only their role runs them).
+        """
+        cost = self.cost
         if role is Role.EPOCH:
-            self.cost.epoch_fn_ms = ewma(self.cost.epoch_fn_ms, elapsed_ms)
+            cost.epoch_fn_ms[rank] = ewma(cost.epoch_fn_ms.get(rank), elapsed_ms)
         elif role is Role.EVAL:
-            self.cost.eval_ms = ewma(self.cost.eval_ms, elapsed_ms)
+            cost.eval_ms = ewma(cost.eval_ms, elapsed_ms)
         else:
-            self.cost.checkpoint_ms = ewma(self.cost.checkpoint_ms, elapsed_ms)
+            cost.checkpoint_ms = ewma(cost.checkpoint_ms, elapsed_ms)
 
     def boundary_slack_ms(
         self,
-        next_epoch: int,
         *,
-        eval_every: int | None,
-        checkpoint_every: int | None,
+        epoch_fn_ranks: Collection[int],
+        due: Collection[Role],
         anchor_wall_ms: float,
     ) -> list[float] | None:
-        """Per-rank callback cost expected at the start of ``next_epoch``.
+        """Per-rank callback cost of the boundary work one window holds.
+
+        Args:
+            epoch_fn_ranks: ranks that start an epoch (run ``epoch_fn``) in it.
+            due: the eval and checkpoint roles asked to run in it.
+            anchor_wall_ms: the anchor window's wall time (the relative floor).
 
         Returns:
             The slack vector to stage on the balancer, or None when no entry
             clears the noise floor.
         """
         slack = [0.0] * self.world_size
-        due = [(Role.EPOCH, self.cost.epoch_fn_ms)]
-        if _due(next_epoch, checkpoint_every):
-            due.append((Role.CHECKPOINT, self.cost.checkpoint_ms))
-        if _due(next_epoch, eval_every):
-            due.append((Role.EVAL, self.cost.eval_ms))
-        for role, cost in due:
+        for rank in epoch_fn_ranks:
+            if 0 <= rank < self.world_size:
+                slack[rank] += self.cost.epoch_fn_ms.get(rank, 0.0)
+        costs = {Role.EVAL: self.cost.eval_ms, Role.CHECKPOINT: self.cost.checkpoint_ms}
+        for role in due:
+            cost = costs.get(role)
             if cost is not None and 0 <= self.roles[role] < self.world_size:
                 slack[self.roles[role]] += cost
         floor = max(SLACK_FLOOR_FRACTION * anchor_wall_ms, SLACK_FLOOR_MS)
@@ -191,7 +223,3 @@ class CallbackRoles:
             if role is Role.EPOCH and self.roles[role] != rank:
                 self.epoch_role_dirty = True
             self.roles[role] = rank
-
-
-def _due(epoch: int, every: int | None) -> bool:
-    return every is not None and every > 0 and epoch > 0 and epoch % every == 0

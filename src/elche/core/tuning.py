@@ -3,7 +3,8 @@
 Theory of operation, in the order ``Tuner.close_round`` runs it (the order
 matters and follows the reference coordinator's finish head):
 
-1. stage callback slack if the next window is the epoch's last;
+1. stage callback slack if the next window holds boundary work (an epoch
+   start, an eval or checkpoint asked);
 2. feed ElChe the window's timing (compute and delivered ms per rank);
    on the first calibration, elect the callback roles on pace;
 3. ask the convergence guard for a verdict on the round's divergence;
@@ -16,17 +17,19 @@ matters and follows the reference coordinator's finish head):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 from typing import assert_never
 
 from elche.core import timeline as tl
+from elche.core.callbacks import Callbacks
 from elche.core.commands import Command, Emit, Notice
 from elche.core.config import CoordinatorConfig, Policy
+from elche.core.elche_state import ElCheState
 from elche.core.guards import DivergenceReport, build_guard
 from elche.core.ledger import WindowLedger
 from elche.core.meta import LrEventMeta
 from elche.core.planner import Planner
-from elche.core.roles import CallbackRoles
 from elche.core.rounds import Round
 from elche.core.scheduler import ElChe
 from elche.core.verdicts import NudgeDown, Stable, SuppressGrowth, Verdict
@@ -41,28 +44,32 @@ class Tuner:
     Args:
         config: the run's configuration.
         elche: the balancer the rounds' timing and verdicts feed.
-        roles: the callback roles (elected at the first calibration).
+        callbacks: the callback requests and their roles (elected at the
+            first calibration).
         planner: told each verdict (the async overshoot allowance).
         work: the work book (how much of the serving epoch is left).
         ledger: the window's timing, recorded by the coordinator; reset here.
-        guard_history: the convergence guard's history from a checkpoint.
+        saved: the balancer's trajectory from a checkpoint, with the guard's
+            history (``saved_state`` wrote it): ElChe and the guard go on
+            from it.
     """
 
     def __init__(
         self,
         config: CoordinatorConfig,
         elche: ElChe,
-        roles: CallbackRoles,
+        callbacks: Callbacks,
         planner: Planner,
         work: WorkBook,
         *,
         ledger: WindowLedger,
-        guard_history: Sequence[float] | None = None,
+        saved: ElCheState | None = None,
     ) -> None:
         sched = config.scheduler
         self.config = config
         self.elche = elche
-        self.roles = roles
+        self.callbacks = callbacks
+        self.roles = callbacks.roles
         self.planner = planner
         self.work = work
         self.ledger = ledger
@@ -70,10 +77,17 @@ class Tuner:
             sched.guard,
             divergence_threshold=sched.divergence_threshold,
             easgd=config.blend_alpha is not None,
-            history=guard_history,
+            history=None if saved is None else saved.trend_history,
         )
+        if saved is not None:
+            elche.restore_from_state(saved)
         self.meta = LrEventMeta() if sched.meta_controller else None
         self._lr: list[float | None] = [None] * config.world_size
+
+    def saved_state(self) -> ElCheState:
+        """The balancer's trajectory and the guard's history, for a checkpoint meta."""
+        state = self.elche.to_state()
+        return dataclasses.replace(state, trend_history=self.guard.trend_history())
 
     def note_lr(self, rank: int, lr: float) -> None:
         """``rank`` reported its learning rate (the meta-controller watches it)."""
@@ -154,20 +168,39 @@ class Tuner:
         return []
 
     def _stage_callback_slack(self, live: Collection[int]) -> None:
-        """Shrink the callback ranks' quota in the epoch's last window."""
-        if not self.elche.is_calibrated:
+        """Shrink each rank's quota by the callback work the coming window holds.
+
+        That window holds the eval and checkpoint asked for the epochs this
+        round finishes, and the ``epoch_fn`` of each rank that starts an
+        epoch in it (``_starts_epoch``). Staging it a window early would
+        shrink a quota where there is nothing to absorb, and leave the
+        boundary window as long as before.
+        """
+        if not self.elche.is_calibrated or self.work.all_done():
             return
-        epoch = self.work.serving_epoch()
-        if epoch is None:
-            return
-        total = sum(self.elche.batch_counts[r] for r in live)
-        if total == 0 or self.work.pools[epoch].remaining_batches() > total:
-            return
+        finishing = self.work.finishing_epochs()
         slack = self.roles.boundary_slack_ms(
-            epoch + 1,
-            eval_every=self.config.eval_every if self.config.has_eval_fn else None,
-            checkpoint_every=self.config.checkpoint_every,
+            epoch_fn_ranks=live if self._starts_epoch(live, finishing) else (),
+            due=[role for epoch in finishing for role in self.callbacks.due(epoch + 1)],
             anchor_wall_ms=self.elche.anchor_wall_ms(),
         )
         if slack is not None:
             self.elche.apply_callback_slack(slack)
+
+    def _starts_epoch(self, live: Collection[int], finishing: Sequence[int]) -> bool:
+        """Whether the ranks start a new epoch in the window about to open.
+
+        Under ``cadence`` and ``sync`` the next epoch opens only once every
+        open one is finished, so in the window after the round that finishes
+        them. ``async`` streams across the boundary: the ranks cross it in
+        the window that hands out the serving epoch's last batches.
+        """
+        if self.work.next_epoch_to_open() is None:
+            return False
+        if self.config.policy is not Policy.ASYNC:
+            return len(finishing) == len(self.work.open_epochs())
+        serving = self.work.serving_epoch()
+        if serving is None:
+            return True
+        total = sum(self.elche.batch_counts[r] for r in live)
+        return self.work.pools[serving].remaining_batches() <= total

@@ -6,7 +6,10 @@ A rank receives chunks (spans of positions) and reports every batch it trains
 that includes it completes; only then is it *committed* to the pool. When a
 rank dies, everything it held that is not committed, queued or already
 trained, goes back to its pool and is re-issued to survivors. An epoch is
-done when its pool has nothing left to hand out and nothing outstanding.
+done when its pool has nothing left to hand out and nothing outstanding;
+``finished_epochs`` then books it and drops its pool, keeping only the count
+of its samples no average holds, so the book is bounded by the epochs open
+at once (at most two), not by the epochs trained.
 
 So "every sample trained exactly once per epoch" means: exactly once *into
 the consensus model*. Work a dead rank did after the last average died with
@@ -55,8 +58,9 @@ class WorkBook:
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.epochs = epochs
-        self.pools: dict[int, ChunkPool] = {}
-        self._done: set[int] = set()
+        self.pools: dict[int, ChunkPool] = {}  # open epochs only
+        self._next_open = 0  # every epoch below it was opened (or resumed past)
+        self._missing_finished = 0  # samples of finished epochs no average holds
         self._queue: list[deque[Chunk]] = [deque() for _ in range(world_size)]
         # (epoch, samples) of each trained batch not yet in a completed average.
         self._uncommitted: list[deque[tuple[int, int]]] = [deque() for _ in range(world_size)]
@@ -70,37 +74,52 @@ class WorkBook:
         """Create the pool of ``epoch``, reserving spans in proportion to ``weights``."""
         pool = ChunkPool.by_weights(self.num_samples, weights, batch_size=self.batch_size)
         self.pools[epoch] = pool
+        self._next_open = max(self._next_open, epoch + 1)
         return pool
 
     def resume(self, first_open: int, coverage: Sequence[EpochCoverage]) -> None:
         """Continue from a checkpoint: epochs before ``first_open`` are done.
 
-        Each started epoch of ``coverage`` is recreated with only its holes
-        left to serve.
+        Each started epoch of ``coverage`` within the plan is recreated with
+        only its holes left to serve; one past the plan is not resumed.
         """
-        self._done.update(range(first_open))
+        self._next_open = max(self._next_open, first_open)
         for started in coverage:
+            if started.epoch >= self.epochs:
+                continue
             self.pools[started.epoch] = ChunkPool.from_uncovered(
                 started.total_samples,
                 list(started.uncovered),
                 batch_size=self.batch_size,
                 num_ranks=self.world_size,
             )
+            self._next_open = max(self._next_open, started.epoch + 1)
 
     def finished_epochs(self) -> list[int]:
-        """Epochs whose pool just became done, in ascending order."""
-        newly = sorted(
-            e for e, pool in self.pools.items() if e not in self._done and pool.is_done()
-        )
-        self._done.update(newly)
+        """Epochs whose pool just became done, in ascending order; their pools go."""
+        newly = self.finishing_epochs()
+        for epoch in newly:
+            pool = self.pools.pop(epoch)
+            self._missing_finished += pool.total - pool.committed()
         return newly
 
+    def finishing_epochs(self) -> list[int]:
+        """Open epochs whose pool is done but not yet booked by ``finished_epochs``."""
+        return [e for e in self.open_epochs() if self.pools[e].is_done()]
+
     def samples_missing(self, before_epoch: int) -> int:
-        """Samples of the epochs before ``before_epoch`` that no completed average holds."""
-        return sum(p.total - p.committed() for e, p in self.pools.items() if e < before_epoch)
+        """Samples of the epochs before ``before_epoch`` that no completed average holds.
+
+        Every finished epoch counts (each is before the epochs completed).
+        """
+        open_missing = sum(
+            p.total - p.committed() for e, p in self.pools.items() if e < before_epoch
+        )
+        return self._missing_finished + open_missing
 
     def open_epochs(self) -> list[int]:
-        return sorted(e for e in self.pools if e not in self._done)
+        """Epochs opened and not finished, in ascending order."""
+        return sorted(self.pools)
 
     def coverage(self) -> tuple[EpochCoverage, ...]:
         """Uncovered spans of every started, unfinished epoch."""
@@ -193,6 +212,4 @@ class WorkBook:
         )
 
     def next_epoch_to_open(self) -> int | None:
-        opened = max(self.pools, default=-1)
-        nxt = opened + 1
-        return nxt if nxt < self.epochs else None
+        return self._next_open if self._next_open < self.epochs else None

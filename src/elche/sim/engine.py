@@ -56,7 +56,7 @@ from elche.core.commands import (
     Send,
     WriteMeta,
 )
-from elche.core.config import CoordinatorConfig, Mode, SchedulerConfig
+from elche.core.config import CallbackPolicy, CoordinatorConfig, Mode, SchedulerConfig
 from elche.core.coordinator import Coordinator
 from elche.core.errors import ConfigError
 from elche.core.events import (
@@ -105,6 +105,8 @@ class SimConfig:
         jitter: relative standard deviation of each step's time.
         latency_ms: one-way message latency.
         exit_detect_ms: how fast a killed process is noticed.
+        callback_rank: ``"fastest"`` (the default policy) or the rank that
+            eval and checkpoint are pinned to.
     """
 
     speeds: tuple[float, ...]
@@ -130,6 +132,7 @@ class SimConfig:
     save_path: str | None = "sim-bundle"
     resume: CheckpointMeta | None = None
     max_virtual_s: float = 1e7
+    callback_rank: int | str = "fastest"
 
     def __post_init__(self) -> None:
         if not self.speeds:
@@ -146,8 +149,13 @@ class SimConfig:
         if not 0 <= self.jitter < 1:
             raise ConfigError("jitter", f"must be in [0, 1), got {self.jitter}")
         self.faults.check(len(self.speeds))
+        if self.callback_rank != "fastest" and not isinstance(self.callback_rank, int):
+            raise ConfigError(
+                "callback_rank", f"must be 'fastest' or a rank, got {self.callback_rank!r}"
+            )
 
     def coordinator_config(self) -> CoordinatorConfig:
+        pinned = self.callback_rank if isinstance(self.callback_rank, int) else None
         return CoordinatorConfig(
             mode=self.mode,
             world_size=len(self.speeds),
@@ -163,6 +171,8 @@ class SimConfig:
             eval_every=self.eval_every or 1,
             checkpoint_every=self.checkpoint_every,
             save_path=self.save_path,
+            callback_policy=CallbackPolicy.FASTEST if pinned is None else CallbackPolicy.PINNED,
+            callback_rank=pinned or 0,
         )
 
 
