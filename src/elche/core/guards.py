@@ -21,7 +21,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, assert_never
 
 from elche.core.errors import ConfigError
 from elche.core.verdicts import NudgeDown, Stable, SuppressGrowth, Verdict
@@ -408,3 +408,5 @@ def build_guard(
             return TrendGuard(threshold, history)
         case GuardKind.MSF:
             return MsfGuard()
+        case _:
+            assert_never(kind)

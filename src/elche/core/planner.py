@@ -125,6 +125,8 @@ class Planner:
                 target = self.budget[rank]
             case Policy.ASYNC:
                 target = self.window_steps(rank)
+            case _:
+                assert_never(self.config.policy)
         return self.work.steps_since_sync(rank) >= target or self.quiesced[rank]
 
     def open_window(self, live: Sequence[int]) -> list[m.CoordMessage | None]:

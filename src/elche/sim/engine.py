@@ -324,6 +324,8 @@ class Simulation:
                     self.end = event
             case Finish():
                 self.finish = command
+            case _:
+                assert_never(command)
 
     def _timer(self, token: int) -> None:
         if token == self._timer_token:
