@@ -32,7 +32,7 @@ from elche.core.config import CallbackPolicy, CoordinatorConfig, Mode, Scheduler
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
 from elche.runtime.host import meta_path
-from elche.runtime.plan import Hooks, Plan, TrainResult
+from elche.runtime.plan import Hooks, Plan, TrainResult, hold_save_path
 
 __all__ = ["TrainResult", "train"]
 
@@ -161,17 +161,21 @@ def train(
         checkpoint_fn=checkpoint_fn,
     )  # fmt: skip
     hooks = Hooks(eval_result_fn=eval_result_fn, metrics_fn=metrics_fn)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from elche.runtime.launched import train_launched
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    # One run writes at a save path at a time: the process that starts the run holds it.
+    owner = not launched or os.environ["RANK"] == "0"
+    with hold_save_path(plan.config.save_path if owner else None):
+        if launched:
+            from elche.runtime.launched import train_launched
 
-        return train_launched(plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir)
-    if plan.config.world_size == 1:
-        from elche.runtime.solo import train_solo
+            return train_launched(plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir)
+        if plan.config.world_size == 1:
+            from elche.runtime.solo import train_solo
 
-        return train_solo(plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir)
-    return _train_cluster(
-        plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir, progress=progress
-    )
+            return train_solo(plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir)
+        return _train_cluster(
+            plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir, progress=progress
+        )
 
 
 def _plan(
@@ -277,12 +281,17 @@ def _check_devices(devices: Sequence[str]) -> None:
 
 
 def _check_writable(save_path: str) -> None:
-    """The bundle's directory exists (or can be made) and takes a file, before training."""
+    """The bundle's directory exists (or can be made) and takes a byte, before training."""
     folder = Path(save_path).parent
+    probe = folder / f".elche-probe-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".elche-probe-"):
-            pass
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"x")  # a full disk takes an empty file, not a byte
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
     except OSError as exc:
         raise ConfigError("save_path", f"cannot write in {folder}: {exc}") from None
 

@@ -36,7 +36,7 @@ import msgspec
 
 from elche.core import messages as m
 from elche.core import timeline as tl
-from elche.core.checkpoint import CheckpointMeta
+from elche.core.checkpoint import CheckpointMeta, SaveReason
 from elche.core.commands import (
     ArmTimer,
     AverageSnapshots,
@@ -228,10 +228,7 @@ class Host:
             case AverageSnapshots(round=number, param_mass=param_mass, buffer_mass=buffer_mass):
                 self._average(number, dict(param_mass), dict(buffer_mass))
             case WriteMeta(stem=stem, meta=meta):
-                # The meta is the bundle's commit mark: everything else first.
-                if self.outer is not None:
-                    save_outer_state(self.outer, outer_path(stem))
-                _write_atomic(meta_path(stem), meta.to_json())
+                self._write_meta(stem, meta)
             case Notice(level=level, text=text):
                 self._print(level, text)
             case Emit(event=event):
@@ -240,6 +237,21 @@ class Host:
                 self.finish = command
             case _:
                 assert_never(command)
+
+    def _write_meta(self, stem: str, meta: CheckpointMeta) -> None:
+        """Write the bundle's commit mark; a full or read-only disk is reported, not fatal."""
+        try:
+            # The meta is the bundle's commit mark: everything else first.
+            if self.outer is not None:
+                save_outer_state(self.outer, outer_path(stem))
+            _write_atomic(meta_path(stem), meta.to_json())
+        except OSError as exc:
+            what = "checkpoint" if meta.reason is SaveReason.CHECKPOINT else "bundle"
+            self._print(
+                "error",
+                f"could not write the {what} meta {meta_path(stem)} ({exc}); that {what} "
+                "is not resumable" + ("; training goes on" if what == "checkpoint" else ""),
+            )
 
     def _send(self, rank: int, message: m.CoordMessage) -> None:
         payload: Sequence[bytes | memoryview] = ()

@@ -14,14 +14,19 @@ process stay light.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import fcntl
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from elche.core.config import CoordinatorConfig
+from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
 
-__all__ = ["Hooks", "Plan", "TrainResult"]
+__all__ = ["Hooks", "Plan", "TrainResult", "hold_save_path"]
 
 
 @dataclass(slots=True)
@@ -32,6 +37,40 @@ class TrainResult:
     epochs: list[dict[str, object]] = field(default_factory=list)
     summary: dict[str, object] = field(default_factory=dict)
     run_dir: str | None = None
+
+
+@contextmanager
+def hold_save_path(save_path: str | None) -> Iterator[None]:
+    """Hold ``save_path`` for this run: a second run at the same stem is refused.
+
+    An advisory lock on ``STEM.lock`` (``fcntl.flock``, the holder's pid in
+    the file), released when the run returns or its process dies, so a
+    killed run never blocks the next one.
+
+    Raises:
+        ConfigError: another live run holds ``save_path`` (its pid is named).
+    """
+    if save_path is None:
+        yield
+        return
+    lock = Path(f"{save_path}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "unknown"
+            raise ConfigError(
+                "save_path",
+                f"another run (pid {holder}) is writing bundles at {save_path}; "
+                "give this run its own save_path",
+            ) from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(os.getpid()))
+        fh.flush()
+        yield  # the file stays: removing it would let two runs lock two inodes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -472,7 +472,7 @@ class Worker:
         where = None
         if self.spec.save_path is not None:
             stem = f"{self.spec.save_path}.rank{self.spec.rank}.local"
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, RuntimeError):  # torch.save: RuntimeError on ENOSPC
                 where = self._write_bundle(stem, optimizer=True)
         print(
             f"elche rank {self.spec.rank}: lost the coordinator ({reason}); "
@@ -490,7 +490,7 @@ class Worker:
         if self.spec.save_path is not None:
             try:
                 path = self._write_bundle(self.spec.save_path, optimizer=True, model=writer)
-            except OSError as exc:
+            except (OSError, RuntimeError) as exc:  # torch.save raises RuntimeError on ENOSPC
                 error = f"{type(exc).__name__}: {exc}"
         self._send(self.proto.saved(path=path, error=error))
 

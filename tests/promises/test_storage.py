@@ -1,0 +1,107 @@
+"""Issue 12's storage items: a save location that fills up or is taken.
+
+A full disk mid-run is a small ``tmpfs`` (root only; skipped elsewhere),
+filled by the test once the run has finished its first epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import elche
+from elche.core import timeline as tl
+from elche.core.errors import ConfigError
+from elche.monitor.timeline import TimelineReader
+from elche.runtime.plan import hold_save_path
+from tests.promises.tiny import make_model, make_optimizer, step
+
+DATA = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+
+
+@contextlib.contextmanager
+def small_disk(where: Path, size: str) -> Iterator[Path]:
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                      check=False).returncode != 0:  # fmt: skip
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill(disk: Path) -> None:
+    """Write until the disk says it is full."""
+    with (disk / "ballast").open("wb", buffering=0) as fh, contextlib.suppress(OSError):
+        while True:
+            fh.write(b"\0" * 65536)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_issue12_item10_a_save_location_that_fills_up_mid_run_does_not_end_it(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        outcome: list[object] = []
+
+        def go() -> None:
+            try:
+                outcome.append(elche.train(
+                    make_model, make_optimizer, step, DATA, batch_size=16, epochs=30, ranks=2,
+                    save_path=str(disk / "bundle"), checkpoint_every=1, run_dir=str(run_dir),
+                    progress=False,
+                ))  # fmt: skip
+            except BaseException as exc:
+                outcome.append(exc)
+
+        runner = threading.Thread(target=go)
+        runner.start()
+        reader, waited = TimelineReader(run_dir), threading.Event()
+        for _ in range(600):  # up to 60 s for the first epoch to end
+            if any(isinstance(e, tl.EpochEnd) for e in reader.new_records()) or outcome:
+                break
+            waited.wait(0.1)
+        fill(disk)
+        runner.join(timeout=120)
+    assert not runner.is_alive()
+    (result,) = outcome
+    assert isinstance(result, elche.TrainResult), result
+    assert result.summary["outcome"] == "completed"
+    assert result.summary["epochs_completed"] == 30
+    err = capfd.readouterr().err
+    assert "No space left on device" in err  # said, not swallowed
+
+
+def test_issue12_item10_two_runs_at_one_save_path_are_refused(tmp_path: Path) -> None:
+    stem = str(tmp_path / "bundle")
+    with hold_save_path(stem):  # as a first, still running, run would
+        with pytest.raises(ConfigError) as info:
+            elche.train(make_model, make_optimizer, step, DATA, batch_size=16, epochs=1,
+                        ranks=1, save_path=stem, progress=False)  # fmt: skip
+        assert info.value.field == "save_path"
+        assert f"pid {os.getpid()}" in str(info.value)
+    result = elche.train(make_model, make_optimizer, step, DATA, batch_size=16, epochs=1,
+                         ranks=1, save_path=stem, progress=False)  # fmt: skip
+    assert result.summary["outcome"] == "completed"
+
+
+def test_issue12_item10_a_full_disk_is_refused_before_training(tmp_path: Path) -> None:
+    with small_disk(tmp_path / "disk", "256k") as disk:
+        fill(disk)
+        with pytest.raises(ConfigError) as info:
+            elche.train(make_model, make_optimizer, step, DATA, batch_size=16, epochs=1,
+                        ranks=2, save_path=str(disk / "bundle"), progress=False)  # fmt: skip
+    assert info.value.field == "save_path"
