@@ -25,8 +25,6 @@ __all__ = [
     "WriteMeta",
 ]
 
-Scalar = float | int | str | bool | None
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Send:
