@@ -160,6 +160,18 @@ def test_priority_round_before_callbacks_before_training() -> None:
     assert isinstance(p.next_action(), Train)
 
 
+@pytest.mark.parametrize(
+    ("mode", "foreign"),
+    [(Mode.CADENCE, m.RequestParams(round=1)), (Mode.CPU_ASYNC, m.SyncNow(round=1, generation=0))],
+)
+def test_a_request_of_the_other_backend_is_stale(mode: Mode, foreign: m.CoordMessage) -> None:
+    """Found by the property below: a SyncNow in a cpu-async run averaged the steps an
+    uploaded snapshot still held, and the Update then took them again (steps -1)."""
+    p = proto(mode)
+    p.handle(foreign)
+    assert (p.next_action(), p.num_stale) == (Hold(), 1)
+
+
 def test_a_newer_request_replaces_an_older_one() -> None:
     p = proto()
     p.handle(m.SyncNow(round=1, generation=0))

@@ -13,7 +13,8 @@ Rules:
   of at most ``batch_size`` samples at a time, while its steps since the last
   average are below the budget; then it holds.
 - ``SyncNow`` (collective) and ``RequestParams`` (coordinator backend) make
-  an averaging round pending; a newer request replaces an older one. The
+  an averaging round pending; a newer request replaces an older one. A
+  request of the other backend than the run's mode is stale. The
   rank serves it before anything else it would do next.
 - After uploading a snapshot, a rank of a holding policy (``sync``,
   ``cadence``) waits for the round's ``Update``; an ``async`` rank trains on.
@@ -50,10 +51,10 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass
-from typing import assert_never
+from typing import TypedDict, Unpack, assert_never
 
 from elche.core import messages as m
-from elche.core.config import Mode, Policy
+from elche.core.config import Backend, Mode, Policy
 from elche.core.errors import LocalProtocolError
 from elche.core.work import Chunk
 
@@ -173,6 +174,14 @@ RankAction = (
 _HOLD = Hold()
 
 
+class Norms(TypedDict, total=False):
+    """What an averaging completion may report about the average, for the guards."""
+
+    divergence: float | None  # this rank's relative distance from the average
+    pre_norm: float | None  # the parameters' norm before averaging
+    post_norm: float | None  # the average's norm
+
+
 class RankProtocol:
     """One rank's protocol state (see the module docstring).
 
@@ -204,6 +213,7 @@ class RankProtocol:
         self.epoch_started = -1  # the last epoch whose epoch_fn ran
         self.final_writer = False  # Shutdown named this rank to write the final model
         self.num_stale = 0  # messages ignored as stale
+        self._collective_mode = mode.backend is Backend.COLLECTIVE
         self._request: m.SyncNow | m.RequestParams | None = None
         self._callbacks: deque[m.RunEval | m.RunCheckpoint] = deque()
         self._uploaded: tuple[int, int] | None = None  # (round, steps) of the snapshot out
@@ -228,7 +238,10 @@ class RankProtocol:
             case m.SetBudget(budget=budget, window=window):
                 self.budget, self.window = budget, window
             case m.SyncNow() | m.RequestParams():
-                self._request = message
+                if isinstance(message, m.SyncNow) is self._collective_mode:
+                    self._request = message
+                else:  # a request of the other backend: no round this run can have
+                    self.num_stale += 1
             case m.Update(round=number):
                 if self._uploaded is None or self._uploaded[0] != number:
                     self.num_stale += 1
@@ -367,13 +380,7 @@ class RankProtocol:
             raise self._illegal(completion, "no collective round is pending")
         return self._request
 
-    def averaged(
-        self,
-        *,
-        divergence: float | None = None,
-        pre_norm: float | None = None,
-        post_norm: float | None = None,
-    ) -> m.SyncAck:
+    def averaged(self, **norms: Unpack[Norms]) -> m.SyncAck:
         """The pending collective completed with every step since the last one.
 
         Returns:
@@ -386,13 +393,7 @@ class RankProtocol:
         steps = self.steps_since_sync
         self._request = None
         self.steps_since_sync = 0
-        return m.SyncAck(
-            round=request.round,
-            steps=steps,
-            divergence=divergence,
-            pre_norm=pre_norm,
-            post_norm=post_norm,
-        )
+        return m.SyncAck(round=request.round, steps=steps, **norms)
 
     def average_failed(self) -> None:
         """The collective broke (a peer vanished): drop the round, keep the steps.
@@ -425,13 +426,7 @@ class RankProtocol:
             self.stage = RankStage.WAITING_UPDATE
         return m.SnapshotReady(round=request.round, steps=self.steps_since_sync)
 
-    def loaded(
-        self,
-        *,
-        divergence: float | None = None,
-        pre_norm: float | None = None,
-        post_norm: float | None = None,
-    ) -> m.SyncAck:
+    def loaded(self, **norms: Unpack[Norms]) -> m.SyncAck:
         """The ``Update``'s average is in the model; its snapshot's steps are averaged.
 
         Returns:
@@ -447,13 +442,7 @@ class RankProtocol:
         self.steps_since_sync -= uploaded[1]
         if self.stage is RankStage.WAITING_UPDATE:
             self.stage = RankStage.TRAINING
-        return m.SyncAck(
-            round=update.round,
-            steps=uploaded[1],
-            divergence=divergence,
-            pre_norm=pre_norm,
-            post_norm=post_norm,
-        )
+        return m.SyncAck(round=update.round, steps=uploaded[1], **norms)
 
     def evaluated(self, *, metric: float, elapsed_ms: float, error: str | None) -> m.EvalResult:
         """The ``RunEval`` callback ran; returns its result.
