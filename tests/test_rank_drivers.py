@@ -37,7 +37,8 @@ COLLECTIVE: Script = [
     [m.RunEval(epoch=0), m.AssignChunk(epoch=0, offset=96, size=64, budget=2)],
     [m.Regroup(generation=1, members=[0]), m.SyncNow(round=2, generation=1)],
     [m.RunCheckpoint(version=1)],
-    [m.Shutdown(writer=0)],
+    [m.Shutdown(writer=0, seq=1)],
+    [m.Shutdown(writer=-1)],
 ]
 COLLECTIVE_ANSWERS: list[list[Seen]] = [
     [("BatchDone", 0, 0, 32), ("BatchDone", 0, 32, 32)],
@@ -45,6 +46,7 @@ COLLECTIVE_ANSWERS: list[list[Seen]] = [
     [("EvalResult", 0), ("BatchDone", 0, 96, 32)],
     [("SyncAck", 2, 2), ("BatchDone", 0, 128, 32)],
     [("CheckpointResult", 1)],
+    [("StateSaved", 1)],
     [],
 ]
 COORDINATOR: Script = [
@@ -52,14 +54,16 @@ COORDINATOR: Script = [
     [m.RequestParams(round=1)],
     [m.Update(round=7), m.AssignChunk(epoch=0, offset=64, size=32, budget=2)],
     [m.Update(round=1)],
-    [m.ShutdownWithSave(reason="unrecoverable", writer=0)],
+    [m.ShutdownWithSave(reason="unrecoverable", writer=0, seq=1)],
+    [m.Shutdown(writer=-1)],
 ]
 COORDINATOR_ANSWERS: list[list[Seen]] = [
     [("BatchDone", 0, 0, 32), ("BatchDone", 0, 32, 32)],
     [("SnapshotReady", 1, 2)],
     [],  # a stale Update, and the rank still holds for its own
     [("SyncAck", 1, 2), ("BatchDone", 0, 64, 32)],
-    [("StateSaved",)],
+    [("StateSaved", 1)],
+    [],
 ]
 CASES = [
     pytest.param(Mode.CADENCE, COLLECTIVE, COLLECTIVE_ANSWERS, "completed", id="collective"),
@@ -82,8 +86,8 @@ def seen(message: m.RankMessage) -> list[Seen]:
             return [("EvalResult", epoch)]
         case m.CheckpointResult(version=version):
             return [("CheckpointResult", version)]
-        case m.StateSaved():
-            return [("StateSaved",)]
+        case m.StateSaved(seq=seq):
+            return [("StateSaved", seq)]
         case m.Heartbeat():
             return []
     raise AssertionError(f"unexpected message {message!r}")

@@ -31,7 +31,7 @@ from typing import Any
 from elche.core.config import CallbackPolicy, CoordinatorConfig, Mode, SchedulerConfig
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
-from elche.runtime.host import meta_path
+from elche.runtime.bundle import meta_path
 from elche.runtime.plan import Hooks, Plan, TrainResult, hold_save_path
 
 __all__ = ["TrainResult", "train"]
@@ -161,6 +161,10 @@ def train(
         checkpoint_fn=checkpoint_fn,
     )  # fmt: skip
     hooks = Hooks(eval_result_fn=eval_result_fn, metrics_fn=metrics_fn)
+    if plan.resume_from is not None:
+        from elche.runtime.resume import check_resume
+
+        check_resume(plan.resume_from, plan.config, model_fn)  # before anything starts
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     # One run writes at a save path at a time: the process that starts the run holds it.
     owner = not launched or os.environ["RANK"] == "0"

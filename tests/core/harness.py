@@ -10,6 +10,8 @@ from elche.core.commands import Broadcast, Command, Send
 from elche.core.config import CoordinatorConfig, Mode, SchedulerConfig
 from elche.core.coordinator import Coordinator
 from elche.core.events import Event, MessageReceived, RankJoined, Started
+from elche.core.rank import SaveKind
+from elche.core.saves import SaveRound
 
 
 def config(**overrides: object) -> CoordinatorConfig:
@@ -82,6 +84,14 @@ class Harness:
     def received(self, rank: int, kind: type) -> list[m.CoordMessage]:
         return [msg for msg in self.inbox[rank] if isinstance(msg, kind)]
 
+    def answer_saves(self) -> list[Command]:
+        """Answer every save in flight as ranks that wrote their files would."""
+        out: list[Command] = []
+        for save in list(self.core.saves.rounds.values()):
+            for rank in sorted(save.awaiting):
+                out += self.send(rank, state_saved(save, rank))
+        return out
+
 
 def of(commands: Iterable[Command], kind: type) -> list[Command]:
     return [c for c in commands if isinstance(c, kind)]
@@ -95,4 +105,17 @@ def messages(commands: Iterable[Command], kind: type) -> list[m.CoordMessage]:
     return found
 
 
-__all__ = ["Harness", "SchedulerConfig", "config", "messages", "of"]
+def state_saved(save: SaveRound, rank: int, error: str | None = None) -> m.StateSaved:
+    """The answer of ``rank`` to ``save`` had it written its files (or failed with ``error``)."""
+    if error is not None:
+        return m.StateSaved(seq=save.seq, error=error, writer=rank == save.writer)
+    final = save.kind is SaveKind.FINAL
+    kinds = ["final"] if final else ["optim"] + (["model"] if rank == save.writer else [])
+    files = [
+        m.SavedFile(kind=kind, name=f"run.s{save.seq}.{rank}.{kind}", size=1, sha256="0" * 64)
+        for kind in kinds
+    ]
+    return m.StateSaved(seq=save.seq, files=files, writer=rank == save.writer)
+
+
+__all__ = ["Harness", "SchedulerConfig", "config", "messages", "of", "state_saved"]

@@ -29,8 +29,9 @@ from elche.core.events import (
     TimerFired,
 )
 from elche.core.planner import PROBE_STEPS
+from elche.core.rank import SaveKind
 from elche.core.roles import Role
-from tests.core.harness import Harness, messages, of
+from tests.core.harness import Harness, messages, of, state_saved
 
 
 def acked_round(h: Harness, number: int, steps: dict[int, int]) -> None:
@@ -353,12 +354,14 @@ def test_single_survivor_of_a_collective_run_saves_then_finishes() -> None:
     h.form()
     out = h.feed(RankLost(rank=1, reason="process killed"))
     assert messages(out, m.ShutdownWithSave) == [
-        m.ShutdownWithSave(reason="single_survivor", writer=0)
+        m.ShutdownWithSave(reason="single_survivor", writer=0, seq=1)
     ]
     assert h.core.state is RunState.SAVING
     assert not of(out, WriteMeta)  # the meta waits for the writer's answer
-    out = h.send(0, m.StateSaved(path="/tmp/run"))
+    out = h.answer_saves()
     meta = of(out, WriteMeta)[0].meta  # type: ignore[attr-defined]
+    assert meta.save_seq == 1 and meta.files.model.name == "run.s1.0.model"
+    assert messages(out, m.Shutdown) == [m.Shutdown(writer=-1)]  # the held ranks exit
     assert meta.reason is SaveReason.SINGLE_SURVIVOR
     assert meta.epoch == 0 and meta.coverage[0].total_samples == 640
     assert of(out, Finish) == [Finish(outcome="saved_and_shutdown", reason="single_survivor")]
@@ -369,7 +372,7 @@ def test_max_failures_saves_even_with_survivors() -> None:
     h.form()
     out = h.feed(RankLost(rank=2, reason="exit 1"))
     assert messages(out, m.ShutdownWithSave)[0].reason == "max_failure_exceeded"  # type: ignore[attr-defined]
-    h.send(0, m.StateSaved())
+    h.send(0, state_saved(h.core.saves.rounds[SaveKind.SHUTDOWN], 0))
     out = h.feed(RankLost(rank=1, reason="exit 1"))
     assert of(out, Finish)[0].outcome == "saved_and_shutdown"  # type: ignore[attr-defined]
 
@@ -466,7 +469,8 @@ def run_to_end(h: Harness) -> list:
                 out += h.send(
                     rank, m.SyncAck(round=number, steps=h.core.work.steps_since_sync(rank))
                 )
-    return out
+        out += h.answer_saves()  # periodic bundles
+    return out + h.answer_saves()  # and the final model, once training is over
 
 
 def test_a_full_run_ends_with_shutdown_and_every_sample_committed() -> None:
@@ -489,7 +493,8 @@ def test_eval_goes_to_the_eval_role_only_and_its_result_to_everyone() -> None:
     assert evals == [(0, m.RunEval(epoch=1))]
     out = h.send(0, m.EvalResult(epoch=1, metric=0.97, elapsed_ms=120.0))
     assert messages(out, m.EvalBroadcast) == [m.EvalBroadcast(epoch=1, metric=0.97)]
-    assert of(out, Finish) == [Finish(outcome="completed")]
+    assert not of(out, Finish)  # complete once the final model is on disk
+    assert of(h.answer_saves(), Finish) == [Finish(outcome="completed")]
     assert h.core.roles.cost.eval_ms == 120.0
 
 
@@ -500,7 +505,7 @@ def test_failed_eval_is_logged_and_not_broadcast() -> None:
     out = h.send(0, m.EvalResult(epoch=1, metric=float("nan"), elapsed_ms=5.0, error="boom"))
     assert not messages(out, m.EvalBroadcast)
     assert any(isinstance(c, Notice) and "boom" in c.text for c in out)
-    assert of(out, Finish)
+    assert of(h.answer_saves(), Finish)
 
 
 def test_failed_checkpoint_retries_on_the_next_live_rank_then_gives_up() -> None:
@@ -514,7 +519,7 @@ def test_failed_checkpoint_retries_on_the_next_live_rank_then_gives_up() -> None
     h.send(1, m.CheckpointResult(version=1, elapsed_ms=1.0, error="disk full"))
     out = h.send(2, m.CheckpointResult(version=1, elapsed_ms=1.0, error="disk full"))
     assert any(isinstance(c, Notice) and "giving up" in c.text for c in out)
-    assert of(out, Finish) == [Finish(outcome="completed")]
+    assert of(h.answer_saves(), Finish) == [Finish(outcome="completed")]
 
 
 def test_checkpoint_cadence_writes_a_meta_at_the_epoch_boundary() -> None:

@@ -27,6 +27,7 @@ from elche.core.events import (
     Started,
     TimerFired,
 )
+from tests.core.harness import state_saved
 
 WORLD = 3
 
@@ -138,8 +139,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
         for version, rank in sorted(self.core.callbacks.pending_checkpoints.items()):
             self.feed(MessageReceived(rank=rank, message=m.CheckpointResult(
                 version=version, elapsed_ms=1.0, error=error)))  # fmt: skip
-        for rank in self.live():
-            self.feed(MessageReceived(rank=rank, message=m.StateSaved()))
+        for save in list(self.core.saves.rounds.values()):
+            for rank in sorted(save.awaiting):
+                self.feed(MessageReceived(rank=rank, message=state_saved(save, rank, error)))
 
     @rule(rank=st.integers(0, WORLD - 1))
     @precondition(lambda self: self.core is not None and self.faults < 2)

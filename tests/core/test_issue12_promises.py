@@ -71,6 +71,7 @@ def test_issue12_item03a_pinned_eval_rank_dying_in_the_final_eval_ends_the_run()
     # The pinned policy never moves the eval role: the eval is given up, loudly.
     assert not sent(out, m.RunEval)
     assert any("eval" in text and "rank 1" in text for text in notices(out))
+    out += h.answer_saves()  # the final model is on disk
     assert of(out, Finish) == [Finish(outcome="completed")]
     assert h.core.roles.holder(Role.EVAL) == 1
 
@@ -89,6 +90,7 @@ def test_issue12_item03a_pinned_eval_on_a_dead_rank_is_never_sent() -> None:
     out += run_to_end(h)
     assert not sent(out, m.RunEval)  # both epochs' evals were owed by the dead rank
     assert sum("eval" in text for text in notices(out)) == 2
+    out += h.answer_saves()  # the final model is on disk
     assert of(out, Finish) == [Finish(outcome="completed")]
 
 
@@ -102,6 +104,7 @@ def test_issue12_item03b_last_checkpoint_retry_dying_ends_the_run() -> None:
     assert sent(out, m.RunCheckpoint) == [(2, m.RunCheckpoint(version=1))]
     out = h.feed(RankLost(rank=2, reason="process killed"))
     assert any("giving up" in text for text in notices(out))
+    out += h.answer_saves()  # the final model is on disk
     assert of(out, Finish) == [Finish(outcome="completed")]
     assert h.core.state is RunState.DONE
 
@@ -122,6 +125,7 @@ def test_issue12_item04_checkpoint_moves_to_the_fastest_survivor_when_its_rank_d
     assert sent(out, m.RunCheckpoint) == [(2, m.RunCheckpoint(version=1))]
     assert h.core.roles.holder(Role.CHECKPOINT) == 2
     out = h.send(2, m.CheckpointResult(version=1, elapsed_ms=1.0))
+    out += h.answer_saves()  # the final model is on disk
     assert of(out, Finish) == [Finish(outcome="completed")]
 
 
@@ -143,6 +147,7 @@ def test_issue12_item03b_death_after_failures_skips_the_ranks_that_failed() -> N
     out = h.feed(RankLost(rank=2, reason="process killed"))
     # Rank 0 is the fastest survivor but failed this version already.
     assert not sent(out, m.RunCheckpoint)
+    out += h.answer_saves()  # the final model is on disk
     assert of(out, Finish) == [Finish(outcome="completed")]
 
 
@@ -204,7 +209,7 @@ def windows(epoch_fn_ms: dict[int, float] | None, mode: Mode = Mode.CADENCE) -> 
             for rank in (0, 1):
                 h.send(rank, m.SyncAck(round=number, steps=steps[rank]))
             seen.append(window())
-    assert h.core.state is RunState.DONE
+    assert h.core.state is RunState.CLOSING  # training is over; the final model is next
     return seen
 
 
@@ -368,6 +373,7 @@ def test_issue12_item11_a_finished_runs_meta_completes_at_once() -> None:
     meta = CheckpointMeta.from_json(json.dumps(meta_doc(epoch=3, coverage=[])))
     h = resumed(meta)
     out = h.form()
+    out += h.answer_saves()  # the final model is on disk
     assert of(out, Finish) == [Finish(outcome="completed")]
     assert not sent(out, m.AssignChunk)
     assert h.core.epochs_completed == 3
@@ -377,6 +383,7 @@ def test_issue12_item11_a_bundle_at_epoch_1_resumed_with_epochs_1_completes_with
     meta = CheckpointMeta.from_json(json.dumps(meta_doc()))  # epoch 1 of 3, half of it to do
     h = resumed(meta, epochs=1)
     out = h.form()
+    out += h.answer_saves()  # the final model is on disk
     assert of(out, Finish) == [Finish(outcome="completed")]
     assert not sent(out, m.AssignChunk)  # epoch 1 is past this run's plan
     ends = [c.event for c in of(out, Emit) if isinstance(c.event, tl.RunEnd)]  # type: ignore[attr-defined]

@@ -37,7 +37,11 @@ SAMPLES: list[m.Message] = [
     m.EvalResult(epoch=3, metric=0.91, elapsed_ms=812.0, error="nan loss"),
     m.CheckpointResult(version=5, elapsed_ms=12.5, error="disk full"),
     m.EpochFnElapsed(epoch=3, elapsed_ms=140.0),
-    m.StateSaved(path="/ckpt/run.fdl", error=None),
+    m.StateSaved(
+        seq=4,
+        files=[m.SavedFile(kind="model", name="run.s4.model.pt", size=1200, sha256="ab" * 32)],
+        error=None,
+    ),
     m.Exiting(reason="user interrupt"),
     m.AssignChunk(epoch=2, offset=0, size=640, budget=20),
     m.SetBudget(budget=15),
@@ -50,8 +54,9 @@ SAMPLES: list[m.Message] = [
     m.RunEval(epoch=3),
     m.EvalBroadcast(epoch=3, metric=0.91),
     m.EpochDone(epoch=3, loss=0.42),
-    m.Shutdown(),
-    m.ShutdownWithSave(reason="max_failure_exceeded", writer=0),
+    m.Shutdown(writer=1, seq=7),
+    m.SaveState(seq=3, writer=0, keep=2),
+    m.ShutdownWithSave(reason="max_failure_exceeded", writer=0, seq=5, keep=4),
     m.CoordHeartbeat(),
 ]
 DEFAULTS_ONLY: list[m.Message] = [
@@ -60,7 +65,7 @@ DEFAULTS_ONLY: list[m.Message] = [
     m.SyncAck(round=0, steps=0),
     m.Heartbeat(),
     m.EvalResult(epoch=0, metric=float("inf"), elapsed_ms=0.0),
-    m.StateSaved(),
+    m.StateSaved(seq=0),
     m.Exiting(),
     m.Update(round=0),
     m.Regroup(generation=0, members=[]),
@@ -109,7 +114,9 @@ def test_nan_float_round_trips_as_nan() -> None:
     assert math.isnan(decoded.lr)
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, 17, -1, 2**64 - 1])
+@pytest.mark.parametrize(
+    "version", [0, 1, m.PROTOCOL_VERSION - 1, m.PROTOCOL_VERSION + 1, 17, -1, 2**64 - 1]
+)
 def test_foreign_protocol_version_is_refused_naming_both_versions(version: int) -> None:
     data = frame(version, {"type": "Shutdown"})
     with pytest.raises(RemoteProtocolError) as info:

@@ -21,6 +21,7 @@ from elche.core.rank import (
     RankProtocol,
     RankStage,
     Save,
+    SaveKind,
     StartEpoch,
     Train,
     Upload,
@@ -212,22 +213,63 @@ def test_a_rank_left_out_of_a_regroup_was_declared_dead_and_stops() -> None:
 
 
 @pytest.mark.parametrize(("writer", "is_writer"), [(0, True), (1, False)])
-def test_shutdown_and_shutdown_with_save(writer: int, is_writer: bool) -> None:
+def test_the_final_writer_saves_then_every_rank_holds_for_the_last_shutdown(
+    writer: int, is_writer: bool
+) -> None:
     p = proto()
-    p.handle(m.Shutdown(writer=writer))
-    assert p.next_action() == Done(reason="completed")
-    assert p.final_writer is is_writer
-    p.handle(m.AssignChunk(epoch=0, offset=0, size=32, budget=1))  # ignored once stopped
+    p.handle(m.Shutdown(writer=writer, seq=3))
+    if is_writer:
+        assert p.next_action() == Save(kind=SaveKind.FINAL, seq=3, writer=True)
+        file = m.SavedFile(kind="final", name="final_model.pt", size=9, sha256="0" * 64)
+        assert p.saved(files=[file]) == m.StateSaved(seq=3, files=[file], writer=True)
+    assert p.next_action() == Hold()
+    p.handle(m.AssignChunk(epoch=0, offset=0, size=32, budget=1))  # ignored while held
     assert state(p)["chunks"] == []
+    p.handle(m.Shutdown(writer=-1))
+    assert p.next_action() == Done(reason="completed")
 
+
+def test_a_held_rank_can_be_named_the_writer_when_the_first_one_died() -> None:
+    p = proto(rank=1)
+    p.handle(m.Shutdown(writer=0, seq=3))
+    assert p.next_action() == Hold()
+    p.handle(m.Shutdown(writer=1, seq=3))
+    assert p.next_action() == Save(kind=SaveKind.FINAL, seq=3, writer=True)
+
+
+@pytest.mark.parametrize(("writer", "is_writer"), [(0, True), (1, False)])
+def test_shutdown_with_save_saves_then_holds(writer: int, is_writer: bool) -> None:
     q = proto()
     q.handle(m.AssignChunk(epoch=0, offset=0, size=320, budget=5))
-    q.handle(m.ShutdownWithSave(reason="single_survivor", writer=writer))
-    assert q.next_action() == Save(reason="single_survivor", writer=is_writer)
+    q.handle(m.ShutdownWithSave(reason="single_survivor", writer=writer, seq=2, keep=1))
+    assert q.next_action() == Save(
+        kind=SaveKind.SHUTDOWN, seq=2, writer=is_writer, keep=1, reason="single_survivor"
+    )
     train_action = Train(epoch=0, offset=0, size=32)
     q.trained(train_action, batch_ms=1.0, data_ms=0.0, loss=None)  # a step in flight still counts
-    assert q.saved(path="p", error=None) == m.StateSaved(path="p")
+    assert q.saved(error="disk full") == m.StateSaved(seq=2, error="disk full", writer=is_writer)
+    assert q.next_action() == Hold()
+    q.handle(m.ShutdownWithSave(reason="single_survivor", writer=0, seq=2, keep=1))
+    assert q.next_action() == Save(
+        kind=SaveKind.SHUTDOWN, seq=2, writer=True, keep=1, reason="single_survivor"
+    )
+    q.saved()
+    q.handle(m.Shutdown(writer=-1))
     assert q.next_action() == Done(reason="saved: single_survivor")
+
+
+def test_a_periodic_save_is_served_after_the_round_and_training_goes_on() -> None:
+    p = proto()
+    p.handle(m.AssignChunk(epoch=0, offset=0, size=320, budget=5))
+    p.handle(m.RunEval(epoch=1))
+    p.handle(m.SaveState(seq=4, writer=0, keep=2))
+    p.handle(m.SyncNow(round=1, generation=0))
+    assert isinstance(p.next_action(), Average)
+    p.averaged()
+    assert p.next_action() == Save(kind=SaveKind.CHECKPOINT, seq=4, writer=True, keep=2)
+    assert p.saved() == m.StateSaved(seq=4, writer=True)
+    assert isinstance(p.next_action(), Callback)
+    assert p.stage is RankStage.TRAINING
 
 
 def test_coordinator_lost_stops_the_rank() -> None:
@@ -250,7 +292,7 @@ def _completions(p: RankProtocol) -> list[tuple[str, object]]:
         ("evaluated", lambda: p.evaluated(metric=1.0, elapsed_ms=1.0, error=None)),
         ("checkpointed", lambda: p.checkpointed(elapsed_ms=1.0, error=None)),
         ("regrouped", p.regrouped),
-        ("saved", lambda: p.saved(path=None)),
+        ("saved", p.saved),
     ]
 
 
@@ -286,6 +328,9 @@ _COORD_MESSAGES = st.one_of(
     st.builds(m.RunEval, epoch=st.integers(0, 2)),
     st.builds(m.RunCheckpoint, version=st.integers(0, 2)),
     st.builds(m.Regroup, generation=st.integers(1, 3), members=st.just([0, 1])),
+    st.builds(m.SaveState, seq=st.integers(1, 3), writer=st.integers(-1, 1)),
+    st.builds(m.ShutdownWithSave, reason=st.just("x"), writer=st.integers(0, 1), seq=st.just(4)),
+    st.builds(m.Shutdown, writer=st.integers(-1, 1), seq=st.just(5)),
     st.just(m.CoordHeartbeat()),
 )
 
@@ -310,7 +355,7 @@ def _complete(p: RankProtocol, action: object) -> None:
         case FormGroup():
             p.regrouped()
         case Save():
-            p.saved(path=None)
+            p.saved()
 
 
 @pytest.mark.slow

@@ -328,7 +328,7 @@ class Attacker:
                 m.SyncAck(round=rng.randrange(50), steps=rng.randrange(20)),
                 m.SnapshotReady(round=rng.randrange(50), steps=3),
                 m.Exiting(reason="attacker"),
-                m.StateSaved(path="/tmp/x"),
+                m.StateSaved(seq=1),
                 m.Shutdown(),  # a coordinator message, from a "rank"
             ]
         )

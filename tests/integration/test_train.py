@@ -18,6 +18,7 @@ import elche
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
 from elche.workloads import digits
+from tests.promises.tiny import bundle_on_disk
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -116,7 +117,8 @@ def test_a_checkpoint_bundle_resumes_to_the_planned_epoch(
     stem = str(tmp_path / "bundle" / "digits")
     first = run(data, tmp_path / "a", epochs=2, checkpoint_every=1, save_path=stem)
     assert first.summary["outcome"] == "completed"
-    assert Path(f"{stem}.meta.json").exists() and Path(f"{stem}.model.pt").exists()
+    files = bundle_on_disk(stem)
+    assert files.model.exists() and sorted(files.optim) == [0, 1, 2]  # every rank's optimizer
     second = run(data, tmp_path / "b", epochs=4, resume_from=stem)
     assert second.summary["outcome"] == "completed"
     assert second.summary["epochs_completed"] == 4
@@ -188,7 +190,8 @@ def test_diloco_outer_optimizer_trains_and_its_momentum_resumes(
     first = run(data, tmp_path / "a", epochs=6, checkpoint_every=1, save_path=stem, **diloco)
     assert first.summary["outcome"] == "completed"
     assert first.summary["eval_accuracy"] >= 0.9  # type: ignore[operator]  # JSON value
-    assert Path(f"{stem}.outer.npz").exists()  # the momentum is part of the bundle
+    outer = bundle_on_disk(stem).outer
+    assert outer is not None and outer.exists()  # the momentum is part of the bundle
     second = run(data, tmp_path / "b", epochs=8, resume_from=stem, **diloco)
     assert second.summary["outcome"] == "completed"
     assert second.summary["epochs_completed"] == 8

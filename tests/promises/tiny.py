@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from elche.core.checkpoint import CheckpointMeta
+from elche.runtime.bundle import BundlePaths, locate, meta_path
+
 
 def make_model(device: torch.device) -> nn.Module:
     torch.manual_seed(0)
@@ -21,3 +24,9 @@ def step(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
 
 def score(model: nn.Module, dataset: object) -> float:
     return 0.5
+
+
+def bundle_on_disk(stem: str) -> BundlePaths:
+    """Where the files of the bundle committed at ``stem`` are (its meta names them)."""
+    meta = CheckpointMeta.from_json(meta_path(stem).read_text(encoding="utf-8"))
+    return locate(stem, meta, meta.world_size)

@@ -2,7 +2,10 @@
 
 A checkpoint bundle is the ranks' model and optimizer files plus this meta
 sidecar, written by the coordinator (only it knows the cluster-wide counters
-and the balancer's trajectory). ``resume_from`` reads it back to continue
+and the balancer's trajectory). The meta is the bundle's commit mark: it is
+written last, once the ranks said their files are on disk, and it names each
+file with its size and SHA-256, so a resume can refuse files that are not the
+ones it was written with. ``resume_from`` reads it back to continue
 exactly: same epoch, step and averaging round, same ElChe state and guard
 history, and only the samples of the interrupted epoch that no consensus
 model has seen yet.
@@ -27,13 +30,17 @@ from elche.core.errors import ConfigError
 
 __all__ = [
     "SCHEMA_VERSION",
+    "BundleFile",
+    "BundleFiles",
     "CheckpointMeta",
     "EpochCoverage",
     "SaveReason",
 ]
 
-# 2: ``rounds_done`` (was ``sync_round``). Schema 1 metas are still read.
-SCHEMA_VERSION = 2
+# 2: ``rounds_done`` (was ``sync_round``).
+# 3: ``save_seq`` and ``files``: the bundle's numbered files, with sizes and hashes.
+# Metas of schemas 1 and 2 are still read (their files have fixed names).
+SCHEMA_VERSION = 3
 
 # Seeds reach torch's generators and the wire as unsigned 64-bit integers.
 MAX_SEED = 2**64 - 1
@@ -75,6 +82,46 @@ class EpochCoverage:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class BundleFile:
+    """One file of a bundle: its name in the meta's folder, size and SHA-256."""
+
+    name: str
+    size: int
+    sha256: str
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name or "\\" in self.name or self.name in (".", ".."):
+            raise ConfigError("files", f"{self.name!r} is not a file name in the bundle's folder")
+        check_range("files.size", self.size, 0)
+        if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256):
+            raise ConfigError("files", f"{self.name}: {self.sha256!r} is not a SHA-256 hex digest")
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "size": self.size, "sha256": self.sha256}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BundleFiles:
+    """What a bundle holds: the canonical model, each rank's optimizer state, and
+    the DiLoCo outer momentum (``outer_lr`` runs, once it has a velocity)."""
+
+    model: BundleFile
+    optim: tuple[tuple[int, BundleFile], ...] = ()  # (rank, file), by rank
+    outer: BundleFile | None = None
+
+    def optim_of(self, rank: int) -> BundleFile | None:
+        """Rank ``rank``'s optimizer state, or None if the bundle has none for it."""
+        return dict(self.optim).get(rank)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "model": self.model.to_json(),
+            "optim": {str(rank): f.to_json() for rank, f in self.optim},
+            "outer": None if self.outer is None else self.outer.to_json(),
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointMeta:
     """The coordinator's half of a checkpoint bundle.
 
@@ -89,6 +136,10 @@ class CheckpointMeta:
         epochs: epochs planned.
         elche_state: the balancer's state, with the guard's history.
         coverage: one entry per started, unfinished epoch.
+        mode: the run's mode (None in metas before schema 3).
+        save_seq: the save's number (a resumed run numbers its saves after it).
+        files: the files of the bundle (None in metas before schema 3, whose
+            files have fixed names: ``STEM.model.pt``, ``STEM.rank<N>.optim.pt``).
 
     Raises:
         ConfigError: a count is outside [0, MAX_COUNT] (sizes: [1, MAX_COUNT]),
@@ -107,12 +158,15 @@ class CheckpointMeta:
     epochs: int
     elche_state: ElCheState | None = None
     coverage: tuple[EpochCoverage, ...] = ()
+    mode: str | None = None
+    save_seq: int = 0
+    files: BundleFiles | None = None
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         check_range("epochs", self.epochs, 1)
         check_range("epoch", self.epoch, 0, self.epochs)
-        for field in ("global_step", "rounds_done"):
+        for field in ("global_step", "rounds_done", "save_seq"):
             check_range(field, getattr(self, field), 0)
         for field in ("world_size", "batch_size"):
             check_range(field, getattr(self, field), 1)
@@ -131,9 +185,9 @@ class CheckpointMeta:
     def check_fits(self, config: CoordinatorConfig) -> None:
         """Refuse to resume ``config`` from a meta another run wrote.
 
-        The seed (each epoch's permutation), the batch size (the span grid)
-        and the world size (the ranks the balancer's state is for) must be
-        the run's; so must each started epoch's length. ``epochs`` may
+        The seed (each epoch's permutation), the batch size (the span grid),
+        the mode and the world size (the ranks the balancer's state is for)
+        must be the run's; so must each started epoch's length. ``epochs`` may
         differ: a run can be resumed to go on for longer, or to stop sooner
         (an ``epoch`` at or past the new plan finishes at once).
 
@@ -146,6 +200,11 @@ class CheckpointMeta:
                 raise ConfigError(
                     field, f"the checkpoint was saved with {field}={saved}, this run has {ours}"
                 )
+        if self.mode is not None and self.mode != config.mode.value:
+            raise ConfigError(
+                "mode", f"the checkpoint was saved with mode={self.mode}, this run has "
+                f"{config.mode.value}",
+            )  # fmt: skip
         for started in self.coverage:
             if started.total_samples != config.num_samples:
                 raise ConfigError(
@@ -175,6 +234,9 @@ class CheckpointMeta:
                 }
                 for c in self.coverage
             ],
+            "mode": self.mode,
+            "save_seq": self.save_seq,
+            "files": None if self.files is None else self.files.to_json(),
         }
         return json.dumps(doc, indent=2, sort_keys=True)
 
@@ -217,6 +279,9 @@ class CheckpointMeta:
             if state is None
             else ElCheState.from_json(_mapping(state, "elche_state")),
             coverage=tuple(_coverage(c) for c in _list(doc, "coverage")),
+            mode=_mode(doc.get("mode")),
+            save_seq=_int(doc, "save_seq") if version >= 3 else 0,
+            files=None if doc.get("files") is None else _files(doc["files"]),
             schema_version=version,
         )
 
@@ -240,6 +305,36 @@ def _coverage(raw: object) -> EpochCoverage:
         spans.append((int(span[0]), int(span[1])))
     return EpochCoverage(
         epoch=_int(doc, "epoch"), total_samples=_int(doc, "total_samples"), uncovered=tuple(spans)
+    )
+
+
+def _mode(raw: object) -> str | None:
+    if raw is not None and not isinstance(raw, str):
+        raise ConfigError("mode", f"must be a mode name, got {raw!r}")
+    return raw
+
+
+def _file(raw: object, field: str) -> BundleFile:
+    doc = _mapping(raw, field)
+    name, sha = doc.get("name"), doc.get("sha256")
+    if not isinstance(name, str) or not isinstance(sha, str):
+        raise ConfigError(field, f"expected name and sha256 strings, got {raw!r}")
+    return BundleFile(name=name, size=_int(doc, "size"), sha256=sha)
+
+
+def _files(raw: object) -> BundleFiles:
+    doc = _mapping(raw, "files")
+    optim = _mapping(doc.get("optim", {}), "files.optim")
+    ranks: list[tuple[int, BundleFile]] = []
+    for key, entry in optim.items():
+        if not key.isdigit():
+            raise ConfigError("files.optim", f"{key!r} is not a rank")
+        ranks.append((int(key), _file(entry, f"files.optim.{key}")))
+    outer = doc.get("outer")
+    return BundleFiles(
+        model=_file(doc.get("model"), "files.model"),
+        optim=tuple(sorted(ranks)),
+        outer=None if outer is None else _file(outer, "files.outer"),
     )
 
 

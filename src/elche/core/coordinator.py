@@ -7,7 +7,8 @@ Rules:
   it returns, in order. Identical (config, events, times) give identical
   commands.
 - Run states move forward only: ``FORMING -> TRAINING -> (FINISHING) ->
-  DONE``, or ``-> SAVING -> DONE`` when the run cannot go on.
+  CLOSING -> DONE`` (the run is complete once its final model is on disk),
+  or ``-> SAVING -> DONE`` when the run cannot go on.
 - A rank is ``JOINING``, ``LIVE``, ``DEAD`` or ``ERRORED``. A rank that sends
   something illegal is latched ``ERRORED`` and treated as lost; the run goes on
   with the others. An illegal *event* from the shell raises
@@ -33,7 +34,7 @@ states and wires its collaborators, each the one owner of its part: the work
 book (``work``), the planner (``planner``: budgets, chunks, epoch pools), the
 round (``rounds``: the averaging protocol), the tuner (``tuning``: what a
 closed round teaches the balancer), the callback requests (``callbacks``) and
-the save-and-shutdown (``shutdown``).
+the saves (``saves``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from elche.core import messages as m
 from elche.core import timeline as tl
 from elche.core.callbacks import Callbacks
 from elche.core.checkpoint import CheckpointMeta, SaveReason
-from elche.core.commands import ArmTimer, Broadcast, Command, Emit, Finish, Notice, Send, WriteMeta
+from elche.core.commands import ArmTimer, Broadcast, Command, Emit, Finish, Notice, Send
 from elche.core.config import Backend, CoordinatorConfig
 from elche.core.errors import LocalProtocolError, RemoteProtocolError
 from elche.core.events import (
@@ -61,10 +62,11 @@ from elche.core.events import (
 )
 from elche.core.ledger import WindowLedger
 from elche.core.planner import Planner
+from elche.core.rank import SaveKind
 from elche.core.roles import CallbackRoles
 from elche.core.rounds import Round
+from elche.core.saves import Saves, reason_to_stop
 from elche.core.scheduler import ElChe
-from elche.core.shutdown import SaveAndShutdown
 from elche.core.tuning import Tuner
 from elche.core.work import WorkBook
 
@@ -86,6 +88,7 @@ class RunState(enum.Enum):
     TRAINING = "training"
     FINISHING = "finishing"  # all epochs done; waiting for final callbacks
     SAVING = "saving"  # save-and-shutdown broadcast; waiting for StateSaved
+    CLOSING = "closing"  # training over; waiting for the final model on disk
     DONE = "done"
 
 
@@ -95,12 +98,20 @@ class Coordinator:
     Args:
         config: the run's configuration.
         resume: a checkpoint meta to continue from, or None for a fresh run.
+        last_save: the number of the last save at the run's save path; this
+            run numbers its saves after it (and after ``resume``'s).
 
     Raises:
         ConfigError: ``resume`` does not fit ``config`` (``CheckpointMeta.check_fits``).
     """
 
-    def __init__(self, config: CoordinatorConfig, *, resume: CheckpointMeta | None = None) -> None:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        *,
+        resume: CheckpointMeta | None = None,
+        last_save: int = 0,
+    ) -> None:
         if resume is not None:
             resume.check_fits(config)
         self.config = config
@@ -115,7 +126,7 @@ class Coordinator:
             config, self.elche, self.callbacks, self.planner, self.work,
             ledger=self.ledger, saved=None if resume is None else resume.elche_state,
         )  # fmt: skip
-        self.saving = SaveAndShutdown(config)
+        self.saves = Saves(config, max(last_save, resume.save_seq if resume else 0))
         self.round = Round(config, self.work)
         self.state = RunState.FORMING
         self.rank_state = [RankState.JOINING] * ws
@@ -400,17 +411,18 @@ class Coordinator:
         self._broadcast(m.EpochDone(epoch=epoch, loss=loss))
         done = epoch + 1
         self._out += self.callbacks.at_epoch_end(done, self.live)
-        stem = self.config.save_path
-        if self.callbacks.checkpoint_due(done) and stem is not None:
-            self._out.append(WriteMeta(stem=stem, meta=self._meta(SaveReason.CHECKPOINT)))
+        if self.callbacks.checkpoint_due(done) and self.config.save_path is not None:
+            # A newer bundle supersedes one still being written.
+            meta = self._meta(SaveReason.CHECKPOINT)
+            self._out += self.saves.start(SaveKind.CHECKPOINT, self.live, self._now, meta=meta)
 
     def _end_of_training(self) -> None:
-        if self.callbacks.pending:
+        if self.callbacks.pending or SaveKind.CHECKPOINT in self.saves:
             self.state = RunState.FINISHING
             return
-        live = self.live
-        self._broadcast(m.Shutdown(writer=min(live) if live else -1))
-        self._finish("completed")
+        self.state = RunState.CLOSING
+        self._out += self.saves.start(SaveKind.FINAL, self.live, self._now)
+        self._settle()  # with no rank left nobody can write it
 
     def _maybe_close(self) -> None:
         """A callback answered: a finishing run may now be done."""
@@ -433,10 +445,9 @@ class Coordinator:
         if self.state is RunState.FORMING:
             self._finish("failed", f"rank {rank} lost before the run formed: {reason}")
             return
-        if self.state is RunState.SAVING:
-            self.saving.lost(rank)
-            if self.saving.done:
-                self._finish_save()
+        if self.state in (RunState.SAVING, RunState.CLOSING):
+            self._out += self.saves.lost(rank, self.live)
+            self._settle()
             return
         self.round.leave(rank)  # what an average already holds stays committed
         reissued = self.work.forfeit(rank)
@@ -449,10 +460,12 @@ class Coordinator:
             f"{len(live)} survivor(s)",
         )
         self.roles.on_death(rank, live, self.elche.smoothed_ms_per_batch)
-        reason_to_save = self.saving.reason_to_stop(len(self.dead_ranks), len(live))
+        reason_to_save = reason_to_stop(self.config, len(self.dead_ranks), len(live))
         if reason_to_save is not None:
             self._save(reason_to_save)
             return
+        self._out += self.saves.lost(rank, live)
+        self._settle()
         self._out += self.callbacks.on_death(rank, self.live)
         self._after_death()
         self._maybe_close()  # what the dead rank owed may have been all that was left
@@ -480,12 +493,40 @@ class Coordinator:
 
     def _save(self, reason: SaveReason) -> None:
         """Ask the survivors to save and stop; the meta follows their answers."""
-        if self.state is RunState.SAVING:
+        if self.state in (RunState.SAVING, RunState.CLOSING, RunState.DONE):
             return
         self.state = RunState.SAVING
-        self._out += self.saving.begin(reason, self.live, self._now)
-        if self.saving.done:
-            self._finish_save()
+        self._notice("error", f"run cannot continue ({reason.value}); saving state and stopping")
+        self._out += self.saves.start(SaveKind.SHUTDOWN, self.live, self._now, reason=reason)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Act on the saves nothing more will come for (see ``elche.core.saves``)."""
+        stem = self.config.save_path
+        for save in self.saves.take_settled():
+            if save.kind is SaveKind.CHECKPOINT:
+                if not save.committed:
+                    text = f"checkpoint bundle {save.seq} was not written ({save.failure()})"
+                    self._notice("error", text + "; training goes on")
+                elif stem is not None and save.meta is not None:
+                    self._out.append(self.saves.commit(stem, save.meta, save))
+                self._maybe_close()
+                continue
+            self._broadcast(m.Shutdown(writer=-1))  # the held ranks exit
+            cause = save.reason or SaveReason.GRACEFUL_SHUTDOWN
+            reason = cause.value
+            if not save.committed:
+                what = "the final model" if save.kind is SaveKind.FINAL else f"{reason}: the bundle"
+                self._finish("failed", f"{what} could not be written ({save.failure()})")
+            elif save.kind is SaveKind.FINAL:
+                self._finish("completed")
+            else:
+                assert save.writer is not None  # a committed save has its writer
+                # The canonical model holds the writer's unaveraged steps.
+                self.work.commit(save.writer, self.work.steps_since_sync(save.writer))
+                if stem is not None:
+                    self._out.append(self.saves.commit(stem, self._meta(cause), save))
+                self._finish("saved_and_shutdown", reason)
 
     def _meta(self, reason: SaveReason) -> CheckpointMeta:
         open_epochs = self.work.open_epochs()
@@ -498,26 +539,18 @@ class Coordinator:
             seed=self.config.seed,
             batch_size=self.config.batch_size,
             epochs=self.config.epochs,
+            mode=self.config.mode.value,
             elche_state=self.tuner.saved_state(),
             coverage=self.work.coverage(),
         )
 
     def _on_state_saved(self, rank: int, msg: m.StateSaved) -> None:
-        if self.state is not RunState.SAVING:
+        out = self.saves.answered(rank, msg, self.live)
+        if out is None:
             self.stale_messages += 1
             return
-        if msg.error is None and rank == self.saving.writer:
-            # The canonical model holds the writer's unaveraged steps.
-            self.work.commit(rank, self.work.steps_since_sync(rank))
-        self._out += self.saving.answered(rank, msg.error)
-        if self.saving.done:
-            self._finish_save()
-
-    def _finish_save(self) -> None:
-        reason = self.saving.reason
-        if self.config.save_path is not None:
-            self._out.append(WriteMeta(stem=self.config.save_path, meta=self._meta(reason)))
-        self._finish("saved_and_shutdown", reason.value)
+        self._out += out
+        self._settle()
 
     # -- timers ----------------------------------------------------------------
 
@@ -534,11 +567,12 @@ class Coordinator:
                 return
             self._arm()
             return
-        late = self.saving.overdue(now) if self.state is RunState.SAVING else None
-        if late is not None:
-            self._out.append(late)
-            self._finish_save()
-            return
+        late = self.saves.overdue(now, self.live)
+        if late:
+            self._out += late
+            self._settle()
+            if self.outcome is not None:
+                return
         timeout = self.config.heartbeat_timeout_s
         for rank in self.live:
             silent_s = now - self.last_seen_s[rank]

@@ -42,6 +42,8 @@ __all__ = [
     "RequestParams",
     "RunCheckpoint",
     "RunEval",
+    "SaveState",
+    "SavedFile",
     "SetBudget",
     "SetEpochCallbackRole",
     "Shutdown",
@@ -57,7 +59,9 @@ __all__ = [
 
 # Bumped on any incompatible change to a struct below. A frame of another
 # version is refused with a message naming both versions.
-PROTOCOL_VERSION = 2  # 2: the averaging round is `round` in every message (was `cycle`)
+# 2: the averaging round is `round` in every message (was `cycle`).
+# 3: saves are numbered and confirmed (``SaveState``, ``StateSaved.files``).
+PROTOCOL_VERSION = 3
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -151,11 +155,30 @@ class EpochFnElapsed(_Msg, frozen=True):
     elapsed_ms: float
 
 
-class StateSaved(_Msg, frozen=True):
-    """Answer to ``ShutdownWithSave``: the rank wrote (or failed to write) its state."""
+class SavedFile(msgspec.Struct, frozen=True, kw_only=True):
+    """One file a rank wrote for a save, as the bundle's meta names it.
 
-    path: str | None = None
+    ``kind`` is ``"model"`` (the canonical model), ``"optim"`` (the rank's
+    optimizer state) or ``"final"`` (the completed run's model); ``name`` is
+    the file's name in the save path's folder (the run dir for ``"final"``).
+    """
+
+    kind: str
+    name: str
+    size: int
+    sha256: str
+
+
+class StateSaved(_Msg, frozen=True):
+    """Answer to save ``seq``: the files the rank wrote, durably, or its error.
+
+    ``writer``: the rank answers an order that named it the model's writer.
+    """
+
+    seq: int
+    files: list[SavedFile] = []
     error: str | None = None
+    writer: bool = False
 
 
 class Exiting(_Msg, frozen=True):
@@ -251,19 +274,38 @@ class EpochDone(_Msg, frozen=True):
 
 
 class Shutdown(_Msg, frozen=True):
-    """Training is over; exit cleanly. ``writer`` saves the final model (-1: none)."""
+    """Training is over. ``writer`` writes the final model as save ``seq`` and
+    answers ``StateSaved``; the others wait for the next ``Shutdown``. With
+    ``writer`` -1 every rank exits."""
 
     writer: int = -1
+    seq: int = 0
+
+
+class SaveState(_Msg, frozen=True):
+    """A periodic bundle: write this rank's state as save ``seq`` and train on.
+
+    ``writer`` also writes the canonical model. Files of saves other than
+    ``seq`` and ``keep`` (the last committed save) may be removed.
+    """
+
+    seq: int
+    writer: int
+    keep: int = 0
 
 
 class ShutdownWithSave(_Msg, frozen=True):
-    """Unrecoverable: write state under ``save_path`` and exit.
+    """Unrecoverable: write state as save ``seq`` under ``save_path``, then wait.
 
-    ``writer`` is the rank whose model is the canonical one in the bundle.
+    ``writer`` is the rank whose model is the canonical one in the bundle; it
+    may be sent again naming a new writer when the first dies. A ``Shutdown``
+    with writer -1 ends the wait.
     """
 
     reason: str
     writer: int
+    seq: int = 0
+    keep: int = 0
 
 
 class CoordHeartbeat(_Msg, frozen=True):
@@ -297,6 +339,7 @@ CoordMessage = (
     | EvalBroadcast
     | EpochDone
     | Shutdown
+    | SaveState
     | ShutdownWithSave
     | CoordHeartbeat
 )

@@ -25,8 +25,14 @@ Rules:
   epoch it has not started yet.
 - ``Regroup`` abandons a pending collective of the old group and re-forms
   the group; a rank not among its members was declared dead and stops.
-- ``Shutdown`` stops the rank; ``ShutdownWithSave`` makes it save its state
-  first and answer ``StateSaved``. Once stopped, the rank ignores messages.
+- Saves are numbered and confirmed. ``SaveState`` (a periodic bundle) makes
+  the rank write its state and answer ``StateSaved``, then train on; it is
+  served right after a pending round. ``ShutdownWithSave`` (the run cannot go
+  on) and a ``Shutdown`` naming this rank the final writer make it save and
+  answer, then hold (``HELD``): a rank that wrote nothing yet may still be
+  named the writer when the first one dies. A ``Shutdown`` with writer -1
+  stops the rank; one naming another rank holds it. Once stopped, the rank
+  ignores messages.
 
 Theory of operation. A driver loops: feed each message it received to
 ``handle``, ask ``next_action`` what to do, do that action's IO, and report
@@ -37,8 +43,9 @@ send. ``next_action`` only looks: asking twice gives the same answer, and a
 driver whose action takes time (the simulator's) asks nothing until it
 completes, while messages may still arrive. Priority, first match wins::
 
-    Done > Save > FormGroup > Load > Hold(waiting for Update)
-         > Average | Upload > Callback > StartEpoch > Train > Hold
+    Done > Save(stopping) > Hold(held) > FormGroup > Load
+         > Hold(waiting for Update) > Average | Upload > Save(periodic)
+         > Callback > StartEpoch > Train > Hold
 
 A completion whose precondition does not hold (``averaged`` with no
 collective pending, ``trained`` for a batch that is not the front chunk's
@@ -50,6 +57,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypedDict, Unpack, assert_never
 
@@ -69,6 +77,7 @@ __all__ = [
     "RankProtocol",
     "RankStage",
     "Save",
+    "SaveKind",
     "StartEpoch",
     "Train",
     "Upload",
@@ -81,6 +90,7 @@ class RankStage(enum.Enum):
     TRAINING = "training"  # the normal state: train, hold, average, run callbacks
     WAITING_UPDATE = "waiting_update"  # uploaded a snapshot, holds for the Update
     SAVING = "saving"  # told to save and stop
+    HELD = "held"  # saved (or not the writer); waits for the last Shutdown
     DONE = "done"
 
 
@@ -147,12 +157,38 @@ class FormGroup:
     members: tuple[int, ...]
 
 
+class SaveKind(enum.Enum):
+    """What a save writes and what the rank does after it."""
+
+    CHECKPOINT = "checkpoint"  # a periodic bundle; training goes on
+    SHUTDOWN = "shutdown"  # the run cannot go on: a bundle, then hold
+    FINAL = "final"  # the completed run's model, then hold
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Save:
-    """Write this rank's state (the model too if ``writer``), then ``saved``."""
+    """Write save ``seq``, then ``saved``.
 
-    reason: str
+    ``FINAL`` writes the model alone; the bundle kinds write the rank's
+    optimizer state and, if ``writer``, the canonical model. Files of other
+    saves than ``seq`` and ``keep`` may go.
+    """
+
+    kind: SaveKind
+    seq: int
     writer: bool
+    keep: int = 0
+    reason: str = ""
+
+    def nominal_files(self, rank: int) -> list[m.SavedFile]:
+        """What a driver that writes no files (the simulator, the test fake) reports."""
+        kinds = ["final"] if self.kind is SaveKind.FINAL else ["optim"]
+        kinds += ["model"] if self.writer and self.kind is not SaveKind.FINAL else []
+        return [
+            m.SavedFile(kind=kind, name=f"nominal.s{self.seq}.rank{rank}.{kind}", size=0,
+                        sha256="0" * 64)
+            for kind in kinds
+        ]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -211,7 +247,6 @@ class RankProtocol:
         self.window = 0  # steps that complete the window (0: the budget does)
         self.steps_since_sync = 0
         self.epoch_started = -1  # the last epoch whose epoch_fn ran
-        self.final_writer = False  # Shutdown named this rank to write the final model
         self.num_stale = 0  # messages ignored as stale
         self._collective_mode = mode.backend is Backend.COLLECTIVE
         self._request: m.SyncNow | m.RequestParams | None = None
@@ -219,7 +254,8 @@ class RankProtocol:
         self._uploaded: tuple[int, int] | None = None  # (round, steps) of the snapshot out
         self._update: m.Update | None = None
         self._regroup: m.Regroup | None = None
-        self._save: m.ShutdownWithSave | None = None
+        self._save: Save | None = None  # a save to make now
+        self._held_for: str | None = None  # the stop reason once a held rank is let go
 
     # -- inbound -------------------------------------------------------------
 
@@ -229,7 +265,15 @@ class RankProtocol:
         Raises nothing: every message is legal in every state (a stale one is
         counted in ``num_stale`` and ignored); after ``Done`` all are ignored.
         """
-        if self.stage is RankStage.DONE or self.stage is RankStage.SAVING:
+        if self.stage is RankStage.DONE:
+            return
+        if self.stage is RankStage.SAVING:  # only a new writer's order still counts
+            if isinstance(message, m.Shutdown | m.ShutdownWithSave) and message.writer == self.rank:
+                self._on_shutdown(message)
+            return
+        if self.stage is RankStage.HELD:
+            if isinstance(message, m.Shutdown | m.ShutdownWithSave):
+                self._on_shutdown(message)
             return
         match message:
             case m.AssignChunk(epoch=epoch, offset=offset, size=size):
@@ -251,18 +295,34 @@ class RankProtocol:
                 self._callbacks.append(message)
             case m.Regroup(members=members):
                 self._on_regroup(message, members)
-            case m.Shutdown(writer=writer):
-                self.final_writer = writer == self.rank
-                self._stop("completed")
-            case m.ShutdownWithSave():
-                self._save = message
-                self.stage = RankStage.SAVING
+            case m.Shutdown() | m.ShutdownWithSave():
+                self._on_shutdown(message)
+            case m.SaveState(seq=seq, writer=writer, keep=keep):
+                writes = writer == self.rank
+                self._save = Save(kind=SaveKind.CHECKPOINT, seq=seq, writer=writes, keep=keep)
             case m.SetEpochCallbackRole() | m.EvalBroadcast() | m.EpochDone():
                 pass
             case m.CoordHeartbeat():
                 pass
             case _:
                 assert_never(message)
+
+    def _on_shutdown(self, message: m.Shutdown | m.ShutdownWithSave) -> None:
+        writes = message.writer == self.rank
+        if isinstance(message, m.ShutdownWithSave):
+            self._save = Save(
+                kind=SaveKind.SHUTDOWN, seq=message.seq, writer=writes, keep=message.keep,
+                reason=message.reason,
+            )  # fmt: skip
+            self.stage = RankStage.SAVING
+        elif message.writer < 0:
+            self._stop(self._held_for or "completed")
+        elif writes:
+            self._save = Save(kind=SaveKind.FINAL, seq=message.seq, writer=True)
+            self.stage = RankStage.SAVING
+        else:
+            self._save = None  # a periodic save still pending is moot now
+            self.stage = RankStage.HELD
 
     def _on_regroup(self, message: m.Regroup, members: list[int]) -> None:
         if self.rank not in members:
@@ -290,8 +350,11 @@ class RankProtocol:
         if self.stage is RankStage.DONE:
             assert self.stop_reason is not None
             return Done(reason=self.stop_reason)
-        if self._save is not None:
-            return Save(reason=self._save.reason, writer=self._save.writer == self.rank)
+        if self.stage is RankStage.SAVING:
+            assert self._save is not None  # SAVING is entered with its order
+            return self._save
+        if self.stage is RankStage.HELD:
+            return _HOLD
         if self._regroup is not None:
             regroup = self._regroup
             return FormGroup(generation=regroup.generation, members=tuple(regroup.members))
@@ -302,6 +365,8 @@ class RankProtocol:
             return _HOLD
         if self._request is not None:
             return self._serve(self._request)
+        if self._save is not None:
+            return self._save
         if self._callbacks:
             return Callback(request=self._callbacks[0])
         if self.steps_since_sync >= self.budget or not self.chunks:
@@ -483,8 +548,11 @@ class RankProtocol:
             raise self._illegal("regrouped", "no Regroup is waiting")
         self._regroup = None
 
-    def saved(self, *, path: str | None, error: str | None = None) -> m.StateSaved:
-        """The state ``ShutdownWithSave`` asked for is written (or failed); the rank stops.
+    def saved(self, *, files: Sequence[m.SavedFile] = (), error: str | None = None) -> m.StateSaved:
+        """The save asked for is written durably (``files``) or failed (``error``).
+
+        A periodic save goes back to training; the others hold for the last
+        ``Shutdown``.
 
         Returns:
             The answer to send.
@@ -494,6 +562,9 @@ class RankProtocol:
         """
         if self._save is None:
             raise self._illegal("saved", "no save was asked for")
-        reason, self._save = self._save.reason, None
-        self._stop(f"saved: {reason}")
-        return m.StateSaved(path=path, error=error)
+        order, self._save = self._save, None
+        if order.kind is SaveKind.SHUTDOWN:
+            self._held_for = f"saved: {order.reason}"
+        if order.kind is not SaveKind.CHECKPOINT:
+            self.stage = RankStage.HELD
+        return m.StateSaved(seq=order.seq, files=list(files), error=error, writer=order.writer)

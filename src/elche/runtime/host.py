@@ -20,6 +20,8 @@ sidecar. The run secret comes from ``ELCHE_SECRET``.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -33,10 +35,11 @@ from pathlib import Path
 from typing import TextIO, assert_never
 
 import msgspec
+import numpy as np
 
 from elche.core import messages as m
 from elche.core import timeline as tl
-from elche.core.checkpoint import CheckpointMeta, SaveReason
+from elche.core.checkpoint import BundleFile, BundleFiles, CheckpointMeta, SaveReason
 from elche.core.commands import (
     ArmTimer,
     AverageSnapshots,
@@ -50,6 +53,7 @@ from elche.core.commands import (
 )
 from elche.core.config import CoordinatorConfig, Mode, SchedulerConfig
 from elche.core.coordinator import Coordinator
+from elche.core.errors import ConfigError
 from elche.core.events import (
     AverageComputed,
     Event,
@@ -63,13 +67,13 @@ from elche.core.events import (
 from elche.core.guards import GuardKind
 from elche.monitor.summary import SUMMARY_FILE, RunStats, coordinator_summary
 from elche.monitor.timeline import TimelineWriter
+from elche.runtime import bundle
 from elche.runtime.frames import SECRET_ENV, secret_from_env
 from elche.runtime.snapshots import (
     Layout,
     NesterovOuter,
     SnapshotAverager,
     load_outer_state,
-    save_outer_state,
 )
 from elche.runtime.transport import CoordinatorEndpoint, Joined, Received, Rejected
 
@@ -80,8 +84,6 @@ __all__ = [
     "config_from_json",
     "config_to_json",
     "main",
-    "meta_path",
-    "outer_path",
 ]
 
 ADDRESS_LINE = "ELCHE_COORDINATOR"
@@ -89,16 +91,6 @@ ADDRESS_LINE = "ELCHE_COORDINATOR"
 RESUME_OUTER = "resume.outer.npz"
 # The loop never sleeps longer than this, so a lost timer costs at most this.
 MAX_WAIT_S = 0.5
-
-
-def meta_path(stem: str) -> Path:
-    """Where the meta sidecar of bundle ``stem`` lives."""
-    return Path(f"{stem}.meta.json")
-
-
-def outer_path(stem: str) -> Path:
-    """Where bundle ``stem`` keeps the DiLoCo outer momentum (``outer_lr`` runs)."""
-    return Path(f"{stem}.outer.npz")
 
 
 class Host:
@@ -121,7 +113,10 @@ class Host:
         resume: CheckpointMeta | None = None,
         log: TextIO = sys.stderr,
     ) -> None:
-        self.core = Coordinator(config, resume=resume)
+        # The meta at the save path now: its files go once a newer meta is written.
+        self._committed = _read_meta(config.save_path)
+        last = 0 if self._committed is None else self._committed.save_seq
+        self.core = Coordinator(config, resume=resume, last_save=last)
         self.endpoint = endpoint
         self.run_dir = run_dir
         self.log = log
@@ -239,19 +234,46 @@ class Host:
                 assert_never(command)
 
     def _write_meta(self, stem: str, meta: CheckpointMeta) -> None:
-        """Write the bundle's commit mark; a full or read-only disk is reported, not fatal."""
+        """Commit a bundle: its outer momentum, then the meta that names every file.
+
+        The files of the bundle the meta replaces go afterwards (those this
+        host can see). A full or read-only disk is reported, not fatal.
+        """
         try:
-            # The meta is the bundle's commit mark: everything else first.
-            if self.outer is not None:
-                save_outer_state(self.outer, outer_path(stem))
-            _write_atomic(meta_path(stem), meta.to_json())
+            if self.outer is not None and meta.files is not None:
+                outer = self._write_outer(stem, meta.save_seq)
+                meta = dataclasses.replace(meta, files=dataclasses.replace(meta.files, outer=outer))
+            text = meta.to_json().encode("utf-8")
+            bundle.write_file(bundle.meta_path(stem), lambda f: f.write(text), kind="meta")
         except OSError as exc:
             what = "checkpoint" if meta.reason is SaveReason.CHECKPOINT else "bundle"
             self._print(
                 "error",
-                f"could not write the {what} meta {meta_path(stem)} ({exc}); that {what} "
+                f"could not write the {what} meta {bundle.meta_path(stem)} ({exc}); that {what} "
                 "is not resumable" + ("; training goes on" if what == "checkpoint" else ""),
             )
+            return
+        self._drop_superseded(stem, meta)
+
+    def _write_outer(self, stem: str, seq: int) -> BundleFile | None:
+        """The outer momentum's file of save ``seq`` (None before it has a velocity)."""
+        assert self.outer is not None
+        velocity = self.outer.state_dict()["velocity"]
+        if not isinstance(velocity, list):
+            return None
+        path = Path(stem).parent / bundle.outer_name(stem, seq)
+        saved = bundle.write_file(path, lambda f: np.savez(f, *velocity), kind="outer")
+        return BundleFile(name=saved.name, size=saved.size, sha256=saved.sha256)
+
+    def _drop_superseded(self, stem: str, meta: CheckpointMeta) -> None:
+        old, self._committed = self._committed, meta
+        if old is None or old.files is None or meta.files is None:
+            return
+        folder = Path(stem).parent
+        new = _names(meta.files)
+        for name in _names(old.files) - new:
+            with contextlib.suppress(OSError):
+                (folder / name).unlink()
 
     def _send(self, rank: int, message: m.CoordMessage) -> None:
         payload: Sequence[bytes | memoryview] = ()
@@ -310,6 +332,21 @@ class Host:
             self.stats, mode=config.mode.value, world_size=config.world_size
         )
         _write_atomic(self.run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
+
+
+def _names(files: BundleFiles) -> set[str]:
+    names = {files.model.name, *(f.name for _, f in files.optim)}
+    return names | ({files.outer.name} if files.outer is not None else set())
+
+
+def _read_meta(stem: str | None) -> CheckpointMeta | None:
+    """The meta at ``stem`` if there is a readable one."""
+    if stem is None:
+        return None
+    try:
+        return CheckpointMeta.from_json(bundle.meta_path(stem).read_text(encoding="utf-8"))
+    except (OSError, ConfigError):
+        return None
 
 
 def _write_atomic(path: Path, text: str) -> None:

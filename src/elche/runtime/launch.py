@@ -39,13 +39,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elche.core import timeline as tl
+from elche.core.checkpoint import CheckpointMeta
 from elche.core.config import CoordinatorConfig
 from elche.core.errors import ConfigError
 from elche.monitor.progress import Progress
 from elche.monitor.summary import read_run, run_summary
 from elche.monitor.timeline import TimelineReader
+from elche.runtime import bundle
 from elche.runtime.frames import SECRET_ENV, new_secret
-from elche.runtime.host import ADDRESS_LINE, RESUME_OUTER, config_to_json, meta_path, outer_path
+from elche.runtime.host import ADDRESS_LINE, RESUME_OUTER, config_to_json
 from elche.runtime.plan import Hooks, Plan, TrainResult
 
 if TYPE_CHECKING:
@@ -144,8 +146,8 @@ def explain_outcome(summary: dict[str, object], save_path: str | None) -> None:
     if summary.get("outcome") == "saved_and_shutdown":
         print(
             f"elche: the run could not continue ({summary.get('reason')}); its state is saved "
-            f"under {save_path} (.model.pt, .rank<N>.optim.pt, .meta.json). Resume it with "
-            f"resume_from={save_path!r} (elche demo: --resume-from {save_path}).",
+            f"as the bundle {save_path} ({save_path}.meta.json names its files). Resume it "
+            f"with resume_from={save_path!r} (elche demo: --resume-from {save_path}).",
             file=sys.stderr,
             flush=True,
         )
@@ -158,11 +160,11 @@ def start_coordinator(
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "coordinator.json").write_text(config_to_json(config), encoding="utf-8")
     if resume_from is not None:
-        (run_dir / "resume.meta.json").write_text(
-            meta_path(resume_from).read_text(encoding="utf-8"), encoding="utf-8"
-        )
-        if config.outer_lr is not None and outer_path(resume_from).exists():
-            shutil.copyfile(outer_path(resume_from), run_dir / RESUME_OUTER)
+        text = bundle.meta_path(resume_from).read_text(encoding="utf-8")
+        (run_dir / "resume.meta.json").write_text(text, encoding="utf-8")
+        outer = bundle.locate(resume_from, CheckpointMeta.from_json(text), config.world_size).outer
+        if config.outer_lr is not None and outer is not None:
+            shutil.copyfile(outer, run_dir / RESUME_OUTER)
     env = dict(os.environ, **{SECRET_ENV: secret.hex()})
     proc = subprocess.Popen(
         [sys.executable, "-m", "elche.runtime.host", str(run_dir)],
@@ -317,6 +319,6 @@ def collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]
     summary = run_summary(
         host, ranks, speeds=plan.speeds, launched_s=t0, save_path=plan.config.save_path
     )
-    model_file = run_dir / "final_model.pt"
+    model_file = run_dir / bundle.FINAL_MODEL
     state = torch.load(model_file, map_location="cpu") if model_file.exists() else {}
     return TrainResult(state_dict=state, epochs=epochs, summary=summary, run_dir=str(run_dir))

@@ -12,18 +12,16 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from elche.core.checkpoint import CheckpointMeta
 from elche.core.dispatch import epoch_permutation
 from elche.runtime.data import fetch
-from elche.runtime.host import meta_path
 from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.plan import Hooks, Plan, TrainResult
+from elche.runtime.resume import load_bundle
 from elche.runtime.worker import UserFns, to_device
 
 __all__ = ["train_solo"]
@@ -145,9 +143,5 @@ def _resume(solo: _Solo, stem: str | None) -> tuple[int, dict[int, tuple[tuple[i
     """Load a bundle; returns the epoch to start at and the holes to train."""
     if stem is None:
         return 0, {}
-    meta = CheckpointMeta.from_json(meta_path(stem).read_text(encoding="utf-8"))
-    solo.model.load_state_dict(torch.load(f"{stem}.model.pt", map_location=solo.device))
-    optim_file = Path(f"{stem}.rank0.optim.pt")
-    if optim_file.exists():
-        solo.optimizer.load_state_dict(torch.load(optim_file, map_location=solo.device))
+    meta = load_bundle(stem, solo.model, solo.optimizer, rank=0, world_size=1, device=solo.device)
     return meta.epoch, {c.epoch: c.uncovered for c in meta.coverage}

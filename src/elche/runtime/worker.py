@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, assert_never
+from typing import Any, BinaryIO, assert_never
 
 import msgspec
 import torch
@@ -48,10 +48,12 @@ from elche.core.dispatch import epoch_permutation
 from elche.core.faults import FailCheckpoint, Fault, Kill, SlowDown, Stall, position
 from elche.core.rank import RankProtocol
 from elche.monitor.summary import rank_report_file
+from elche.runtime import bundle
 from elche.runtime.averaging import collective_average, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
 from elche.runtime.data import fetch
 from elche.runtime.pacing import Pacer, pacer_for
+from elche.runtime.resume import load_bundle
 from elche.runtime.snapshots import Layout
 from elche.runtime.transport import RankEndpoint
 
@@ -252,8 +254,8 @@ class Worker:
                     continue
                 case r.Hold():
                     self._wait()
-                case r.Save(writer=writer):
-                    self._save(writer)
+                case r.Save():
+                    self._save(action)
                 case r.FormGroup(generation=generation, members=members):
                     self._regroup(generation, list(members))
                     proto.regrouped()
@@ -454,8 +456,6 @@ class Worker:
             else:
                 if self._fail_checkpoint:
                     raise OSError("disk full (FailCheckpoint fault)")
-                if self.spec.save_path is not None:
-                    self._write_bundle(self.spec.save_path, optimizer=True)
                 if self.fns.checkpoint_fn is not None:
                     self.fns.checkpoint_fn(request.version, self.model)
         except Exception as exc:  # a user callback failing must not kill the rank
@@ -483,16 +483,38 @@ class Worker:
         )
         self.proto.coordinator_lost(reason)
 
-    def _save(self, writer: bool) -> None:
+    def _save(self, order: r.Save) -> None:
+        """Write save ``order.seq`` durably and report its files (``elche.runtime.bundle``)."""
         self._report()  # the coordinator books the writer's batches before its save
         error: str | None = None
-        path: str | None = None
-        if self.spec.save_path is not None:
-            try:
-                path = self._write_bundle(self.spec.save_path, optimizer=True, model=writer)
-            except (OSError, RuntimeError) as exc:  # torch.save raises RuntimeError on ENOSPC
-                error = f"{type(exc).__name__}: {exc}"
-        self._send(self.proto.saved(path=path, error=error))
+        files: list[m.SavedFile] = []
+        try:
+            files = self._write_save(order)
+        except (OSError, RuntimeError) as exc:  # torch.save raises RuntimeError on ENOSPC
+            error = f"{type(exc).__name__}: {exc}"
+        self._send(self.proto.saved(files=files, error=error))
+
+    def _write_save(self, order: r.Save) -> list[m.SavedFile]:
+        if order.kind is r.SaveKind.FINAL:
+            path = Path(self.spec.run_dir) / bundle.FINAL_MODEL
+            return [bundle.write_file(path, self._torch_save(self.model), kind="final")]
+        stem = self.spec.save_path
+        if stem is None:
+            return []
+        folder = Path(stem).parent
+        folder.mkdir(parents=True, exist_ok=True)
+        files = []
+        if order.writer:
+            path = folder / bundle.model_name(stem, order.seq)
+            files.append(bundle.write_file(path, self._torch_save(self.model), kind="model"))
+        path = folder / bundle.optim_name(stem, order.seq, self.spec.rank)
+        files.append(bundle.write_file(path, self._torch_save(self.optimizer), kind="optim"))
+        bundle.prune(stem, {order.seq, order.keep}, rank=self.spec.rank, model=order.writer)
+        return files
+
+    @staticmethod
+    def _torch_save(owner: nn.Module | torch.optim.Optimizer) -> Callable[[BinaryIO], None]:
+        return lambda f: torch.save(owner.state_dict(), f)
 
     def _write_bundle(self, stem: str, *, optimizer: bool, model: bool = True) -> str:
         base = Path(stem)
@@ -548,15 +570,16 @@ def train_rank(
     torch.manual_seed(spec.seed + spec.rank)
     worker = Worker(spec, fns, batch_size)
     if spec.resume_from is not None:
-        _load_bundle(worker, spec.resume_from)
+        load_bundle(
+            spec.resume_from, worker.model, worker.optimizer, rank=spec.rank,
+            world_size=spec.world_size, device=worker.device,
+        )  # fmt: skip
     worker.join_group()  # collective modes: the rendezvous, so every peer has started
     worker.wait_peers_started()  # the same, for coordinator modes
     worker.warm_up(worker.batch_at(0, 0, min(batch_size, len(fns.dataset))))
     worker.connect()
     try:
-        stopped = worker.run()
-        if stopped == "completed" and worker.proto.final_writer:
-            _save_atomic(worker.model.state_dict(), Path(spec.run_dir) / "final_model.pt")
+        worker.run()
     finally:
         assert worker.bridge is not None
         worker.bridge.close()
@@ -567,13 +590,3 @@ def train_rank(
     rank_report_file(Path(spec.run_dir), spec.rank).write_text(json.dumps(report))
     state = {k: v.detach().cpu().clone() for k, v in worker.model.state_dict().items()}
     return report, state
-
-
-def _load_bundle(worker: Worker, stem: str) -> None:
-    model_file = Path(f"{stem}.model.pt")
-    if not model_file.exists():
-        raise FileNotFoundError(f"resume_from: {model_file} does not exist")
-    worker.model.load_state_dict(torch.load(model_file, map_location=worker.device))
-    optim_file = Path(f"{stem}.rank{worker.spec.rank}.optim.pt")
-    if optim_file.exists():
-        worker.optimizer.load_state_dict(torch.load(optim_file, map_location=worker.device))

@@ -79,6 +79,7 @@ from elche.core.rank import (
     RankProtocol,
     RankStage,
     Save,
+    SaveKind,
     StartEpoch,
     Train,
     Upload,
@@ -444,10 +445,10 @@ class Simulation:
                     return
                 case Done():
                     self._finished(r)
-                case Save(writer=writer):
-                    if writer:
+                case Save(writer=writer, kind=kind):
+                    if writer and kind is SaveKind.SHUTDOWN:  # its unaveraged steps are saved
                         self._commit(r.rank, list(r.uncommitted))
-                    self._send(r.rank, r.proto.saved(path=f"{self.config.save_path}.rank{r.rank}"))
+                    self._send(r.rank, r.proto.saved(files=action.nominal_files(r.rank)))
                 case FormGroup():
                     r.proto.regrouped()
                 case Load(steps=steps):

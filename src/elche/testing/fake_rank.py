@@ -244,7 +244,7 @@ class FakeRank:
             case FormGroup():
                 self.proto.regrouped()
             case Save():
-                self._send(endpoint, self.proto.saved(path=None))
+                self._send(endpoint, self.proto.saved(files=action.nominal_files(self.rank)))
             case StartEpoch():
                 raise AssertionError("a fake rank runs no epoch_fn")
             case _:

@@ -1,0 +1,193 @@
+"""A bundle's files on disk: durable writes, numbered names, checks on resume.
+
+Theory of operation. A bundle at stem ``P`` is the meta ``P.meta.json`` (the
+commit mark, written last by the coordinator) and the files it names, in
+``P``'s folder: ``P.s<N>.model.pt`` (the canonical model),
+``P.s<N>.rank<R>.optim.pt`` (each rank's optimizer state) and, for
+``outer_lr`` runs, ``P.s<N>.outer.npz``, where ``N`` is the save's number. A
+file is written to a temporary name, flushed to disk (``fsync``), renamed
+into place and its folder flushed, then hashed from disk; only then does its
+rank report it. Because every save has its own names, a save that dies half
+way leaves the bundle the meta names untouched. Each writer removes its own
+files of older saves than the last committed one, so a folder holds at most
+two saves' files.
+
+Metas of schema 2 and older have no ``files``: their files have fixed names
+(``P.model.pt``, ``P.rank<R>.optim.pt``, ``P.outer.npz``) and no hashes.
+
+This module never imports torch: the coordinator process uses it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from elche.core.checkpoint import BundleFile, CheckpointMeta
+from elche.core.errors import ConfigError
+from elche.core.messages import SavedFile
+
+__all__ = [
+    "FINAL_MODEL",
+    "BundlePaths",
+    "fsync_dir",
+    "locate",
+    "meta_path",
+    "model_name",
+    "optim_name",
+    "outer_name",
+    "prune",
+    "verify",
+    "write_file",
+]
+
+# Read in pieces this large when hashing, so a big model is never held twice.
+_HASH_CHUNK = 1 << 20
+# In the run dir: the completed run's model, written by the final writer.
+FINAL_MODEL = "final_model.pt"
+
+
+def meta_path(stem: str) -> Path:
+    """Where the meta (the commit mark) of bundle ``stem`` lives."""
+    return Path(f"{stem}.meta.json")
+
+
+def model_name(stem: str, seq: int) -> str:
+    """The file name of save ``seq``'s canonical model."""
+    return f"{Path(stem).name}.s{seq}.model.pt"
+
+
+def optim_name(stem: str, seq: int, rank: int) -> str:
+    """The file name of rank ``rank``'s optimizer state in save ``seq``."""
+    return f"{Path(stem).name}.s{seq}.rank{rank}.optim.pt"
+
+
+def outer_name(stem: str, seq: int) -> str:
+    """The file name of save ``seq``'s DiLoCo outer momentum."""
+    return f"{Path(stem).name}.s{seq}.outer.npz"
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (where the platform allows it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # a platform without directory handles
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a directory; the rename stands
+    finally:
+        os.close(fd)
+
+
+def write_file(path: Path, write: Callable[[BinaryIO], object], *, kind: str) -> SavedFile:
+    """Write ``path`` durably through ``write`` and describe it for the meta.
+
+    The bytes go to ``path.tmp``, are fsynced, renamed into place, and the
+    folder is fsynced; the hash is read back from disk.
+
+    Raises:
+        OSError: the folder is full, read-only or gone (the temporary file is
+            removed). ``write``'s own exceptions pass through likewise
+            (``torch.save`` raises ``RuntimeError`` on a full disk).
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open("wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    size, digest = _digest(path)
+    return SavedFile(kind=kind, name=path.name, size=size, sha256=digest)
+
+
+def _digest(path: Path) -> tuple[int, str]:
+    sha = hashlib.sha256()
+    size = 0
+    with path.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            sha.update(chunk)
+            size += len(chunk)
+    return size, sha.hexdigest()
+
+
+def prune(stem: str, keep: set[int], *, rank: int, model: bool) -> None:
+    """Remove this rank's files of saves not in ``keep`` (its own optimizer
+    states; the models too if it wrote ``model``). Errors are ignored: a file
+    left behind costs space, never correctness."""
+    base = Path(stem)
+    name = re.escape(base.name)
+    mine = [re.compile(rf"{name}\.s(\d+)\.rank{rank}\.optim\.pt")]
+    if model:
+        mine.append(re.compile(rf"{name}\.s(\d+)\.model\.pt"))
+    try:
+        entries = list(base.parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        for pattern in mine:
+            match = pattern.fullmatch(entry.name)
+            if match and int(match.group(1)) not in keep:
+                with contextlib.suppress(OSError):
+                    entry.unlink()
+
+
+@dataclass(frozen=True, slots=True)
+class BundlePaths:
+    """Where a bundle's files are on this host."""
+
+    model: Path
+    optim: dict[int, Path]  # rank -> file, for the ranks the bundle has
+    outer: Path | None
+    listed: bool  # the meta names its files (schema 3): sizes and hashes are known
+
+
+def locate(stem: str, meta: CheckpointMeta, world_size: int) -> BundlePaths:
+    """The files of the bundle at ``stem`` that ``meta`` names."""
+    folder = Path(stem).parent
+    files = meta.files
+    if files is None:  # schema 2 and older: fixed names
+        optim = {r: Path(f"{stem}.rank{r}.optim.pt") for r in range(world_size)}
+        outer = Path(f"{stem}.outer.npz")
+        return BundlePaths(
+            model=Path(f"{stem}.model.pt"),
+            optim={r: p for r, p in optim.items() if p.exists()},
+            outer=outer if outer.exists() else None,
+            listed=False,
+        )
+    return BundlePaths(
+        model=folder / files.model.name,
+        optim={rank: folder / f.name for rank, f in files.optim},
+        outer=None if files.outer is None else folder / files.outer.name,
+        listed=True,
+    )
+
+
+def verify(path: Path, expected: BundleFile, *, what: str) -> None:
+    """Refuse a bundle file that is missing or not the one its meta names.
+
+    Raises:
+        ConfigError: ``resume_from``, naming the file and what differs.
+    """
+    if not path.exists():
+        raise ConfigError("resume_from", f"the bundle's {what} {path} is missing")
+    size, digest = _digest(path)
+    if size != expected.size or digest != expected.sha256:
+        raise ConfigError(
+            "resume_from",
+            f"the bundle's {what} {path} is not the file its meta names ({size} bytes, "
+            f"sha256 {digest[:12]}…; the meta says {expected.size} bytes, sha256 "
+            f"{expected.sha256[:12]}…): it was changed or overwritten since the save",
+        )

@@ -1,0 +1,111 @@
+"""Checking a bundle before a resume starts anything.
+
+A resume that cannot continue exactly must fail at once, in the process that
+called ``elche.train``, with a ``ConfigError`` naming the field and both
+values, not after every rank started. ``check_resume`` reads the meta, checks
+it fits the run (seed, batch size, mode, world size, dataset size:
+``CheckpointMeta.check_fits``), checks each file the meta names is the one it
+was written with (size and SHA-256), and checks the saved model has the keys
+and shapes of the model ``model_fn`` builds.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from elche.core.checkpoint import CheckpointMeta
+from elche.core.config import CoordinatorConfig
+from elche.core.errors import ConfigError
+from elche.runtime import bundle
+
+__all__ = ["check_resume", "load_bundle"]
+
+# Keys named in a mismatch message, at most.
+_SHOWN = 5
+
+
+def check_resume(
+    stem: str, config: CoordinatorConfig, model_fn: Callable[[Any], torch.nn.Module]
+) -> CheckpointMeta:
+    """The meta of the bundle at ``stem``, once it is known to resume ``config``.
+
+    Raises:
+        ConfigError: no readable meta, a mismatch with the run, a file that is
+            missing or changed, or a model of other keys or shapes.
+    """
+    try:
+        text = bundle.meta_path(stem).read_text(encoding="utf-8")
+    except OSError as exc:
+        where = bundle.meta_path(stem)
+        raise ConfigError("resume_from", f"no checkpoint meta at {where}: {exc}") from None
+    meta = CheckpointMeta.from_json(text)
+    meta.check_fits(config)
+    paths = bundle.locate(stem, meta, config.world_size)
+    if meta.files is not None:
+        bundle.verify(paths.model, meta.files.model, what="model")
+        for rank, saved in meta.files.optim:
+            bundle.verify(paths.optim[rank], saved, what=f"rank {rank} optimizer state")
+        if meta.files.outer is not None and paths.outer is not None:
+            bundle.verify(paths.outer, meta.files.outer, what="outer momentum")
+    elif not paths.model.exists():
+        raise ConfigError("resume_from", f"the bundle's model {paths.model} is missing")
+    fresh = [r for r in range(config.world_size) if r not in paths.optim]
+    if fresh:
+        print(
+            f"elche: the bundle has no optimizer state for rank(s) {fresh} (lost before the "
+            "save); they resume with a fresh optimizer",
+            file=sys.stderr,
+            flush=True,
+        )
+    _check_model(paths.model, model_fn)
+    return meta
+
+
+def load_bundle(
+    stem: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+) -> CheckpointMeta:
+    """Load the bundle's model, and rank ``rank``'s optimizer state if it has one.
+
+    The files were checked by ``check_resume`` before the run started.
+    """
+    meta = CheckpointMeta.from_json(bundle.meta_path(stem).read_text(encoding="utf-8"))
+    paths = bundle.locate(stem, meta, world_size)
+    model.load_state_dict(torch.load(paths.model, map_location=device))
+    optim = paths.optim.get(rank)
+    if optim is not None:
+        optimizer.load_state_dict(torch.load(optim, map_location=device))
+    return meta
+
+
+def _check_model(path: Any, model_fn: Callable[[Any], torch.nn.Module]) -> None:
+    try:
+        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:  # a truncated or foreign file: torch says which way
+        raise ConfigError("resume_from", f"cannot read the bundle's model {path}: {exc}") from None
+    want = {k: tuple(v.shape) for k, v in model_fn(torch.device("cpu")).state_dict().items()}
+    have = {k: tuple(v.shape) for k, v in saved.items()}
+    problems = [f"missing {k}" for k in sorted(want.keys() - have.keys())]
+    problems += [f"unexpected {k}" for k in sorted(have.keys() - want.keys())]
+    problems += [
+        f"{k}: saved {have[k]}, model_fn builds {want[k]}"
+        for k in sorted(want.keys() & have.keys())
+        if have[k] != want[k]
+    ]
+    if problems:
+        more = f" and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
+        raise ConfigError(
+            "resume_from",
+            f"the bundle's model {path} does not fit model_fn's model: "
+            + "; ".join(problems[:_SHOWN])
+            + more,
+        )
