@@ -143,6 +143,8 @@ def with_bundle(plan: Plan, run_dir: Path) -> Plan:
 
 def explain_outcome(summary: dict[str, object], save_path: str | None) -> None:
     """Tell the user, on stderr, how a run that did not complete can go on."""
+    if summary.get("outcome") == "failed":
+        print(f"elche: the run failed: {summary.get('reason')}", file=sys.stderr, flush=True)
     if summary.get("outcome") == "saved_and_shutdown":
         print(
             f"elche: the run could not continue ({summary.get('reason')}); its state is saved "
