@@ -472,8 +472,16 @@ class Worker:
         where = None
         if self.spec.save_path is not None:
             stem = f"{self.spec.save_path}.rank{self.spec.rank}.local"
-            with contextlib.suppress(OSError, RuntimeError):  # torch.save: RuntimeError on ENOSPC
-                where = self._write_bundle(stem, optimizer=True)
+            optim = Path(f"{stem}.rank{self.spec.rank}.optim.pt")
+            try:
+                optim.parent.mkdir(parents=True, exist_ok=True)
+                bundle.write_file(
+                    Path(f"{stem}.model.pt"), self._torch_save(self.model), kind="model"
+                )
+                bundle.write_file(optim, self._torch_save(self.optimizer), kind="optim")
+                where = stem
+            except (OSError, RuntimeError):  # torch.save: RuntimeError on ENOSPC
+                pass
         print(
             f"elche rank {self.spec.rank}: lost the coordinator ({reason}); "
             + (f"local state saved as {where}.model.pt; " if where else "")
@@ -516,15 +524,6 @@ class Worker:
     def _torch_save(owner: nn.Module | torch.optim.Optimizer) -> Callable[[BinaryIO], None]:
         return lambda f: torch.save(owner.state_dict(), f)
 
-    def _write_bundle(self, stem: str, *, optimizer: bool, model: bool = True) -> str:
-        base = Path(stem)
-        base.parent.mkdir(parents=True, exist_ok=True)
-        if model:
-            _save_atomic(self.model.state_dict(), Path(f"{stem}.model.pt"))
-        if optimizer:
-            _save_atomic(self.optimizer.state_dict(), Path(f"{stem}.rank{self.spec.rank}.optim.pt"))
-        return str(base)
-
     def report(self) -> dict[str, object]:
         wall = time.monotonic() - self.started_s
         return {
@@ -538,12 +537,6 @@ class Worker:
             "idle_s": round(max(wall - self.busy_s, 0.0), 4),
             "stopped": self.proto.stop_reason,
         }
-
-
-def _save_atomic(obj: object, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
