@@ -345,20 +345,26 @@ def resumed(meta: CheckpointMeta, **overrides: object) -> Harness:
     return h
 
 
-@pytest.mark.parametrize(
-    ("field", "saved", "ours"), [("seed", 7, 42), ("batch_size", 16, 32), ("world_size", 3, 2)]
-)
+@pytest.mark.parametrize(("field", "saved", "ours"), [("seed", 7, 42), ("batch_size", 16, 32)])
 def test_issue12_item11_a_meta_of_another_run_is_refused_naming_both_values(
     field: str, saved: int, ours: int
 ) -> None:
-    raw = meta_doc(**{field: saved})
-    if field == "world_size":
-        raw["elche_state"] = None  # its per-rank means would be refused first
-    meta = CheckpointMeta.from_json(json.dumps(raw))
+    meta = CheckpointMeta.from_json(json.dumps(meta_doc(**{field: saved})))
     with pytest.raises(ConfigError) as info:
         resumed(meta)
     assert info.value.field == field
     assert f"{saved}" in str(info.value) and f"{ours}" in str(info.value)
+
+
+def test_issue12_item11_a_bundle_resumes_on_another_world_size_with_a_fresh_balancer() -> None:
+    meta = CheckpointMeta.from_json(json.dumps(meta_doc()))  # saved by 2 ranks
+    h = resumed(meta, world_size=3)
+    h.form()
+    state = h.core.tuner.saved_state()
+    assert state.smoothed_ms_per_batch == (0.0, 0.0, 0.0)  # measured afresh
+    assert state.phase is Phase.PROBE
+    assert h.core.work.open_epochs() == [1]  # the bundle's unfinished epoch goes on
+    assert h.core.rounds_done == 8
 
 
 def test_issue12_item11_coverage_of_another_dataset_length_is_refused() -> None:

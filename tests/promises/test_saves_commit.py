@@ -165,3 +165,21 @@ def test_issue12_item10_a_final_save_that_fails_says_so(tmp_path: Path) -> None:
     assert "final model could not be written" in str(result.summary["reason"])
     assert "IsADirectoryError" in str(result.summary["reason"])  # each writer's own error
     assert result.run_dir == str(run_dir)  # kept, with the ranks' reports
+
+
+def test_issue12_item11_a_bundle_resumes_on_another_world_size(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    stem = str(tmp_path / "bundle" / "run")
+    first = train(tmp_path / "a", epochs=1, checkpoint_every=1, save_path=stem,
+                  model_fn=make_model)  # fmt: skip
+    assert first.summary["outcome"] == "completed"
+    capfd.readouterr()
+    second = train(tmp_path / "b", epochs=3, speeds=[1.0, 0.5], resume_from=stem,
+                   model_fn=make_model)  # fmt: skip
+    assert second.summary["outcome"] == "completed"
+    assert second.summary["epochs_completed"] == 3 and second.summary["lost_samples"] == 0
+    assert [e["epoch"] for e in second.epochs] == [1, 2]
+    err = capfd.readouterr().err
+    assert "saved by 3 ranks and resumes on 2" in err
+    assert "the optimizer states of ranks [2] are not used" in err

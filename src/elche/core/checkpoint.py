@@ -185,16 +185,17 @@ class CheckpointMeta:
     def check_fits(self, config: CoordinatorConfig) -> None:
         """Refuse to resume ``config`` from a meta another run wrote.
 
-        The seed (each epoch's permutation), the batch size (the span grid),
-        the mode and the world size (the ranks the balancer's state is for)
-        must be the run's; so must each started epoch's length. ``epochs`` may
-        differ: a run can be resumed to go on for longer, or to stop sooner
-        (an ``epoch`` at or past the new plan finishes at once).
+        The seed (each epoch's permutation), the batch size (the span grid)
+        and the mode must be the run's; so must each started epoch's length.
+        The world size may differ: the balancer then starts afresh (its
+        state is per rank). ``epochs`` may differ: a run can be resumed to go
+        on for longer, or to stop sooner (an ``epoch`` at or past the new
+        plan finishes at once).
 
         Raises:
             ConfigError: naming the field, with the meta's value and the run's.
         """
-        for field in ("seed", "batch_size", "world_size"):
+        for field in ("seed", "batch_size"):
             saved, ours = getattr(self, field), getattr(config, field)
             if saved != ours:
                 raise ConfigError(

@@ -49,6 +49,7 @@ from elche.core.callbacks import Callbacks
 from elche.core.checkpoint import CheckpointMeta, SaveReason
 from elche.core.commands import ArmTimer, Broadcast, Command, Emit, Finish, Notice, Send
 from elche.core.config import Backend, CoordinatorConfig
+from elche.core.elche_state import ElCheState
 from elche.core.errors import LocalProtocolError, RemoteProtocolError
 from elche.core.events import (
     AverageComputed,
@@ -124,7 +125,7 @@ class Coordinator:
         self.callbacks = Callbacks(config, self.roles, self.ledger)
         self.tuner = Tuner(
             config, self.elche, self.callbacks, self.planner, self.work,
-            ledger=self.ledger, saved=None if resume is None else resume.elche_state,
+            ledger=self.ledger, saved=_balancer_state(resume, config.world_size),
         )  # fmt: skip
         self.saves = Saves(config, max(last_save, resume.save_seq if resume else 0))
         self.round = Round(config, self.work)
@@ -621,3 +622,10 @@ class Coordinator:
             )
         )
         self._out.append(Finish(outcome=outcome, reason=reason))
+
+
+def _balancer_state(resume: CheckpointMeta | None, world_size: int) -> ElCheState | None:
+    """The balancer's saved state, if it is for this many ranks (else it starts afresh)."""
+    if resume is None or resume.world_size != world_size:
+        return None
+    return resume.elche_state

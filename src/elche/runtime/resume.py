@@ -53,16 +53,28 @@ def check_resume(
             bundle.verify(paths.outer, meta.files.outer, what="outer momentum")
     elif not paths.model.exists():
         raise ConfigError("resume_from", f"the bundle's model {paths.model} is missing")
-    fresh = [r for r in range(config.world_size) if r not in paths.optim]
-    if fresh:
-        print(
-            f"elche: the bundle has no optimizer state for rank(s) {fresh} (lost before the "
-            "save); they resume with a fresh optimizer",
-            file=sys.stderr,
-            flush=True,
-        )
+    _say_what_resumes(meta, config.world_size, sorted(paths.optim))
     _check_model(paths.model, model_fn)
     return meta
+
+
+def _say_what_resumes(meta: CheckpointMeta, world_size: int, saved: list[int]) -> None:
+    """One line for each way the resumed ranks differ from the saved ones."""
+    lines = []
+    if meta.world_size != world_size:
+        lines.append(
+            f"the bundle was saved by {meta.world_size} ranks and resumes on {world_size}: "
+            "every rank starts from its model, the balancer measures the ranks afresh, and "
+            f"rank r takes rank r's optimizer state where the bundle has one"
+        )
+        ignored = [r for r in saved if r >= world_size]
+        if ignored:
+            lines.append(f"the optimizer states of ranks {ignored} are not used")
+    fresh = [r for r in range(world_size) if r not in saved]
+    if fresh:
+        lines.append(f"rank(s) {fresh} have no optimizer state in the bundle: theirs starts fresh")
+    for line in lines:
+        print(f"elche: resuming: {line}", file=sys.stderr, flush=True)
 
 
 def load_bundle(
