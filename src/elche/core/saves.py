@@ -94,13 +94,12 @@ class SaveRound:
         self.writer: int | None = min(live) if live else None
         self.tried: set[int] = set()
         # A final save waits for its writer only; the others hold meanwhile.
-        self.awaiting: set[int] = set(live) if kind is not SaveKind.FINAL else set()
+        final = kind is SaveKind.FINAL
+        self.awaiting = {self.writer} if final and self.writer is not None else set(self.asked)
         self.optim: dict[int, BundleFile] = {}
         self.model: BundleFile | None = None
         self.errors: list[str] = []
         self.timed_out = False
-        if self.writer is not None:
-            self.awaiting.add(self.writer)
 
     # -- asking ------------------------------------------------------------------
 
@@ -126,9 +125,9 @@ class SaveRound:
 
     def _next_writer(self, live: Sequence[int]) -> list[Command]:
         """Ask the lowest live rank not yet tried for the model, or give up."""
-        untried = sorted(set(live) - self.tried - {self.writer})
-        if self.model is not None or not untried:
-            self.writer = None if self.model is None else self.writer
+        untried = sorted(set(live) - self.tried)
+        if not untried:
+            self.writer = None
             return []
         self.writer = untried[0]
         self.tried.add(self.writer)
@@ -193,10 +192,10 @@ class SaveRound:
         self.timed_out = not self.awaiting
         return out
 
-    def files(self, outer: BundleFile | None = None) -> BundleFiles:
-        """What a committed bundle holds."""
+    def files(self) -> BundleFiles:
+        """What a committed bundle holds (the coordinator's shell adds the outer momentum)."""
         assert self.model is not None, "only a committed save has files"
-        return BundleFiles(model=self.model, optim=tuple(sorted(self.optim.items())), outer=outer)
+        return BundleFiles(model=self.model, optim=tuple(sorted(self.optim.items())))
 
     def failure(self) -> str:
         """Why a settled save did not commit."""
