@@ -39,6 +39,7 @@ SAMPLES: list[m.Message] = [
     m.EpochFnElapsed(epoch=3, elapsed_ms=140.0),
     m.StateSaved(path="/ckpt/run.fdl", error=None),
     m.Exiting(reason="user interrupt"),
+    m.Failed(error_type="RuntimeError", message="bad loss", traceback="Traceback", epoch=1),
     m.AssignChunk(epoch=2, offset=0, size=640, budget=20),
     m.SetBudget(budget=15),
     m.SyncNow(round=10, generation=2),
@@ -109,7 +110,7 @@ def test_nan_float_round_trips_as_nan() -> None:
     assert math.isnan(decoded.lr)
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, 17, -1, 2**64 - 1])
+@pytest.mark.parametrize("version", [0, 1, 2, 17, -1, 2**64 - 1])
 def test_foreign_protocol_version_is_refused_naming_both_versions(version: int) -> None:
     data = frame(version, {"type": "Shutdown"})
     with pytest.raises(RemoteProtocolError) as info:

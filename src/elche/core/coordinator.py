@@ -42,6 +42,7 @@ import enum
 import math
 from typing import assert_never
 
+from elche.core import failures
 from elche.core import messages as m
 from elche.core import timeline as tl
 from elche.core.callbacks import Callbacks
@@ -116,6 +117,7 @@ class Coordinator:
             ledger=self.ledger, saved=None if resume is None else resume.elche_state,
         )  # fmt: skip
         self.saving = SaveAndShutdown(config)
+        self.failures = failures.UserFailures()
         self.round = Round(config, self.work)
         self.state = RunState.FORMING
         self.rank_state = [RankState.JOINING] * ws
@@ -205,8 +207,7 @@ class Coordinator:
         self.rank_state[rank] = RankState.LIVE
         self.hosts[rank] = host
         self.last_seen_s[rank] = self._now
-        if all(s is RankState.LIVE for s in self.rank_state):
-            self._begin_training()
+        failures.maybe_form(self)
 
     def _begin_training(self) -> None:
         self.state = RunState.TRAINING
@@ -266,6 +267,8 @@ class Coordinator:
             case m.Exiting(reason=reason):
                 if self.state is not RunState.DONE:
                     self._lose(rank, f"exited: {reason}" if reason else "exited")
+            case m.Failed():
+                failures.on_failed(self, rank, message)
             case m.Hello():
                 raise RemoteProtocolError("sent Hello after joining", rank=rank)
             case _:
@@ -431,7 +434,7 @@ class Coordinator:
         self.dead_ranks.append(rank)
         self._emit(tl.RankLost(rank=rank, reason=reason))
         if self.state is RunState.FORMING:
-            self._finish("failed", f"rank {rank} lost before the run formed: {reason}")
+            failures.lost_forming(self, rank, reason)
             return
         if self.state is RunState.SAVING:
             self.saving.lost(rank)
@@ -526,8 +529,8 @@ class Coordinator:
         if self.state is RunState.FORMING:
             if now >= self._formation_deadline_s:
                 joined = sum(s is RankState.LIVE for s in self.rank_state)
-                self._finish(
-                    "failed",
+                failures.fail(
+                    self,
                     f"formation timed out: {joined}/{self.config.world_size} ranks joined "
                     f"within {self.config.formation_timeout_s:g} s",
                 )
@@ -569,7 +572,9 @@ class Coordinator:
     def _emit(self, event: tl.TimelineEvent) -> None:
         self._out.append(Emit(event=event))
 
-    def _finish(self, outcome: str, reason: str = "") -> None:
+    def _finish(
+        self, outcome: str, reason: str = "", user_error: tl.UserError | None = None
+    ) -> None:
         self.state = RunState.DONE
         self.outcome = outcome
         done = self.epochs_completed
@@ -584,6 +589,7 @@ class Coordinator:
                 rejected_frames=self.rejected_frames,
                 anchor=self.elche.anchor,
                 samples_per_rank=tuple(self.work.samples_committed),
+                user_error=user_error,
             )
         )
         self._out.append(Finish(outcome=outcome, reason=reason))

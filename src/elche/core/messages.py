@@ -33,6 +33,7 @@ __all__ = [
     "EvalBroadcast",
     "EvalResult",
     "Exiting",
+    "Failed",
     "Heartbeat",
     "Hello",
     "LrUpdate",
@@ -57,7 +58,7 @@ __all__ = [
 
 # Bumped on any incompatible change to a struct below. A frame of another
 # version is refused with a message naming both versions.
-PROTOCOL_VERSION = 2  # 2: the averaging round is `round` in every message (was `cycle`)
+PROTOCOL_VERSION = 3  # 3: Failed; Shutdown.failure; BatchDone.nonfinite. 2: `round` (was `cycle`)
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -85,6 +86,7 @@ class BatchDone(_Msg, frozen=True):
     batch_ms: float  # forward + backward + optimizer step, no waits
     data_ms: float = 0.0  # the rest of the step: fetching the batch and the loop between steps
     loss: float | None = None
+    nonfinite: bool = False  # the loss was NaN or infinite: the step was not applied
 
 
 class Batches(_Msg, frozen=True):
@@ -162,6 +164,21 @@ class Exiting(_Msg, frozen=True):
     """Clean exit latch: the rank is leaving on purpose."""
 
     reason: str = ""
+
+
+class Failed(_Msg, frozen=True):
+    """The user's code raised on this rank (``model_fn``, ``optimizer_fn``,
+    ``step_fn``, the collate, ``epoch_fn``); the rank stops after this frame.
+
+    The exception itself cannot cross processes reliably, so its type name,
+    message and formatted traceback travel as text.
+    """
+
+    error_type: str  # e.g. "RuntimeError"
+    message: str
+    traceback: str = ""
+    epoch: int = 0  # the epoch the rank was in (0 before training)
+    before_first_step: bool = False  # it failed before its first training step
 
 
 # --- coordinator -> rank ---------------------------------------------------
@@ -251,9 +268,13 @@ class EpochDone(_Msg, frozen=True):
 
 
 class Shutdown(_Msg, frozen=True):
-    """Training is over; exit cleanly. ``writer`` saves the final model (-1: none)."""
+    """Training is over; exit cleanly. ``writer`` saves the final model (-1: none).
+
+    ``failure`` is not empty when the run failed (a user error): what failed.
+    """
 
     writer: int = -1
+    failure: str = ""
 
 
 class ShutdownWithSave(_Msg, frozen=True):
@@ -283,6 +304,7 @@ RankMessage = (
     | EpochFnElapsed
     | StateSaved
     | Exiting
+    | Failed
 )
 CoordMessage = (
     AssignChunk

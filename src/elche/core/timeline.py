@@ -30,6 +30,7 @@ __all__ = [
     "SyncEnd",
     "SyncStart",
     "TimelineEvent",
+    "UserError",
     "decode",
     "encode",
 ]
@@ -108,6 +109,16 @@ class RankLost(_Record, frozen=True):
     reason: str
 
 
+class UserError(msgspec.Struct, frozen=True, kw_only=True):
+    """The user's exception that ended a run, as text (it cannot cross processes)."""
+
+    rank: int
+    epoch: int
+    error_type: str
+    message: str
+    traceback: str = ""
+
+
 class RunEnd(_Record, frozen=True):
     """The run is over: the coordinator's account of it (the summary's core)."""
 
@@ -120,6 +131,7 @@ class RunEnd(_Record, frozen=True):
     rejected_frames: int
     anchor: int
     samples_per_rank: tuple[int, ...]  # samples each rank put into the consensus
+    user_error: UserError | None = None  # outcome "failed" on the user's own code
 
 
 class OuterMomentumRestored(_Record, frozen=True):

@@ -1,0 +1,144 @@
+"""Issue 12, items 2 and 14 in the core: user errors end the run, crashes before forming don't.
+
+Each test is named after the item it pins down and failed before its fix.
+"""
+
+from __future__ import annotations
+
+from elche.core import messages as m
+from elche.core import timeline as tl
+from elche.core.commands import Broadcast, Emit, Finish
+from elche.core.config import Mode
+from elche.core.coordinator import RankState, RunState
+from elche.core.events import RankJoined, RankLost, Started
+from tests.core.harness import Harness, messages, of
+from tests.core.test_issue12_promises import run_to_end
+
+
+def failed(epoch: int = 0, *, first: bool = False, kind: str = "RuntimeError") -> m.Failed:
+    return m.Failed(
+        error_type=kind,
+        message="grad can be implicitly created only for scalar outputs",
+        traceback='Traceback (most recent call last):\n  File "train.py", line 9, in step\n',
+        epoch=epoch,
+        before_first_step=first,
+    )
+
+
+def run_end(out: list) -> tl.RunEnd:
+    ends = [c.event for c in of(out, Emit) if isinstance(c.event, tl.RunEnd)]  # type: ignore[attr-defined]
+    assert len(ends) == 1, ends
+    return ends[0]
+
+
+def test_issue12_item14_the_same_error_on_every_rank_ends_the_run_with_it() -> None:
+    h = Harness(world_size=3, mode=Mode.CPU_CADENCE, num_samples=960)
+    h.form()
+    h.train(0, 1)
+    out = h.send(0, failed(0))
+    assert h.core.state is RunState.TRAINING  # one rank failing may be a one-off
+    out += h.send(1, failed(0))
+    assert h.core.state is RunState.TRAINING
+    out += h.send(2, failed(0))
+    finish = of(out, Finish)
+    assert len(finish) == 1 and finish[0].outcome == "failed"  # type: ignore[attr-defined]
+    end = run_end(out)
+    assert end.user_error is not None
+    assert (end.user_error.rank, end.user_error.epoch) == (2, 0)
+    assert end.user_error.error_type == "RuntimeError"
+    assert "scalar outputs" in end.user_error.message
+    assert "train.py" in end.user_error.traceback
+    assert "failed on the user's code" in end.reason
+
+
+def test_issue12_item14_collective_run_fails_once_the_failures_leave_too_few() -> None:
+    h = Harness(world_size=3, num_samples=960)  # cadence: a collective needs two
+    h.form()
+    h.send(0, failed(1))
+    assert h.core.state is RunState.TRAINING
+    out = h.send(1, failed(1))
+    # Rank 2 alone could only save and stop; both failures are the same user error.
+    assert h.core.state is RunState.DONE
+    assert run_end(out).user_error is not None
+    assert messages(out, m.ShutdownWithSave) == []
+    shutdown = messages(out, m.Shutdown)
+    assert len(shutdown) == 1 and "RuntimeError" in shutdown[0].failure  # type: ignore[attr-defined]
+    assert [c.ranks for c in of(out, Broadcast) if isinstance(c.message, m.Shutdown)] == [(2,)]  # type: ignore[attr-defined]
+
+
+def test_issue12_item14_a_rank_failing_before_its_first_step_ends_the_run_at_once() -> None:
+    h = Harness(world_size=3, mode=Mode.CPU_CADENCE)
+    h.feed(Started())
+    h.feed(RankJoined(rank=1))
+    h.feed(RankJoined(rank=0))  # rank 0 joins only to report: its model_fn raised
+    out = h.send(0, failed(first=True, kind="TypeError"))
+    assert h.core.state is RunState.DONE
+    end = run_end(out)
+    assert end.outcome == "failed"
+    assert end.user_error is not None and end.user_error.error_type == "TypeError"
+    assert end.dead_ranks == (0,)
+    assert messages(out, m.Shutdown) and not messages(out, m.AssignChunk)
+
+
+def test_issue12_item14_a_one_off_error_mid_run_is_survived_as_a_lost_rank() -> None:
+    h = Harness(world_size=3, num_samples=960)
+    h.form()
+    h.train(1, 1)
+    out = h.send(1, failed(0, kind="IndexError"))
+    assert h.core.state is RunState.TRAINING
+    assert h.core.rank_state[1] is RankState.DEAD
+    out += run_to_end(h)
+    assert of(out, Finish) == [Finish(outcome="completed")]
+    assert run_end(out).user_error is None
+
+
+def test_issue12_item14_different_errors_mid_run_are_not_one_user_error() -> None:
+    h = Harness(world_size=3, mode=Mode.CPU_CADENCE, num_samples=960)
+    h.form()
+    h.send(0, failed(0, kind="IndexError"))
+    h.send(1, failed(0, kind="KeyError"))
+    assert h.core.state is RunState.TRAINING
+    assert h.core.live == [2]
+
+
+def test_issue12_item02_a_rank_lost_before_the_run_forms_is_survived() -> None:
+    h = Harness(world_size=3, num_samples=960)
+    h.feed(Started())
+    h.feed(RankJoined(rank=0))
+    out = h.feed(RankLost(rank=1, reason="process ended (killed by signal 9)"))
+    assert h.core.state is RunState.FORMING  # rank 2 has not joined yet
+    out += h.feed(RankJoined(rank=2))
+    assert h.core.state is RunState.TRAINING
+    assert h.received(1, m.AssignChunk) == []
+    out += run_to_end(h)
+    assert of(out, Finish) == [Finish(outcome="completed")]
+    end = run_end(out)
+    assert end.dead_ranks == (1,) and end.lost_samples == 0
+    assert sum(end.samples_per_rank) == 960 and end.samples_per_rank[1] == 0
+
+
+def test_issue12_item02_a_collective_run_regroups_without_the_rank_lost_while_forming() -> None:
+    h = Harness(world_size=3, num_samples=960)
+    h.feed(Started())
+    h.feed(RankJoined(rank=0))
+    h.feed(RankJoined(rank=2))
+    out = h.feed(RankLost(rank=1, reason="process ended (exit code 1)"))
+    assert h.core.state is RunState.TRAINING
+    regroups = messages(out, m.Regroup)
+    assert regroups == [m.Regroup(generation=1, members=[0, 2])]
+    first = next(i for i, c in enumerate(out) if isinstance(getattr(c, "message", None), m.Regroup))
+    assert all(not isinstance(getattr(c, "message", None), m.AssignChunk) for c in out[:first])
+    out += run_to_end(h)
+    assert of(out, Finish) == [Finish(outcome="completed")]
+
+
+def test_issue12_item02_too_few_left_before_forming_fails_and_stops_the_joined_ranks() -> None:
+    h = Harness(world_size=2)  # cadence: a collective needs two
+    h.feed(Started())
+    h.feed(RankJoined(rank=0))
+    out = h.feed(RankLost(rank=1, reason="process ended (exit code 1)"))
+    assert h.core.state is RunState.DONE
+    end = run_end(out)
+    assert end.outcome == "failed" and "single_survivor" in end.reason
+    assert end.user_error is None
+    assert [c.ranks for c in of(out, Broadcast) if isinstance(c.message, m.Shutdown)] == [(0,)]  # type: ignore[attr-defined]
