@@ -140,6 +140,9 @@ def train(
 
     Raises:
         ConfigError: a bad argument (the message names it and what is accepted).
+        TrainingError: the user's code raised on a rank (before its first
+            step, or the same exception on every rank): the failing rank, the
+            epoch and the user's exception type, message and traceback.
         RuntimeError: the run failed to start or a process crashed.
     """
     _check_user_fns(model_fn=model_fn, eval_fn=eval_fn, eval_dataset=eval_dataset)

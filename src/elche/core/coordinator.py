@@ -131,6 +131,7 @@ class Coordinator:
         self.stale_messages = 0
         self.epochs_completed = 0
         self.outcome: str | None = None
+        self.failure: m.Shutdown | None = None  # what a failed run told its ranks
         self._start_epoch = 0
         self._resume = resume
         self._unsatisfied: set[int] = set()

@@ -35,9 +35,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from elche.core import messages as m
-from elche.core.commands import Notice
+from elche.core.commands import Notice, Send
 from elche.core.config import Backend
-from elche.core.timeline import UserError
+from elche.core.messages import UserError
 
 if TYPE_CHECKING:
     from elche.core.coordinator import Coordinator
@@ -89,11 +89,13 @@ class UserFailures:
 
 def on_failed(core: Coordinator, rank: int, message: m.Failed) -> None:
     """``rank`` failed on the user's code: lose it, or end the run with the error."""
+    what = f"{message.error_type}: {message.message}"
+    core._out.append(Send(rank=rank, message=m.Shutdown(failure=what)))  # the report is in
     others = [r for r in core.live if r != rank]
     stops = core.saving.reason_to_stop(len(core.dead_ranks) + 1, len(others)) is not None
     error = core.failures.note(rank, message, others=others, run_stops=stops)
     if error is None:
-        core._lose(rank, f"failed: {message.error_type}: {message.message}")
+        core._lose(rank, f"failed: {what}")
         return
     from elche.core.coordinator import RankState
 
@@ -137,5 +139,6 @@ def maybe_form(core: Coordinator) -> None:
 def fail(core: Coordinator, reason: str, *, user_error: UserError | None = None) -> None:
     """End a run that cannot start or go on and has nothing to save."""
     core._out.append(Notice(level="error", text=f"the run failed: {reason}"))
-    core._broadcast(m.Shutdown(failure=reason))
+    core.failure = m.Shutdown(failure=reason, user_error=user_error)
+    core._broadcast(core.failure)
     core._finish("failed", reason, user_error)

@@ -52,6 +52,7 @@ __all__ = [
     "SyncAck",
     "SyncNow",
     "Update",
+    "UserError",
     "decode",
     "encode",
 ]
@@ -267,14 +268,26 @@ class EpochDone(_Msg, frozen=True):
     loss: float | None = None
 
 
+class UserError(msgspec.Struct, frozen=True, kw_only=True):
+    """The user's exception that ended a run, as text (it cannot cross processes)."""
+
+    rank: int
+    epoch: int
+    error_type: str
+    message: str
+    traceback: str = ""
+
+
 class Shutdown(_Msg, frozen=True):
     """Training is over; exit cleanly. ``writer`` saves the final model (-1: none).
 
-    ``failure`` is not empty when the run failed (a user error): what failed.
+    ``failure`` is not empty when the run failed: why; ``user_error`` is the
+    user's exception when that was the cause.
     """
 
     writer: int = -1
     failure: str = ""
+    user_error: UserError | None = None
 
 
 class ShutdownWithSave(_Msg, frozen=True):

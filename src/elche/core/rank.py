@@ -25,8 +25,11 @@ Rules:
   epoch it has not started yet.
 - ``Regroup`` abandons a pending collective of the old group and re-forms
   the group; a rank not among its members was declared dead and stops.
-- ``Shutdown`` stops the rank; ``ShutdownWithSave`` makes it save its state
-  first and answer ``StateSaved``. Once stopped, the rank ignores messages.
+- ``Shutdown`` stops the rank (a ``failure`` in it: the run failed, and the
+  rank stops with ``failed: ...``); ``ShutdownWithSave`` makes it save its
+  state first and answer ``StateSaved``. Once stopped, the rank ignores messages.
+- The user's code raising on the rank (``failed``) stops it and makes the
+  ``Failed`` report, which says whether the rank had trained a step yet.
 
 Theory of operation. A driver loops: feed each message it received to
 ``handle``, ask ``next_action`` what to do, do that action's IO, and report
@@ -213,6 +216,8 @@ class RankProtocol:
         self.epoch_started = -1  # the last epoch whose epoch_fn ran
         self.final_writer = False  # Shutdown named this rank to write the final model
         self.num_stale = 0  # messages ignored as stale
+        self.num_steps = 0  # training steps done in this run
+        self.user_error: m.UserError | None = None  # the run failed on it (Shutdown)
         self._collective_mode = mode.backend is Backend.COLLECTIVE
         self._request: m.SyncNow | m.RequestParams | None = None
         self._callbacks: deque[m.RunEval | m.RunCheckpoint] = deque()
@@ -251,9 +256,10 @@ class RankProtocol:
                 self._callbacks.append(message)
             case m.Regroup(members=members):
                 self._on_regroup(message, members)
-            case m.Shutdown(writer=writer):
-                self.final_writer = writer == self.rank
-                self._stop("completed")
+            case m.Shutdown(writer=writer, failure=failure):
+                self.final_writer = writer == self.rank and not failure
+                self.user_error = message.user_error
+                self._stop(f"failed: {failure}" if failure else "completed")
             case m.ShutdownWithSave():
                 self._save = message
                 self.stage = RankStage.SAVING
@@ -352,6 +358,7 @@ class RankProtocol:
         if chunk.left == 0:
             self.chunks.popleft()
         self.steps_since_sync += 1
+        self.num_steps += 1
         return m.BatchDone(
             epoch=action.epoch,
             offset=action.offset,
@@ -482,6 +489,21 @@ class RankProtocol:
         if self._regroup is None:
             raise self._illegal("regrouped", "no Regroup is waiting")
         self._regroup = None
+
+    def failed(self, *, error_type: str, message: str, traceback: str, epoch: int) -> m.Failed:
+        """The user's code raised on this rank; the rank stops. Legal in any state.
+
+        Returns:
+            The report to send before the rank exits.
+        """
+        self._stop(f"failed: {error_type}: {message}")
+        return m.Failed(
+            error_type=error_type,
+            message=message,
+            traceback=traceback,
+            epoch=epoch,
+            before_first_step=self.num_steps == 0,
+        )
 
     def saved(self, *, path: str | None, error: str | None = None) -> m.StateSaved:
         """The state ``ShutdownWithSave`` asked for is written (or failed); the rank stops.

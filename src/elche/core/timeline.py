@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import msgspec
 
+from elche.core.messages import UserError
+
 __all__ = [
     "AnchorChanged",
     "EpochEnd",
@@ -107,16 +109,6 @@ class RankLost(_Record, frozen=True):
 
     rank: int
     reason: str
-
-
-class UserError(msgspec.Struct, frozen=True, kw_only=True):
-    """The user's exception that ended a run, as text (it cannot cross processes)."""
-
-    rank: int
-    epoch: int
-    error_type: str
-    message: str
-    traceback: str = ""
 
 
 class RunEnd(_Record, frozen=True):

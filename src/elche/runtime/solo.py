@@ -10,23 +10,27 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from elche.core.checkpoint import CheckpointMeta
 from elche.core.dispatch import epoch_permutation
+from elche.core.errors import TrainingError
 from elche.runtime.data import fetch
 from elche.runtime.host import meta_path
 from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.plan import Hooks, Plan, TrainResult
+from elche.runtime.user_errors import describe
 from elche.runtime.worker import UserFns, to_device
 
 __all__ = ["train_solo"]
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -106,18 +110,21 @@ def train_solo(
     t0 = time.monotonic()
     cfg = plan.config
     device = torch.device(plan.devices[0])
-    model = fns.model_fn(device)
-    solo = _Solo(plan, fns, model, fns.optimizer_fn(model.parameters()), device, max_grad_norm)
+    model = _user(0, lambda: fns.model_fn(device))
+    optimizer = _user(0, lambda: fns.optimizer_fn(model.parameters()))
+    solo = _Solo(plan, fns, model, optimizer, device, max_grad_norm)
     start_epoch, holes = _resume(solo, plan.resume_from)
     perm = epoch_permutation(cfg.num_samples, seed=cfg.seed, epoch=0)
-    first = solo.batch(perm, range(min(cfg.batch_size, cfg.num_samples)))
-    solo.pacer = pacer_for(
+    first = _user(0, lambda: solo.batch(perm, range(min(cfg.batch_size, cfg.num_samples))))
+    solo.pacer = _user(0, lambda: pacer_for(
         model, solo.optimizer, fns.step_fn, first, speed=plan.speeds[0], base_s=plan.speed_base_s
-    )
+    ))  # fmt: skip
     for epoch in range(start_epoch, cfg.epochs):
         if fns.epoch_fn is not None:
-            fns.epoch_fn(epoch, model, solo.optimizer)
-        loss = solo.train_epoch(epoch, holes.get(epoch, ((0, cfg.num_samples),)))
+            epoch_fn = fns.epoch_fn
+            _user(epoch, lambda: epoch_fn(epoch, model, solo.optimizer))  # noqa: B023  # called at once
+        spans = holes.get(epoch, ((0, cfg.num_samples),))
+        loss = _user(epoch, lambda: solo.train_epoch(epoch, spans))  # noqa: B023  # called at once
         solo.after_epoch(epoch, loss, hooks)
     end = time.monotonic()
     first_step = solo.first_step_s or end
@@ -139,6 +146,21 @@ def train_solo(
     }
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return TrainResult(state_dict=state, epochs=solo.epochs, summary=summary, run_dir=run_dir)
+
+
+def _user(epoch: int, user_code: Callable[[], T]) -> T:
+    """Run the user's code in-process; what it raises becomes a ``TrainingError``.
+
+    The same error the cluster raises, so a script behaves alike on one rank
+    and on many (``from`` the user's exception, which is right here).
+    """
+    try:
+        return user_code()
+    except Exception as exc:
+        error_type, message, text = describe(exc)
+        raise TrainingError(
+            rank=0, epoch=epoch, error_type=error_type, message=message, traceback=text
+        ) from exc
 
 
 def _resume(solo: _Solo, stem: str | None) -> tuple[int, dict[int, tuple[tuple[int, int], ...]]]:

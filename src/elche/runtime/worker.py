@@ -54,6 +54,7 @@ from elche.runtime.data import fetch
 from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.snapshots import Layout
 from elche.runtime.transport import RankEndpoint
+from elche.runtime.user_errors import failed_report, guarded, training_error, wait_answer
 
 __all__ = ["RankSpec", "UserFns", "Worker", "run_rank", "to_device", "train_rank"]
 
@@ -351,14 +352,17 @@ class Worker:
         # cost (messages, reports) is part of this rank's step rate, which is
         # what the balancer must see to size windows that end together.
         started = self._step_end if self._step_end is not None else time.perf_counter()
-        batch = self.batch_at(action.epoch, action.offset, size)
-        loaded = time.perf_counter()
-        loss = self._loss(self.model, batch)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
-        if self.spec.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
-        self.optimizer.step()
+        try:  # the user's code: the dataset, the collate, step_fn, the optimizer
+            batch = self.batch_at(action.epoch, action.offset, size)
+            loaded = time.perf_counter()
+            loss = self._loss(self.model, batch)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
+            if self.spec.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
+            self.optimizer.step()
+        except Exception as exc:
+            raise self._user_failed(exc, action.epoch) from exc
         if self.pacer is not None:
             self.pacer.after_step()
         done = self._step_end = time.perf_counter()
@@ -380,6 +384,15 @@ class Worker:
         if self.proto.report_due or time.monotonic() - self.reported_s >= REPORT_EVERY_S:
             self._report()
 
+    def _user_failed(self, exc: Exception, epoch: int) -> Exception:
+        """The user's code raised: tell the coordinator; returns the error to raise."""
+        self._report()  # what trained before it still counts
+        report = failed_report(self.proto, exc, epoch)
+        self._send(report)
+        assert self.bridge is not None
+        wait_answer(self.bridge.get)
+        return training_error(self.spec.rank, report)
+
     def _report(self) -> None:
         """Send the batches trained since the last report, as one frame."""
         self.reported_s = time.monotonic()
@@ -391,7 +404,10 @@ class Worker:
     def _epoch_fn(self, epoch: int) -> None:
         assert self.fns.epoch_fn is not None  # the protocol asks only when there is one
         started = time.perf_counter()
-        self.fns.epoch_fn(epoch, self.model, self.optimizer)
+        try:
+            self.fns.epoch_fn(epoch, self.model, self.optimizer)
+        except Exception as exc:
+            raise self._user_failed(exc, epoch) from exc
         elapsed_ms = (time.perf_counter() - started) * 1000.0
         lr = self.optimizer.param_groups[0].get("lr")
         for message in self.proto.started_epoch(
@@ -515,6 +531,7 @@ class Worker:
             "step_s": round(self.step_s, 4),
             "idle_s": round(max(wall - self.busy_s, 0.0), 4),
             "stopped": self.proto.stop_reason,
+            "user_error": msgspec.to_builtins(self.proto.user_error),  # the run failed on it
         }
 
 
@@ -546,12 +563,13 @@ def train_rank(
     """Train one rank to the end; returns its report and its final model state."""
     torch.set_num_threads(max(1, spec.threads))
     torch.manual_seed(spec.seed + spec.rank)
-    worker = Worker(spec, fns, batch_size)
+    worker = guarded(spec, lambda: Worker(spec, fns, batch_size))  # model_fn, optimizer_fn
     if spec.resume_from is not None:
         _load_bundle(worker, spec.resume_from)
     worker.join_group()  # collective modes: the rendezvous, so every peer has started
     worker.wait_peers_started()  # the same, for coordinator modes
-    worker.warm_up(worker.batch_at(0, 0, min(batch_size, len(fns.dataset))))
+    first = min(batch_size, len(fns.dataset))  # the dataset, collate and step_fn:
+    guarded(spec, lambda: worker.warm_up(worker.batch_at(0, 0, first)))
     worker.connect()
     try:
         stopped = worker.run()
