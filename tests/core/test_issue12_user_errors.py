@@ -1,17 +1,22 @@
-"""Issue 12, items 2 and 14 in the core: user errors end the run, crashes before forming don't.
+"""Issue 12, items 2, 14 and 15 in the core: user errors end the run, crashes before
+forming don't, non-finite values stop it with the last finite consensus.
 
 Each test is named after the item it pins down and failed before its fix.
 """
 
 from __future__ import annotations
 
+import pytest
+
 from elche.core import messages as m
 from elche.core import timeline as tl
-from elche.core.commands import Broadcast, Emit, Finish, Send
+from elche.core.commands import Broadcast, Emit, Finish, Notice, Send
 from elche.core.config import Mode
 from elche.core.coordinator import RankState, RunState
+from elche.core.errors import ConfigError
 from elche.core.events import RankJoined, RankLost, Started
-from tests.core.harness import Harness, messages, of
+from elche.core.rank import Done, RankProtocol, Train
+from tests.core.harness import Harness, config, messages, of
 from tests.core.test_issue12_promises import run_to_end
 
 
@@ -144,3 +149,96 @@ def test_issue12_item02_too_few_left_before_forming_fails_and_stops_the_joined_r
     assert end.outcome == "failed" and "single_survivor" in end.reason
     assert end.user_error is None
     assert [c.ranks for c in of(out, Broadcast) if isinstance(c.message, m.Shutdown)] == [(0,)]  # type: ignore[attr-defined]
+
+
+# -- item 15: non-finite losses and averages -----------------------------------------
+
+
+def nan_batch(h: Harness, rank: int) -> list:
+    epoch, offset, size = h.chunks[rank][0]
+    take = min(h.cfg.batch_size, size)
+    h.chunks[rank][0] = [epoch, offset + take, size - take]
+    if take == size:
+        h.chunks[rank].popleft()
+    done = m.BatchDone(epoch=epoch, offset=offset, size=take, batch_ms=10.0, nonfinite=True)
+    return h.send(rank, done)
+
+
+def test_issue12_item15_a_nan_loss_saves_the_last_consensus_and_stops_the_run() -> None:
+    h = Harness(world_size=2, num_samples=640, save_path="/tmp/never-written")
+    h.form()
+    h.train(0, 2)
+    out = nan_batch(h, 1)
+    orders = messages(out, m.ShutdownWithSave)
+    assert orders == [m.ShutdownWithSave(reason="nonfinite", writer=0)]
+    assert h.core.state is RunState.SAVING
+    out += h.send(0, m.StateSaved(path="/tmp/never-written"))
+    out += h.send(1, m.StateSaved(path="/tmp/never-written"))
+    end = run_end(out)
+    assert (end.outcome, end.reason) == ("saved_and_shutdown", "nonfinite")
+    assert end.user_error is not None
+    assert (end.user_error.rank, end.user_error.error_type) == (1, "NonFiniteLoss")
+    # The writer restored the last consensus: its two unaveraged steps are still to train.
+    (meta,) = [c.meta for c in out if type(c).__name__ == "WriteMeta"]  # type: ignore[attr-defined]
+    assert sum(c.uncovered_samples for c in meta.coverage) == 640
+
+
+def test_issue12_item15_skip_leaves_the_step_out_and_goes_on() -> None:
+    h = Harness(world_size=2, num_samples=640, nonfinite="skip")
+    h.form()
+    out = nan_batch(h, 1)
+    assert h.core.state is RunState.TRAINING
+    assert any("skipped" in c.text for c in of(out, Notice))  # type: ignore[attr-defined]
+    out += run_to_end(h)
+    assert of(out, Finish) == [Finish(outcome="completed")]
+
+
+def test_issue12_item15_a_non_finite_average_stops_even_under_skip() -> None:
+    h = Harness(world_size=2, num_samples=640, nonfinite="skip")
+    h.form()
+    for rank in (0, 1):
+        while h.chunks[rank] and h.core.work.steps_since_sync(rank) < h.core.planner.budget[rank]:
+            h.train(rank, 1)
+    number = h.core.round.number
+    assert h.core.round.in_flight
+    steps = h.core.work.steps_since_sync(0)
+    out = h.send(0, m.SyncAck(round=number, steps=steps, post_norm=float("nan")))
+    assert messages(out, m.ShutdownWithSave) == [m.ShutdownWithSave(reason="nonfinite", writer=0)]
+
+
+def test_issue12_item15_nonfinite_is_validated_naming_the_field() -> None:
+    with pytest.raises(ConfigError) as info:
+        config(nonfinite="ignore")
+    assert info.value.field == "nonfinite"
+    assert "'stop'" in str(info.value) and "'skip'" in str(info.value)
+
+
+def test_issue12_item15_the_rank_reports_a_step_it_did_not_apply() -> None:
+    p = RankProtocol(0, mode=Mode.CADENCE, batch_size=32)
+    p.handle(m.AssignChunk(epoch=0, offset=0, size=64, budget=4))
+    action = p.next_action()
+    assert isinstance(action, Train)
+    done = p.trained(action, batch_ms=1.0, data_ms=0.0, loss=None, nonfinite=True)
+    assert done.nonfinite and done.loss is None
+
+
+def test_issue12_item14_the_rank_protocol_reports_whether_it_had_stepped() -> None:
+    p = RankProtocol(1, mode=Mode.CADENCE, batch_size=32)
+    before = p.failed(error_type="TypeError", message="x", traceback="", epoch=0)
+    assert before.before_first_step and isinstance(p.next_action(), Done)
+    q = RankProtocol(1, mode=Mode.CADENCE, batch_size=32)
+    q.handle(m.AssignChunk(epoch=0, offset=0, size=64, budget=4))
+    action = q.next_action()
+    assert isinstance(action, Train)
+    q.trained(action, batch_ms=1.0, data_ms=0.0, loss=0.5)
+    assert not q.failed(
+        error_type="TypeError", message="x", traceback="", epoch=0
+    ).before_first_step
+
+
+def test_issue12_item14_a_failed_runs_shutdown_stops_the_rank_with_the_error() -> None:
+    p = RankProtocol(2, mode=Mode.CADENCE, batch_size=32)
+    error = m.UserError(rank=1, epoch=0, error_type="KeyError", message="'x'")
+    p.handle(m.Shutdown(writer=2, failure="rank 1 failed", user_error=error))
+    assert p.next_action() == Done(reason="failed: rank 1 failed")
+    assert p.user_error == error and not p.final_writer

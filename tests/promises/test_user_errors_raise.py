@@ -164,3 +164,47 @@ def test_issue12_item14_the_cli_prints_the_users_error_and_exits_non_zero(
     assert "rank 1 failed in epoch 2: KeyError" in err
     assert 'File "mine.py", line 3' in err
     assert "cli.py" not in err  # no traceback of elche's own frames
+
+
+def all_finite(state: dict[str, torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(v).all()) for v in state.values())
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_issue12_item15_a_nan_loss_stops_with_a_bundle_of_the_last_finite_consensus(
+    tmp_path: Path,
+) -> None:
+    stem = str(tmp_path / "run")
+    error = raised(step_fn=faulty.nan_after_a_few, save_path=stem, epochs=3)
+    assert (error.rank, error.error_type) == (1, "NonFiniteLoss")
+    assert error.bundle == stem
+    assert all_finite(torch.load(f"{stem}.model.pt"))
+    resumed = train(resume_from=stem, epochs=3, save_path=str(tmp_path / "again"))
+    assert resumed.summary["outcome"] == "completed"
+    assert resumed.summary["lost_samples"] == 0
+    assert all_finite(resumed.state_dict)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_issue12_item15_skip_leaves_nan_steps_out_and_the_weights_finite() -> None:
+    result = train(step_fn=faulty.nan_after_a_few, nonfinite="skip", mode="cadence", epochs=3)
+    assert result.summary["outcome"] == "completed"
+    assert all_finite(result.state_dict)
+
+
+@pytest.mark.slow
+def test_issue12_item15_one_rank_stops_on_a_nan_loss_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ELCHE_RANK", "1")  # nan_after_a_few turns NaN on "rank 1"
+    with pytest.raises(elche.TrainingError) as info:
+        train(step_fn=faulty.nan_after_a_few, ranks=1, epochs=3)
+    assert info.value.error_type == "NonFiniteLoss"
+    result = train(step_fn=faulty.nan_after_a_few, ranks=1, epochs=3, nonfinite="skip")
+    assert all_finite(result.state_dict)
+
+
+def test_issue12_item15_nonfinite_is_refused_by_name() -> None:
+    with pytest.raises(elche.ConfigError) as info:
+        train(nonfinite="ignore")
+    assert info.value.field == "nonfinite"

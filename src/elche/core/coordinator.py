@@ -236,6 +236,7 @@ class Coordinator:
             return
         self.last_seen_s[rank] = self._now
         try:
+            failures.screen(self, rank, message)  # non-finite losses and averages
             self._route(rank, message)
         except RemoteProtocolError as exc:
             self._evict(rank, exc)
@@ -510,8 +511,8 @@ class Coordinator:
         if self.state is not RunState.SAVING:
             self.stale_messages += 1
             return
-        if msg.error is None and rank == self.saving.writer:
-            # The canonical model holds the writer's unaveraged steps.
+        # The canonical model holds the writer's unaveraged steps (unless it restored).
+        if msg.error is None and rank == self.saving.writer and not self.failures.restored:
             self.work.commit(rank, self.work.steps_since_sync(rank))
         self._out += self.saving.answered(rank, msg.error)
         if self.saving.done:
@@ -590,7 +591,7 @@ class Coordinator:
                 rejected_frames=self.rejected_frames,
                 anchor=self.elche.anchor,
                 samples_per_rank=tuple(self.work.samples_committed),
-                user_error=user_error,
+                user_error=user_error or self.failures.nonfinite,
             )
         )
         self._out.append(Finish(outcome=outcome, reason=reason))

@@ -120,12 +120,13 @@ class TrainingError(Error, RuntimeError):
         self.bundle = bundle
 
     @classmethod
-    def from_summary(cls, error: dict[str, object]) -> TrainingError:
-        """Rebuild it from a run summary's ``user_error`` (``elche.core.timeline.UserError``)."""
+    def from_summary(cls, error: dict[str, object], bundle: str | None = None) -> TrainingError:
+        """Rebuild it from a run summary's ``user_error`` (``elche.core.messages.UserError``)."""
         return cls(
             rank=int(str(error["rank"])),
             epoch=int(str(error["epoch"])),
             error_type=str(error["error_type"]),
             message=str(error["message"]),
             traceback=str(error.get("traceback", "")),
+            bundle=bundle,
         )

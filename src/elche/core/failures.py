@@ -16,6 +16,14 @@ Rules:
 
 - Otherwise (one rank's one-off error mid-run) the rank is lost like a
   crashed one: its work goes back to the survivors and the run goes on.
+- A non-finite loss (``BatchDone.nonfinite``: the rank did not apply that
+  step) under ``nonfinite="stop"``, or a non-finite average (a ``SyncAck``
+  whose ``post_norm`` is NaN or infinite) under either policy, saves and
+  stops the run (``SaveReason.NONFINITE``): every rank restores the last
+  finite consensus it holds before it saves, so the writer's unaveraged steps
+  are *not* in the bundle and stay to be trained on resume. The run's
+  ``user_error`` says what happened (``error_type`` ``"NonFiniteLoss"``).
+  Under ``nonfinite="skip"`` such a step is skipped and the run goes on.
 - A rank *lost* before the run forms (a crash, not a ``Failed``) is survived
   when enough ranks remain (``SaveAndShutdown.reason_to_stop``): the run forms
   with the others. When too few remain, the run fails before training.
@@ -31,10 +39,12 @@ while the run forms, ``maybe_form`` after each join or such loss, and
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from elche.core import messages as m
+from elche.core.checkpoint import SaveReason
 from elche.core.commands import Notice, Send
 from elche.core.config import Backend
 from elche.core.messages import UserError
@@ -42,7 +52,15 @@ from elche.core.messages import UserError
 if TYPE_CHECKING:
     from elche.core.coordinator import Coordinator
 
-__all__ = ["UserFailures", "fail", "failure_text", "lost_forming", "maybe_form", "on_failed"]
+__all__ = [
+    "UserFailures",
+    "fail",
+    "failure_text",
+    "lost_forming",
+    "maybe_form",
+    "on_failed",
+    "screen",
+]
 
 
 def failure_text(error: UserError) -> str:
@@ -58,6 +76,9 @@ class UserFailures:
 
     def __init__(self) -> None:
         self.failed: dict[int, m.Failed] = {}
+        self.num_nonfinite = 0  # steps with a non-finite loss, skipped
+        self.restored = False  # the ranks restore their last consensus before saving
+        self.nonfinite: UserError | None = None  # why a non-finite value stopped the run
 
     def note(
         self, rank: int, message: m.Failed, *, others: Sequence[int], run_stops: bool
@@ -85,6 +106,55 @@ class UserFailures:
         if same and (not others or run_stops):
             return error
         return None
+
+
+def screen(core: Coordinator, rank: int, message: m.RankMessage) -> None:
+    """Look for non-finite losses and averages in ``rank``'s ``message``."""
+    match message:
+        case m.BatchDone(nonfinite=True, epoch=epoch):
+            _nonfinite_loss(core, rank, epoch)
+        case m.Batches(items=items):
+            for item in items:
+                if item.nonfinite:
+                    _nonfinite_loss(core, rank, item.epoch)
+        case m.SyncAck(post_norm=post) if post is not None and not math.isfinite(post):
+            open_epochs = core.work.open_epochs()
+            epoch = open_epochs[0] if open_epochs else core.epochs_completed
+            _stop_nonfinite(core, rank, epoch, f"the average of round {message.round} is {post}")
+        case _:
+            pass
+
+
+def _nonfinite_loss(core: Coordinator, rank: int, epoch: int) -> None:
+    state = core.failures
+    state.num_nonfinite += 1
+    if core.config.nonfinite == "stop":
+        _stop_nonfinite(core, rank, epoch, "the loss is not finite")
+        return
+    if state.num_nonfinite == 1 or state.num_nonfinite % 100 == 0:
+        text = (
+            f"rank {rank}: a non-finite loss in epoch {epoch}; that step was skipped "
+            f"({state.num_nonfinite} so far, nonfinite='skip')"
+        )
+        core._out.append(Notice(level="warning", text=text))
+
+
+def _stop_nonfinite(core: Coordinator, rank: int, epoch: int, what: str) -> None:
+    from elche.core.coordinator import RunState
+
+    if core.state not in (RunState.TRAINING, RunState.FINISHING):
+        return  # already saving
+    state = core.failures
+    state.restored = True
+    state.nonfinite = UserError(
+        rank=rank,
+        epoch=epoch,
+        error_type="NonFiniteLoss",
+        message=f"{what} on rank {rank} in epoch {epoch}; the bundle holds the last finite "
+        "consensus (nonfinite='skip' skips such steps instead)",
+    )
+    core._out.append(Notice(level="error", text=f"rank {rank}: {what} in epoch {epoch}"))
+    core._save(SaveReason.NONFINITE)
 
 
 def on_failed(core: Coordinator, rank: int, message: m.Failed) -> None:

@@ -336,9 +336,17 @@ class RankProtocol:
         return LocalProtocolError(f"rank {self.rank}: {completion}() but {why}")
 
     def trained(
-        self, action: Train, *, batch_ms: float, data_ms: float, loss: float | None
+        self,
+        action: Train,
+        *,
+        batch_ms: float,
+        data_ms: float,
+        loss: float | None,
+        nonfinite: bool = False,
     ) -> m.BatchDone:
         """The ``action``'s batch is done; returns its report.
+
+        ``nonfinite``: its loss was NaN or infinite and the step was not applied.
 
         Legal while saving too: a step in flight when ``ShutdownWithSave``
         came is reported before the save.
@@ -366,6 +374,7 @@ class RankProtocol:
             batch_ms=batch_ms,
             data_ms=data_ms,
             loss=loss,
+            nonfinite=nonfinite,
         )
 
     def started_epoch(self, *, elapsed_ms: float, lr: float | None) -> list[m.RankMessage]:

@@ -344,8 +344,10 @@ def collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]
     )
     user_error = summary.get("user_error")
     if isinstance(user_error, dict):
+        explain_outcome(summary, plan.config.save_path)  # a non-finite loss saved a bundle
         print(f"elche: the run's files are kept in {run_dir}", file=sys.stderr, flush=True)
-        raise TrainingError.from_summary(user_error)
+        bundle = summary.get("bundle")
+        raise TrainingError.from_summary(user_error, bundle if isinstance(bundle, str) else None)
     model_file = run_dir / "final_model.pt"
     state = torch.load(model_file, map_location="cpu") if model_file.exists() else {}
     return TrainResult(state_dict=state, epochs=epochs, summary=summary, run_dir=str(run_dir))

@@ -21,12 +21,12 @@ from torch import nn
 from elche.core.checkpoint import CheckpointMeta
 from elche.core.dispatch import epoch_permutation
 from elche.core.errors import TrainingError
-from elche.runtime.data import fetch
+from elche.runtime.data import fetch, to_device
 from elche.runtime.host import meta_path
 from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.user_errors import describe
-from elche.runtime.worker import UserFns, to_device
+from elche.runtime.worker import UserFns
 
 __all__ = ["train_solo"]
 
@@ -64,19 +64,24 @@ class _Solo:
                 value = self.step(self.batch(perm, range(start, stop)))
                 if math.isfinite(value):
                     losses.append(value)
+                elif cfg.nonfinite == "stop":  # the step was not applied: the model is finite
+                    raise _nonfinite(epoch)
                 self.trained += stop - start
         return sum(losses) / len(losses) if losses else None
 
     def step(self, batch: Any) -> float:
         loss = self.fns.step_fn(self.model, batch)
         self.optimizer.zero_grad(set_to_none=True)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            return value  # a NaN/inf loss: the step is not applied
         loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         if self.pacer is not None:
             self.pacer.after_step()
-        return float(loss.detach())
+        return value
 
     def after_epoch(self, epoch: int, loss: float | None, hooks: Hooks) -> None:
         cfg = self.plan.config
@@ -148,6 +153,14 @@ def train_solo(
     return TrainResult(state_dict=state, epochs=solo.epochs, summary=summary, run_dir=run_dir)
 
 
+def _nonfinite(epoch: int) -> TrainingError:
+    return TrainingError(
+        rank=0, epoch=epoch, error_type="NonFiniteLoss",
+        message=f"the loss is not finite on rank 0 in epoch {epoch}; the model is the last "
+        "finite one (nonfinite='skip' skips such steps instead)",
+    )  # fmt: skip
+
+
 def _user(epoch: int, user_code: Callable[[], T]) -> T:
     """Run the user's code in-process; what it raises becomes a ``TrainingError``.
 
@@ -156,6 +169,8 @@ def _user(epoch: int, user_code: Callable[[], T]) -> T:
     """
     try:
         return user_code()
+    except TrainingError:
+        raise
     except Exception as exc:
         error_type, message, text = describe(exc)
         raise TrainingError(

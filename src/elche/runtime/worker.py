@@ -43,6 +43,7 @@ from torch import nn
 
 from elche.core import messages as m
 from elche.core import rank as r
+from elche.core.checkpoint import SaveReason
 from elche.core.config import Backend, Mode
 from elche.core.dispatch import epoch_permutation
 from elche.core.faults import FailCheckpoint, Fault, Kill, SlowDown, Stall, position
@@ -50,7 +51,8 @@ from elche.core.rank import RankProtocol
 from elche.monitor.summary import rank_report_file
 from elche.runtime.averaging import collective_average, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
-from elche.runtime.data import fetch
+from elche.runtime.consensus import Consensus
+from elche.runtime.data import fetch, to_device
 from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.snapshots import Layout
 from elche.runtime.transport import RankEndpoint
@@ -127,6 +129,7 @@ class Worker:
         self.model = fns.model_fn(self.device)
         self.optimizer = fns.optimizer_fn(self.model.parameters())
         self.unreported: list[m.BatchDone] = []
+        self.consensus = Consensus()  # restored before a save for a non-finite value
         self.reported_s = time.monotonic()
         self._update_payload: Sequence[bytes | memoryview] = ()
         self.snapshot: tuple[Layout, list[memoryview]] | None = None  # the upload in flight
@@ -253,8 +256,8 @@ class Worker:
                     continue
                 case r.Hold():
                     self._wait()
-                case r.Save(writer=writer):
-                    self._save(writer)
+                case r.Save(writer=writer, reason=reason):
+                    self._save(writer, restore=reason == SaveReason.NONFINITE.value)
                 case r.FormGroup(generation=generation, members=members):
                     self._regroup(generation, list(members))
                     proto.regrouped()
@@ -356,17 +359,18 @@ class Worker:
             batch = self.batch_at(action.epoch, action.offset, size)
             loaded = time.perf_counter()
             loss = self._loss(self.model, batch)
+            value = float(loss.detach())
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
-            if self.spec.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
-            self.optimizer.step()
+            if math.isfinite(value):  # a NaN/inf loss: the step is not applied
+                loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
+                if self.spec.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
+                self.optimizer.step()
         except Exception as exc:
             raise self._user_failed(exc, action.epoch) from exc
         if self.pacer is not None:
             self.pacer.after_step()
         done = self._step_end = time.perf_counter()
-        value = float(loss.detach())
         self.last_loss = value if math.isfinite(value) else self.last_loss
         self.busy_s += done - started
         self.step_s += done - started
@@ -379,6 +383,7 @@ class Worker:
                 batch_ms=(done - loaded) * 1000.0,
                 data_ms=(loaded - started) * 1000.0,
                 loss=value if math.isfinite(value) else None,
+                nonfinite=not math.isfinite(value),
             )
         )
         if self.proto.report_due or time.monotonic() - self.reported_s >= REPORT_EVERY_S:
@@ -438,6 +443,7 @@ class Worker:
             self.proto.average_failed()
             return
         self.busy_s += time.perf_counter() - started
+        self.consensus.keep(self.model)
         self._send(self.proto.averaged(divergence=div, pre_norm=pre, post_norm=post))
 
     def _apply_update(self, action: r.Load) -> None:
@@ -450,6 +456,7 @@ class Worker:
             div, pre, post = load_average(
                 self.model, list(payload[1:]), layout, alpha=action.alpha, sent=snapshot[1]
             )
+            self.consensus.keep(self.model)
         self._send(self.proto.loaded(divergence=div, pre_norm=pre, post_norm=post))
 
     # -- callbacks and saving -----------------------------------------------------
@@ -499,8 +506,10 @@ class Worker:
         )
         self.proto.coordinator_lost(reason)
 
-    def _save(self, writer: bool) -> None:
+    def _save(self, writer: bool, *, restore: bool) -> None:
         self._report()  # the coordinator books the writer's batches before its save
+        if restore:  # a non-finite value stopped the run: save the last finite consensus
+            self.consensus.restore(self.model)
         error: str | None = None
         path: str | None = None
         if self.spec.save_path is not None:
@@ -541,16 +550,6 @@ def _save_atomic(obj: object, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, list | tuple):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
 def run_rank(spec: RankSpec, fns: UserFns, batch_size: int) -> dict[str, object]:
     """Body of one rank process; returns its report (also written to the run dir)."""
     report, _ = train_rank(spec, fns, batch_size)
@@ -570,6 +569,7 @@ def train_rank(
     worker.wait_peers_started()  # the same, for coordinator modes
     first = min(batch_size, len(fns.dataset))  # the dataset, collate and step_fn:
     guarded(spec, lambda: worker.warm_up(worker.batch_at(0, 0, first)))
+    worker.consensus.keep(worker.model)  # the run's start is its first consensus
     worker.connect()
     try:
         stopped = worker.run()
