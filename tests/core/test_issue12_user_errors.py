@@ -242,3 +242,22 @@ def test_issue12_item14_a_failed_runs_shutdown_stops_the_rank_with_the_error() -
     p.handle(m.Shutdown(writer=2, failure="rank 1 failed", user_error=error))
     assert p.next_action() == Done(reason="failed: rank 1 failed")
     assert p.user_error == error and not p.final_writer
+
+
+def test_issue12_item15_ranks_with_other_initial_weights_are_named_once() -> None:
+    h = Harness(world_size=3)
+    h.form()
+    out = h.send(1, m.InitialState(fingerprint="b"))
+    out += h.send(0, m.InitialState(fingerprint="a"))
+    assert not of(out, Notice)  # rank 2 has not reported yet
+    out += h.send(2, m.InitialState(fingerprint="c"))
+    out += h.send(2, m.InitialState(fingerprint="c"))
+    texts = [c.text for c in of(out, Notice)]  # type: ignore[attr-defined]
+    assert len(texts) == 1 and "ranks [1, 2]" in texts[0] and "rank 0's weights" in texts[0]
+
+
+def test_issue12_item15_equal_initial_weights_say_nothing() -> None:
+    h = Harness(world_size=2, mode=Mode.CPU_CADENCE)
+    h.form()
+    out = h.send(0, m.InitialState(fingerprint="a")) + h.send(1, m.InitialState(fingerprint="a"))
+    assert not of(out, Notice)

@@ -52,3 +52,16 @@ def nan_after_a_few(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor
     if rank() == 1 and _calls[0] > 6:
         return loss * float("nan")
     return loss
+
+
+def model_per_rank(device: torch.device) -> nn.Module:
+    """A model_fn that forgets to seed, exaggerated: rank r's weights are all r."""
+    model = nn.Linear(4, 2).to(device)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(float(rank()))
+    return model
+
+
+def frozen_optimizer(params: object) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.0)  # type: ignore[arg-type]

@@ -208,3 +208,25 @@ def test_issue12_item15_nonfinite_is_refused_by_name() -> None:
     with pytest.raises(elche.ConfigError) as info:
         train(nonfinite="ignore")
     assert info.value.field == "nonfinite"
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_issue12_item15_a_collective_run_starts_from_rank0s_weights_and_names_the_others() -> None:
+    result = train(
+        model_fn=faulty.model_per_rank, optimizer_fn=faulty.frozen_optimizer, mode="cadence",
+        ranks=3, epochs=1,
+    )  # fmt: skip
+    assert result.summary["outcome"] == "completed"
+    # Nothing trains (lr 0): the consensus is the start, rank 0's zeros, not the mean of 0, 1, 2.
+    assert all(bool((v == 0).all()) for v in result.state_dict.values()), result.state_dict
+    warnings = [n for n in result.summary["notices"] if "initial weights" in n]  # type: ignore[union-attr]
+    assert len(warnings) == 1 and "[1, 2]" in warnings[0]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_issue12_item15_different_initial_weights_are_named_in_coordinator_modes() -> None:
+    result = train(model_fn=faulty.model_per_rank, optimizer_fn=faulty.frozen_optimizer, ranks=2)
+    warnings = [n for n in result.summary["notices"] if "initial weights" in n]  # type: ignore[union-attr]
+    assert len(warnings) == 1 and "[1]" in warnings[0] and "Seed inside model_fn" in warnings[0]

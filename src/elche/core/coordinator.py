@@ -252,7 +252,7 @@ class Coordinator:
                 self._on_sync_ack(rank, message)
             case m.SnapshotReady():
                 self._on_snapshot(rank, message)
-            case m.Heartbeat():
+            case m.Heartbeat() | m.InitialState():  # InitialState: failures.screen
                 pass
             case m.LrUpdate(lr=lr):
                 self.tuner.note_lr(rank, lr)

@@ -24,6 +24,10 @@ Rules:
   are *not* in the bundle and stay to be trained on resume. The run's
   ``user_error`` says what happened (``error_type`` ``"NonFiniteLoss"``).
   Under ``nonfinite="skip"`` such a step is skipped and the run goes on.
+- Each rank reports a hash of the model ``model_fn`` built
+  (``InitialState``); ranks whose hash differs from rank 0's are named in a
+  warning once every rank reported (collective runs start from rank 0's weights, broadcast over
+  the group before training).
 - A rank *lost* before the run forms (a crash, not a ``Failed``) is survived
   when enough ranks remain (``SaveAndShutdown.reason_to_stop``): the run forms
   with the others. When too few remain, the run fails before training.
@@ -79,6 +83,8 @@ class UserFailures:
         self.num_nonfinite = 0  # steps with a non-finite loss, skipped
         self.restored = False  # the ranks restore their last consensus before saving
         self.nonfinite: UserError | None = None  # why a non-finite value stopped the run
+        self.fingerprints: dict[int, str] = {}  # each rank's initial weights, hashed
+        self.warned: set[int] = set()  # ranks already named for different initial weights
 
     def note(
         self, rank: int, message: m.Failed, *, others: Sequence[int], run_stops: bool
@@ -117,12 +123,40 @@ def screen(core: Coordinator, rank: int, message: m.RankMessage) -> None:
             for item in items:
                 if item.nonfinite:
                     _nonfinite_loss(core, rank, item.epoch)
+        case m.InitialState(fingerprint=fingerprint):
+            _initial_state(core, rank, fingerprint)
         case m.SyncAck(post_norm=post) if post is not None and not math.isfinite(post):
             open_epochs = core.work.open_epochs()
             epoch = open_epochs[0] if open_epochs else core.epochs_completed
             _stop_nonfinite(core, rank, epoch, f"the average of round {message.round} is {post}")
         case _:
             pass
+
+
+def _initial_state(core: Coordinator, rank: int, fingerprint: str) -> None:
+    """Once every rank reported, warn naming those whose initial weights differ from rank 0's."""
+    state = core.failures
+    state.fingerprints[rank] = fingerprint
+    reference = state.fingerprints.get(0)
+    waiting = set(range(core.config.world_size)) - set(core.dead_ranks) - set(state.fingerprints)
+    if reference is None or waiting:
+        return
+    odd = sorted(
+        r for r, f in state.fingerprints.items() if f != reference and r not in state.warned
+    )
+    if not odd:
+        return
+    state.warned.update(odd)
+    what = (
+        "rank 0's weights are the run's start (broadcast to every rank)"
+        if core.config.backend is Backend.COLLECTIVE
+        else "the first average brings them together"
+    )
+    text = (
+        f"ranks {odd} built initial weights different from rank 0's; {what}. Seed inside "
+        "model_fn (torch.manual_seed) so that every rank builds the same model"
+    )
+    core._out.append(Notice(level="warning", text=text))
 
 
 def _nonfinite_loss(core: Coordinator, rank: int, epoch: int) -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "Failed",
     "Heartbeat",
     "Hello",
+    "InitialState",
     "LrUpdate",
     "Message",
     "RankMessage",
@@ -76,6 +77,16 @@ class Hello(_Msg, frozen=True):
     world_size: int
     host: str = ""
     pid: int = 0
+
+
+class InitialState(_Msg, frozen=True):
+    """Sent once after joining: a hash of the model ``model_fn`` built on this rank.
+
+    Ranks whose hash differs from rank 0's built different initial weights
+    (a ``model_fn`` that does not seed); the coordinator warns, naming them.
+    """
+
+    fingerprint: str
 
 
 class BatchDone(_Msg, frozen=True):
@@ -318,6 +329,7 @@ RankMessage = (
     | StateSaved
     | Exiting
     | Failed
+    | InitialState
 )
 CoordMessage = (
     AssignChunk

@@ -156,6 +156,7 @@ def run_summary(
         "reason": host["reason"],
         "bundle": save_path if host["outcome"] == "saved_and_shutdown" else None,
         "user_error": host.get("user_error"),  # outcome "failed" on the user's code
+        "notices": host.get("notices", []),  # the coordinator's warnings and errors
         "per_rank": [
             {
                 "rank": rank,

@@ -51,7 +51,7 @@ from elche.core.rank import RankProtocol
 from elche.monitor.summary import rank_report_file
 from elche.runtime.averaging import collective_average, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
-from elche.runtime.consensus import Consensus
+from elche.runtime.consensus import Consensus, start_from_rank0
 from elche.runtime.data import fetch, to_device
 from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.snapshots import Layout
@@ -392,8 +392,7 @@ class Worker:
     def _user_failed(self, exc: Exception, epoch: int) -> Exception:
         """The user's code raised: tell the coordinator; returns the error to raise."""
         self._report()  # what trained before it still counts
-        report = failed_report(self.proto, exc, epoch)
-        self._send(report)
+        self._send(report := failed_report(self.proto, exc, epoch))
         assert self.bridge is not None
         wait_answer(self.bridge.get)
         return training_error(self.spec.rank, report)
@@ -566,11 +565,13 @@ def train_rank(
     if spec.resume_from is not None:
         _load_bundle(worker, spec.resume_from)
     worker.join_group()  # collective modes: the rendezvous, so every peer has started
+    fingerprint = start_from_rank0(worker.model, worker.group)  # (collective) rank 0's weights
     worker.wait_peers_started()  # the same, for coordinator modes
     first = min(batch_size, len(fns.dataset))  # the dataset, collate and step_fn:
     guarded(spec, lambda: worker.warm_up(worker.batch_at(0, 0, first)))
     worker.consensus.keep(worker.model)  # the run's start is its first consensus
     worker.connect()
+    worker._send(m.InitialState(fingerprint=fingerprint))
     try:
         stopped = worker.run()
         if stopped == "completed" and worker.proto.final_writer:
