@@ -198,11 +198,11 @@ def on_failed(core: Coordinator, rank: int, message: m.Failed) -> None:
     others = [r for r in core.live if r != rank]
     stops = core.saving.reason_to_stop(len(core.dead_ranks) + 1, len(others)) is not None
     error = core.failures.note(rank, message, others=others, run_stops=stops)
-    if error is None:
+    from elche.core.coordinator import RankState, RunState
+
+    if error is None or core.state is RunState.SAVING:  # a save under way finishes first
         core._lose(rank, f"failed: {what}")
         return
-    from elche.core.coordinator import RankState
-
     core.rank_state[rank] = RankState.DEAD
     core.dead_ranks.append(rank)
     fail(core, failure_text(error), user_error=error)
