@@ -261,3 +261,13 @@ def test_issue12_item15_equal_initial_weights_say_nothing() -> None:
     h.form()
     out = h.send(0, m.InitialState(fingerprint="a")) + h.send(1, m.InitialState(fingerprint="a"))
     assert not of(out, Notice)
+
+
+def test_issue12_item14_a_failure_during_a_save_lets_the_save_finish() -> None:
+    h = Harness(world_size=3, num_samples=960, max_failures=1, save_path="/tmp/never")
+    h.form()
+    h.feed(RankLost(rank=2, reason="killed"))
+    assert h.core.state is RunState.SAVING
+    out = h.send(1, failed(0))
+    out += h.send(0, m.StateSaved(path="/tmp/never"))
+    assert run_end(out).outcome == "saved_and_shutdown"
