@@ -23,6 +23,7 @@ from elche.core.errors import (
     LocalProtocolError,
     ProtocolError,
     RemoteProtocolError,
+    TrainingError,
     TransportError,
 )
 from elche.core.faults import FaultPlan
@@ -63,6 +64,7 @@ __all__ = [
     "SimResult",
     "Simulation",
     "TrainResult",
+    "TrainingError",
     "TransportError",
     "__version__",
     "simulate",

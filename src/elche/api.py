@@ -77,6 +77,7 @@ def train(
     faults: FaultPlan | None = None,
     outer_lr: float | None = None,
     outer_momentum: float = 0.9,
+    nonfinite: str = "stop",
 ) -> TrainResult:
     """Train ``model_fn``'s model on ``dataset`` over ``ranks`` unequal workers.
 
@@ -124,6 +125,10 @@ def train(
             pseudo-gradient) in the coordinator, cpu-* modes only; None (the
             default) averages plainly. Suggested: 0.7.
         outer_momentum: its momentum (default 0.9).
+        nonfinite: a NaN or infinite loss: ``"stop"`` (the default) saves the
+            last finite consensus and raises ``TrainingError`` (its
+            ``bundle`` resumes it); ``"skip"`` leaves that step out and goes
+            on. Parameters that turn non-finite in an average always stop.
         crash: testing hook: ``{rank: epoch.fraction}`` — that rank kills
             itself with SIGKILL when its training reaches that point
             (shorthand for ``FaultPlan().kill(rank=r, at_epoch=e)``).
@@ -140,6 +145,9 @@ def train(
 
     Raises:
         ConfigError: a bad argument (the message names it and what is accepted).
+        TrainingError: the user's code raised on a rank (before its first
+            step, or the same exception on every rank): the failing rank, the
+            epoch and the user's exception type, message and traceback.
         RuntimeError: the run failed to start or a process crashed.
     """
     _check_user_fns(model_fn=model_fn, eval_fn=eval_fn, eval_dataset=eval_dataset)
@@ -151,7 +159,7 @@ def train(
         max_failures=max_failures, has_eval=eval_fn is not None, eval_every=eval_every,
         checkpoint_every=checkpoint_every, save_path=save_path, resume_from=resume_from,
         crash=crash, stall=stall, faults=faults, outer_lr=outer_lr,
-        outer_momentum=outer_momentum,
+        outer_momentum=outer_momentum, nonfinite=nonfinite,
     )  # fmt: skip
     from elche.runtime.worker import UserFns
 
@@ -208,6 +216,7 @@ def _plan(
     faults: FaultPlan | None,
     outer_lr: float | None,
     outer_momentum: float,
+    nonfinite: str,
 ) -> Plan:
     try:
         num_samples = len(dataset)
@@ -242,7 +251,7 @@ def _plan(
         max_failures=max_failures, callback_policy=policy, callback_rank=pinned,
         has_eval_fn=has_eval, eval_every=eval_every, checkpoint_every=checkpoint_every,
         save_path=save_path, easgd_alpha=easgd_alpha, outer_lr=outer_lr,
-        outer_momentum=outer_momentum,
+        outer_momentum=outer_momentum, nonfinite=nonfinite,
     )  # fmt: skip
     return Plan(
         config=config, speeds=speeds_t, speed_base_s=_speed_base(speed_base_s),

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 
 from elche.core.config import Mode, SchedulerConfig
-from elche.core.errors import ConfigError
+from elche.core.errors import ConfigError, TrainingError
 from elche.core.faults import FaultPlan
 from elche.sim.engine import SimConfig, SimError, simulate
 from elche.sim.result import SimResult
@@ -33,6 +33,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"elche: error: {exc}", file=sys.stderr)
         return 2
+    except TrainingError as exc:  # the user's traceback is in it; elche's frames are not
+        print(f"elche: error: the run failed: {exc}", file=sys.stderr)
+        return 1
     return code
 
 
@@ -495,7 +498,10 @@ def _run_demo(args: argparse.Namespace) -> int:
     else:
         _print_demo(summary)
     if summary.get("outcome") != "completed":
-        stem = args.save_path or summary.get("bundle")
+        stem = summary.get("bundle")
+        if stem is None:  # nothing was saved: there is nothing to resume
+            print(f"elche demo: the run failed ({summary.get('reason')})", file=sys.stderr)
+            return 3
         command = (
             f"elche demo --speeds {','.join(f'{s:g}' for s in speeds)} --mode {args.mode} "
             f"--epochs {args.epochs} --batch-size {args.batch_size} --seed {args.seed} "

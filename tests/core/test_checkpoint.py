@@ -101,6 +101,7 @@ def test_save_reasons_are_written_in_snake_case() -> None:
         "all_ranks_lost",
         "reduce_stall",
         "checkpoint",
+        "nonfinite",  # elche: a NaN/inf loss or average (issue 12, item 15)
     ]
 
 

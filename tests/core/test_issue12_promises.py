@@ -42,7 +42,7 @@ def run_to_end(h: Harness, ms: dict[int, float] | None = None) -> list:
                 out += h.send(
                     rank, m.SyncAck(round=number, steps=h.core.work.steps_since_sync(rank))
                 )
-    return out
+    return out + h.answer_saves()  # the final model, once training is over
 
 
 def sent(out: list, kind: type) -> list[tuple[int, m.CoordMessage]]:

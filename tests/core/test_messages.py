@@ -43,6 +43,8 @@ SAMPLES: list[m.Message] = [
         error=None,
     ),
     m.Exiting(reason="user interrupt"),
+    m.Failed(error_type="RuntimeError", message="bad loss", traceback="Traceback", epoch=1),
+    m.InitialState(fingerprint="ab12"),
     m.AssignChunk(epoch=2, offset=0, size=640, budget=20),
     m.SetBudget(budget=15),
     m.SyncNow(round=10, generation=2),

@@ -61,6 +61,7 @@ def test_stats_follow_the_records_and_keep_the_latest_eval() -> None:
         "anchor": 12,
         "samples_per_rank": [700, 400, 100],
         "notices": [],
+        "user_error": None,
     }
 
 

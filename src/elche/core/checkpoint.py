@@ -55,6 +55,7 @@ class SaveReason(enum.Enum):
     ALL_RANKS_LOST = "all_ranks_lost"
     REDUCE_STALL = "reduce_stall"
     CHECKPOINT = "checkpoint"
+    NONFINITE = "nonfinite"  # a loss or an average went NaN/inf: the last finite consensus
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -16,6 +16,7 @@ from elche.core.errors import ConfigError
 from elche.core.guards import GuardKind
 
 __all__ = [
+    "NONFINITE_POLICIES",
     "Backend",
     "CallbackPolicy",
     "CoordinatorConfig",
@@ -155,6 +156,10 @@ class SchedulerConfig:
         return 1 if policy is Policy.SYNC else 10
 
 
+# What a non-finite loss does (``CoordinatorConfig.nonfinite``).
+NONFINITE_POLICIES = ("stop", "skip")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoordinatorConfig:
     """Everything the coordinator core needs to run one training job.
@@ -194,10 +199,17 @@ class CoordinatorConfig:
     # lr 0.7, momentum 0.9 (the reference's documented values).
     outer_lr: float | None = None
     outer_momentum: float = 0.9
+    # A non-finite loss: "stop" saves the last finite consensus and stops the
+    # run; "skip" skips that step and goes on. A non-finite average always stops.
+    nonfinite: str = "stop"
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
             raise ConfigError("mode", f"must be a Mode, got {self.mode!r}")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(
+                "nonfinite", f"must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}"
+            )
         _check_int("world_size", self.world_size, minimum=1)
         _check_int("num_samples", self.num_samples, minimum=1)
         _check_int("batch_size", self.batch_size, minimum=1)

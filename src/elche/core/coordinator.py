@@ -43,6 +43,7 @@ import enum
 import math
 from typing import assert_never
 
+from elche.core import failures
 from elche.core import messages as m
 from elche.core import timeline as tl
 from elche.core.callbacks import Callbacks
@@ -128,6 +129,7 @@ class Coordinator:
             ledger=self.ledger, saved=_balancer_state(resume, config.world_size),
         )  # fmt: skip
         self.saves = Saves(config, max(last_save, resume.save_seq if resume else 0))
+        self.failures = failures.UserFailures()
         self.round = Round(config, self.work)
         self.state = RunState.FORMING
         self.rank_state = [RankState.JOINING] * ws
@@ -141,6 +143,7 @@ class Coordinator:
         self.stale_messages = 0
         self.epochs_completed = 0
         self.outcome: str | None = None
+        self.failure: m.Shutdown | None = None  # what a failed run told its ranks
         self._start_epoch = 0
         self._resume = resume
         self._unsatisfied: set[int] = set()
@@ -217,8 +220,7 @@ class Coordinator:
         self.rank_state[rank] = RankState.LIVE
         self.hosts[rank] = host
         self.last_seen_s[rank] = self._now
-        if all(s is RankState.LIVE for s in self.rank_state):
-            self._begin_training()
+        failures.maybe_form(self)
 
     def _begin_training(self) -> None:
         self.state = RunState.TRAINING
@@ -246,6 +248,7 @@ class Coordinator:
             return
         self.last_seen_s[rank] = self._now
         try:
+            failures.screen(self, rank, message)  # non-finite losses and averages
             self._route(rank, message)
         except RemoteProtocolError as exc:
             self._evict(rank, exc)
@@ -261,7 +264,7 @@ class Coordinator:
                 self._on_sync_ack(rank, message)
             case m.SnapshotReady():
                 self._on_snapshot(rank, message)
-            case m.Heartbeat():
+            case m.Heartbeat() | m.InitialState():  # InitialState: failures.screen
                 pass
             case m.LrUpdate(lr=lr):
                 self.tuner.note_lr(rank, lr)
@@ -278,6 +281,8 @@ class Coordinator:
             case m.Exiting(reason=reason):
                 if self.state is not RunState.DONE:
                     self._lose(rank, f"exited: {reason}" if reason else "exited")
+            case m.Failed():
+                failures.on_failed(self, rank, message)
             case m.Hello():
                 raise RemoteProtocolError("sent Hello after joining", rank=rank)
             case _:
@@ -444,7 +449,7 @@ class Coordinator:
         self.dead_ranks.append(rank)
         self._emit(tl.RankLost(rank=rank, reason=reason))
         if self.state is RunState.FORMING:
-            self._finish("failed", f"rank {rank} lost before the run formed: {reason}")
+            failures.lost_forming(self, rank, reason)
             return
         if self.state in (RunState.SAVING, RunState.CLOSING):
             self._out += self.saves.lost(rank, self.live)
@@ -523,8 +528,9 @@ class Coordinator:
                 self._finish("completed")
             else:
                 assert save.writer is not None  # a committed save has its writer
-                # The canonical model holds the writer's unaveraged steps.
-                self.work.commit(save.writer, self.work.steps_since_sync(save.writer))
+                if not self.failures.restored:  # else the ranks saved their last consensus
+                    # The canonical model holds the writer's unaveraged steps.
+                    self.work.commit(save.writer, self.work.steps_since_sync(save.writer))
                 if stem is not None:
                     self._out.append(self.saves.commit(stem, self._meta(cause), save))
                 self._finish("saved_and_shutdown", reason)
@@ -560,8 +566,8 @@ class Coordinator:
         if self.state is RunState.FORMING:
             if now >= self._formation_deadline_s:
                 joined = sum(s is RankState.LIVE for s in self.rank_state)
-                self._finish(
-                    "failed",
+                failures.fail(
+                    self,
                     f"formation timed out: {joined}/{self.config.world_size} ranks joined "
                     f"within {self.config.formation_timeout_s:g} s",
                 )
@@ -604,7 +610,9 @@ class Coordinator:
     def _emit(self, event: tl.TimelineEvent) -> None:
         self._out.append(Emit(event=event))
 
-    def _finish(self, outcome: str, reason: str = "") -> None:
+    def _finish(
+        self, outcome: str, reason: str = "", user_error: tl.UserError | None = None
+    ) -> None:
         self.state = RunState.DONE
         self.outcome = outcome
         done = self.epochs_completed
@@ -619,6 +627,7 @@ class Coordinator:
                 rejected_frames=self.rejected_frames,
                 anchor=self.elche.anchor,
                 samples_per_rank=tuple(self.work.samples_committed),
+                user_error=user_error or self.failures.nonfinite,
             )
         )
         self._out.append(Finish(outcome=outcome, reason=reason))

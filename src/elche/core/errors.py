@@ -12,6 +12,8 @@ the rules.
   The coordinator latches that rank to ``ERRORED`` and evicts it; the run goes
   on with the others.
 - ``TransportError`` — a shell-side failure, always raised ``from`` its cause.
+- ``TrainingError`` — the user's own code failed on a rank (``elche.train``
+  raises it); it carries that exception as text, traceback included.
 
 A rank dying is an *event* (``RankLost``), never an exception.
 """
@@ -24,6 +26,7 @@ __all__ = [
     "LocalProtocolError",
     "ProtocolError",
     "RemoteProtocolError",
+    "TrainingError",
     "TransportError",
 ]
 
@@ -73,3 +76,57 @@ class RemoteProtocolError(ProtocolError):
 
 class TransportError(Error):
     """The IO shell failed to move a frame; raised ``from`` the cause."""
+
+
+class TrainingError(Error, RuntimeError):
+    """The user's code raised on a rank, so the run ended (``elche.train`` raises it).
+
+    The original exception cannot cross processes reliably, so it comes as
+    text: its type name, message and formatted traceback (the useful part:
+    it points into the user's code). Raised as soon as the error is known to
+    be the user's: a rank failed before its first training step, or every
+    rank failed with the same exception type. A non-finite loss under
+    ``nonfinite="stop"`` raises it too, with ``bundle`` naming the saved
+    last finite consensus.
+
+    Args:
+        rank: the rank whose exception this is.
+        epoch: the epoch it was in (0 before training began).
+        error_type: the exception's type name, e.g. ``"RuntimeError"``.
+        message: the exception's message.
+        traceback: the formatted traceback, as the failing rank printed it.
+        bundle: a resumable bundle stem, when one was saved.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        epoch: int,
+        error_type: str,
+        message: str,
+        traceback: str = "",
+        bundle: str | None = None,
+    ) -> None:
+        text = f"rank {rank} failed in epoch {epoch}: {error_type}: {message}"
+        if traceback:
+            text += f"\n\nThe error on rank {rank}:\n{traceback.rstrip()}"
+        super().__init__(text)
+        self.rank = rank
+        self.epoch = epoch
+        self.error_type = error_type
+        self.message = message
+        self.traceback = traceback
+        self.bundle = bundle
+
+    @classmethod
+    def from_summary(cls, error: dict[str, object], bundle: str | None = None) -> TrainingError:
+        """Rebuild it from a run summary's ``user_error`` (``elche.core.messages.UserError``)."""
+        return cls(
+            rank=int(str(error["rank"])),
+            epoch=int(str(error["epoch"])),
+            error_type=str(error["error_type"]),
+            message=str(error["message"]),
+            traceback=str(error.get("traceback", "")),
+            bundle=bundle,
+        )

@@ -33,8 +33,10 @@ __all__ = [
     "EvalBroadcast",
     "EvalResult",
     "Exiting",
+    "Failed",
     "Heartbeat",
     "Hello",
+    "InitialState",
     "LrUpdate",
     "Message",
     "RankMessage",
@@ -53,6 +55,7 @@ __all__ = [
     "SyncAck",
     "SyncNow",
     "Update",
+    "UserError",
     "decode",
     "encode",
 ]
@@ -60,8 +63,9 @@ __all__ = [
 # Bumped on any incompatible change to a struct below. A frame of another
 # version is refused with a message naming both versions.
 # 2: the averaging round is `round` in every message (was `cycle`).
-# 3: saves are numbered and confirmed (``SaveState``, ``StateSaved.files``).
-PROTOCOL_VERSION = 3
+# 3: Failed; Shutdown.failure; BatchDone.nonfinite.
+# 4: saves are numbered and confirmed (``SaveState``, ``StateSaved.files``).
+PROTOCOL_VERSION = 4
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -80,6 +84,16 @@ class Hello(_Msg, frozen=True):
     pid: int = 0
 
 
+class InitialState(_Msg, frozen=True):
+    """Sent once after joining: a hash of the model ``model_fn`` built on this rank.
+
+    Ranks whose hash differs from rank 0's built different initial weights
+    (a ``model_fn`` that does not seed); the coordinator warns, naming them.
+    """
+
+    fingerprint: str
+
+
 class BatchDone(_Msg, frozen=True):
     """One optimizer step over ``size`` samples at ``offset`` of ``epoch``."""
 
@@ -89,6 +103,7 @@ class BatchDone(_Msg, frozen=True):
     batch_ms: float  # forward + backward + optimizer step, no waits
     data_ms: float = 0.0  # the rest of the step: fetching the batch and the loop between steps
     loss: float | None = None
+    nonfinite: bool = False  # the loss was NaN or infinite: the step was not applied
 
 
 class Batches(_Msg, frozen=True):
@@ -187,6 +202,21 @@ class Exiting(_Msg, frozen=True):
     reason: str = ""
 
 
+class Failed(_Msg, frozen=True):
+    """The user's code raised on this rank (``model_fn``, ``optimizer_fn``,
+    ``step_fn``, the collate, ``epoch_fn``); the rank stops after this frame.
+
+    The exception itself cannot cross processes reliably, so its type name,
+    message and formatted traceback travel as text.
+    """
+
+    error_type: str  # e.g. "RuntimeError"
+    message: str
+    traceback: str = ""
+    epoch: int = 0  # the epoch the rank was in (0 before training)
+    before_first_step: bool = False  # it failed before its first training step
+
+
 # --- coordinator -> rank ---------------------------------------------------
 
 
@@ -273,13 +303,29 @@ class EpochDone(_Msg, frozen=True):
     loss: float | None = None
 
 
+class UserError(msgspec.Struct, frozen=True, kw_only=True):
+    """The user's exception that ended a run, as text (it cannot cross processes)."""
+
+    rank: int
+    epoch: int
+    error_type: str
+    message: str
+    traceback: str = ""
+
+
 class Shutdown(_Msg, frozen=True):
     """Training is over. ``writer`` writes the final model as save ``seq`` and
     answers ``StateSaved``; the others wait for the next ``Shutdown``. With
-    ``writer`` -1 every rank exits."""
+    ``writer`` -1 every rank exits.
+
+    ``failure`` is not empty when the run failed: why; ``user_error`` is the
+    user's exception when that was the cause.
+    """
 
     writer: int = -1
     seq: int = 0
+    failure: str = ""
+    user_error: UserError | None = None
 
 
 class SaveState(_Msg, frozen=True):
@@ -325,6 +371,8 @@ RankMessage = (
     | EpochFnElapsed
     | StateSaved
     | Exiting
+    | Failed
+    | InitialState
 )
 CoordMessage = (
     AssignChunk

@@ -31,8 +31,11 @@ Rules:
   on) and a ``Shutdown`` naming this rank the final writer make it save and
   answer, then hold (``HELD``): a rank that wrote nothing yet may still be
   named the writer when the first one dies. A ``Shutdown`` with writer -1
-  stops the rank; one naming another rank holds it. Once stopped, the rank
+  stops the rank; one naming another rank holds it; one with a ``failure``
+  (the run failed) stops it with ``failed: ...``. Once stopped, the rank
   ignores messages.
+- The user's code raising on the rank (``failed``) stops it and makes the
+  ``Failed`` report, which says whether the rank had trained a step yet.
 
 Theory of operation. A driver loops: feed each message it received to
 ``handle``, ask ``next_action`` what to do, do that action's IO, and report
@@ -248,6 +251,8 @@ class RankProtocol:
         self.steps_since_sync = 0
         self.epoch_started = -1  # the last epoch whose epoch_fn ran
         self.num_stale = 0  # messages ignored as stale
+        self.num_steps = 0  # training steps done in this run
+        self.user_error: m.UserError | None = None  # the run failed on it (Shutdown)
         self._collective_mode = mode.backend is Backend.COLLECTIVE
         self._request: m.SyncNow | m.RequestParams | None = None
         self._callbacks: deque[m.RunEval | m.RunCheckpoint] = deque()
@@ -267,8 +272,10 @@ class RankProtocol:
         """
         if self.stage is RankStage.DONE:
             return
-        if self.stage is RankStage.SAVING:  # only a new writer's order still counts
-            if isinstance(message, m.Shutdown | m.ShutdownWithSave) and message.writer == self.rank:
+        if self.stage is RankStage.SAVING:  # only a new writer's order or a failure counts
+            if isinstance(message, m.Shutdown | m.ShutdownWithSave) and (
+                message.writer == self.rank or (isinstance(message, m.Shutdown) and message.failure)
+            ):
                 self._on_shutdown(message)
             return
         if self.stage is RankStage.HELD:
@@ -315,6 +322,9 @@ class RankProtocol:
                 reason=message.reason,
             )  # fmt: skip
             self.stage = RankStage.SAVING
+        elif message.failure:
+            self.user_error = message.user_error
+            self._stop(f"failed: {message.failure}")
         elif message.writer < 0:
             self._stop(self._held_for or "completed")
         elif writes:
@@ -395,9 +405,17 @@ class RankProtocol:
         return LocalProtocolError(f"rank {self.rank}: {completion}() but {why}")
 
     def trained(
-        self, action: Train, *, batch_ms: float, data_ms: float, loss: float | None
+        self,
+        action: Train,
+        *,
+        batch_ms: float,
+        data_ms: float,
+        loss: float | None,
+        nonfinite: bool = False,
     ) -> m.BatchDone:
         """The ``action``'s batch is done; returns its report.
+
+        ``nonfinite``: its loss was NaN or infinite and the step was not applied.
 
         Legal while saving too: a step in flight when ``ShutdownWithSave``
         came is reported before the save.
@@ -417,6 +435,7 @@ class RankProtocol:
         if chunk.left == 0:
             self.chunks.popleft()
         self.steps_since_sync += 1
+        self.num_steps += 1
         return m.BatchDone(
             epoch=action.epoch,
             offset=action.offset,
@@ -424,6 +443,7 @@ class RankProtocol:
             batch_ms=batch_ms,
             data_ms=data_ms,
             loss=loss,
+            nonfinite=nonfinite,
         )
 
     def started_epoch(self, *, elapsed_ms: float, lr: float | None) -> list[m.RankMessage]:
@@ -547,6 +567,21 @@ class RankProtocol:
         if self._regroup is None:
             raise self._illegal("regrouped", "no Regroup is waiting")
         self._regroup = None
+
+    def failed(self, *, error_type: str, message: str, traceback: str, epoch: int) -> m.Failed:
+        """The user's code raised on this rank; the rank stops. Legal in any state.
+
+        Returns:
+            The report to send before the rank exits.
+        """
+        self._stop(f"failed: {error_type}: {message}")
+        return m.Failed(
+            error_type=error_type,
+            message=message,
+            traceback=traceback,
+            epoch=epoch,
+            before_first_step=self.num_steps == 0,
+        )
 
     def saved(self, *, files: Sequence[m.SavedFile] = (), error: str | None = None) -> m.StateSaved:
         """The save asked for is written durably (``files``) or failed (``error``).

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import msgspec
 
+from elche.core.messages import UserError
+
 __all__ = [
     "AnchorChanged",
     "EpochEnd",
@@ -30,6 +32,7 @@ __all__ = [
     "SyncEnd",
     "SyncStart",
     "TimelineEvent",
+    "UserError",
     "decode",
     "encode",
 ]
@@ -120,6 +123,7 @@ class RunEnd(_Record, frozen=True):
     rejected_frames: int
     anchor: int
     samples_per_rank: tuple[int, ...]  # samples each rank put into the consensus
+    user_error: UserError | None = None  # outcome "failed" on the user's own code
 
 
 class OuterMomentumRestored(_Record, frozen=True):

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from elche.core import timeline as tl
 
 __all__ = [
@@ -94,6 +96,7 @@ def coordinator_summary(stats: RunStats, *, mode: str, world_size: int) -> dict[
         "anchor": report.anchor,
         "samples_per_rank": list(report.samples_per_rank),
         "notices": stats.notices,
+        "user_error": None if report.user_error is None else msgspec.to_builtins(report.user_error),
     }
 
 
@@ -152,6 +155,8 @@ def run_summary(
         "outcome": host["outcome"],
         "reason": host["reason"],
         "bundle": save_path if host["outcome"] == "saved_and_shutdown" else None,
+        "user_error": host.get("user_error"),  # outcome "failed" on the user's code
+        "notices": host.get("notices", []),  # the coordinator's warnings and errors
         "per_rank": [
             {
                 "rank": rank,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset, default_collate
 
-__all__ = ["fetch"]
+__all__ = ["fetch", "to_device"]
 
 
 def fetch(
@@ -37,3 +37,13 @@ def fetch(
     getitems = getattr(dataset, "__getitems__", None)
     items = getitems(list(indices)) if getitems is not None else [dataset[i] for i in indices]
     return collate(items)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch

@@ -79,6 +79,7 @@ from elche.runtime.transport import CoordinatorEndpoint, Joined, Received, Rejec
 
 __all__ = [
     "ADDRESS_LINE",
+    "FAILED_EXIT",
     "RESUME_OUTER",
     "Host",
     "config_from_json",
@@ -87,6 +88,9 @@ __all__ = [
 ]
 
 ADDRESS_LINE = "ELCHE_COORDINATOR"
+# The coordinator's exit code when the run failed (nothing to save): the
+# launcher stops the ranks at once instead of waiting for them.
+FAILED_EXIT = 4
 # In the run dir: the bundle's outer momentum, copied there by the launcher.
 RESUME_OUTER = "resume.outer.npz"
 # The loop never sleeps longer than this, so a lost timer costs at most this.
@@ -176,7 +180,27 @@ class Host:
         finally:
             self._timeline.close()
         self._write_summary()
+        if self.core.failure is not None:
+            self._tell_late_joiners(self.core.failure)
         return self.finish
+
+    def _tell_late_joiners(self, failure: m.Shutdown) -> None:
+        """A failed run: tell ranks that join after the end why, for one heartbeat timeout.
+
+        A rank still building its model when another failed joins late; told
+        nothing, it would wait for a coordinator that is gone. Ranks that were
+        live were told by the core; ranks the launcher reports lost need nothing.
+        """
+        pending = set(range(self.core.config.world_size)) - set(self.core.dead_ranks)
+        pending -= set(self.core.live)
+        deadline = time.monotonic() + self.core.config.heartbeat_timeout_s
+        while pending and (left := deadline - time.monotonic()) > 0:
+            for inbound in self.endpoint.poll(min(left, MAX_WAIT_S)):
+                if isinstance(inbound, Joined):
+                    self._send(inbound.rank, failure)
+                    pending.discard(inbound.rank)
+            while not self._reports.empty():
+                pending.discard(self._reports.get_nowait().rank)
 
     def _feed_report(self, event: RankLost) -> None:
         if 0 <= event.rank < self.core.config.world_size:
@@ -412,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not sys.stdin.isatty():
             host.watch(sys.stdin)
         finish = host.run()
-    return 0 if finish.outcome == "completed" else 3
+    return {"completed": 0, "failed": FAILED_EXIT}.get(finish.outcome, 3)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ stopped.
 from __future__ import annotations
 
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -41,13 +42,13 @@ from typing import TYPE_CHECKING, Any
 from elche.core import timeline as tl
 from elche.core.checkpoint import CheckpointMeta
 from elche.core.config import CoordinatorConfig
-from elche.core.errors import ConfigError
+from elche.core.errors import ConfigError, TrainingError
 from elche.monitor.progress import Progress
-from elche.monitor.summary import read_run, run_summary
+from elche.monitor.summary import SUMMARY_FILE, read_run, run_summary
 from elche.monitor.timeline import TimelineReader
 from elche.runtime import bundle
 from elche.runtime.frames import SECRET_ENV, new_secret
-from elche.runtime.host import ADDRESS_LINE, RESUME_OUTER, config_to_json
+from elche.runtime.host import ADDRESS_LINE, FAILED_EXIT, RESUME_OUTER, config_to_json
 from elche.runtime.plan import Hooks, Plan, TrainResult
 
 if TYPE_CHECKING:
@@ -86,8 +87,9 @@ def _rank_process(spec: Any, fns: Any, batch_size: int, env: dict[str, str]) -> 
 
     try:
         run_rank(spec, fns, batch_size)
-    except BaseException:
-        text = traceback.format_exc()
+    except BaseException as exc:
+        # The user's own error: its traceback is the useful part, not elche's frames.
+        text = str(exc) if isinstance(exc, TrainingError) else traceback.format_exc()
         (Path(spec.run_dir) / f"rank{spec.rank}.error").write_text(text)
         print(f"elche rank {spec.rank} failed:\n{text}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
@@ -243,8 +245,9 @@ def launch_local(
     epochs: list[dict[str, object]] = []
     display = Progress(cfg.epochs, enabled=progress)
     reported: set[int] = set()
+    failed = False
     try:
-        while host.poll() is None:
+        while host.poll() is None and not failed:
             time.sleep(SUPERVISE_EVERY_S)  # supervision cadence, not synchronisation
             for event in timeline.new_records():
                 on_record(event, epochs, hooks, display)
@@ -256,9 +259,12 @@ def launch_local(
                 if proc.exitcode not in (None, 0) and rank not in reported:
                     reported.add(rank)
                     _report_lost(host, rank, proc.exitcode)
+            failed = _run_failed(run_dir)
     finally:
         display.close()
-        deadline = time.monotonic() + RANK_EXIT_GRACE_S
+        # A failed run has nothing left to save: no rank is waited for.
+        grace_s = 0.0 if failed or host.poll() == FAILED_EXIT else RANK_EXIT_GRACE_S
+        deadline = time.monotonic() + grace_s
         for proc in procs:
             proc.join(timeout=max(deadline - time.monotonic(), 0.1))
             if proc.is_alive():
@@ -271,6 +277,17 @@ def launch_local(
     result = collect(plan, run_dir, t0, epochs)
     explain_outcome(result.summary, cfg.save_path)
     return result
+
+
+def _run_failed(run_dir: Path) -> bool:
+    """The coordinator wrote its summary, and the run failed (it may still be up)."""
+    summary = run_dir / SUMMARY_FILE
+    if not summary.exists():
+        return False
+    try:
+        return bool(json.loads(summary.read_text(encoding="utf-8"))["outcome"] == "failed")
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def on_record(
@@ -313,6 +330,7 @@ def collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]
     """Build the result of a finished run from the files in ``run_dir``.
 
     Raises:
+        TrainingError: the run failed on the user's code (the summary's ``user_error``).
         RuntimeError: the coordinator left no summary.
     """
     import torch
@@ -321,6 +339,12 @@ def collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]
     summary = run_summary(
         host, ranks, speeds=plan.speeds, launched_s=t0, save_path=plan.config.save_path
     )
+    user_error = summary.get("user_error")
+    if isinstance(user_error, dict):
+        explain_outcome(summary, plan.config.save_path)  # a non-finite loss saved a bundle
+        print(f"elche: the run's files are kept in {run_dir}", file=sys.stderr, flush=True)
+        stem = summary.get("bundle")
+        raise TrainingError.from_summary(user_error, stem if isinstance(stem, str) else None)
     model_file = run_dir / bundle.FINAL_MODEL
     state = torch.load(model_file, map_location="cpu") if model_file.exists() else {}
     return TrainResult(state_dict=state, epochs=epochs, summary=summary, run_dir=str(run_dir))

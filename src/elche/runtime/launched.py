@@ -8,6 +8,8 @@ lands here: it joins the default gloo group from the environment; global rank
 run secret over the group; then every process trains as one rank. Rank 0
 waits for the coordinator to finish and returns the full result; the other
 ranks return their final model (the consensus) and an empty summary.
+When the run fails on the user's code, every process raises the same
+``TrainingError`` (a failing rank its own, the others the coordinator's).
 
 Across hosts the coordinator binds every interface and is reached at
 ``MASTER_ADDR``; the per-run secret then authenticates every frame.
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from elche.core.errors import TrainingError
 from elche.monitor.progress import Progress
 from elche.monitor.timeline import read_timeline
 from elche.runtime.frames import new_secret
@@ -85,10 +88,13 @@ def train_launched(
         plan, rank, address, bytes.fromhex(secret_hex), directory, max_grad_norm=max_grad_norm
     )
     try:
-        _, state = train_rank(spec, fns, plan.config.batch_size)
+        report, state = train_rank(spec, fns, plan.config.batch_size)
     finally:
         if dist.is_initialized():  # a regroup after a death replaced the launcher's group
             dist.destroy_process_group()
+    user_error = report.get("user_error")
+    if host is None and isinstance(user_error, dict):  # another rank's: the same error here
+        raise TrainingError.from_summary(user_error)
     if host is None:
         return TrainResult(state_dict=state, summary={}, run_dir=str(directory))
     host.wait(timeout=COORDINATOR_EXIT_S)

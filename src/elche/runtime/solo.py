@@ -10,21 +10,25 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from elche.core.dispatch import epoch_permutation
-from elche.runtime.data import fetch
+from elche.core.errors import TrainingError
+from elche.runtime.data import fetch, to_device
 from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.resume import load_bundle
-from elche.runtime.worker import UserFns, to_device
+from elche.runtime.user_errors import describe
+from elche.runtime.worker import UserFns
 
 __all__ = ["train_solo"]
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -58,19 +62,24 @@ class _Solo:
                 value = self.step(self.batch(perm, range(start, stop)))
                 if math.isfinite(value):
                     losses.append(value)
+                elif cfg.nonfinite == "stop":  # the step was not applied: the model is finite
+                    raise _nonfinite(epoch)
                 self.trained += stop - start
         return sum(losses) / len(losses) if losses else None
 
     def step(self, batch: Any) -> float:
         loss = self.fns.step_fn(self.model, batch)
         self.optimizer.zero_grad(set_to_none=True)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            return value  # a NaN/inf loss: the step is not applied
         loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         if self.pacer is not None:
             self.pacer.after_step()
-        return float(loss.detach())
+        return value
 
     def after_epoch(self, epoch: int, loss: float | None, hooks: Hooks) -> None:
         cfg = self.plan.config
@@ -104,18 +113,21 @@ def train_solo(
     t0 = time.monotonic()
     cfg = plan.config
     device = torch.device(plan.devices[0])
-    model = fns.model_fn(device)
-    solo = _Solo(plan, fns, model, fns.optimizer_fn(model.parameters()), device, max_grad_norm)
+    model = _user(0, lambda: fns.model_fn(device))
+    optimizer = _user(0, lambda: fns.optimizer_fn(model.parameters()))
+    solo = _Solo(plan, fns, model, optimizer, device, max_grad_norm)
     start_epoch, holes = _resume(solo, plan.resume_from)
     perm = epoch_permutation(cfg.num_samples, seed=cfg.seed, epoch=0)
-    first = solo.batch(perm, range(min(cfg.batch_size, cfg.num_samples)))
-    solo.pacer = pacer_for(
+    first = _user(0, lambda: solo.batch(perm, range(min(cfg.batch_size, cfg.num_samples))))
+    solo.pacer = _user(0, lambda: pacer_for(
         model, solo.optimizer, fns.step_fn, first, speed=plan.speeds[0], base_s=plan.speed_base_s
-    )
+    ))  # fmt: skip
     for epoch in range(start_epoch, cfg.epochs):
         if fns.epoch_fn is not None:
-            fns.epoch_fn(epoch, model, solo.optimizer)
-        loss = solo.train_epoch(epoch, holes.get(epoch, ((0, cfg.num_samples),)))
+            epoch_fn = fns.epoch_fn
+            _user(epoch, lambda: epoch_fn(epoch, model, solo.optimizer))  # noqa: B023  # called at once
+        spans = holes.get(epoch, ((0, cfg.num_samples),))
+        loss = _user(epoch, lambda: solo.train_epoch(epoch, spans))  # noqa: B023  # called at once
         solo.after_epoch(epoch, loss, hooks)
     end = time.monotonic()
     first_step = solo.first_step_s or end
@@ -137,6 +149,31 @@ def train_solo(
     }
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return TrainResult(state_dict=state, epochs=solo.epochs, summary=summary, run_dir=run_dir)
+
+
+def _nonfinite(epoch: int) -> TrainingError:
+    return TrainingError(
+        rank=0, epoch=epoch, error_type="NonFiniteLoss",
+        message=f"the loss is not finite on rank 0 in epoch {epoch}; the model is the last "
+        "finite one (nonfinite='skip' skips such steps instead)",
+    )  # fmt: skip
+
+
+def _user(epoch: int, user_code: Callable[[], T]) -> T:
+    """Run the user's code in-process; what it raises becomes a ``TrainingError``.
+
+    The same error the cluster raises, so a script behaves alike on one rank
+    and on many (``from`` the user's exception, which is right here).
+    """
+    try:
+        return user_code()
+    except TrainingError:
+        raise
+    except Exception as exc:
+        error_type, message, text = describe(exc)
+        raise TrainingError(
+            rank=0, epoch=epoch, error_type=error_type, message=message, traceback=text
+        ) from exc
 
 
 def _resume(solo: _Solo, stem: str | None) -> tuple[int, dict[int, tuple[tuple[int, int], ...]]]:

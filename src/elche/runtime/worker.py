@@ -43,6 +43,7 @@ from torch import nn
 
 from elche.core import messages as m
 from elche.core import rank as r
+from elche.core.checkpoint import SaveReason
 from elche.core.config import Backend, Mode
 from elche.core.dispatch import epoch_permutation
 from elche.core.faults import FailCheckpoint, Fault, Kill, SlowDown, Stall, position
@@ -51,11 +52,13 @@ from elche.monitor.summary import rank_report_file
 from elche.runtime import bundle
 from elche.runtime.averaging import collective_average, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
-from elche.runtime.data import fetch
+from elche.runtime.consensus import Consensus, start_from_rank0
+from elche.runtime.data import fetch, to_device
 from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.resume import load_bundle
 from elche.runtime.snapshots import Layout
 from elche.runtime.transport import RankEndpoint
+from elche.runtime.user_errors import failed_report, guarded, training_error, wait_answer
 
 __all__ = ["RankSpec", "UserFns", "Worker", "run_rank", "to_device", "train_rank"]
 
@@ -128,6 +131,7 @@ class Worker:
         self.model = fns.model_fn(self.device)
         self.optimizer = fns.optimizer_fn(self.model.parameters())
         self.unreported: list[m.BatchDone] = []
+        self.consensus = Consensus()  # restored before a save for a non-finite value
         self.reported_s = time.monotonic()
         self._update_payload: Sequence[bytes | memoryview] = ()
         self.snapshot: tuple[Layout, list[memoryview]] | None = None  # the upload in flight
@@ -353,18 +357,22 @@ class Worker:
         # cost (messages, reports) is part of this rank's step rate, which is
         # what the balancer must see to size windows that end together.
         started = self._step_end if self._step_end is not None else time.perf_counter()
-        batch = self.batch_at(action.epoch, action.offset, size)
-        loaded = time.perf_counter()
-        loss = self._loss(self.model, batch)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
-        if self.spec.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
-        self.optimizer.step()
+        try:  # the user's code: the dataset, the collate, step_fn, the optimizer
+            batch = self.batch_at(action.epoch, action.offset, size)
+            loaded = time.perf_counter()
+            loss = self._loss(self.model, batch)
+            value = float(loss.detach())
+            self.optimizer.zero_grad(set_to_none=True)
+            if math.isfinite(value):  # a NaN/inf loss: the step is not applied
+                loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
+                if self.spec.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
+                self.optimizer.step()
+        except Exception as exc:
+            raise self._user_failed(exc, action.epoch) from exc
         if self.pacer is not None:
             self.pacer.after_step()
         done = self._step_end = time.perf_counter()
-        value = float(loss.detach())
         self.last_loss = value if math.isfinite(value) else self.last_loss
         self.busy_s += done - started
         self.step_s += done - started
@@ -377,10 +385,19 @@ class Worker:
                 batch_ms=(done - loaded) * 1000.0,
                 data_ms=(loaded - started) * 1000.0,
                 loss=value if math.isfinite(value) else None,
+                nonfinite=not math.isfinite(value),
             )
         )
         if self.proto.report_due or time.monotonic() - self.reported_s >= REPORT_EVERY_S:
             self._report()
+
+    def _user_failed(self, exc: Exception, epoch: int) -> Exception:
+        """The user's code raised: tell the coordinator; returns the error to raise."""
+        self._report()  # what trained before it still counts
+        self._send(report := failed_report(self.proto, exc, epoch))
+        assert self.bridge is not None
+        wait_answer(self.bridge.get)
+        return training_error(self.spec.rank, report)
 
     def _report(self) -> None:
         """Send the batches trained since the last report, as one frame."""
@@ -393,7 +410,10 @@ class Worker:
     def _epoch_fn(self, epoch: int) -> None:
         assert self.fns.epoch_fn is not None  # the protocol asks only when there is one
         started = time.perf_counter()
-        self.fns.epoch_fn(epoch, self.model, self.optimizer)
+        try:
+            self.fns.epoch_fn(epoch, self.model, self.optimizer)
+        except Exception as exc:
+            raise self._user_failed(exc, epoch) from exc
         elapsed_ms = (time.perf_counter() - started) * 1000.0
         lr = self.optimizer.param_groups[0].get("lr")
         for message in self.proto.started_epoch(
@@ -424,6 +444,7 @@ class Worker:
             self.proto.average_failed()
             return
         self.busy_s += time.perf_counter() - started
+        self.consensus.keep(self.model)
         self._send(self.proto.averaged(divergence=div, pre_norm=pre, post_norm=post))
 
     def _apply_update(self, action: r.Load) -> None:
@@ -436,6 +457,7 @@ class Worker:
             div, pre, post = load_average(
                 self.model, list(payload[1:]), layout, alpha=action.alpha, sent=snapshot[1]
             )
+            self.consensus.keep(self.model)
         self._send(self.proto.loaded(divergence=div, pre_norm=pre, post_norm=post))
 
     # -- callbacks and saving -----------------------------------------------------
@@ -494,6 +516,8 @@ class Worker:
     def _save(self, order: r.Save) -> None:
         """Write save ``order.seq`` durably and report its files (``elche.runtime.bundle``)."""
         self._report()  # the coordinator books the writer's batches before its save
+        if order.reason == SaveReason.NONFINITE.value:  # save the last finite consensus
+            self.consensus.restore(self.model)
         error: str | None = None
         files: list[m.SavedFile] = []
         try:
@@ -536,17 +560,8 @@ class Worker:
             "step_s": round(self.step_s, 4),
             "idle_s": round(max(wall - self.busy_s, 0.0), 4),
             "stopped": self.proto.stop_reason,
+            "user_error": msgspec.to_builtins(self.proto.user_error),  # the run failed on it
         }
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, list | tuple):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
 
 
 def run_rank(spec: RankSpec, fns: UserFns, batch_size: int) -> dict[str, object]:
@@ -561,16 +576,20 @@ def train_rank(
     """Train one rank to the end; returns its report and its final model state."""
     torch.set_num_threads(max(1, spec.threads))
     torch.manual_seed(spec.seed + spec.rank)
-    worker = Worker(spec, fns, batch_size)
+    worker = guarded(spec, lambda: Worker(spec, fns, batch_size))  # model_fn, optimizer_fn
     if spec.resume_from is not None:
         load_bundle(
             spec.resume_from, worker.model, worker.optimizer, rank=spec.rank,
             world_size=spec.world_size, device=worker.device,
         )  # fmt: skip
     worker.join_group()  # collective modes: the rendezvous, so every peer has started
+    fingerprint = start_from_rank0(worker.model, worker.group)  # (collective) rank 0's weights
     worker.wait_peers_started()  # the same, for coordinator modes
-    worker.warm_up(worker.batch_at(0, 0, min(batch_size, len(fns.dataset))))
+    first = min(batch_size, len(fns.dataset))  # the dataset, collate and step_fn:
+    guarded(spec, lambda: worker.warm_up(worker.batch_at(0, 0, first)))
+    worker.consensus.keep(worker.model)  # the run's start is its first consensus
     worker.connect()
+    worker._send(m.InitialState(fingerprint=fingerprint))
     try:
         worker.run()
     finally:

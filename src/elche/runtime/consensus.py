@@ -1,0 +1,78 @@
+"""The last finite consensus a rank holds, to save instead of a model gone bad.
+
+Theory of operation. After every average a rank loads (and once before
+training: the initial or resumed weights) the worker calls ``keep``, which
+copies the model's state to host memory if every floating-point value in it
+is finite. When the run stops for a non-finite loss or average
+(``SaveReason.NONFINITE``, ``elche.core.failures``) the worker calls
+``restore`` before it saves, so the bundle never holds NaN weights. The cost
+is one host copy of the model per rank, refreshed once per averaging round.
+
+The run's start is rank 0's model: ``start_from_rank0`` hashes the model
+``model_fn`` built (``state_fingerprint``, reported to the coordinator, which
+names ranks that differ) and, in the collective modes, broadcasts rank 0's
+state over the group before training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["Consensus", "start_from_rank0", "state_fingerprint"]
+
+
+class Consensus:
+    """A host copy of the last finite consensus model state."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] | None = None
+
+    def keep(self, model: nn.Module) -> bool:
+        """Copy ``model``'s state if it is all finite; returns whether it was kept."""
+        state = model.state_dict()
+        for value in state.values():
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                return False
+        self.state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        return True
+
+    def restore(self, model: nn.Module) -> bool:
+        """Load the kept state into ``model``; returns False if none was kept."""
+        if self.state is None:
+            return False
+        model.load_state_dict(self.state)
+        return True
+
+
+def state_fingerprint(model: nn.Module) -> str:
+    """A hash of ``model``'s state (names, shapes, dtypes and values), hex."""
+    digest = hashlib.sha256()
+    for name, value in model.state_dict().items():
+        tensor = value.detach().to("cpu").contiguous()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        if tensor.numel():
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def start_from_rank0(model: nn.Module, group: dist.ProcessGroup | None) -> str:
+    """Hash ``model`` as built, then (with a group) load rank 0's state into it.
+
+    Returns:
+        The hash of the model as ``model_fn`` built it, for ``InitialState``.
+    """
+    fingerprint = state_fingerprint(model)
+    if group is None:
+        return fingerprint
+    try:
+        with torch.no_grad():
+            for value in model.state_dict().values():
+                dist.broadcast(value, src=0, group=group)
+    except RuntimeError as exc:  # a peer gone already: the regroup will follow
+        print(f"elche: rank 0's initial weights not broadcast: {exc}", file=sys.stderr)
+    return fingerprint

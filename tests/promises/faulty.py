@@ -1,0 +1,67 @@
+"""User code that fails on purpose, for the user-error promise tests (top level, so ranks
+can unpickle it). Each rank process imports this module afresh, so the counters are per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+from torch import nn
+
+from tests.promises.tiny import make_model, step
+
+_calls = [0]  # this rank's calls of the counting step functions
+
+
+def rank() -> int:
+    return int(os.environ.get("ELCHE_RANK") or os.environ.get("RANK") or 0)
+
+
+def nonscalar_step(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+    """A new user's mistake: the loss is the model's output, not a scalar."""
+    return model(batch[0])
+
+
+def model_fails_on_rank1(device: torch.device) -> nn.Module:
+    if rank() == 1:
+        raise ValueError("this rank's model cannot be built")
+    return make_model(device)
+
+
+def model_killed_on_rank1(device: torch.device) -> nn.Module:
+    """A real crash before the run forms: rank 1 dies while building its model."""
+    if rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return make_model(device)
+
+
+def step_fails_after_a_few(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+    """Every rank's step raises the same error once it has trained a few batches."""
+    _calls[0] += 1
+    if _calls[0] > 6:  # past the warm-up's two passes and a few real steps
+        raise KeyError("label 7 is not in the vocabulary")
+    return step(model, batch)
+
+
+def nan_after_a_few(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+    """The loss turns NaN on rank 1 after a few steps (a diverging run)."""
+    _calls[0] += 1
+    loss = step(model, batch)
+    if rank() == 1 and _calls[0] > 6:
+        return loss * float("nan")
+    return loss
+
+
+def model_per_rank(device: torch.device) -> nn.Module:
+    """A model_fn that forgets to seed, exaggerated: rank r's weights are all r."""
+    model = nn.Linear(4, 2).to(device)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(float(rank()))
+    return model
+
+
+def frozen_optimizer(params: object) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.0)  # type: ignore[arg-type]
