@@ -14,7 +14,9 @@ Rules:
   writer, the lowest live rank, for the canonical model too. ``FINAL`` asks
   the writer alone for the completed run's model.
 - A save is settled when every rank asked has answered or died, or when its
-  deadline (one heartbeat timeout) passed. It is committed when the
+  deadline passed: max(10 heartbeat timeouts, 300 s) per writer, as long as
+  the averaging stall's (a big model takes minutes to write; a writer that
+  dies is noticed by its heartbeat long before). It is committed when the
   canonical model is among its files; the optimizer states of the ranks that
   answered go with it.
 - The writer that dies or fails before its model is in is replaced by the
@@ -42,7 +44,10 @@ from elche.core.commands import Broadcast, Command, Notice, Send, WriteMeta
 from elche.core.config import CoordinatorConfig
 from elche.core.rank import SaveKind
 
-__all__ = ["SaveRound", "Saves", "reason_to_stop"]
+__all__ = ["SAVE_FLOOR_S", "SaveRound", "Saves", "reason_to_stop"]
+
+# The least a writer gets to write its files before the next rank is asked.
+SAVE_FLOOR_S = 300.0
 
 
 def reason_to_stop(config: CoordinatorConfig, num_dead: int, num_live: int) -> SaveReason | None:
@@ -239,8 +244,9 @@ class Saves:
         if kind is SaveKind.SHUTDOWN:
             self.rounds.pop(SaveKind.CHECKPOINT, None)
         self.seq += 1
+        timeout_s = max(10 * self.config.heartbeat_timeout_s, SAVE_FLOOR_S)
         save = SaveRound(
-            kind, self.seq, live, now_s=now_s, timeout_s=self.config.heartbeat_timeout_s,
+            kind, self.seq, live, now_s=now_s, timeout_s=timeout_s,
             keep=self.committed, reason=reason, meta=meta,
         )  # fmt: skip
         self.rounds[kind] = save
