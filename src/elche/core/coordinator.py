@@ -57,6 +57,7 @@ from elche.core.events import (
     RankJoined,
     RankLost,
     Started,
+    StopRequested,
     TimerFired,
 )
 from elche.core.ledger import WindowLedger
@@ -183,6 +184,8 @@ class Coordinator:
                 self._on_average_computed(number)
             case TimerFired():
                 self._on_timer()
+            case StopRequested(reason=reason):
+                self._stop(reason)
             case _:
                 assert_never(event)
         if self.state is RunState.TRAINING:
@@ -486,6 +489,13 @@ class Coordinator:
         self._out += self.saving.begin(reason, self.live, self._now)
         if self.saving.done:
             self._finish_save()
+
+    def _stop(self, reason: str) -> None:
+        """Asked to stop: a training run saves; one whose training is over completes."""
+        if self.state is RunState.FORMING:
+            self._finish("failed", f"stopped before the run formed ({reason})")
+        elif self.state is RunState.TRAINING:
+            self._save(SaveReason.GRACEFUL_SHUTDOWN)
 
     def _meta(self, reason: SaveReason) -> CheckpointMeta:
         open_epochs = self.work.open_epochs()

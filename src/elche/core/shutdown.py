@@ -5,7 +5,8 @@ Rules:
 - The run cannot go on once ``max_failures`` ranks have died, when no rank
   is left, or when fewer ranks are live than the backend needs
   (``min_live_ranks``: a collective group needs two). The coordinator also
-  stops this way when an averaging round stalls.
+  stops this way when an averaging round stalls, and when it is asked to
+  stop (``StopRequested``: ``SaveReason.GRACEFUL_SHUTDOWN``).
 - Every survivor is told ``ShutdownWithSave``; the lowest live rank writes
   the canonical model. Its unaveraged steps are in that model, so once it
   confirms the save they count as covered.
@@ -71,8 +72,11 @@ class SaveAndShutdown:
     def begin(self, reason: SaveReason, live: Sequence[int], now_s: float) -> list[Command]:
         """Ask the ``live`` ranks to save and stop; returns the orders."""
         self.cause = reason
-        text = f"run cannot continue ({reason.value}); saving state and stopping"
-        out: list[Command] = [Notice(level="error", text=text)]
+        if reason is SaveReason.GRACEFUL_SHUTDOWN:  # asked to stop: the launcher tells the user
+            out: list[Command] = [Notice(level="info", text="stopping on request; saving state")]
+        else:
+            text = f"run cannot continue ({reason.value}); saving state and stopping"
+            out = [Notice(level="error", text=text)]
         if not live:
             return out
         self.writer = min(live)
