@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -476,32 +477,40 @@ def _demo_summary(
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    from elche.runtime.lifetimes import RESUME_HINT, Interrupted
+
     speeds = args.speeds
     if speeds is None:
         count = 3 if args.ranks is None else args.ranks
         speeds = (1.0, 0.5, 0.25)[:count] if count <= 3 else (1.0,) * count
     if args.ranks is not None and args.ranks != len(speeds):
         raise ConfigError("ranks", f"--ranks {args.ranks} disagrees with {len(speeds)} --speeds")
-    summary = _demo_summary(
-        speeds=list(speeds), mode=args.mode, epochs=args.epochs, batch_size=args.batch_size,
-        seed=args.seed, progress=not (args.json or args.no_progress),
-        save_path=args.save_path, resume_from=args.resume_from,
-        crash=dict(_at(text, "crash") for text in args.crash),
-        stall=dict(_at(text, "stall") for text in args.stall),
-        faults=_read_faults(args.faults), heartbeat_timeout_s=args.heartbeat_timeout,
-    )  # fmt: skip
+    resume = (
+        f"elche demo --speeds {','.join(f'{s:g}' for s in speeds)} --mode {args.mode} "
+        f"--epochs {args.epochs} --batch-size {args.batch_size} --seed {args.seed} "
+        "--resume-from "
+    )
+    hint = RESUME_HINT.set(lambda stem: resume + shlex.quote(stem))
+    try:
+        summary = _demo_summary(
+            speeds=list(speeds), mode=args.mode, epochs=args.epochs, batch_size=args.batch_size,
+            seed=args.seed, progress=not (args.json or args.no_progress),
+            save_path=args.save_path, resume_from=args.resume_from,
+            crash=dict(_at(text, "crash") for text in args.crash),
+            stall=dict(_at(text, "stall") for text in args.stall),
+            faults=_read_faults(args.faults), heartbeat_timeout_s=args.heartbeat_timeout,
+        )  # fmt: skip
+    except Interrupted as stop:  # the bundle is saved and the one line said where
+        return int(stop.code)  # type: ignore[arg-type]  # Interrupted's code is an int
+    finally:
+        RESUME_HINT.reset(hint)
     if args.json:
         print(json.dumps(summary))
     else:
         _print_demo(summary)
     if summary.get("outcome") != "completed":
         stem = args.save_path or summary.get("bundle")
-        command = (
-            f"elche demo --speeds {','.join(f'{s:g}' for s in speeds)} --mode {args.mode} "
-            f"--epochs {args.epochs} --batch-size {args.batch_size} --seed {args.seed} "
-            f"--resume-from {stem}"
-        )
-        print(f"elche demo: to continue this run: {command}", file=sys.stderr)
+        print(f"elche demo: to continue this run: {resume}{stem}", file=sys.stderr)
         return 3
     return 0
 

@@ -15,7 +15,10 @@ Run it as ``python -m elche.runtime.host RUN_DIR``: it reads
 ``RUN_DIR/coordinator.json`` (the config), binds, prints one line
 ``ELCHE_COORDINATOR <address>`` on stdout for the launcher, and writes
 ``RUN_DIR/summary.json``, ``RUN_DIR/timeline.jsonl`` and, on save, the meta
-sidecar. The run secret comes from ``ELCHE_SECRET``.
+sidecar. The run secret comes from ``ELCHE_SECRET``. Its stdin is the
+launcher's: ``lost RANK REASON`` and ``stop REASON`` lines, and EOF once the
+launcher is gone; SIGINT is ignored and SIGTERM asks it to stop
+(``elche.runtime.lifetimes``).
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import queue
+import signal
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO, assert_never
 
@@ -58,12 +61,14 @@ from elche.core.events import (
     RankJoined,
     RankLost,
     Started,
+    StopRequested,
     TimerFired,
 )
 from elche.core.guards import GuardKind
 from elche.monitor.summary import SUMMARY_FILE, RunStats, coordinator_summary
 from elche.monitor.timeline import TimelineWriter
 from elche.runtime.frames import SECRET_ENV, secret_from_env
+from elche.runtime.lifetimes import EXIT_ORPHANED, ORPHAN_GRACE_S
 from elche.runtime.snapshots import (
     Layout,
     NesterovOuter,
@@ -137,7 +142,9 @@ class Host:
             else None
         )
         self._timeline = TimelineWriter(run_dir, started_s=self._started)
-        self._reports: queue.Queue[RankLost] = queue.Queue()
+        # From the launcher's reader thread and the SIGTERM handler: deque
+        # appends are atomic, and a signal handler must not take a lock.
+        self._reports: deque[RankLost | StopRequested] = deque()
         # Events the shell produced itself (``AverageComputed``), fed after the
         # command list being executed, in the order they were queued.
         self._followups: deque[Event] = deque()
@@ -146,11 +153,14 @@ class Host:
             load_outer_state(self.outer, saved_outer)
             self._record(tl.OuterMomentumRestored(file=str(saved_outer)))
 
-    def watch(self, stream: TextIO) -> None:
+    def watch(self, stream: TextIO, *, on_eof: Callable[[], None] | None = None) -> None:
         """Read launcher reports from ``stream`` (a pipe) on a daemon thread.
 
         Each line ``lost RANK REASON…`` becomes a ``RankLost`` event: the
-        launcher sees a child process exit long before its heartbeats go stale.
+        launcher sees a child process exit long before its heartbeats go
+        stale. ``stop REASON…`` becomes ``StopRequested``. EOF means the
+        launcher is gone: a ``StopRequested`` too, then ``on_eof`` (on this
+        thread).
         """
 
         def read() -> None:
@@ -158,9 +168,18 @@ class Host:
                 parts = line.split(maxsplit=2)
                 if len(parts) >= 2 and parts[0] == "lost" and parts[1].isdigit():
                     reason = parts[2].strip() if len(parts) == 3 else "process exited"
-                    self._reports.put(RankLost(rank=int(parts[1]), reason=reason))
+                    self._reports.append(RankLost(rank=int(parts[1]), reason=reason))
+                elif parts and parts[0] == "stop":
+                    self.request_stop(line.removeprefix("stop").strip() or "asked to stop")
+            self.request_stop("the launching process is gone")
+            if on_eof is not None:
+                on_eof()
 
         threading.Thread(target=read, name="elche-launcher-reports", daemon=True).start()
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the run to stop (any thread, or a signal handler): ``StopRequested``."""
+        self._reports.append(StopRequested(reason=reason))
 
     def run(self) -> Finish:
         """Serve until the core says ``Finish``; returns it."""
@@ -173,8 +192,8 @@ class Host:
                     self._feed(self._event(inbound))
                     if self.finish is not None:
                         break
-                while self.finish is None and not self._reports.empty():
-                    self._feed_report(self._reports.get_nowait())
+                while self.finish is None and self._reports:
+                    self._feed_report(self._reports.popleft())
                 if self.finish is None and time.monotonic() >= self._deadline:
                     self._deadline = math.inf
                     self._feed(TimerFired())
@@ -183,8 +202,8 @@ class Host:
         self._write_summary()
         return self.finish
 
-    def _feed_report(self, event: RankLost) -> None:
-        if 0 <= event.rank < self.core.config.world_size:
+    def _feed_report(self, event: RankLost | StopRequested) -> None:
+        if isinstance(event, StopRequested) or 0 <= event.rank < self.core.config.world_size:
             self._feed(event)
 
     def _event(self, inbound: Joined | Received | Rejected) -> Event:
@@ -302,7 +321,8 @@ class Host:
 
     def _print(self, level: str, text: str) -> None:
         self.stats.notices.append(f"{level}: {text}")
-        print(f"elche coordinator [{level}] {text}", file=self.log, flush=True)
+        if level != "info":  # info is for the summary; the user hears it from the launcher
+            print(f"elche coordinator [{level}] {text}", file=self.log, flush=True)
 
     def _write_summary(self) -> None:
         config = self.core.config
@@ -372,10 +392,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{ADDRESS_LINE} {endpoint.address}", flush=True)
     with endpoint:
         host = Host(config, endpoint, run_dir, resume=resume)
+        # Ctrl-C reaches the whole process group: the launcher orders the stop.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda signum, frame: host.request_stop("SIGTERM"))
         if not sys.stdin.isatty():
-            host.watch(sys.stdin)
+            host.watch(sys.stdin, on_eof=_exit_after_grace)
         finish = host.run()
     return 0 if finish.outcome == "completed" else 3
+
+
+def _exit_after_grace() -> None:
+    """The launcher is gone: the run has ``ORPHAN_GRACE_S`` to save, then this process ends."""
+    time.sleep(ORPHAN_GRACE_S)  # the grace period, not synchronisation
+    os._exit(EXIT_ORPHANED)
 
 
 if __name__ == "__main__":
