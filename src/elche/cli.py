@@ -307,10 +307,13 @@ def _run_sim(args: argparse.Namespace) -> int:
 
 
 def _run_script(args: argparse.Namespace) -> int:
+    import contextlib
     import os
     import socket
     import subprocess
     import tempfile
+
+    from elche.runtime.lifetimes import StopSignals
 
     if args.nproc < 1:
         raise ConfigError("nproc", f"must be >= 1, got {args.nproc}")
@@ -326,18 +329,34 @@ def _run_script(args: argparse.Namespace) -> int:
         ELCHE_RUN_DIR=tempfile.mkdtemp(prefix="elche-run-"),
     )
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, args.script, *args.script_args],
-            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-        )
-        for rank in range(args.nproc)
-    ]
-    codes = [proc.wait() for proc in procs]
-    failed = [(rank, code) for rank, code in enumerate(codes) if code != 0]
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int) -> None:  # a signal to this process alone reaches the ranks too
+        for proc in procs:
+            with contextlib.suppress(OSError):
+                proc.send_signal(signum)
+
+    # SIGINT/SIGTERM: the ranks save and exit 130/143 (elche.runtime.lifetimes);
+    # a second one kills them.
+    with StopSignals(on_signal=forward) as signals:
+        try:
+            for rank in range(args.nproc):
+                procs.append(subprocess.Popen(
+                    [sys.executable, args.script, *args.script_args],
+                    env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                ))  # fmt: skip
+            codes = [proc.wait() for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+    stopped = None if signals.received is None else 128 + signals.received
+    failed = [(rank, code) for rank, code in enumerate(codes) if code not in (0, stopped)]
     for rank, code in failed:
         print(f"elche run: rank {rank} exited with code {code}", file=sys.stderr)
-    return failed[0][1] if failed else 0
+    if failed:
+        return failed[0][1]
+    return stopped if stopped in codes else 0
 
 
 def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

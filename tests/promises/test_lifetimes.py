@@ -60,6 +60,20 @@ def interrupt_at_the_end(entry):
 FINAL_HOOK = interrupt_at_the_end
 """
 
+RUN_SCRIPT = """
+import os, sys
+import elche
+from elche.workloads import digits
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    rank = int(os.environ["RANK"])
+    elche.train(
+        digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+        batch_size=32, epochs=8, speeds=[0.05, 0.02], progress=False, save_path=sys.argv[1],
+    )
+"""
+
 
 def _session_of(pid: int) -> int | None:
     try:
@@ -170,12 +184,22 @@ def test_issue12_item12_a_signal_to_elche_demos_group_saves_a_bundle_and_exits_q
     assert summary["epochs_completed"] == 8
 
 
-def test_issue12_item12_kill_9_of_the_launcher_leaves_no_elche_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", ["demo", "run"])
+def test_issue12_item12_kill_9_of_the_launcher_leaves_no_elche_process(
+    tmp_path: Path, launcher: str
+) -> None:
     save = tmp_path / "bundle"
     # Long enough that it would train on for far longer than the bound.
-    with session(demo_args(save, epochs=40), tmp_path) as proc:
+    if launcher == "demo":
+        args = demo_args(save, epochs=40)
+    else:
+        script = tmp_path / "train.py"
+        script.write_text(RUN_SCRIPT.replace("epochs=8", "epochs=40"))
+        args = [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", str(script), str(save)]
+    with session(args, tmp_path) as proc:
         wait_mid_run(proc, tmp_path)
-        assert len(session_pids(proc.pid)) >= 4  # launcher, coordinator, fork server, ranks
+        # demo: launcher, coordinator, fork server, ranks; run: launcher, ranks, coordinator
+        assert len(session_pids(proc.pid)) >= 4
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         deadline = time.monotonic() + ORPHANS_GONE_WITHIN_S
@@ -183,7 +207,7 @@ def test_issue12_item12_kill_9_of_the_launcher_leaves_no_elche_process(tmp_path:
             time.sleep(0.05)  # polling for a condition, with a deadline
         left = session_pids(proc.pid)
         assert not left, [command_line(pid) for pid in left]
-    # The coordinator saw its launcher go and had the ranks save a bundle.
+    # The coordinator (or rank 0) saw its launcher go and had the ranks save a bundle.
     assert Path(f"{save}.meta.json").exists()
 
 
@@ -215,3 +239,22 @@ def test_issue12_item12_a_run_that_finished_before_ctrl_c_is_returned(tmp_path: 
     assert returncode == 0, err[-3000:]
     assert "COMPLETED completed model=True" in out, out + err[-3000:]
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_issue12_item12_a_signal_to_elche_runs_group_saves_a_bundle_and_exits_quietly(
+    tmp_path: Path, sig: signal.Signals, code: int
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(RUN_SCRIPT)
+    save = tmp_path / "bundle"
+    args = [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", str(script), str(save)]
+    with session(args, tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        os.killpg(proc.pid, sig)
+        returncode, _, err = wait_exit(proc, STOP_WITHIN_S)
+    assert returncode == code, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    (line,) = elche_lines(err)
+    assert f"resume_from={str(save)!r}" in line
+    assert Path(f"{save}.meta.json").exists()

@@ -73,6 +73,7 @@ __all__ = [
     "on_record",
     "rank_spec",
     "start_coordinator",
+    "tell_coordinator",
     "with_bundle",
 ]
 
@@ -122,10 +123,10 @@ def _report_lost(host: Any, rank: int, code: int | None) -> None:
     """Tell the coordinator (over its stdin) that a rank process is gone."""
     how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
     print(f"elche: rank {rank} process ended ({how})", file=sys.stderr, flush=True)
-    _tell(host, f"lost {rank} process ended ({how})")
+    tell_coordinator(host, f"lost {rank} process ended ({how})")
 
 
-def _tell(host: Any, line: str) -> None:
+def tell_coordinator(host: Any, line: str) -> None:
     """Write one report line to the coordinator's stdin (``Host.watch`` reads it)."""
     try:
         host.stdin.write(line + "\n")
@@ -303,7 +304,7 @@ def _supervise(
             time.sleep(SUPERVISE_EVERY_S)  # supervision cadence, not synchronisation
             if signals.received is not None and stop_by == math.inf:
                 stop_by = time.monotonic() + cfg.heartbeat_timeout_s + STOP_SLACK_S
-                _tell(host, f"stop {signal.Signals(signals.received).name}")
+                tell_coordinator(host, f"stop {signal.Signals(signals.received).name}")
             for event in timeline.new_records():
                 on_record(event, epochs, hooks, display)
                 if isinstance(event, tl.RankLost):
