@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -257,4 +258,43 @@ def test_issue12_item12_a_signal_to_elche_runs_group_saves_a_bundle_and_exits_qu
     assert "Traceback" not in err, err[-3000:]
     (line,) = elche_lines(err)
     assert f"resume_from={str(save)!r}" in line
+    assert Path(f"{save}.meta.json").exists()
+
+
+TORCHRUN_SCRIPT = """
+import os, sys
+import elche
+from elche.workloads import digits
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    try:
+        elche.train(
+            digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+            batch_size=32, epochs=3, crash={1: 1.5}, heartbeat_timeout_s=2.0, progress=False,
+            save_path=sys.argv[1],
+        )
+    except KeyboardInterrupt as stop:
+        print(f"INTERRUPTED {os.environ['RANK']} {stop.code}", flush=True)
+        raise
+"""
+
+
+def test_issue12_item12_under_torchrun_a_killed_rank_leaves_a_resumable_bundle(
+    tmp_path: Path,
+) -> None:
+    # torchrun's agent SIGTERMs every survivor once one worker died (see
+    # docs/failure-modes.md): they save before they go, instead of dying mid-run.
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    save = tmp_path / "bundle"
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", str(script)]
+    with session([*args, str(save)], tmp_path) as proc:
+        _, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    assert sorted(line for line in out.splitlines() if line.startswith("INTERRUPTED")) == [
+        "INTERRUPTED 0 143",
+        "INTERRUPTED 2 143",
+    ], err[-3000:]
+    # The one traceback is the agent's own (ChildFailedError); none from elche.
+    assert not re.search(r'File ".*/elche/', err), err[-3000:]
     assert Path(f"{save}.meta.json").exists()
