@@ -374,6 +374,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m elche.runtime.host RUN_DIR", file=sys.stderr)
         return 2
+    # Ctrl-C reaches the launcher's process group, not this one (the launcher
+    # starts it in its own); if one comes anyway, the launcher orders the stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stops: list[str] = []  # a SIGTERM before the host exists
+    signal.signal(signal.SIGTERM, lambda signum, frame: stops.append("SIGTERM"))
     run_dir = Path(args[0])
     config = config_from_json((run_dir / "coordinator.json").read_text(encoding="utf-8"))
     resume_file = run_dir / "resume.meta.json"
@@ -392,9 +397,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{ADDRESS_LINE} {endpoint.address}", flush=True)
     with endpoint:
         host = Host(config, endpoint, run_dir, resume=resume)
-        # Ctrl-C reaches the whole process group: the launcher orders the stop.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, lambda signum, frame: host.request_stop("SIGTERM"))
+        for reason in stops:
+            host.request_stop(reason)
         if not sys.stdin.isatty():
             host.watch(sys.stdin, on_eof=_exit_after_grace)
         finish = host.run()

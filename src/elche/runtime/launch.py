@@ -79,9 +79,10 @@ __all__ = [
 
 # Ranks normally exit within a few hundred ms of the coordinator's Shutdown.
 RANK_EXIT_GRACE_S = 30.0
-# After a stop, the ranks have saved before the coordinator exits: they only
-# have to exit (one that never joined waits for no one).
-STOPPED_RANK_GRACE_S = 3.0
+# After a stop, the ranks have saved before the coordinator exits (it waits
+# for their StateSaved): they only have to exit, and one that never joined has
+# nothing to save, so a short grace loses nothing.
+STOPPED_RANK_GRACE_S = 1.0
 # How long a stopped run may take to save once asked (beyond the coordinator's
 # own save deadline, one heartbeat timeout).
 STOP_SLACK_S = 5.0
@@ -199,10 +200,13 @@ def start_coordinator(
     env = dict(os.environ, **{SECRET_ENV: secret.hex()})
     proc = subprocess.Popen(
         [sys.executable, "-m", "elche.runtime.host", str(run_dir)],
-        stdin=subprocess.PIPE,  # the launcher reports rank exits here
+        stdin=subprocess.PIPE,  # the launcher reports rank exits and stops here
         stdout=subprocess.PIPE,
         text=True,
         env=env,
+        # Its own process group: Ctrl-C (to the launcher's group) does not reach
+        # it, even while it starts; its launcher tells it to stop.
+        process_group=0 if os.name == "posix" else None,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
@@ -262,7 +266,12 @@ def launch_local(
         epochs = _supervise(
             plan, fns, hooks, run_dir, signals, max_grad_norm=max_grad_norm, progress=progress
         )
-        result = collect(plan, run_dir, t0, epochs)
+        try:
+            result = collect(plan, run_dir, t0, epochs)
+        except RuntimeError:  # the coordinator left no summary
+            if signals.received is None:
+                raise
+            raise interrupted(signals.received, None, plan.config.save_path) from None
     if signals.received is not None and result.summary.get("outcome") != "completed":
         raise interrupted(signals.received, result, plan.config.save_path)
     explain_outcome(result.summary, plan.config.save_path)
@@ -292,6 +301,8 @@ def _supervise(
     stop_by = math.inf  # once asked to stop: when the launcher stops waiting
     try:
         for rank in range(cfg.world_size):
+            if signals.received is not None:
+                break  # stopped while starting: the run will not form
             spec = rank_spec(plan, rank, address, secret, run_dir, max_grad_norm=max_grad_norm)
             proc = ctx.Process(
                 target=_rank_process,
@@ -307,7 +318,7 @@ def _supervise(
                 tell_coordinator(host, f"stop {signal.Signals(signals.received).name}")
             for event in timeline.new_records():
                 on_record(event, epochs, hooks, display)
-                if isinstance(event, tl.RankLost):
+                if isinstance(event, tl.RankLost) and event.rank < len(procs):
                     # Declared dead: it must not come back (a hung rank is killed).
                     reported.add(event.rank)
                     procs[event.rank].kill()

@@ -6,11 +6,11 @@ Rules:
   (a local run), or each rank's own process under ``elche run``/``torchrun``,
   whose rank 0 also owns the coordinator. No elche process outlives it.
 - SIGINT and SIGTERM are the launching process's to act on. Ctrl-C sends
-  SIGINT to the whole process group, so the coordinator ignores SIGINT (and
-  takes SIGTERM as a stop request, as if the launcher had asked), and the
-  fork server and the ranks of a local run ignore both
-  (``ignore_stop_signals``): nothing dies mid-write, and the launcher orders
-  the stop.
+  SIGINT to the whole process group, so the coordinator runs in a process
+  group of its own (SIGTERM sent to it alone asks it to stop, as if the
+  launcher had), and the fork server and the ranks of a local run ignore
+  both (``elche.runtime.forkserved``, ``ignore_stop_signals``): nothing dies
+  mid-write, and the launcher orders the stop.
 - The launcher asks the coordinator to stop with a ``stop REASON`` line on
   its stdin; the coordinator turns it into ``StopRequested``: a training run
   saves a bundle (``SaveReason.GRACEFUL_SHUTDOWN``) and the ranks exit. Then
