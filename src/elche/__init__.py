@@ -40,6 +40,10 @@ def __getattr__(name: str) -> object:
         from elche import api
 
         return getattr(api, name)
+    if name == "Interrupted":
+        from elche.runtime.lifetimes import Interrupted
+
+        return Interrupted
     raise AttributeError(f"module 'elche' has no attribute {name!r}")
 
 
@@ -52,6 +56,7 @@ __all__ = [
     "CoordinatorConfig",
     "Error",
     "FaultPlan",
+    "Interrupted",
     "LocalProtocolError",
     "Mode",
     "Policy",

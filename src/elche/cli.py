@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -309,10 +310,13 @@ def _run_sim(args: argparse.Namespace) -> int:
 
 
 def _run_script(args: argparse.Namespace) -> int:
+    import contextlib
     import os
     import socket
     import subprocess
     import tempfile
+
+    from elche.runtime.lifetimes import StopSignals
 
     if args.nproc < 1:
         raise ConfigError("nproc", f"must be >= 1, got {args.nproc}")
@@ -328,18 +332,34 @@ def _run_script(args: argparse.Namespace) -> int:
         ELCHE_RUN_DIR=tempfile.mkdtemp(prefix="elche-run-"),
     )
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, args.script, *args.script_args],
-            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-        )
-        for rank in range(args.nproc)
-    ]
-    codes = [proc.wait() for proc in procs]
-    failed = [(rank, code) for rank, code in enumerate(codes) if code != 0]
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int) -> None:  # a signal to this process alone reaches the ranks too
+        for proc in procs:
+            with contextlib.suppress(OSError):
+                proc.send_signal(signum)
+
+    # SIGINT/SIGTERM: the ranks save and exit 130/143 (elche.runtime.lifetimes);
+    # a second one kills them.
+    with StopSignals(on_signal=forward) as signals:
+        try:
+            for rank in range(args.nproc):
+                procs.append(subprocess.Popen(
+                    [sys.executable, args.script, *args.script_args],
+                    env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                ))  # fmt: skip
+            codes = [proc.wait() for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+    stopped = None if signals.received is None else 128 + signals.received
+    failed = [(rank, code) for rank, code in enumerate(codes) if code not in (0, stopped)]
     for rank, code in failed:
         print(f"elche run: rank {rank} exited with code {code}", file=sys.stderr)
-    return failed[0][1] if failed else 0
+    if failed:
+        return failed[0][1]
+    return stopped if stopped in codes else 0
 
 
 def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -479,20 +499,33 @@ def _demo_summary(
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    from elche.runtime.lifetimes import RESUME_HINT, Interrupted
+
     speeds = args.speeds
     if speeds is None:
         count = 3 if args.ranks is None else args.ranks
         speeds = (1.0, 0.5, 0.25)[:count] if count <= 3 else (1.0,) * count
     if args.ranks is not None and args.ranks != len(speeds):
         raise ConfigError("ranks", f"--ranks {args.ranks} disagrees with {len(speeds)} --speeds")
-    summary = _demo_summary(
-        speeds=list(speeds), mode=args.mode, epochs=args.epochs, batch_size=args.batch_size,
-        seed=args.seed, progress=not (args.json or args.no_progress),
-        save_path=args.save_path, resume_from=args.resume_from,
-        crash=dict(_at(text, "crash") for text in args.crash),
-        stall=dict(_at(text, "stall") for text in args.stall),
-        faults=_read_faults(args.faults), heartbeat_timeout_s=args.heartbeat_timeout,
-    )  # fmt: skip
+    resume = (
+        f"elche demo --speeds {','.join(f'{s:g}' for s in speeds)} --mode {args.mode} "
+        f"--epochs {args.epochs} --batch-size {args.batch_size} --seed {args.seed} "
+        "--resume-from "
+    )
+    hint = RESUME_HINT.set(lambda stem: resume + shlex.quote(stem))
+    try:
+        summary = _demo_summary(
+            speeds=list(speeds), mode=args.mode, epochs=args.epochs, batch_size=args.batch_size,
+            seed=args.seed, progress=not (args.json or args.no_progress),
+            save_path=args.save_path, resume_from=args.resume_from,
+            crash=dict(_at(text, "crash") for text in args.crash),
+            stall=dict(_at(text, "stall") for text in args.stall),
+            faults=_read_faults(args.faults), heartbeat_timeout_s=args.heartbeat_timeout,
+        )  # fmt: skip
+    except Interrupted as stop:  # the bundle is saved and the one line said where
+        return int(stop.code)  # type: ignore[arg-type]  # Interrupted's code is an int
+    finally:
+        RESUME_HINT.reset(hint)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -502,12 +535,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         if stem is None:  # nothing was saved: there is nothing to resume
             print(f"elche demo: the run failed ({summary.get('reason')})", file=sys.stderr)
             return 3
-        command = (
-            f"elche demo --speeds {','.join(f'{s:g}' for s in speeds)} --mode {args.mode} "
-            f"--epochs {args.epochs} --batch-size {args.batch_size} --seed {args.seed} "
-            f"--resume-from {stem}"
-        )
-        print(f"elche demo: to continue this run: {command}", file=sys.stderr)
+        print(f"elche demo: to continue this run: {resume}{stem}", file=sys.stderr)
         return 3
     return 0
 

@@ -60,6 +60,7 @@ from elche.core.events import (
     RankJoined,
     RankLost,
     Started,
+    StopRequested,
     TimerFired,
 )
 from elche.core.ledger import WindowLedger
@@ -198,6 +199,8 @@ class Coordinator:
                 self._on_average_computed(number)
             case TimerFired():
                 self._on_timer()
+            case StopRequested(reason=reason):
+                self._stop(reason)
             case _:
                 assert_never(event)
         if self.state is RunState.TRAINING:
@@ -502,7 +505,12 @@ class Coordinator:
         if self.state in (RunState.SAVING, RunState.CLOSING, RunState.DONE):
             return
         self.state = RunState.SAVING
-        self._notice("error", f"run cannot continue ({reason.value}); saving state and stopping")
+        if reason is SaveReason.GRACEFUL_SHUTDOWN:  # asked to stop: the launcher tells the user
+            self._notice("info", "stopping on request; saving state")
+        else:
+            self._notice(
+                "error", f"run cannot continue ({reason.value}); saving state and stopping"
+            )
         self._out += self.saves.start(SaveKind.SHUTDOWN, self.live, self._now, reason=reason)
         self._settle()
 
@@ -534,6 +542,13 @@ class Coordinator:
                 if stem is not None:
                     self._out.append(self.saves.commit(stem, self._meta(cause), save))
                 self._finish("saved_and_shutdown", reason)
+
+    def _stop(self, reason: str) -> None:
+        """Asked to stop: a training run saves; one whose training is over completes."""
+        if self.state is RunState.FORMING:
+            failures.fail(self, f"stopped before the run formed ({reason})")
+        elif self.state is RunState.TRAINING:
+            self._save(SaveReason.GRACEFUL_SHUTDOWN)
 
     def _meta(self, reason: SaveReason) -> CheckpointMeta:
         open_epochs = self.work.open_epochs()

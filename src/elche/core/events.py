@@ -19,6 +19,7 @@ __all__ = [
     "RankJoined",
     "RankLost",
     "Started",
+    "StopRequested",
     "TimerFired",
 ]
 
@@ -72,6 +73,18 @@ class TimerFired:
     """A deadline the core armed with ``ArmTimer`` has passed."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopRequested:
+    """The run was asked to stop: a signal, or the launching process went away.
+
+    A training run saves a bundle and stops (``SaveReason.GRACEFUL_SHUTDOWN``);
+    one still forming fails; one whose training is over completes.
+    """
+
+    reason: str
+
+
 Event = (
-    Started | RankJoined | MessageReceived | RankLost | FrameRejected | AverageComputed | TimerFired
-)
+    Started | RankJoined | MessageReceived | RankLost | FrameRejected | AverageComputed
+    | TimerFired | StopRequested
+)  # fmt: skip

@@ -15,7 +15,10 @@ Run it as ``python -m elche.runtime.host RUN_DIR``: it reads
 ``RUN_DIR/coordinator.json`` (the config), binds, prints one line
 ``ELCHE_COORDINATOR <address>`` on stdout for the launcher, and writes
 ``RUN_DIR/summary.json``, ``RUN_DIR/timeline.jsonl`` and, on save, the meta
-sidecar. The run secret comes from ``ELCHE_SECRET``.
+sidecar. The run secret comes from ``ELCHE_SECRET``. Its stdin is the
+launcher's: ``lost RANK REASON`` and ``stop REASON`` lines, and EOF once the
+launcher is gone; SIGINT is ignored and SIGTERM asks it to stop
+(``elche.runtime.lifetimes``).
 """
 
 from __future__ import annotations
@@ -25,12 +28,12 @@ import dataclasses
 import json
 import math
 import os
-import queue
+import signal
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO, assert_never
 
@@ -62,6 +65,7 @@ from elche.core.events import (
     RankJoined,
     RankLost,
     Started,
+    StopRequested,
     TimerFired,
 )
 from elche.core.guards import GuardKind
@@ -69,6 +73,7 @@ from elche.monitor.summary import SUMMARY_FILE, RunStats, coordinator_summary
 from elche.monitor.timeline import TimelineWriter
 from elche.runtime import bundle
 from elche.runtime.frames import SECRET_ENV, secret_from_env
+from elche.runtime.lifetimes import EXIT_ORPHANED, ORPHAN_GRACE_S
 from elche.runtime.snapshots import (
     Layout,
     NesterovOuter,
@@ -136,7 +141,9 @@ class Host:
             else None
         )
         self._timeline = TimelineWriter(run_dir, started_s=self._started)
-        self._reports: queue.Queue[RankLost] = queue.Queue()
+        # From the launcher's reader thread and the SIGTERM handler: deque
+        # appends are atomic, and a signal handler must not take a lock.
+        self._reports: deque[RankLost | StopRequested] = deque()
         # Events the shell produced itself (``AverageComputed``), fed after the
         # command list being executed, in the order they were queued.
         self._followups: deque[Event] = deque()
@@ -145,11 +152,14 @@ class Host:
             load_outer_state(self.outer, saved_outer)
             self._record(tl.OuterMomentumRestored(file=str(saved_outer)))
 
-    def watch(self, stream: TextIO) -> None:
+    def watch(self, stream: TextIO, *, on_eof: Callable[[], None] | None = None) -> None:
         """Read launcher reports from ``stream`` (a pipe) on a daemon thread.
 
         Each line ``lost RANK REASON…`` becomes a ``RankLost`` event: the
-        launcher sees a child process exit long before its heartbeats go stale.
+        launcher sees a child process exit long before its heartbeats go
+        stale. ``stop REASON…`` becomes ``StopRequested``. EOF means the
+        launcher is gone: a ``StopRequested`` too, then ``on_eof`` (on this
+        thread).
         """
 
         def read() -> None:
@@ -157,9 +167,18 @@ class Host:
                 parts = line.split(maxsplit=2)
                 if len(parts) >= 2 and parts[0] == "lost" and parts[1].isdigit():
                     reason = parts[2].strip() if len(parts) == 3 else "process exited"
-                    self._reports.put(RankLost(rank=int(parts[1]), reason=reason))
+                    self._reports.append(RankLost(rank=int(parts[1]), reason=reason))
+                elif parts and parts[0] == "stop":
+                    self.request_stop(line.removeprefix("stop").strip() or "asked to stop")
+            self.request_stop("the launching process is gone")
+            if on_eof is not None:
+                on_eof()
 
         threading.Thread(target=read, name="elche-launcher-reports", daemon=True).start()
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the run to stop (any thread, or a signal handler): ``StopRequested``."""
+        self._reports.append(StopRequested(reason=reason))
 
     def run(self) -> Finish:
         """Serve until the core says ``Finish``; returns it."""
@@ -172,8 +191,8 @@ class Host:
                     self._feed(self._event(inbound))
                     if self.finish is not None:
                         break
-                while self.finish is None and not self._reports.empty():
-                    self._feed_report(self._reports.get_nowait())
+                while self.finish is None and self._reports:
+                    self._feed_report(self._reports.popleft())
                 if self.finish is None and time.monotonic() >= self._deadline:
                     self._deadline = math.inf
                     self._feed(TimerFired())
@@ -199,11 +218,13 @@ class Host:
                 if isinstance(inbound, Joined):
                     self._send(inbound.rank, failure)
                     pending.discard(inbound.rank)
-            while not self._reports.empty():
-                pending.discard(self._reports.get_nowait().rank)
+            while self._reports:
+                report = self._reports.popleft()
+                if isinstance(report, RankLost):
+                    pending.discard(report.rank)
 
-    def _feed_report(self, event: RankLost) -> None:
-        if 0 <= event.rank < self.core.config.world_size:
+    def _feed_report(self, event: RankLost | StopRequested) -> None:
+        if isinstance(event, StopRequested) or 0 <= event.rank < self.core.config.world_size:
             self._feed(event)
 
     def _event(self, inbound: Joined | Received | Rejected) -> Event:
@@ -348,7 +369,8 @@ class Host:
 
     def _print(self, level: str, text: str) -> None:
         self.stats.notices.append(f"{level}: {text}")
-        print(f"elche coordinator [{level}] {text}", file=self.log, flush=True)
+        if level != "info":  # info is for the summary; the user hears it from the launcher
+            print(f"elche coordinator [{level}] {text}", file=self.log, flush=True)
 
     def _write_summary(self) -> None:
         config = self.core.config
@@ -415,6 +437,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m elche.runtime.host RUN_DIR", file=sys.stderr)
         return 2
+    # Ctrl-C reaches the launcher's process group, not this one (the launcher
+    # starts it in its own); if one comes anyway, the launcher orders the stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stops: list[str] = []  # a SIGTERM before the host exists
+    signal.signal(signal.SIGTERM, lambda signum, frame: stops.append("SIGTERM"))
     run_dir = Path(args[0])
     config = config_from_json((run_dir / "coordinator.json").read_text(encoding="utf-8"))
     resume_file = run_dir / "resume.meta.json"
@@ -433,10 +460,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{ADDRESS_LINE} {endpoint.address}", flush=True)
     with endpoint:
         host = Host(config, endpoint, run_dir, resume=resume)
+        signal.signal(signal.SIGTERM, lambda signum, frame: host.request_stop("SIGTERM"))
+        for reason in stops:
+            host.request_stop(reason)
         if not sys.stdin.isatty():
-            host.watch(sys.stdin)
+            host.watch(sys.stdin, on_eof=_exit_after_grace)
         finish = host.run()
     return {"completed": 0, "failed": FAILED_EXIT}.get(finish.outcome, 3)
+
+
+def _exit_after_grace() -> None:
+    """The launcher is gone: the run has ``ORPHAN_GRACE_S`` to save, then this process ends."""
+    time.sleep(ORPHAN_GRACE_S)  # the grace period, not synchronisation
+    os._exit(EXIT_ORPHANED)
 
 
 if __name__ == "__main__":

@@ -20,17 +20,22 @@ drive the progress display and the user's ``eval_result_fn``/``metrics_fn``,
 and it watches the children: a rank that exits early is reported; the
 coordinator's heartbeat timeout decides what that means for the run. When
 the coordinator exits, the ranks get a grace period to finish, then are
-stopped.
+stopped. SIGINT and SIGTERM stop the run cleanly: the launcher asks the
+coordinator to stop, the ranks save a bundle, and ``Interrupted`` is raised
+(``elche.runtime.lifetimes``); the coordinator, the fork server and the
+ranks outlive the launcher by at most ``ORPHAN_GRACE_S``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import multiprocessing as mp
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -49,6 +54,13 @@ from elche.monitor.timeline import TimelineReader
 from elche.runtime import bundle
 from elche.runtime.frames import SECRET_ENV, new_secret
 from elche.runtime.host import ADDRESS_LINE, FAILED_EXIT, RESUME_OUTER, config_to_json
+from elche.runtime.lifetimes import (
+    Interrupted,
+    StopSignals,
+    announce,
+    ignore_stop_signals,
+    watch_launcher,
+)
 from elche.runtime.plan import Hooks, Plan, TrainResult
 
 if TYPE_CHECKING:
@@ -59,24 +71,41 @@ if TYPE_CHECKING:
 __all__ = [
     "collect",
     "explain_outcome",
+    "interrupted",
     "launch_local",
     "on_record",
     "rank_spec",
     "start_coordinator",
+    "tell_coordinator",
     "with_bundle",
 ]
 
 # Ranks normally exit within a few hundred ms of the coordinator's Shutdown.
 RANK_EXIT_GRACE_S = 30.0
+# After a stop, the ranks have saved before the coordinator exits (it waits
+# for their StateSaved): they only have to exit, and one that never joined has
+# nothing to save, so a short grace loses nothing.
+STOPPED_RANK_GRACE_S = 1.0
+# How long a stopped run may take to save once asked (beyond the coordinator's
+# own save deadline, one heartbeat timeout).
+STOP_SLACK_S = 5.0
 # How often the launcher looks at its children and the timeline.
 SUPERVISE_EVERY_S = 0.1
 # Imported once by the fork server, so ranks fork with them loaded. torch.optim
 # imports torch._dynamo when it builds its first optimizer: ~1 s on one core,
 # that every rank would otherwise pay at once, on every run.
-FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "elche.runtime.worker")
+# (elche.runtime.forkserved keeps the fork server alive through SIGTERM.)
+FORKSERVER_PRELOAD = (
+    "elche.runtime.forkserved", "torch", "torch.distributed", "torch._dynamo",
+    "elche.runtime.worker",
+)  # fmt: skip
 
 
-def _rank_process(spec: Any, fns: Any, batch_size: int, env: dict[str, str]) -> None:
+def _rank_process(
+    spec: Any, fns: Any, batch_size: int, env: dict[str, str], launcher_pid: int
+) -> None:
+    ignore_stop_signals()  # the launcher orders the stop
+    watch_launcher(launcher_pid)
     # A forked rank inherits the fork server's environment, from when it
     # started; the launcher's environment now is the one that counts.
     os.environ.clear()
@@ -99,8 +128,13 @@ def _report_lost(host: Any, rank: int, code: int | None) -> None:
     """Tell the coordinator (over its stdin) that a rank process is gone."""
     how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
     print(f"elche: rank {rank} process ended ({how})", file=sys.stderr, flush=True)
+    tell_coordinator(host, f"lost {rank} process ended ({how})")
+
+
+def tell_coordinator(host: Any, line: str) -> None:
+    """Write one report line to the coordinator's stdin (``Host.watch`` reads it)."""
     try:
-        host.stdin.write(f"lost {rank} process ended ({how})\n")
+        host.stdin.write(line + "\n")
         host.stdin.flush()
     except (BrokenPipeError, OSError, ValueError):
         pass  # the coordinator is already gone
@@ -172,10 +206,13 @@ def start_coordinator(
     env = dict(os.environ, **{SECRET_ENV: secret.hex()})
     proc = subprocess.Popen(
         [sys.executable, "-m", "elche.runtime.host", str(run_dir)],
-        stdin=subprocess.PIPE,  # the launcher reports rank exits here
+        stdin=subprocess.PIPE,  # the launcher reports rank exits and stops here
         stdout=subprocess.PIPE,
         text=True,
         env=env,
+        # Its own process group: Ctrl-C (to the launcher's group) does not reach
+        # it, even while it starts; its launcher tells it to stop.
+        process_group=0 if os.name == "posix" else None,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
@@ -224,34 +261,71 @@ def launch_local(
     max_grad_norm: float | None,
     progress: bool,
 ) -> TrainResult:
-    """Run ``plan`` with one local process per rank; see ``elche.train``."""
+    """Run ``plan`` with one local process per rank; see ``elche.train``.
+
+    Raises:
+        Interrupted: SIGINT or SIGTERM stopped the run; its bundle is saved.
+    """
     t0 = time.monotonic()
     plan = with_bundle(plan, run_dir)
+    with StopSignals() as signals:
+        epochs = _supervise(
+            plan, fns, hooks, run_dir, signals, max_grad_norm=max_grad_norm, progress=progress
+        )
+        try:
+            result = collect(plan, run_dir, t0, epochs)
+        except RuntimeError:  # the coordinator left no summary
+            if signals.received is None:
+                raise
+            raise interrupted(signals.received, None, plan.config.save_path) from None
+    if signals.received is not None and result.summary.get("outcome") != "completed":
+        raise interrupted(signals.received, result, plan.config.save_path)
+    explain_outcome(result.summary, plan.config.save_path)
+    return result
+
+
+def _supervise(
+    plan: Plan,
+    fns: UserFns,
+    hooks: Hooks,
+    run_dir: Path,
+    signals: StopSignals,
+    *,
+    max_grad_norm: float | None,
+    progress: bool,
+) -> list[dict[str, object]]:
+    """Start the coordinator and the ranks, follow the run to its end; its epochs."""
     cfg = plan.config
     secret = new_secret()
     host, address = start_coordinator(cfg, run_dir, secret, plan.resume_from)
     ctx = _rank_context()
-    procs = []
-    for rank in range(cfg.world_size):
-        spec = rank_spec(plan, rank, address, secret, run_dir, max_grad_norm=max_grad_norm)
-        proc = ctx.Process(
-            target=_rank_process,
-            args=(spec, fns, cfg.batch_size, dict(os.environ)),
-            name=f"elche-rank{rank}",
-        )
-        proc.start()
-        procs.append(proc)
+    procs: list[Any] = []
     timeline = TimelineReader(run_dir)
     epochs: list[dict[str, object]] = []
     display = Progress(cfg.epochs, enabled=progress)
     reported: set[int] = set()
+    stop_by = math.inf  # once asked to stop: when the launcher stops waiting
     failed = False
     try:
-        while host.poll() is None and not failed:
+        for rank in range(cfg.world_size):
+            if signals.received is not None:
+                break  # stopped while starting: the run will not form
+            spec = rank_spec(plan, rank, address, secret, run_dir, max_grad_norm=max_grad_norm)
+            proc = ctx.Process(
+                target=_rank_process,
+                args=(spec, fns, cfg.batch_size, dict(os.environ), os.getpid()),
+                name=f"elche-rank{rank}",
+            )
+            proc.start()
+            procs.append(proc)
+        while host.poll() is None and time.monotonic() < stop_by and not failed:
             time.sleep(SUPERVISE_EVERY_S)  # supervision cadence, not synchronisation
+            if signals.received is not None and stop_by == math.inf:
+                stop_by = time.monotonic() + cfg.heartbeat_timeout_s + STOP_SLACK_S
+                tell_coordinator(host, f"stop {signal.Signals(signals.received).name}")
             for event in timeline.new_records():
                 on_record(event, epochs, hooks, display)
-                if isinstance(event, tl.RankLost):
+                if isinstance(event, tl.RankLost) and event.rank < len(procs):
                     # Declared dead: it must not come back (a hung rank is killed).
                     reported.add(event.rank)
                     procs[event.rank].kill()
@@ -263,7 +337,9 @@ def launch_local(
     finally:
         display.close()
         # A failed run has nothing left to save: no rank is waited for.
-        grace_s = 0.0 if failed or host.poll() == FAILED_EXIT else RANK_EXIT_GRACE_S
+        grace_s = RANK_EXIT_GRACE_S if signals.received is None else STOPPED_RANK_GRACE_S
+        if failed or host.poll() == FAILED_EXIT:
+            grace_s = 0.0
         deadline = time.monotonic() + grace_s
         for proc in procs:
             proc.join(timeout=max(deadline - time.monotonic(), 0.1))
@@ -274,9 +350,15 @@ def launch_local(
             host.kill()
     for event in timeline.new_records():
         on_record(event, epochs, hooks, display)
-    result = collect(plan, run_dir, t0, epochs)
-    explain_outcome(result.summary, cfg.save_path)
-    return result
+    return epochs
+
+
+def interrupted(signum: int, result: TrainResult | None, save_path: str | None) -> Interrupted:
+    """The ``Interrupted`` to raise for a run ``signum`` stopped, announced on stderr."""
+    saved = result is not None and result.summary.get("outcome") == "saved_and_shutdown"
+    stop = Interrupted(signum, save_path if saved else None, result)
+    announce(stop)
+    return stop
 
 
 def _run_failed(run_dir: Path) -> bool:

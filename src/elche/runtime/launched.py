@@ -18,6 +18,8 @@ Across hosts the coordinator binds every interface and is reached at
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from elche.core.checkpoint import SaveReason
 from elche.core.errors import TrainingError
 from elche.monitor.progress import Progress
 from elche.monitor.timeline import read_timeline
@@ -32,11 +35,14 @@ from elche.runtime.frames import new_secret
 from elche.runtime.launch import (
     collect,
     explain_outcome,
+    interrupted,
     on_record,
     rank_spec,
     start_coordinator,
+    tell_coordinator,
     with_bundle,
 )
+from elche.runtime.lifetimes import Interrupted, StopSignals, watch_launcher
 from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.worker import train_rank
 
@@ -57,9 +63,52 @@ def train_launched(
     max_grad_norm: float | None,
     run_dir: str | None,
 ) -> TrainResult:
-    """Train this process as rank ``$RANK`` of ``$WORLD_SIZE``; see ``elche.train``."""
-    t0 = time.monotonic()
+    """Train this process as rank ``$RANK`` of ``$WORLD_SIZE``; see ``elche.train``.
+
+    SIGINT and SIGTERM stop the run cleanly (``elche.runtime.lifetimes``):
+    rank 0 asks its coordinator to stop, every rank saves, and every rank's
+    ``elche.train`` raises ``Interrupted``; rank 0 prints the one line. A
+    rank whose launcher dies ends within ``ORPHAN_GRACE_S``.
+
+    Raises:
+        Interrupted: a signal (or the launcher's death) stopped the run.
+    """
     rank = int(os.environ["RANK"])
+    host: list[subprocess.Popen[str]] = []  # rank 0's coordinator, once started
+
+    def ask_stop(reason: str) -> None:
+        if host:
+            tell_coordinator(host[0], f"stop {reason}")
+
+    with StopSignals(
+        on_signal=lambda signum: ask_stop(signal.Signals(signum).name), force_on_repeat=False
+    ) as signals:
+        watch_launcher(os.getppid(), on_gone=lambda: ask_stop("the launching process is gone"))
+        result, stopped = _train(
+            plan, fns, hooks, rank=rank, host_box=host, signals=signals,
+            max_grad_norm=max_grad_norm, run_dir=run_dir,
+        )  # fmt: skip
+    if stopped != f"saved: {SaveReason.GRACEFUL_SHUTDOWN.value}":  # not stopped on request
+        return result
+    signum = signals.received if signals.received is not None else signal.SIGTERM
+    if rank == 0:
+        raise interrupted(signum, result, plan.config.save_path)
+    raise Interrupted(signum, plan.config.save_path, result)
+
+
+def _train(
+    plan: Plan,
+    fns: UserFns,
+    hooks: Hooks,
+    *,
+    rank: int,
+    host_box: list[subprocess.Popen[str]],
+    signals: StopSignals,
+    max_grad_norm: float | None,
+    run_dir: str | None,
+) -> tuple[TrainResult, object]:
+    """Join, start the coordinator on rank 0, train; the result and why this rank stopped."""
+    t0 = time.monotonic()
     world = plan.config.world_size
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     multi_host = local_world < world
@@ -77,6 +126,9 @@ def train_launched(
             os.environ["ELCHE_BIND"] = "tcp://0.0.0.0:0"
         bundled = with_bundle(plan, directory)
         host, address = start_coordinator(bundled.config, directory, secret, plan.resume_from)
+        host_box.append(host)
+        if signals.received is not None:  # the signal came while the coordinator started
+            tell_coordinator(host, f"stop {signal.Signals(signals.received).name}")
         if multi_host:
             address = f"tcp://{os.environ['MASTER_ADDR']}:{address.rsplit(':', 1)[1]}"
         shared = [address, secret.hex(), str(directory)]
@@ -95,15 +147,17 @@ def train_launched(
     user_error = report.get("user_error")
     if host is None and isinstance(user_error, dict):  # another rank's: the same error here
         raise TrainingError.from_summary(user_error)
+    stopped = report.get("stopped")
     if host is None:
-        return TrainResult(state_dict=state, summary={}, run_dir=str(directory))
+        return TrainResult(state_dict=state, summary={}, run_dir=str(directory)), stopped
     host.wait(timeout=COORDINATOR_EXIT_S)
     epochs: list[dict[str, object]] = []
     quiet = Progress(plan.config.epochs, enabled=False)
     for event in read_timeline(directory):
         on_record(event, epochs, hooks, quiet)
     result = collect(plan, directory, t0, epochs)
-    explain_outcome(result.summary, plan.config.save_path)
+    if result.summary.get("reason") != SaveReason.GRACEFUL_SHUTDOWN.value:
+        explain_outcome(result.summary, plan.config.save_path)
     if not result.state_dict:
         result.state_dict = state
-    return result
+    return result, stopped

@@ -1,0 +1,216 @@
+"""Lifetimes and stops: one owner for every process, and what a signal does.
+
+Rules:
+
+- The launching process owns the run: ``elche.train`` in the user's script
+  (a local run), or each rank's own process under ``elche run``/``torchrun``,
+  whose rank 0 also owns the coordinator. No elche process outlives it.
+- SIGINT and SIGTERM are the launching process's to act on. Ctrl-C sends
+  SIGINT to the whole process group, so the coordinator runs in a process
+  group of its own (SIGTERM sent to it alone asks it to stop, as if the
+  launcher had), and the fork server and the ranks of a local run ignore
+  both (``elche.runtime.forkserved``, ``ignore_stop_signals``): nothing dies
+  mid-write, and the launcher orders the stop.
+- The launcher asks the coordinator to stop with a ``stop REASON`` line on
+  its stdin; the coordinator turns it into ``StopRequested``: a training run
+  saves a bundle (``SaveReason.GRACEFUL_SHUTDOWN``) and the ranks exit. Then
+  ``elche.train`` raises ``Interrupted``. A second signal stops at once:
+  ``KeyboardInterrupt``, the children killed, nothing saved.
+- The coordinator's stdin reaching EOF means its launcher is gone (even by
+  SIGKILL): it stops the same way and exits within ``ORPHAN_GRACE_S``
+  whatever happens. Each rank watches its launcher's pid
+  (``watch_launcher``) and exits within ``ORPHAN_GRACE_S`` of its death;
+  normally it has saved and exited well before, told by the coordinator.
+
+Theory of operation. ``PR_SET_PDEATHSIG`` is not used: it fires when the
+*thread* that started a child exits (``elche.train`` called from a worker
+thread would kill its run when that thread ends), and a local run's ranks
+are children of the multiprocessing fork server, not of the launcher; the
+fork server lives until its last client (the ranks included) exits. A pipe's
+EOF (the coordinator) and a pidfd (Linux; a 0.2 s poll elsewhere) follow the
+launcher itself, on every way it can die.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextvars import ContextVar
+from types import FrameType, TracebackType
+from typing import Any
+
+__all__ = [
+    "EXIT_ORPHANED",
+    "ORPHAN_GRACE_S",
+    "RESUME_HINT",
+    "Interrupted",
+    "StopSignals",
+    "announce",
+    "ignore_stop_signals",
+    "watch_launcher",
+]
+
+# Time an orphaned process has to finish its save before it ends itself; the
+# acceptance bound is 10 s from the launcher's death to no process left.
+ORPHAN_GRACE_S = 6.0
+# Exit status of a process that ended itself because its launcher was gone.
+EXIT_ORPHANED = 4
+# How often the fallback (no pidfd) looks whether the launcher still lives.
+WATCH_EVERY_S = 0.2
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _resume_from(stem: str) -> str:
+    return f"resume_from={stem!r}"
+
+
+# How the one line an interrupted run prints says to resume bundle ``stem``:
+# ``elche demo`` sets its own command line here.
+RESUME_HINT: ContextVar[Callable[[str], str]] = ContextVar("RESUME_HINT", default=_resume_from)
+
+
+class Interrupted(SystemExit, KeyboardInterrupt):
+    """``elche.train`` was stopped by SIGINT or SIGTERM; what it trained is saved.
+
+    Raised once the ranks have written the bundle (``bundle``, resumable with
+    ``resume_from=bundle``; None when the run had not formed yet) and one line
+    on stderr said where. It is a ``KeyboardInterrupt``, so ``except
+    KeyboardInterrupt`` catches it, and a ``SystemExit`` with code 130
+    (SIGINT) or 143 (SIGTERM): uncaught, the script stops without a traceback
+    and with the exit status a shell gives a process those signals end.
+
+    Attributes:
+        signal: the signal that stopped the run.
+        bundle: the saved bundle's stem, or None if nothing was saved.
+        result: the run's ``TrainResult`` (its summary says
+            ``saved_and_shutdown``), or None where this process has none.
+    """
+
+    def __init__(self, signum: int, bundle: str | None, result: Any = None) -> None:
+        super().__init__(128 + signum)
+        self.signal = signal.Signals(signum)
+        self.bundle = bundle
+        self.result = result
+
+    def __str__(self) -> str:
+        saved = f"saved under {self.bundle}" if self.bundle else "nothing saved"
+        return f"interrupted by {self.signal.name}; {saved}"
+
+
+def announce(stop: Interrupted) -> None:
+    """The one line on stderr an interrupted run prints: where it is and how to resume."""
+    name = stop.signal.name
+    if stop.bundle is None:
+        text = f"elche: interrupted by {name} before the run formed; nothing was saved"
+    else:
+        text = (
+            f"elche: interrupted by {name}; the run is saved under {stop.bundle}; "
+            f"resume with: {RESUME_HINT.get()(stop.bundle)}"
+        )
+    print(text, file=sys.stderr, flush=True)
+
+
+class StopSignals:
+    """While entered (main thread only), SIGINT and SIGTERM stop the run cleanly.
+
+    The first signal is recorded in ``received`` (and passed to
+    ``on_signal``, run in the signal handler: keep it short); a later one
+    raises ``KeyboardInterrupt`` when ``force_on_repeat``, else is ignored. A
+    signal the process ignored already stays ignored. The previous handlers
+    come back on exit.
+
+    Args:
+        on_signal: called with the first signal's number.
+        force_on_repeat: a second signal raises ``KeyboardInterrupt``.
+    """
+
+    def __init__(
+        self, *, on_signal: Callable[[int], None] | None = None, force_on_repeat: bool = True
+    ) -> None:
+        self.received: int | None = None
+        self._on_signal = on_signal
+        self._force = force_on_repeat
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # only the main thread may set handlers; signals act as before
+        for sig in STOP_SIGNALS:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is not None:
+            if self._force:
+                raise KeyboardInterrupt
+            return
+        self.received = signum
+        if self._on_signal is not None:
+            self._on_signal(signum)
+
+
+def ignore_stop_signals() -> None:
+    """SIGINT and SIGTERM do nothing here: the launching process orders the stop."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def watch_launcher(
+    pid: int, *, on_gone: Callable[[], None] | None = None, grace_s: float = ORPHAN_GRACE_S
+) -> None:
+    """On a daemon thread: once process ``pid`` is gone, end this process.
+
+    ``on_gone`` runs first (e.g. to ask the coordinator to stop); then this
+    process has ``grace_s`` to finish on its own before it exits with
+    ``EXIT_ORPHANED``.
+    """
+
+    def watch() -> None:
+        _wait_gone(pid)
+        if on_gone is not None:
+            with contextlib.suppress(Exception):  # the exit below must happen
+                on_gone()
+        time.sleep(grace_s)  # the grace period, not synchronisation
+        os._exit(EXIT_ORPHANED)
+
+    threading.Thread(target=watch, name="elche-launcher-watch", daemon=True).start()
+
+
+def _wait_gone(pid: int) -> None:
+    """Block until process ``pid`` has exited (a zombie counts as gone)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # not Linux >= 5.3: poll
+        while _alive(pid):
+            time.sleep(WATCH_EVERY_S)
+        return
+    try:
+        select.select([fd], [], [])  # readable once the process exits
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

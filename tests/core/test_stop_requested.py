@@ -1,0 +1,51 @@
+"""``StopRequested``: a run asked to stop saves, fails or completes by its state."""
+
+from __future__ import annotations
+
+from elche.core import messages as m
+from elche.core.checkpoint import SaveReason
+from elche.core.commands import Finish, Notice, WriteMeta
+from elche.core.coordinator import RunState
+from elche.core.events import RankJoined, Started, StopRequested
+from tests.core.harness import Harness, messages, of
+from tests.core.test_coordinator import run_to_end
+
+
+def test_a_run_still_forming_fails_and_names_the_stop() -> None:
+    h = Harness(world_size=2)
+    h.feed(Started())
+    h.feed(RankJoined(rank=0))
+    out = h.feed(StopRequested(reason="SIGINT"))
+    assert of(out, Finish) == [
+        Finish(outcome="failed", reason="stopped before the run formed (SIGINT)")
+    ]
+    assert h.core.state is RunState.DONE
+
+
+def test_a_training_run_saves_a_graceful_bundle_and_stops() -> None:
+    h = Harness(world_size=2, epochs=3, save_path="/tmp/bundle")
+    h.form()
+    h.train(0, 2)
+    out = h.feed(StopRequested(reason="SIGTERM"))
+    assert h.core.state is RunState.SAVING
+    assert messages(out, m.ShutdownWithSave) == [
+        m.ShutdownWithSave(reason="graceful_shutdown", writer=0, seq=1)
+    ]
+    assert [c.level for c in of(out, Notice)] == ["info"]  # the launcher tells the user
+    assert h.feed(StopRequested(reason="SIGTERM")) == []  # already stopping: nothing new
+    out = h.answer_saves()
+    (write,) = of(out, WriteMeta)
+    assert write.meta.reason is SaveReason.GRACEFUL_SHUTDOWN  # type: ignore[attr-defined]
+    assert of(out, Finish) == [Finish(outcome="saved_and_shutdown", reason="graceful_shutdown")]
+
+
+def test_a_run_whose_training_is_over_completes_anyway() -> None:
+    h = Harness(epochs=1, has_eval_fn=True)
+    h.form()
+    run_to_end(h)
+    assert h.core.state is RunState.FINISHING  # the final eval is out
+    assert h.feed(StopRequested(reason="SIGINT")) == []
+    h.send(0, m.EvalResult(epoch=1, metric=0.9, elapsed_ms=1.0))
+    assert h.feed(StopRequested(reason="SIGINT")) == []  # writing the final model
+    assert of(h.answer_saves(), Finish) == [Finish(outcome="completed")]
+    assert h.feed(StopRequested(reason="SIGINT")) == []  # DONE ignores it

@@ -1,0 +1,300 @@
+"""Issue 12, item 12: clean stops and lifetimes.
+
+Real processes, each test in its own session (``start_new_session``), so a
+test can signal the whole process group as Ctrl-C would, find every process
+of its run by the session id, and kill what is left in a ``finally``. "Mid-run"
+is the run dir's timeline gaining an ``EpochEnd`` record (the run dir lives
+under the test's ``TMPDIR``); no test sleeps to synchronise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+if not Path("/proc/self/stat").exists():  # the session scan reads /proc
+    pytest.skip("needs Linux /proc", allow_module_level=True)
+
+# Generous upper bounds the acceptance names.
+STOP_WITHIN_S = 15.0
+ORPHANS_GONE_WITHIN_S = 10.0
+# Startup (torch import in the fork server) plus an epoch on 2 busy cores.
+MID_RUN_WITHIN_S = 120.0
+
+SCRIPT = """
+import os, sys
+import elche
+from elche.workloads import digits
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    try:
+        result = elche.train(
+            digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+            batch_size=32, epochs=int(sys.argv[2]), speeds=[0.05, 0.02], progress=False,
+            save_path=sys.argv[1], metrics_fn=FINAL_HOOK,
+        )
+    except KeyboardInterrupt as stop:
+        print(f"STOPPED {type(stop).__name__} bundle={stop.bundle} code={stop.code}", flush=True)
+        raise
+    print(f"COMPLETED {result.summary['outcome']} model={bool(result.state_dict)}", flush=True)
+"""
+
+SELF_INTERRUPT = """
+import os, signal
+def interrupt_at_the_end(entry):
+    if entry["epoch"] == int(sys.argv[2]) - 1:  # the last epoch has just ended
+        os.kill(os.getpid(), signal.SIGINT)
+FINAL_HOOK = interrupt_at_the_end
+"""
+
+RUN_SCRIPT = """
+import os, sys
+import elche
+from elche.workloads import digits
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    rank = int(os.environ["RANK"])
+    elche.train(
+        digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+        batch_size=32, epochs=8, speeds=[0.05, 0.02], progress=False, save_path=sys.argv[1],
+    )
+"""
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[3])  # after state, ppid, pgrp: the session id
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (zombies excluded)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and _session_of(pid) == sid:
+            found.append(pid)
+    return found
+
+
+def command_line(pid: int) -> str:
+    with suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    return "(gone)"
+
+
+@contextmanager
+def session(args: list[str], tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """Start ``args`` in a new session; kill whatever of it is left afterwards."""
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        args, start_new_session=True, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        yield proc
+    finally:
+        for pid in session_pids(proc.pid):
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.communicate(timeout=30)
+
+
+def wait_mid_run(proc: subprocess.Popen[str], tmp_path: Path) -> None:
+    """Until some run dir under ``tmp_path`` has a timeline with an ``EpochEnd``."""
+    deadline = time.monotonic() + MID_RUN_WITHIN_S
+    while time.monotonic() < deadline:
+        for timeline in tmp_path.glob("**/timeline.jsonl"):
+            if '"EpochEnd"' in timeline.read_text():
+                return
+        assert proc.poll() is None, "the run ended before it was interrupted"
+        time.sleep(0.05)  # polling for a condition, with a deadline
+    raise AssertionError("the run never finished an epoch")
+
+
+def wait_exit(proc: subprocess.Popen[str], within_s: float) -> tuple[int, str, str]:
+    started = time.monotonic()
+    out, err = proc.communicate(timeout=within_s + 30)
+    took = time.monotonic() - started
+    assert took < within_s, f"took {took:.1f} s to exit:\n{err[-3000:]}"
+    return proc.returncode, out, err
+
+
+def elche_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.strip()]
+
+
+def demo_args(save: Path, epochs: int = 8) -> list[str]:
+    return [
+        sys.executable, "-m", "elche.cli", "demo", "--speeds", "0.05,0.02", "--epochs", str(epochs),
+        "--no-progress", "--save-path", str(save),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_issue12_item12_a_signal_to_elche_demos_group_saves_a_bundle_and_exits_quietly(
+    tmp_path: Path, sig: signal.Signals, code: int
+) -> None:
+    save = tmp_path / "bundle"
+    with session(demo_args(save), tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        os.killpg(proc.pid, sig)  # Ctrl-C reaches every process of the group
+        returncode, _, err = wait_exit(proc, STOP_WITHIN_S)
+    assert returncode == code, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    (line,) = elche_lines(err)
+    assert str(save) in line
+    assert Path(f"{save}.meta.json").exists()
+    if sig is not signal.SIGINT:
+        return
+    command = shlex.split(line.split("resume with: ", 1)[1])
+    assert command[:2] == ["elche", "demo"]
+    resumed = subprocess.run(
+        [sys.executable, "-m", "elche.cli", *command[1:], "--json"],
+        capture_output=True, text=True, timeout=240, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout.splitlines()[-1])
+    assert summary["outcome"] == "completed"
+    assert summary["lost_samples"] == 0
+    assert summary["epochs_completed"] == 8
+
+
+@pytest.mark.parametrize("launcher", ["demo", "run"])
+def test_issue12_item12_kill_9_of_the_launcher_leaves_no_elche_process(
+    tmp_path: Path, launcher: str
+) -> None:
+    save = tmp_path / "bundle"
+    # Long enough that it would train on for far longer than the bound.
+    if launcher == "demo":
+        args = demo_args(save, epochs=40)
+    else:
+        script = tmp_path / "train.py"
+        script.write_text(RUN_SCRIPT.replace("epochs=8", "epochs=40"))
+        args = [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", str(script), str(save)]
+    with session(args, tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        # demo: launcher, coordinator, fork server, ranks; run: launcher, ranks, coordinator
+        assert len(session_pids(proc.pid)) >= 4
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + ORPHANS_GONE_WITHIN_S
+        while session_pids(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for a condition, with a deadline
+        left = session_pids(proc.pid)
+        assert not left, [command_line(pid) for pid in left]
+    # The coordinator (or rank 0) saw its launcher go and had the ranks save a bundle.
+    assert Path(f"{save}.meta.json").exists()
+
+
+def test_issue12_item12_ctrl_c_in_a_script_raises_interrupted_with_the_bundle(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace("FINAL_HOOK", "None"))
+    save = tmp_path / "bundle"
+    with session([sys.executable, str(script), str(save), "8"], tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        os.killpg(proc.pid, signal.SIGINT)
+        returncode, out, err = wait_exit(proc, STOP_WITHIN_S)
+    assert returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert f"STOPPED Interrupted bundle={save} code=130" in out
+    (line,) = elche_lines(err)
+    assert f"resume_from={str(save)!r}" in line
+    assert Path(f"{save}.meta.json").exists()
+
+
+def test_issue12_item12_a_run_that_finished_before_ctrl_c_is_returned(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace("FINAL_HOOK", "interrupt_at_the_end").replace(
+        "import elche\n", "import elche\n" + SELF_INTERRUPT, 1
+    ))  # fmt: skip
+    with session([sys.executable, str(script), str(tmp_path / "bundle"), "2"], tmp_path) as proc:
+        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    assert returncode == 0, err[-3000:]
+    assert "COMPLETED completed model=True" in out, out + err[-3000:]
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_issue12_item12_a_signal_to_elche_runs_group_saves_a_bundle_and_exits_quietly(
+    tmp_path: Path, sig: signal.Signals, code: int
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(RUN_SCRIPT)
+    save = tmp_path / "bundle"
+    args = [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", str(script), str(save)]
+    with session(args, tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        os.killpg(proc.pid, sig)
+        returncode, _, err = wait_exit(proc, STOP_WITHIN_S)
+    assert returncode == code, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    (line,) = elche_lines(err)
+    assert f"resume_from={str(save)!r}" in line
+    assert Path(f"{save}.meta.json").exists()
+
+
+TORCHRUN_SCRIPT = """
+import os, sys
+import elche
+from elche.workloads import digits
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    try:
+        elche.train(
+            digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+            batch_size=32, epochs=3, crash={1: 1.5}, heartbeat_timeout_s=2.0, progress=False,
+            save_path=sys.argv[1],
+        )
+    except KeyboardInterrupt as stop:
+        print(f"INTERRUPTED {os.environ['RANK']} {stop.code}", flush=True)
+        raise
+"""
+
+
+def test_issue12_item12_under_torchrun_a_killed_rank_leaves_a_resumable_bundle(
+    tmp_path: Path,
+) -> None:
+    # torchrun's agent SIGTERMs every survivor once one worker died (see
+    # docs/failure-modes.md): they save before they go, instead of dying mid-run.
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    save = tmp_path / "bundle"
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", str(script)]
+    with session([*args, str(save)], tmp_path) as proc:
+        _, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    assert sorted(line for line in out.splitlines() if line.startswith("INTERRUPTED")) == [
+        "INTERRUPTED 0 143",
+        "INTERRUPTED 2 143",
+    ], err[-3000:]
+    # The one traceback is the agent's own (ChildFailedError); none from elche.
+    assert not re.search(r'File ".*/elche/', err), err[-3000:]
+    assert Path(f"{save}.meta.json").exists()

@@ -1,0 +1,50 @@
+"""``elche.runtime.lifetimes``: the stop signals' handler and ``Interrupted``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from elche.runtime.lifetimes import Interrupted, StopSignals
+
+
+def test_interrupted_is_a_keyboard_interrupt_and_a_quiet_exit_status() -> None:
+    stop = Interrupted(signal.SIGTERM, "/tmp/b")
+    assert isinstance(stop, KeyboardInterrupt)
+    assert isinstance(stop, SystemExit)
+    assert stop.code == 143
+    assert stop.signal is signal.SIGTERM
+    assert str(stop) == "interrupted by SIGTERM; saved under /tmp/b"
+    assert Interrupted(signal.SIGINT, None).code == 130
+
+
+@pytest.mark.slow  # a Python subprocess
+def test_uncaught_interrupted_ends_a_script_without_a_traceback() -> None:
+    code = "from elche.runtime.lifetimes import Interrupted; raise Interrupted(2, 'b')"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert (done.returncode, done.stderr) == (130, "")
+
+
+def test_stop_signals_records_the_first_signal_and_forces_on_the_second() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    seen: list[int] = []
+    with StopSignals(on_signal=seen.append) as signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert signals.received == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert seen == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_stop_signals_can_ignore_repeats() -> None:
+    with StopSignals(force_on_repeat=False) as signals:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+    assert signals.received == signal.SIGINT
