@@ -40,6 +40,28 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("mode", ["cadence", "cpu-cadence"])
+def test_issue12_item01_survivors_of_a_killed_rank_under_torchrun_return(
+    tmp_path: Path, mode: str
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", str(script),
+         mode],
+        capture_output=True, text=True, timeout=240, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]  # the agent saw no worker fail
+    returned = sorted(line for line in done.stdout.splitlines() if line.startswith("RETURNED"))
+    assert returned == ["RETURNED 0", "RETURNED 1", "RETURNED 2"], done.stderr[-4000:]
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("SUMMARY ")]
+    summary = json.loads(line.removeprefix("SUMMARY "))
+    assert summary["outcome"] == "completed"
+    assert summary["dead_ranks"] == [1]
+    assert summary["lost_samples"] == 0
+    assert summary["epochs_completed"] == 3
+
+
+@pytest.mark.parametrize("mode", ["cadence", "cpu-cadence"])
 def test_issue12_item01_survivors_of_a_killed_rank_under_elche_run_return(
     tmp_path: Path, mode: str
 ) -> None:

@@ -271,8 +271,8 @@ if __name__ == "__main__":
     try:
         elche.train(
             digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
-            batch_size=32, epochs=3, crash={1: 1.5}, heartbeat_timeout_s=2.0, progress=False,
-            save_path=sys.argv[1],
+            batch_size=32, epochs=8, speeds=[1.0, 0.1, 0.1], heartbeat_timeout_s=2.0,
+            progress=False, save_path=sys.argv[1],
         )
     except KeyboardInterrupt as stop:
         print(f"INTERRUPTED {os.environ['RANK']} {stop.code}", flush=True)
@@ -280,16 +280,34 @@ if __name__ == "__main__":
 """
 
 
-def test_issue12_item12_under_torchrun_a_killed_rank_leaves_a_resumable_bundle(
+def worker_of(agent: int, rank: int) -> int | None:
+    """The pid of the torchrun worker process (a child of ``agent``) of ``rank``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with suppress(OSError, IndexError, ValueError):
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            if parent == agent and f"RANK={rank}".encode() in environ:
+                return int(entry.name)
+    return None
+
+
+def test_issue12_item12_under_torchrun_a_killed_worker_leaves_a_resumable_bundle(
     tmp_path: Path,
 ) -> None:
-    # torchrun's agent SIGTERMs every survivor once one worker died (see
-    # docs/failure-modes.md): they save before they go, instead of dying mid-run.
+    # A rank's training process that dies is survived under torchrun (see
+    # test_launchers_with_faults); its *worker* process dying makes torchrun's
+    # agent SIGTERM every survivor (docs/failure-modes.md): they save first.
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_SCRIPT)
     save = tmp_path / "bundle"
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", str(script)]
     with session([*args, str(save)], tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        worker = worker_of(proc.pid, 1)
+        assert worker is not None, "no torchrun worker of rank 1"
+        os.kill(worker, signal.SIGKILL)
         _, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
     assert sorted(line for line in out.splitlines() if line.startswith("INTERRUPTED")) == [
         "INTERRUPTED 0 143",

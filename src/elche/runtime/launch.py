@@ -102,8 +102,15 @@ FORKSERVER_PRELOAD = (
 
 
 def _rank_process(
-    spec: Any, fns: Any, batch_size: int, env: dict[str, str], launcher_pid: int
+    spec: Any,
+    fns: Any,
+    batch_size: int,
+    env: dict[str, str],
+    launcher_pid: int,
+    *,
+    state_out: str | None = None,
 ) -> None:
+    """The body of a rank process; ``state_out``: where its final model goes."""
     ignore_stop_signals()  # the launcher orders the stop
     watch_launcher(launcher_pid)
     # A forked rank inherits the fork server's environment, from when it
@@ -112,10 +119,14 @@ def _rank_process(
     os.environ.update(env)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["ELCHE_RANK"] = str(spec.rank)  # lets user callbacks know where they run
-    from elche.runtime.worker import run_rank
+    from elche.runtime.worker import train_rank
 
     try:
-        run_rank(spec, fns, batch_size)
+        _, state = train_rank(spec, fns, batch_size)
+        if state_out is not None:
+            import torch
+
+            torch.save(state, state_out)
     except BaseException as exc:
         # The user's own error: its traceback is the useful part, not elche's frames.
         text = str(exc) if isinstance(exc, TrainingError) else traceback.format_exc()

@@ -11,28 +11,41 @@ ranks return their final model (the consensus) and an empty summary.
 When the run fails on the user's code, every process raises the same
 ``TrainingError`` (a failing rank its own, the others the coordinator's).
 
+Under torchrun on one host each worker trains its rank in a child process and
+waits for it (``_supervises``): torchrun's agent ends the whole group when a
+worker exits non-zero, so a worker whose rank died must exit 0 for the others
+to go on.
+
 Across hosts the coordinator binds every interface and is reached at
 ``MASTER_ADDR``; the per-run secret then authenticates every frame.
 """
 
 from __future__ import annotations
 
+import json
+import multiprocessing as mp
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 from elche.core.checkpoint import SaveReason
-from elche.core.errors import TrainingError
+from elche.core.errors import ConfigError, TrainingError
 from elche.monitor.progress import Progress
+from elche.monitor.summary import rank_report_file
 from elche.monitor.timeline import read_timeline
 from elche.runtime.frames import new_secret
 from elche.runtime.launch import (
+    _rank_process,
+    _report_lost,
+    check_picklable,
     collect,
     explain_outcome,
     interrupted,
@@ -47,7 +60,7 @@ from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.worker import train_rank
 
 if TYPE_CHECKING:
-    from elche.runtime.worker import UserFns
+    from elche.runtime.worker import RankSpec, UserFns
 
 __all__ = ["train_launched"]
 
@@ -139,11 +152,7 @@ def _train(
     spec = rank_spec(
         plan, rank, address, bytes.fromhex(secret_hex), directory, max_grad_norm=max_grad_norm
     )
-    try:
-        report, state = train_rank(spec, fns, plan.config.batch_size)
-    finally:
-        if dist.is_initialized():  # a regroup after a death replaced the launcher's group
-            dist.destroy_process_group()
+    report, state = _run_rank(spec, fns, plan.config.batch_size, host, multi_host=multi_host)
     user_error = report.get("user_error")
     if host is None and isinstance(user_error, dict):  # another rank's: the same error here
         raise TrainingError.from_summary(user_error)
@@ -161,3 +170,73 @@ def _train(
     if not result.state_dict:
         result.state_dict = state
     return result, stopped
+
+
+def _run_rank(
+    spec: RankSpec,
+    fns: UserFns,
+    batch_size: int,
+    host: subprocess.Popen[str] | None,
+    *,
+    multi_host: bool,
+) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    """Train the rank, here or in a child (``_supervises``); its report and model."""
+    if _supervises(fns, multi_host):
+        dist.destroy_process_group()  # the rank's own process forms its group
+        return _train_in_child(spec, fns, batch_size, host)
+    try:
+        return train_rank(spec, fns, batch_size)
+    finally:
+        if dist.is_initialized():  # a regroup after a death replaced the launcher's group
+            dist.destroy_process_group()
+
+
+def _supervises(fns: UserFns, multi_host: bool) -> bool:
+    """Under torchrun on one host, the rank trains in a process of its own.
+
+    torchrun's agent ends the whole group when any worker exits non-zero
+    (``docs/failure-modes.md``), so a worker whose rank is SIGKILLed must
+    exit 0: the worker starts the rank as its child, waits for it, and
+    returns whatever became of it. Across hosts (the rank's group forms over
+    the run dir, which only rank 0's host has) and with functions that cannot
+    be sent to another process, the rank trains in the worker itself.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or multi_host:
+        return False
+    try:
+        check_picklable(fns)
+    except ConfigError as exc:
+        print(f"elche: {exc}; under torchrun this rank trains in its worker, and a "
+              "rank that dies ends the run", file=sys.stderr, flush=True)  # fmt: skip
+        return False
+    return True
+
+
+def _train_in_child(
+    spec: RankSpec, fns: UserFns, batch_size: int, host: subprocess.Popen[str] | None
+) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    """Run rank ``spec.rank`` in a child process; its report and final model.
+
+    A child that dies is reported to the coordinator (rank 0, which has it)
+    or noticed by its heartbeat; this worker then returns an empty model and
+    the run goes on without the rank.
+    """
+    out = Path(spec.run_dir) / f"rank{spec.rank}.state.pt"
+    child = mp.get_context("spawn").Process(
+        target=_rank_process,
+        args=(spec, fns, batch_size, dict(os.environ), os.getpid()),
+        kwargs={"state_out": str(out)},
+        name=f"elche-rank{spec.rank}",
+    )
+    child.start()
+    child.join()
+    if child.exitcode == 0:
+        state = torch.load(out, map_location="cpu")
+        out.unlink(missing_ok=True)
+        report = json.loads(rank_report_file(Path(spec.run_dir), spec.rank).read_text())
+        return report, state
+    if host is not None:
+        _report_lost(host, spec.rank, child.exitcode)
+    print(f"elche: rank {spec.rank} was lost (its process ended with {child.exitcode}); "
+          "the run goes on without it", file=sys.stderr, flush=True)  # fmt: skip
+    return {"stopped": "lost"}, {}
