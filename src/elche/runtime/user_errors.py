@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, TypeVar
 from elche.core import messages as m
 from elche.core.errors import TrainingError, TransportError
 from elche.core.rank import RankProtocol
-from elche.runtime.transport import RankEndpoint
 
 if TYPE_CHECKING:
     from elche.runtime.worker import RankSpec
@@ -124,14 +123,7 @@ def report_unconnected(spec: RankSpec, exc: BaseException) -> TrainingError:
         error_type=error_type, message=message, traceback=text, before_first_step=True
     )
     try:
-        endpoint = RankEndpoint(
-            address=spec.address,
-            rank=spec.rank,
-            world_size=spec.world_size,
-            secret=bytes.fromhex(spec.secret_hex),
-            host=os.uname().nodename,
-        )
-        with endpoint:
+        with spec.endpoint() as endpoint:
             endpoint.send(report)
             wait_answer(endpoint.recv)
     except (TransportError, ValueError):

@@ -115,6 +115,16 @@ class RankSpec:
         """A ``SlowDown`` fault is planned: the rank needs a pacer even at full speed."""
         return any(isinstance(f, SlowDown) for f in self.faults)
 
+    def endpoint(self) -> RankEndpoint:
+        """This rank's connection to the coordinator (it says Hello as it opens)."""
+        return RankEndpoint(
+            address=self.address,
+            rank=self.rank,
+            world_size=self.world_size,
+            secret=bytes.fromhex(self.secret_hex),
+            host=os.uname().nodename,
+        )
+
 
 class Worker:
     """The training loop of one rank (see the module docstring)."""
@@ -154,15 +164,8 @@ class Worker:
 
     def connect(self) -> None:
         spec = self.spec
-        endpoint = RankEndpoint(
-            address=spec.address,
-            rank=spec.rank,
-            world_size=spec.world_size,
-            secret=bytes.fromhex(spec.secret_hex),
-            host=os.uname().nodename,
-        )
         self.bridge = Bridge(
-            endpoint,
+            spec.endpoint(),
             heartbeat_interval_s=spec.heartbeat_interval_s,
             coordinator_timeout_s=spec.coordinator_timeout_s,
         )
