@@ -277,6 +277,7 @@ class Host:
                 "is not resumable" + ("; training goes on" if what == "checkpoint" else ""),
             )
             return
+        self._record(tl.BundleWritten(stem=stem, seq=meta.save_seq, reason=meta.reason.value))
         self._drop_superseded(stem, meta)
 
     def _write_outer(self, stem: str, seq: int) -> BundleFile | None:
