@@ -77,6 +77,7 @@ def test_every_kind_round_trips() -> None:
             idle_pct=36.0,
         ),
         tl.Alert(severity="critical", name="rank_lost", path="rank2", detail="heartbeat stale"),
+        tl.Stalled(silent_s=120.0, waiting_for="round 3", ranks=("rank 0: live",)),
         tl.RunEnd(
             outcome="completed",
             reason="",

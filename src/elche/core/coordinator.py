@@ -69,6 +69,7 @@ from elche.core.roles import CallbackRoles
 from elche.core.rounds import Round
 from elche.core.saves import Saves, reason_to_stop
 from elche.core.scheduler import ElChe
+from elche.core.stall import StallWatch
 from elche.core.telemetry import Telemetry
 from elche.core.tuning import Tuner
 from elche.core.work import WorkBook
@@ -133,6 +134,7 @@ class Coordinator:
         self.failures = failures.UserFailures()
         self.round = Round(config, self.work)
         self.telemetry = Telemetry(config, self.roles)
+        self.stall = StallWatch(config.stall_dump_s)
         self.state = RunState.FORMING
         self.rank_state = [RankState.JOINING] * ws
         self.hosts = [""] * ws
@@ -161,6 +163,11 @@ class Coordinator:
     @property
     def live(self) -> list[int]:
         return [r for r, s in enumerate(self.rank_state) if s is RankState.LIVE]
+
+    @property
+    def unsatisfied(self) -> frozenset[int]:
+        """Live ranks the averaging gate still waits for (their window not made)."""
+        return frozenset(self._unsatisfied)
 
     def handle(self, event: Event, now_s: float) -> list[Command]:
         """Feed one event; returns the commands to execute, in order.
@@ -603,6 +610,7 @@ class Coordinator:
             self.round.close()
             self._save(SaveReason.REDUCE_STALL)
         if self.outcome is None:
+            self._out += self.stall.check(self, now)
             self._broadcast(m.CoordHeartbeat())
             self._arm()
 

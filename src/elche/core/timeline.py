@@ -36,6 +36,7 @@ __all__ = [
     "RolesMoved",
     "RunEnd",
     "RunStart",
+    "Stalled",
     "SyncEnd",
     "SyncStart",
     "Throttle",
@@ -184,6 +185,14 @@ class RankWindow(_Record, frozen=True):
     idle_pct: float  # 100 x (1 - compute time / span), floored at 0
 
 
+class Stalled(_Record, frozen=True):
+    """No progress for ``silent_s`` while ranks are live: what each is doing, what is awaited."""
+
+    silent_s: float
+    waiting_for: str  # what the coordinator waits for, in words
+    ranks: tuple[str, ...]  # one line per rank: its state and work
+
+
 class Alert(_Record, frozen=True):
     """Something a person should look at; repeats within the collapse window are counted.
 
@@ -244,6 +253,7 @@ TimelineEvent = (
     | Throttle
     | RolesMoved
     | RankWindow
+    | Stalled
     | Alert
     | OuterMomentumRestored
 )
