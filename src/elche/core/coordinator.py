@@ -235,7 +235,7 @@ class Coordinator:
     def _begin_training(self) -> None:
         self.state = RunState.TRAINING
         self._emit(tl.RunStart(world_size=self.config.world_size, mode=self.config.mode.value))
-        self.telemetry.start(self._now)
+        self._out += self.telemetry.start(self._now)
         self._arm()
         if self._resume is None:
             self._open_epoch(self._start_epoch)

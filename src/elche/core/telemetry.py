@@ -11,9 +11,9 @@ Rules:
 - A rank that has trained its whole budget, holds no work and waits for the
   round is *throttled*: one ``Throttle`` per rank per round (none under
   ``sync``, where every rank waits every step by design).
-- When the callback roles' holders differ from the last ones recorded, a
-  ``RolesMoved`` is emitted (at a round's close and after a death, where
-  roles move).
+- Training's start records the callback roles' holders (``RolesMoved``);
+  when they differ from the last ones recorded, another is emitted (at a
+  round's close and after a death, where roles move).
 
 Nothing here reads a clock: times come in as ``now_s``.
 """
@@ -66,9 +66,10 @@ class Telemetry:
         self._throttled: set[int] = set()
         self._holders = self._current_holders()
 
-    def start(self, now_s: float) -> None:
-        """Training began at ``now_s``: the first span starts here."""
+    def start(self, now_s: float) -> list[Command]:
+        """Training began at ``now_s``: the first span starts here; the roles as they are."""
         self._since_s = now_s
+        return [Emit(event=self._roles_event())]
 
     def on_batch(self, rank: int, size: int, batch_ms: float, loss: float | None) -> None:
         """``rank`` reported one batch of ``size`` samples."""
@@ -101,11 +102,13 @@ class Telemetry:
         if holders == self._holders:
             return []
         self._holders = holders
-        epoch_rank, eval_rank, checkpoint_rank = holders
-        event = tl.RolesMoved(
+        return [Emit(event=self._roles_event())]
+
+    def _roles_event(self) -> tl.RolesMoved:
+        epoch_rank, eval_rank, checkpoint_rank = self._holders
+        return tl.RolesMoved(
             epoch_rank=epoch_rank, eval_rank=eval_rank, checkpoint_rank=checkpoint_rank
         )
-        return [Emit(event=event)]
 
     def _records(self, now_s: float, live: Collection[int], epoch: int) -> list[Command]:
         assert self._since_s is not None

@@ -35,6 +35,7 @@ from elche.runtime.launch import (
     on_record,
     rank_spec,
     start_coordinator,
+    start_watching,
     with_bundle,
 )
 from elche.runtime.plan import Hooks, Plan, TrainResult
@@ -56,6 +57,7 @@ def train_launched(
     *,
     max_grad_norm: float | None,
     run_dir: str | None,
+    dashboard: str | None = None,
 ) -> TrainResult:
     """Train this process as rank ``$RANK`` of ``$WORLD_SIZE``; see ``elche.train``."""
     t0 = time.monotonic()
@@ -68,6 +70,7 @@ def train_launched(
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     shared: list[object] = [None, None, None]
     host = None
+    board = None
     if rank == 0:
         directory = Path(
             run_dir or os.environ.get("ELCHE_RUN_DIR") or tempfile.mkdtemp(prefix="elche-run-")
@@ -80,6 +83,7 @@ def train_launched(
         if multi_host:
             address = f"tcp://{os.environ['MASTER_ADDR']}:{address.rsplit(':', 1)[1]}"
         shared = [address, secret.hex(), str(directory)]
+        board = start_watching(bundled, directory, dashboard)
     dist.broadcast_object_list(shared, src=0)
     address, secret_hex, directory_text = (str(x) for x in shared)
     directory = Path(directory_text)
@@ -98,6 +102,8 @@ def train_launched(
     if host is None:
         return TrainResult(state_dict=state, summary={}, run_dir=str(directory))
     host.wait(timeout=COORDINATOR_EXIT_S)
+    if board is not None:
+        board.stop()
     epochs: list[dict[str, object]] = []
     quiet = Progress(plan.config.epochs, enabled=False)
     for event in read_timeline(directory):
