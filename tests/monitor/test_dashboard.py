@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -56,7 +57,8 @@ def test_it_follows_the_timeline_and_serves_every_endpoint(tmp_path: Path) -> No
         status, headers, text = _get(url + "metrics")
         assert status == 200 and "elche_live_ranks 1.0" in text
         status, _, body = _get(url + "nowhere")
-        assert status == 404 and json.loads(body)["endpoints"] == ["/", "/state.json", "/metrics"]
+        assert status == 404
+        assert json.loads(body)["endpoints"] == ["/", "/state.json", "/events", "/metrics"]
         writer.write(tl.RankLost(rank=1, reason="gone"), now_s=1.0)
         writer.close()
     finally:
@@ -89,3 +91,53 @@ def test_a_broken_record_does_not_stop_the_server(tmp_path: Path) -> None:
         _state_when(url, lambda s: s["ranks"][0]["state"] == "live")
     finally:
         board.stop()
+
+
+def test_the_page_and_its_files_come_from_elche_itself(tmp_path: Path) -> None:
+    board = Dashboard(tmp_path, 1, port=0)
+    url = board.start()
+    try:
+        _, _, page = _get(url)
+        assert '<script src="/static/uPlot.iife.min.js">' in page
+        assert '<script src="/static/dashboard.js">' in page
+        for name, kind in [
+            ("dashboard.js", "text/javascript"),
+            ("dashboard.css", "text/css"),
+            ("uPlot.iife.min.js", "text/javascript"),
+            ("uPlot.min.css", "text/css"),
+            ("LICENSE-uPlot.txt", "text/plain"),
+        ]:
+            status, headers, text = _get(url + "static/" + name)
+            assert status == 200 and headers["Content-Type"].startswith(kind), name
+            if name.startswith("dashboard"):
+                assert "http://" not in text and "https://" not in text, name
+            elif name == "uPlot.iife.min.js":  # only its project's address, in its header
+                assert set(re.findall(r"https?://[^\s\"')]+", text)) == {
+                    "https://github.com/leeoniya/uPlot"
+                }
+        assert "http://" not in page and "https://" not in page
+        assert "MIT" in _get(url + "static/LICENSE-uPlot.txt")[2]
+        assert _get(url + "static/nothing.js")[0] == 404
+    finally:
+        board.stop()
+
+
+def test_events_push_the_state_and_say_when_the_run_is_complete(tmp_path: Path) -> None:
+    board = Dashboard(tmp_path, 1, port=0)
+    url = board.start()
+    writer = TimelineWriter(tmp_path, started_s=0.0)
+    writer.write(tl.RankJoined(rank=0, host="a"), now_s=0.1)
+    writer.close()
+    _state_when(url, lambda s: s["ranks"][0]["state"] == "live")
+    stream = urllib.request.urlopen(url + "events", timeout=10)
+    try:
+        assert stream.headers["Content-Type"].startswith("text/event-stream")
+        first = stream.readline().decode()
+        assert first.startswith("data: ")
+        assert json.loads(first.removeprefix("data: "))["ranks"][0]["host"] == "a"
+        board.stop()
+        rest = stream.read().decode()
+    finally:
+        stream.close()
+        board.stop()
+    assert "event: complete" in rest

@@ -15,9 +15,14 @@ reported and the run goes on without it.
 
 Endpoints:
 
-- ``/`` — a small page that links the others (the charts come next);
+- ``/`` — the page: charts (uPlot, vendored in ``static/`` with its licence),
+  the rank table and the alerts, kept live by ``/events``; every script and
+  style comes from ``/static/``, so it works offline;
 - ``/state.json`` — the run's state: run, ranks, series, alerts;
+- ``/events`` — server-sent events: the state whenever it changed (checked
+  every ``EVENTS_EVERY_S``), and ``complete`` when the run is over;
 - ``/metrics`` — the Prometheus text exposition;
+- ``/static/NAME`` — the page's files;
 - anything else — 404 with the list of endpoints.
 """
 
@@ -28,6 +33,7 @@ import contextlib
 import json
 import sys
 import threading
+from importlib import resources
 from pathlib import Path
 from typing import TextIO
 
@@ -44,19 +50,12 @@ __all__ = ["Dashboard"]
 # How often the follower reads the timeline: a human watching sees no lag,
 # and a read of a file that did not grow costs a stat and a seek.
 FOLLOW_EVERY_S = 0.2
-ENDPOINTS = ["/", "/state.json", "/metrics"]
+# The reference's dashboard pushes to its subscribers every 1000 ms.
+EVENTS_EVERY_S = 1.0
+ENDPOINTS = ["/", "/state.json", "/events", "/metrics"]
+_STATIC_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css",
+                 ".txt": "text/plain"}  # fmt: skip
 _NO_CACHE = {"Cache-Control": "no-cache", "Access-Control-Allow-Origin": "*"}
-_PAGE = """<!doctype html>
-<html><head><meta charset="utf-8"><title>elche run</title></head>
-<body style="font-family: sans-serif">
-<h1>elche</h1>
-<p>The run's dashboard page comes in a later release. Until then:</p>
-<ul>
-<li><a href="/state.json">/state.json</a> — the run's state: ranks, series, alerts</li>
-<li><a href="/metrics">/metrics</a> — Prometheus metrics</li>
-</ul>
-</body></html>
-"""
 
 
 class Dashboard:
@@ -87,6 +86,7 @@ class Dashboard:
         self._failed_follow = False
         self._thread = threading.Thread(target=self._serve, name="elche-dashboard", daemon=True)
         self.url: str | None = None
+        self._static = _static_files()
 
     def start(self, timeout_s: float = 10.0) -> str:
         """Bind and start serving; returns the URL (``http://HOST:PORT/``).
@@ -141,6 +141,8 @@ class Dashboard:
         app.router.add_get("/", self._page)
         app.router.add_get("/state.json", self._state)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/events", self._events)
+        app.router.add_get("/static/{name}", self._file)
         app.router.add_route("*", "/{tail:.*}", self._not_found)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
@@ -159,7 +161,37 @@ class Dashboard:
             await runner.cleanup()
 
     async def _page(self, request: web.Request) -> web.Response:
-        return web.Response(text=_PAGE, content_type="text/html", headers=_NO_CACHE)
+        body, _ = self._static["dashboard.html"]
+        return web.Response(body=body, content_type="text/html", headers=_NO_CACHE)
+
+    async def _file(self, request: web.Request) -> web.Response:
+        found = self._static.get(request.match_info["name"])
+        if found is None:
+            return await self._not_found(request)
+        body, content_type = found
+        return web.Response(body=body, content_type=content_type, headers=_NO_CACHE)
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        assert self._stop is not None
+        headers = dict(_NO_CACHE, **{"Content-Type": "text/event-stream"})
+        response = web.StreamResponse(headers=headers)
+        await response.prepare(request)
+        sent = -1
+        try:
+            while not self._stop.is_set():
+                if self.view.records != sent:
+                    sent = self.view.records
+                    await response.write(self._event_bytes())
+                with contextlib.suppress(TimeoutError):  # the push cadence
+                    await asyncio.wait_for(self._stop.wait(), EVENTS_EVERY_S)
+            await response.write(self._event_bytes() + b"event: complete\ndata: {}\n\n")
+        except ConnectionResetError:
+            pass  # the page went away
+        return response
+
+    def _event_bytes(self) -> bytes:
+        text = json.dumps(self.view.state(), allow_nan=False, default=str)
+        return b"data: " + text.encode("utf-8") + b"\n\n"
 
     async def _state(self, request: web.Request) -> web.Response:
         body = json.dumps(self.view.state(), allow_nan=False, default=str)
@@ -174,6 +206,16 @@ class Dashboard:
         return web.Response(
             status=404, text=body, content_type="application/json", headers=_NO_CACHE
         )
+
+
+def _static_files() -> dict[str, tuple[bytes, str]]:
+    """The page's files, read once: name -> (bytes, content type)."""
+    folder = resources.files("elche.monitor") / "static"
+    return {
+        item.name: (item.read_bytes(), _STATIC_TYPES.get(Path(item.name).suffix, "text/plain"))
+        for item in folder.iterdir()
+        if item.is_file()
+    }
 
 
 def _url_host(host: str) -> str:

@@ -110,7 +110,7 @@ class RunView:
     def state(self) -> dict[str, Any]:
         """The state as plain JSON-able data (shared: do not modify it)."""
         return {"run": self.run, "ranks": self.ranks, "series": self.series,
-                "alerts": self.alerts}  # fmt: skip
+                "alerts": self.alerts, "records": self.records}  # fmt: skip
 
     def _valid(self, rank: int) -> bool:
         return 0 <= rank < len(self.ranks)
