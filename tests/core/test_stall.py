@@ -5,8 +5,10 @@ from __future__ import annotations
 from elche.core import messages as m
 from elche.core import timeline as tl
 from elche.core.commands import Command, Emit, Notice
-from elche.core.events import TimerFired
-from elche.core.stall import StallWatch
+from elche.core.coordinator import Coordinator
+from elche.core.events import RankLost, Started, TimerFired
+from elche.core.rank import SaveKind
+from elche.core.stall import StallWatch, describe_ranks, waiting_for
 from tests.core.harness import Harness
 
 
@@ -56,13 +58,30 @@ def test_a_round_in_flight_names_the_ranks_it_waits_for() -> None:
     assert "answers from ranks [0, 1]" in stalled.waiting_for
 
 
-def test_no_dump_before_training_or_without_live_ranks() -> None:
-    h = Harness(stall_dump_s=1.0)
-    h.feed(TimerFired(), at=0.0)
-    assert _stalls(h.feed(TimerFired(), at=5.0)) == []  # still forming
-    watch = StallWatch(1.0)
-    assert watch.interval_s == 1.0
-
-
 def test_the_default_is_the_reference_two_minutes() -> None:
     assert Harness().cfg.stall_dump_s == 120.0
+
+
+def test_what_the_coordinator_waits_for_names_callbacks_saves_and_dead_ranks() -> None:
+    h = Harness(world_size=3)
+    h.form()
+    h.feed(RankLost(rank=1, reason="gone"))  # two survivors: the run goes on
+    core: Coordinator = h.core
+    core._unsatisfied = set()  # a description of a hand-set state
+    assert waiting_for(core).startswith("nothing it knows of")
+    core.callbacks.pending_evals[3] = 0
+    core.callbacks.pending_checkpoints[2] = 0
+    core.saves.start(SaveKind.FINAL, [0, 2], 0.0)
+    text = waiting_for(core)
+    assert "the eval after epoch 3 from rank 0" in text
+    assert "checkpoint v2 from rank 0" in text
+    assert "the final save" in text
+    assert describe_ranks(core, 0.0)[1] == "rank 1: dead"
+
+
+def test_the_watch_is_quiet_before_training() -> None:
+    h = Harness(stall_dump_s=1.0)
+    h.feed(Started())
+    watch = StallWatch(1.0)
+    assert watch.check(h.core, 0.0) == []  # arms
+    assert watch.check(h.core, 5.0) == []  # forming: no ranks live, nothing to dump
