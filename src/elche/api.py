@@ -194,6 +194,9 @@ def train(
         if plan.config.world_size == 1:
             from elche.runtime.solo import train_solo
 
+            if dashboard is not None:  # one rank has no coordinator, so no timeline to serve
+                print("elche: a single rank runs without a dashboard", file=sys.stderr, flush=True)
+
             return train_solo(plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir)
         return _train_cluster(
             plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir, progress=progress,
