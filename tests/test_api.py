@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from elche.api import _faults
+from elche.api import _dashboard, _faults
 from elche.core.config import CoordinatorConfig, Mode
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan, Kill, SlowDown, Stall
@@ -57,3 +57,16 @@ def test_each_rank_spec_carries_its_own_faults(tmp_path: Path) -> None:
     assert specs[0].faults == ()
     assert specs[1].faults == (faults.faults[0], faults.faults[2])
     assert specs[2].faults == (faults.faults[1],)
+
+
+def test_the_dashboard_argument_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ELCHE_DASHBOARD", raising=False)
+    assert _dashboard(None) is None
+    monkeypatch.setenv("ELCHE_DASHBOARD", "0")
+    assert _dashboard(None) == "0"
+    assert _dashboard("127.0.0.1:9000") == "127.0.0.1:9000"
+    monkeypatch.setenv("ELCHE_DASHBOARD", "")
+    assert _dashboard(None) is None
+    with pytest.raises(ConfigError) as info:
+        _dashboard("x:y")
+    assert info.value.field == "dashboard"

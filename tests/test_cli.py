@@ -101,3 +101,15 @@ def test_bad_mode_lists_the_accepted_values(capsys: pytest.CaptureFixture[str]) 
     err = capsys.readouterr().err
     for name in ("sync", "cadence", "cpu-sync", "cpu-cadence", "cpu-async"):
         assert name in err
+
+
+def test_demo_and_run_take_a_dashboard_address() -> None:
+    demo = _parser().parse_args(["demo", "--dashboard", "127.0.0.1:0"])
+    assert demo.dashboard == "127.0.0.1:0"
+    run = _parser().parse_args(["run", "--nproc", "2", "--dashboard", "0", "script.py"])
+    assert run.dashboard == "0"
+
+
+def test_a_bad_dashboard_address_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--nproc", "2", "--dashboard", "nope", "script.py"]) == 2
+    assert "dashboard" in capsys.readouterr().err

@@ -78,6 +78,7 @@ def train(
     outer_lr: float | None = None,
     outer_momentum: float = 0.9,
     nonfinite: str = "stop",
+    dashboard: str | None = None,
 ) -> TrainResult:
     """Train ``model_fn``'s model on ``dataset`` over ``ranks`` unequal workers.
 
@@ -129,6 +130,12 @@ def train(
             last finite consensus and raises ``TrainingError`` (its
             ``bundle`` resumes it); ``"skip"`` leaves that step out and goes
             on. Parameters that turn non-finite in an average always stop.
+        dashboard: ``"HOST:PORT"`` (or ``"PORT"``, on 127.0.0.1; port 0
+            picks a free one) to serve the run's live state there:
+            ``/state.json``, ``/metrics`` (Prometheus) and a page at ``/``;
+            the address is printed when the run starts. Default: the
+            ``ELCHE_DASHBOARD`` environment variable, else none. Runs of
+            several ranks only. See ``docs/monitoring.md``.
         crash: testing hook: ``{rank: epoch.fraction}`` — that rank kills
             itself with SIGKILL when its training reaches that point
             (shorthand for ``FaultPlan().kill(rank=r, at_epoch=e)``).
@@ -158,6 +165,7 @@ def train(
             training was over when the signal came completes and returns.
     """
     _check_user_fns(model_fn=model_fn, eval_fn=eval_fn, eval_dataset=eval_dataset)
+    dashboard = _dashboard(dashboard)
     plan = _plan(
         dataset=dataset, batch_size=batch_size, epochs=epochs, mode=mode, ranks=ranks,
         speeds=speeds, speed_base_s=speed_base_s, devices=devices,
@@ -187,14 +195,20 @@ def train(
         if launched:
             from elche.runtime.launched import train_launched
 
-            return train_launched(plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir)
+            return train_launched(
+                plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir, dashboard=dashboard
+            )
         if plan.config.world_size == 1:
             from elche.runtime.solo import train_solo
 
+            if dashboard is not None:  # one rank has no coordinator, so no timeline to serve
+                print("elche: a single rank runs without a dashboard", file=sys.stderr, flush=True)
+
             return train_solo(plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir)
         return _train_cluster(
-            plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir, progress=progress
-        )
+            plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir, progress=progress,
+            dashboard=dashboard,
+        )  # fmt: skip
 
 
 def _plan(
@@ -372,6 +386,20 @@ def _world_size(
     return world
 
 
+def _dashboard(given: str | None) -> str | None:
+    """The dashboard address: the argument, else ``ELCHE_DASHBOARD``, else none.
+
+    Raises:
+        ConfigError: not ``[HOST:]PORT``.
+    """
+    from elche.monitor.address import DASHBOARD_ENV, parse_address
+
+    address = given if given is not None else os.environ.get(DASHBOARD_ENV) or None
+    if address is not None:
+        parse_address(address)
+    return address
+
+
 # -- several ranks --------------------------------------------------------------
 
 
@@ -383,14 +411,16 @@ def _train_cluster(
     max_grad_norm: float | None,
     run_dir: str | None,
     progress: bool,
+    dashboard: str | None,
 ) -> TrainResult:
     from elche.runtime.launch import check_picklable, launch_local
 
     check_picklable(fns)  # before anything starts: nothing to clean up
     directory = Path(run_dir or tempfile.mkdtemp(prefix="elche-run-"))
     result = launch_local(
-        plan, fns, hooks, directory, max_grad_norm=max_grad_norm, progress=progress
-    )
+        plan, fns, hooks, directory, max_grad_norm=max_grad_norm, progress=progress,
+        dashboard=dashboard,
+    )  # fmt: skip
     if run_dir is None:
         _tidy(result, directory)
     return result

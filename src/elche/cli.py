@@ -160,6 +160,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.add_argument("--no-progress", action="store_true", help="no live progress display")
+    _add_dashboard_arg(demo)
     demo.set_defaults(run=_run_demo)
     compare = sub.add_parser(
         "compare",
@@ -183,6 +184,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     run.add_argument("--nproc", type=int, required=True, help="ranks to start")
+    _add_dashboard_arg(run)
     run.add_argument("script", help="the Python script that calls elche.train")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for SCRIPT")
     run.set_defaults(run=_run_script)
@@ -309,6 +311,16 @@ def _run_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_dashboard_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dashboard",
+        default=None,
+        metavar="[HOST:]PORT",
+        help="serve the run's live state at http://HOST:PORT/ (/state.json, /metrics); "
+        "port 0 picks a free port, HOST defaults to 127.0.0.1 (default: $ELCHE_DASHBOARD)",
+    )
+
+
 def _run_script(args: argparse.Namespace) -> int:
     import contextlib
     import os
@@ -332,6 +344,11 @@ def _run_script(args: argparse.Namespace) -> int:
         ELCHE_RUN_DIR=tempfile.mkdtemp(prefix="elche-run-"),
     )
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if args.dashboard is not None:
+        from elche.monitor.address import DASHBOARD_ENV, parse_address
+
+        parse_address(args.dashboard)
+        env[DASHBOARD_ENV] = args.dashboard  # rank 0 serves it
     procs: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int) -> None:  # a signal to this process alone reaches the ranks too
@@ -467,7 +484,7 @@ def _demo_summary(
     save_path: str | None = None, resume_from: str | None = None,
     crash: dict[int, float] | None = None, stall: dict[int, float] | None = None,
     faults: FaultPlan | None = None, heartbeat_timeout_s: float = 10.0,
-    speed_base_s: float | None = None,
+    speed_base_s: float | None = None, dashboard: str | None = None,
 ) -> dict[str, object]:  # fmt: skip
     from elche.api import train
     from elche.workloads import digits
@@ -494,6 +511,7 @@ def _demo_summary(
         stall=stall,
         faults=faults,
         heartbeat_timeout_s=heartbeat_timeout_s,
+        dashboard=dashboard,
     )
     return result.summary
 
@@ -521,6 +539,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             crash=dict(_at(text, "crash") for text in args.crash),
             stall=dict(_at(text, "stall") for text in args.stall),
             faults=_read_faults(args.faults), heartbeat_timeout_s=args.heartbeat_timeout,
+            dashboard=args.dashboard,
         )  # fmt: skip
     except Interrupted as stop:  # the bundle is saved and the one line said where
         return int(stop.code)  # type: ignore[arg-type]  # Interrupted's code is an int

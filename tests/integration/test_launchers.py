@@ -63,3 +63,19 @@ def test_torchrun_works_unchanged(tmp_path: Path) -> None:
     summary = summary_of(done.stdout)
     assert summary["outcome"] == "completed"
     assert summary["epochs_completed"] == 3
+
+
+def test_elche_run_serves_one_dashboard_from_rank_0(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", "--dashboard", "127.0.0.1:0",
+         str(script), "cadence"],
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert summary_of(done.stdout)["outcome"] == "completed"
+    lines = done.stderr.splitlines()
+    served = [line for line in lines if line.startswith("elche: dashboard at http://127.0.0.1:")]
+    assert len(served) == 1, done.stderr
+    assert sum(line.startswith("elche: run directory ") for line in lines) == 1

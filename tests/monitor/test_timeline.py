@@ -14,7 +14,7 @@ def test_a_record_is_on_disk_as_soon_as_it_is_written(tmp_path: Path) -> None:
     assert stamped == tl.EpochEnd(t=1.5, epoch=2, loss=0.25, rounds_done=7)
     # Not closed, not flushed by hand: another process reading now sees it.
     line = (tmp_path / TIMELINE_FILE).read_bytes()
-    assert line == b'{"kind":"EpochEnd","epoch":2,"loss":0.25,"rounds_done":7,"t":1.5}\n'
+    assert line == b'{"kind":"EpochEnd","epoch":2,"loss":0.25,"rounds_done":7,"lr":null,"t":1.5}\n'
     writer.close()
 
 
@@ -58,6 +58,26 @@ def test_every_kind_round_trips() -> None:
         tl.Eval(epoch=1, metric=0.5, rank=1),
         tl.RankLost(rank=1, reason="heartbeat stale"),
         tl.OuterMomentumRestored(file="x.outer.npz"),
+        tl.EvalFailed(epoch=1, rank=0, duration_ms=2.0, error="boom"),
+        tl.CheckpointRan(version=1, rank=2, duration_ms=4.0, outcome="ok"),
+        tl.BundleWritten(stem="/tmp/run/checkpoint", seq=3, reason="checkpoint"),
+        tl.RankJoined(rank=0, host="node-a"),
+        tl.Throttle(rank=0, steps=12),
+        tl.RolesMoved(epoch_rank=1, eval_rank=1, checkpoint_rank=1),
+        tl.RankWindow(
+            rank=1,
+            epoch=0,
+            span_s=0.5,
+            batches=8,
+            samples=256,
+            loss=0.7,
+            samples_per_s=512.0,
+            share=0.33,
+            compute_ms_per_batch=40.0,
+            idle_pct=36.0,
+        ),
+        tl.Alert(severity="critical", name="rank_lost", path="rank2", detail="heartbeat stale"),
+        tl.Stalled(silent_s=120.0, waiting_for="round 3", ranks=("rank 0: live",)),
         tl.RunEnd(
             outcome="completed",
             reason="",

@@ -106,9 +106,13 @@ class Callbacks:
         self.pending_evals.pop(msg.epoch, None)
         if msg.error is not None:
             text = f"eval_fn failed on rank {rank} (epoch {msg.epoch}): {msg.error}"
-            return [Notice(level="error", text=text)]
+            failed = tl.EvalFailed(
+                epoch=msg.epoch, rank=rank, duration_ms=msg.elapsed_ms, error=msg.error
+            )
+            return [Notice(level="error", text=text), Emit(event=failed)]
         out = _broadcast(live, m.EvalBroadcast(epoch=msg.epoch, metric=msg.metric))
-        out.append(Emit(event=tl.Eval(epoch=msg.epoch, metric=msg.metric, rank=rank)))
+        event = tl.Eval(epoch=msg.epoch, metric=msg.metric, rank=rank, duration_ms=msg.elapsed_ms)
+        out.append(Emit(event=event))
         return out
 
     def on_checkpoint_result(
@@ -116,7 +120,11 @@ class Callbacks:
     ) -> list[Command]:
         """``rank`` answered a checkpoint request; returns a retry or a notice."""
         self.ledger.absorb_callback_cost(rank, msg.elapsed_ms)
-        out: list[Command] = []
+        ran = tl.CheckpointRan(
+            version=msg.version, rank=rank, duration_ms=msg.elapsed_ms,
+            outcome="ok" if msg.error is None else "failed", error=msg.error,
+        )  # fmt: skip
+        out: list[Command] = [Emit(event=ran)]
         if msg.error is None:
             self.roles.record_cost(Role.CHECKPOINT, msg.elapsed_ms, rank=rank)
         else:

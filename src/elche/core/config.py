@@ -184,6 +184,9 @@ class CoordinatorConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 30.0
     formation_timeout_s: float = 60.0
+    # The stall watchdog: this long without progress while ranks are live
+    # dumps what each rank does (reference: 120 s; ``elche.core.stall``).
+    stall_dump_s: float = 120.0
     # None: no limit beyond the backend floor (collective needs 2 ranks).
     max_failures: int | None = None
     callback_policy: CallbackPolicy = CallbackPolicy.FASTEST
@@ -224,7 +227,9 @@ class CoordinatorConfig:
                 "callback_rank",
                 f"must be a rank in [0, {self.world_size - 1}], got {self.callback_rank}",
             )
-        for field in ("heartbeat_interval_s", "heartbeat_timeout_s", "formation_timeout_s"):
+        for field in (
+            "heartbeat_interval_s", "heartbeat_timeout_s", "formation_timeout_s", "stall_dump_s",
+        ):  # fmt: skip
             value = getattr(self, field)
             if not (_is_number(value) and value > 0):
                 raise ConfigError(field, f"must be a positive number of seconds, got {value!r}")

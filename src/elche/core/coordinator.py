@@ -70,6 +70,8 @@ from elche.core.roles import CallbackRoles
 from elche.core.rounds import Round
 from elche.core.saves import Saves, reason_to_stop
 from elche.core.scheduler import ElChe
+from elche.core.stall import StallWatch
+from elche.core.telemetry import Telemetry
 from elche.core.tuning import Tuner
 from elche.core.work import WorkBook
 
@@ -132,6 +134,8 @@ class Coordinator:
         self.saves = Saves(config, max(last_save, resume.save_seq if resume else 0))
         self.failures = failures.UserFailures()
         self.round = Round(config, self.work)
+        self.telemetry = Telemetry(config, self.roles)
+        self.stall = StallWatch(config.stall_dump_s)
         self.state = RunState.FORMING
         self.rank_state = [RankState.JOINING] * ws
         self.hosts = [""] * ws
@@ -160,6 +164,11 @@ class Coordinator:
     @property
     def live(self) -> list[int]:
         return [r for r, s in enumerate(self.rank_state) if s is RankState.LIVE]
+
+    @property
+    def unsatisfied(self) -> frozenset[int]:
+        """Live ranks the averaging gate still waits for (their window not made)."""
+        return frozenset(self._unsatisfied)
 
     def handle(self, event: Event, now_s: float) -> list[Command]:
         """Feed one event; returns the commands to execute, in order.
@@ -223,11 +232,13 @@ class Coordinator:
         self.rank_state[rank] = RankState.LIVE
         self.hosts[rank] = host
         self.last_seen_s[rank] = self._now
+        self._emit(tl.RankJoined(rank=rank, host=host))
         failures.maybe_form(self)
 
     def _begin_training(self) -> None:
         self.state = RunState.TRAINING
         self._emit(tl.RunStart(world_size=self.config.world_size, mode=self.config.mode.value))
+        self._out += self.telemetry.start(self._now)
         self._arm()
         if self._resume is None:
             self._open_epoch(self._start_epoch)
@@ -296,6 +307,7 @@ class Coordinator:
         self.work.record_batch(rank, msg.epoch, msg.offset, msg.size)
         self.ledger.record_batch(rank, msg.batch_ms, msg.data_ms)
         self.planner.note_progress(rank, self._now)
+        self.telemetry.on_batch(rank, msg.size, msg.batch_ms, msg.loss)
         if msg.loss is not None and math.isfinite(msg.loss):
             self.ledger.record_batch_loss(rank, msg.loss)
             total, count = self._epoch_loss.get(msg.epoch, (0.0, 0))
@@ -305,6 +317,8 @@ class Coordinator:
             self._offer_reserve(rank)
         if rank in self._unsatisfied and self.planner.satisfied(rank):
             self._unsatisfied.discard(rank)
+        if self._unsatisfied and not self.round.in_flight and not self.work.busy_samples(rank):
+            self._out += self.telemetry.held(rank, self.work.steps_since_sync(rank))
 
     def _offer_reserve(self, asker: int) -> None:
         """Offer the epoch tail's reserve to the ranks already idle in it.
@@ -365,6 +379,9 @@ class Coordinator:
         self._out.extend(commands)
         self.rounds_done += 1
         self.global_step += k_used
+        serving = self.work.open_epochs()
+        epoch = serving[0] if serving else min(self.epochs_completed, self.config.epochs - 1)
+        self._out += self.telemetry.on_round(self._now, self.live, epoch)
         self._open_window()
 
     # -- windows, epochs and dispatch ----------------------------------------
@@ -416,7 +433,8 @@ class Coordinator:
         total, count = self._epoch_loss.pop(epoch, (0.0, 0))
         loss = total / count if count else None
         self.epochs_completed = max(self.epochs_completed, epoch + 1)
-        self._emit(tl.EpochEnd(epoch=epoch, loss=loss, rounds_done=self.rounds_done))
+        end = tl.EpochEnd(epoch=epoch, loss=loss, rounds_done=self.rounds_done, lr=self.tuner.lr)
+        self._emit(end)
         self._broadcast(m.EpochDone(epoch=epoch, loss=loss))
         done = epoch + 1
         self._out += self.callbacks.at_epoch_end(done, self.live)
@@ -469,6 +487,7 @@ class Coordinator:
             f"{len(live)} survivor(s)",
         )
         self.roles.on_death(rank, live, self.elche.smoothed_ms_per_batch)
+        self._out += self.telemetry.roles_moved()
         reason_to_save = reason_to_stop(self.config, len(self.dead_ranks), len(live))
         if reason_to_save is not None:
             self._save(reason_to_save)
@@ -606,6 +625,7 @@ class Coordinator:
             self.round.close()
             self._save(SaveReason.REDUCE_STALL)
         if self.outcome is None:
+            self._out += self.stall.check(self, now)
             self._broadcast(m.CoordHeartbeat())
             self._arm()
 

@@ -20,17 +20,26 @@ import msgspec
 from elche.core.messages import UserError
 
 __all__ = [
+    "Alert",
     "AnchorChanged",
+    "BundleWritten",
+    "CheckpointRan",
     "EpochEnd",
     "EpochStart",
     "Eval",
+    "EvalFailed",
     "MetaNudge",
     "OuterMomentumRestored",
+    "RankJoined",
     "RankLost",
+    "RankWindow",
+    "RolesMoved",
     "RunEnd",
     "RunStart",
+    "Stalled",
     "SyncEnd",
     "SyncStart",
+    "Throttle",
     "TimelineEvent",
     "UserError",
     "decode",
@@ -63,6 +72,7 @@ class EpochEnd(_Record, frozen=True):
     epoch: int
     loss: float | None  # the mean of the ranks' last reported losses in the epoch
     rounds_done: int  # averaging rounds completed so far
+    lr: float | None = None  # the learning rate a rank last reported (None: none reported)
 
 
 class SyncStart(_Record, frozen=True):
@@ -102,6 +112,99 @@ class Eval(_Record, frozen=True):
     epoch: int
     metric: float
     rank: int
+    duration_ms: float = 0.0  # the eval's wall time on its rank
+
+
+class EvalFailed(_Record, frozen=True):
+    """``eval_fn`` after ``epoch`` epochs raised on ``rank``."""
+
+    epoch: int
+    rank: int
+    duration_ms: float
+    error: str
+
+
+class CheckpointRan(_Record, frozen=True):
+    """``checkpoint_fn`` for ``version`` ran on ``rank``: ``outcome`` ok | failed."""
+
+    version: int
+    rank: int
+    duration_ms: float
+    outcome: str
+    error: str | None = None
+
+
+class BundleWritten(_Record, frozen=True):
+    """The shell committed save ``seq``: its meta at ``stem``.meta.json names every file."""
+
+    stem: str
+    seq: int
+    reason: str  # the meta's SaveReason value
+
+
+class RankJoined(_Record, frozen=True):
+    """``rank`` joined from ``host``."""
+
+    rank: int
+    host: str
+
+
+class Throttle(_Record, frozen=True):
+    """``rank`` trained its whole budget and waits for the round (once per window).
+
+    Under ``sync`` every rank waits every step, by design; it is not recorded.
+    """
+
+    rank: int
+    steps: int  # steps since the last average: its budget
+
+
+class RolesMoved(_Record, frozen=True):
+    """The callback roles' holders changed (rank numbers; -1 for none)."""
+
+    epoch_rank: int
+    eval_rank: int
+    checkpoint_rank: int
+
+
+class RankWindow(_Record, frozen=True):
+    """What ``rank`` did since its previous record (a few records per epoch).
+
+    The span runs from the previous record (or the run start) to ``t``.
+    """
+
+    rank: int
+    epoch: int  # the epoch being served when the record was taken
+    span_s: float  # wall seconds the record covers
+    batches: int
+    samples: int
+    loss: float | None  # mean training loss over the span (None: no finite loss reported)
+    samples_per_s: float
+    share: float  # this rank's fraction of all batches trained in the span
+    compute_ms_per_batch: float | None  # None: no batch in the span
+    idle_pct: float  # 100 x (1 - compute time / span), floored at 0
+
+
+class Stalled(_Record, frozen=True):
+    """No progress for ``silent_s`` while ranks are live: what each is doing, what is awaited."""
+
+    silent_s: float
+    waiting_for: str  # what the coordinator waits for, in words
+    ranks: tuple[str, ...]  # one line per rank: its state and work
+
+
+class Alert(_Record, frozen=True):
+    """Something a person should look at; repeats within the collapse window are counted.
+
+    ``count`` is how many occurrences this record stands for (the first, or
+    the repeats absorbed since the previous record of the same name and path).
+    """
+
+    severity: str  # critical | warn
+    name: str  # rank_lost | control_drop | drift | overflow | stall
+    path: str  # what it is about: "rank2", "root"
+    detail: str
+    count: int = 1
 
 
 class RankLost(_Record, frozen=True):
@@ -142,7 +245,16 @@ TimelineEvent = (
     | AnchorChanged
     | MetaNudge
     | Eval
+    | EvalFailed
+    | CheckpointRan
+    | BundleWritten
+    | RankJoined
     | RankLost
+    | Throttle
+    | RolesMoved
+    | RankWindow
+    | Stalled
+    | Alert
     | OuterMomentumRestored
 )
 

@@ -89,6 +89,11 @@ class Tuner:
         state = self.elche.to_state()
         return dataclasses.replace(state, trend_history=self.guard.trend_history())
 
+    @property
+    def lr(self) -> float | None:
+        """The learning rate the lowest reporting rank last reported (None: none did)."""
+        return next((x for x in self._lr if x is not None), None)
+
     def note_lr(self, rank: int, lr: float) -> None:
         """``rank`` reported its learning rate (the meta-controller watches it)."""
         self._lr[rank] = lr
@@ -138,7 +143,7 @@ class Tuner:
         )
 
     def _observe_meta(self, verdict: Verdict) -> list[Command]:
-        lr = next((x for x in self._lr if x is not None), None)
+        lr = self.lr
         if self.meta is None or lr is None:
             return []
         action = self.meta.observe(lr, self.elche.anchor, verdict, self.elche.phase)

@@ -74,6 +74,7 @@ from elche.monitor.timeline import TimelineWriter
 from elche.runtime import bundle
 from elche.runtime.frames import SECRET_ENV, secret_from_env
 from elche.runtime.lifetimes import EXIT_ORPHANED, ORPHAN_GRACE_S
+from elche.runtime.lookout import Lookout
 from elche.runtime.snapshots import (
     Layout,
     NesterovOuter,
@@ -141,6 +142,7 @@ class Host:
             else None
         )
         self._timeline = TimelineWriter(run_dir, started_s=self._started)
+        self.lookout = Lookout(self._write_timeline, log)
         # From the launcher's reader thread and the SIGTERM handler: deque
         # appends are atomic, and a signal handler must not take a lock.
         self._reports: deque[RankLost | StopRequested] = deque()
@@ -196,7 +198,9 @@ class Host:
                 if self.finish is None and time.monotonic() >= self._deadline:
                     self._deadline = math.inf
                     self._feed(TimerFired())
+                self.lookout.tick(time.monotonic())
         finally:
+            self.lookout.close()
             self._timeline.close()
         self._write_summary()
         if self.core.failure is not None:
@@ -263,6 +267,7 @@ class Host:
                 failed = self.endpoint.broadcast(ranks, message)
                 if failed and not isinstance(message, m.Shutdown | m.CoordHeartbeat):
                     self._print("warning", f"{type(message).__name__} did not reach {failed}")
+                    self.lookout.control_drop(failed, type(message).__name__, time.monotonic())
             case ArmTimer(deadline_s=deadline):
                 self._deadline = deadline
             case AverageSnapshots(round=number, param_mass=param_mass, buffer_mass=buffer_mass):
@@ -298,6 +303,7 @@ class Host:
                 "is not resumable" + ("; training goes on" if what == "checkpoint" else ""),
             )
             return
+        self._record(tl.BundleWritten(stem=stem, seq=meta.save_seq, reason=meta.reason.value))
         self._drop_superseded(stem, meta)
 
     def _write_outer(self, stem: str, seq: int) -> BundleFile | None:
@@ -330,6 +336,7 @@ class Host:
             self.endpoint.send(rank, message, payload)
         except Exception as exc:  # a rank that is gone shows up as RankLost later
             self._print("warning", f"could not send {type(message).__name__} to rank {rank}: {exc}")
+            self.lookout.control_drop([rank], type(message).__name__, time.monotonic())
 
     def _average(
         self, number: int, param_mass: dict[int, float], buffer_mass: dict[int, float]
@@ -362,8 +369,12 @@ class Host:
     def _record(self, event: tl.TimelineEvent) -> None:
         now = time.monotonic()
         self.stats.observe(event, now)
+        self._write_timeline(event)
+        self.lookout.observe(event, now)
+
+    def _write_timeline(self, event: tl.TimelineEvent) -> None:
         try:
-            self._timeline.write(event, now)
+            self._timeline.write(event, time.monotonic())
         except OSError as exc:  # the timeline is for watching; the run goes on
             self._print("warning", f"could not write the timeline: {exc}")
 

@@ -66,6 +66,7 @@ from elche.runtime.plan import Hooks, Plan, TrainResult
 if TYPE_CHECKING:
     from multiprocessing.context import ForkServerContext, SpawnContext
 
+    from elche.monitor.dashboard import Dashboard
     from elche.runtime.worker import RankSpec, UserFns
 
 __all__ = [
@@ -76,6 +77,7 @@ __all__ = [
     "on_record",
     "rank_spec",
     "start_coordinator",
+    "start_watching",
     "tell_coordinator",
     "with_bundle",
 ]
@@ -233,6 +235,30 @@ def start_coordinator(
     return proc, line.split(maxsplit=1)[1]
 
 
+def start_watching(plan: Plan, run_dir: Path, dashboard: str | None) -> Dashboard | None:
+    """Say where the run's files are and start its dashboard, if asked for one.
+
+    A dashboard that cannot start is reported; the run goes on without it.
+    """
+    print(f"elche: run directory {run_dir}", file=sys.stderr, flush=True)
+    if dashboard is None:
+        return None
+    from elche.monitor.address import parse_address
+    from elche.monitor.dashboard import Dashboard
+
+    host, port = parse_address(dashboard)
+    board = Dashboard(
+        run_dir, plan.config.world_size, host=host, port=port, devices=list(plan.devices)
+    )
+    try:
+        url = board.start()
+    except OSError as exc:
+        print(f"elche: no dashboard ({exc}); training goes on", file=sys.stderr, flush=True)
+        return None
+    print(f"elche: dashboard at {url}", file=sys.stderr, flush=True)
+    return board
+
+
 def _rank_context() -> ForkServerContext | SpawnContext:
     """The multiprocessing context rank processes start from (see the module doc)."""
     if "forkserver" not in mp.get_all_start_methods():
@@ -271,6 +297,7 @@ def launch_local(
     *,
     max_grad_norm: float | None,
     progress: bool,
+    dashboard: str | None = None,
 ) -> TrainResult:
     """Run ``plan`` with one local process per rank; see ``elche.train``.
 
@@ -281,8 +308,9 @@ def launch_local(
     plan = with_bundle(plan, run_dir)
     with StopSignals() as signals:
         epochs = _supervise(
-            plan, fns, hooks, run_dir, signals, max_grad_norm=max_grad_norm, progress=progress
-        )
+            plan, fns, hooks, run_dir, signals, max_grad_norm=max_grad_norm, progress=progress,
+            dashboard=dashboard,
+        )  # fmt: skip
         try:
             result = collect(plan, run_dir, t0, epochs)
         except RuntimeError:  # the coordinator left no summary
@@ -304,11 +332,13 @@ def _supervise(
     *,
     max_grad_norm: float | None,
     progress: bool,
+    dashboard: str | None,
 ) -> list[dict[str, object]]:
     """Start the coordinator and the ranks, follow the run to its end; its epochs."""
     cfg = plan.config
     secret = new_secret()
     host, address = start_coordinator(cfg, run_dir, secret, plan.resume_from)
+    board = start_watching(plan, run_dir, dashboard)
     ctx = _rank_context()
     procs: list[Any] = []
     timeline = TimelineReader(run_dir)
@@ -359,6 +389,8 @@ def _supervise(
                 proc.join(timeout=5)
         if host.poll() is None:
             host.kill()
+        if board is not None:
+            board.stop()
     for event in timeline.new_records():
         on_record(event, epochs, hooks, display)
     return epochs

@@ -52,6 +52,7 @@ from elche.runtime.launch import (
     on_record,
     rank_spec,
     start_coordinator,
+    start_watching,
     tell_coordinator,
     with_bundle,
 )
@@ -75,6 +76,7 @@ def train_launched(
     *,
     max_grad_norm: float | None,
     run_dir: str | None,
+    dashboard: str | None = None,
 ) -> TrainResult:
     """Train this process as rank ``$RANK`` of ``$WORLD_SIZE``; see ``elche.train``.
 
@@ -99,7 +101,7 @@ def train_launched(
         watch_launcher(os.getppid(), on_gone=lambda: ask_stop("the launching process is gone"))
         result, stopped = _train(
             plan, fns, hooks, rank=rank, host_box=host, signals=signals,
-            max_grad_norm=max_grad_norm, run_dir=run_dir,
+            max_grad_norm=max_grad_norm, run_dir=run_dir, dashboard=dashboard,
         )  # fmt: skip
     if stopped != f"saved: {SaveReason.GRACEFUL_SHUTDOWN.value}":  # not stopped on request
         return result
@@ -119,6 +121,7 @@ def _train(
     signals: StopSignals,
     max_grad_norm: float | None,
     run_dir: str | None,
+    dashboard: str | None,
 ) -> tuple[TrainResult, object]:
     """Join, start the coordinator on rank 0, train; the result and why this rank stopped."""
     t0 = time.monotonic()
@@ -130,6 +133,7 @@ def _train(
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     shared: list[object] = [None, None, None]
     host = None
+    board = None
     if rank == 0:
         directory = Path(
             run_dir or os.environ.get("ELCHE_RUN_DIR") or tempfile.mkdtemp(prefix="elche-run-")
@@ -145,6 +149,7 @@ def _train(
         if multi_host:
             address = f"tcp://{os.environ['MASTER_ADDR']}:{address.rsplit(':', 1)[1]}"
         shared = [address, secret.hex(), str(directory)]
+        board = start_watching(bundled, directory, dashboard)
     dist.broadcast_object_list(shared, src=0)
     address, secret_hex, directory_text = (str(x) for x in shared)
     directory = Path(directory_text)
@@ -160,6 +165,8 @@ def _train(
     if host is None:
         return TrainResult(state_dict=state, summary={}, run_dir=str(directory)), stopped
     host.wait(timeout=COORDINATOR_EXIT_S)
+    if board is not None:
+        board.stop()
     epochs: list[dict[str, object]] = []
     quiet = Progress(plan.config.epochs, enabled=False)
     for event in read_timeline(directory):

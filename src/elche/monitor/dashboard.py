@@ -1,0 +1,222 @@
+"""The live dashboard's server: ``/``, ``/state.json`` and ``/metrics`` over HTTP.
+
+Theory of operation. The process that launched the run (``elche.train``'s
+process, or rank 0's under a launcher) starts a ``Dashboard``: one daemon
+thread running an asyncio loop, with an aiohttp server and a task that
+follows ``RUN_DIR/timeline.jsonl`` every ``FOLLOW_EVERY_S``, folding each new
+record into the run's state (``elche.monitor.state``) and its Prometheus
+metrics (``elche.monitor.metrics``). Requests and the follower share that
+one loop thread, so they need no lock.
+
+It sits outside the coordinator's decision loop on purpose: the coordinator
+process only appends records to the timeline, as it always does, and never
+waits for the dashboard; a dashboard that fails (a port taken, a bug) is
+reported and the run goes on without it.
+
+Endpoints:
+
+- ``/`` — the page: charts (uPlot, vendored in ``static/`` with its licence),
+  the rank table and the alerts, kept live by ``/events``; every script and
+  style comes from ``/static/``, so it works offline;
+- ``/state.json`` — the run's state: run, ranks, series, alerts;
+- ``/events`` — server-sent events: the state whenever it changed (checked
+  every ``EVENTS_EVERY_S``), and ``complete`` when the run is over;
+- ``/metrics`` — the Prometheus text exposition;
+- ``/static/NAME`` — the page's files;
+- anything else — 404 with the list of endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import threading
+from importlib import resources
+from pathlib import Path
+from typing import TextIO
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from elche.monitor.address import DEFAULT_HOST
+from elche.monitor.metrics import RunMetrics
+from elche.monitor.state import RunView
+from elche.monitor.timeline import TimelineReader
+
+__all__ = ["Dashboard"]
+
+# How often the follower reads the timeline: a human watching sees no lag,
+# and a read of a file that did not grow costs a stat and a seek.
+FOLLOW_EVERY_S = 0.2
+# The reference's dashboard pushes to its subscribers every 1000 ms.
+EVENTS_EVERY_S = 1.0
+ENDPOINTS = ["/", "/state.json", "/events", "/metrics"]
+_STATIC_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css",
+                 ".txt": "text/plain"}  # fmt: skip
+_NO_CACHE = {"Cache-Control": "no-cache", "Access-Control-Allow-Origin": "*"}
+
+
+class Dashboard:
+    """Serves a run's state while it goes on.
+
+    Args:
+        run_dir: the run directory whose timeline is followed.
+        world_size: ranks in the run.
+        host: the address to bind.
+        port: the port to bind (0: a free one).
+        devices: each rank's device, for the rank table.
+        log: where a failure of the dashboard is reported.
+    """
+
+    def __init__(
+        self, run_dir: Path, world_size: int, *, host: str = DEFAULT_HOST, port: int = 0,
+        devices: list[str] | None = None, log: TextIO = sys.stderr,
+    ) -> None:  # fmt: skip
+        self.view = RunView(world_size, devices=devices, run_dir=str(run_dir))
+        self.metrics = RunMetrics()
+        self._reader = TimelineReader(run_dir)
+        self._host, self._port = host, port
+        self._log = log
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._failed_follow = False
+        self._thread = threading.Thread(target=self._serve, name="elche-dashboard", daemon=True)
+        self.url: str | None = None
+        self._static = _static_files()
+
+    def start(self, timeout_s: float = 10.0) -> str:
+        """Bind and start serving; returns the URL (``http://HOST:PORT/``).
+
+        Raises:
+            OSError: the address cannot be bound (or the server did not come up
+                within ``timeout_s``); nothing is left running.
+        """
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise OSError(f"the dashboard did not start within {timeout_s:g} s")
+        if self._error is not None:
+            self._thread.join(timeout_s)
+            raise OSError(f"the dashboard could not serve on {self._host}:{self._port}: "
+                          f"{self._error}")  # fmt: skip
+        assert self.url is not None
+        return self.url
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Read the timeline one last time and stop serving."""
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and self._thread.is_alive():
+            loop.call_soon_threadsafe(stop.set)
+        self._thread.join(timeout_s)
+
+    def follow(self) -> None:
+        """Fold the records appended since the last call (the follower task's step)."""
+        try:
+            for event in self._reader.new_records():
+                self.view.observe(event)
+                self.metrics.observe(event)
+        except Exception as exc:  # the dashboard must never end the run
+            if not self._failed_follow:
+                self._failed_follow = True
+                print(f"elche: the dashboard stopped following the run: {exc!r}",
+                      file=self._log, flush=True)  # fmt: skip
+
+    # -- the server thread ---------------------------------------------------
+
+    def _serve(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # reported by start(), or lost with the dashboard
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        app = web.Application()
+        app.router.add_get("/", self._page)
+        app.router.add_get("/state.json", self._state)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/events", self._events)
+        app.router.add_get("/static/{name}", self._file)
+        app.router.add_route("*", "/{tail:.*}", self._not_found)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self._host, self._port)
+            await site.start()
+            host, port = runner.addresses[0][:2]
+            self.url = f"http://{_url_host(str(host))}:{port}/"
+            self._ready.set()
+            while not self._stop.is_set():
+                self.follow()
+                with contextlib.suppress(TimeoutError):  # the follow cadence
+                    await asyncio.wait_for(self._stop.wait(), FOLLOW_EVERY_S)
+            self.follow()
+        finally:
+            await runner.cleanup()
+
+    async def _page(self, request: web.Request) -> web.Response:
+        body, _ = self._static["dashboard.html"]
+        return web.Response(body=body, content_type="text/html", headers=_NO_CACHE)
+
+    async def _file(self, request: web.Request) -> web.Response:
+        found = self._static.get(request.match_info["name"])
+        if found is None:
+            return await self._not_found(request)
+        body, content_type = found
+        return web.Response(body=body, content_type=content_type, headers=_NO_CACHE)
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        assert self._stop is not None
+        headers = dict(_NO_CACHE, **{"Content-Type": "text/event-stream"})
+        response = web.StreamResponse(headers=headers)
+        await response.prepare(request)
+        sent = -1
+        try:
+            while not self._stop.is_set():
+                if self.view.records != sent:
+                    sent = self.view.records
+                    await response.write(self._event_bytes())
+                with contextlib.suppress(TimeoutError):  # the push cadence
+                    await asyncio.wait_for(self._stop.wait(), EVENTS_EVERY_S)
+            await response.write(self._event_bytes() + b"event: complete\ndata: {}\n\n")
+        except ConnectionResetError:
+            pass  # the page went away
+        return response
+
+    def _event_bytes(self) -> bytes:
+        text = json.dumps(self.view.state(), allow_nan=False, default=str)
+        return b"data: " + text.encode("utf-8") + b"\n\n"
+
+    async def _state(self, request: web.Request) -> web.Response:
+        body = json.dumps(self.view.state(), allow_nan=False, default=str)
+        return web.Response(text=body, content_type="application/json", headers=_NO_CACHE)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        headers = dict(_NO_CACHE, **{"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=self.metrics.text(), headers=headers)
+
+    async def _not_found(self, request: web.Request) -> web.Response:
+        body = json.dumps({"error": "not found", "endpoints": ENDPOINTS})
+        return web.Response(
+            status=404, text=body, content_type="application/json", headers=_NO_CACHE
+        )
+
+
+def _static_files() -> dict[str, tuple[bytes, str]]:
+    """The page's files, read once: name -> (bytes, content type)."""
+    folder = resources.files("elche.monitor") / "static"
+    return {
+        item.name: (item.read_bytes(), _STATIC_TYPES.get(Path(item.name).suffix, "text/plain"))
+        for item in folder.iterdir()
+        if item.is_file()
+    }
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

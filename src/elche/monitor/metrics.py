@@ -1,0 +1,95 @@
+"""The run's Prometheus metrics, fed by timeline records: what ``/metrics`` serves.
+
+One registry per run (never the process-global one, so two runs in one
+process do not mix). Series, all prefixed ``elche_``:
+
+- ``samples_trained_total{rank}`` — samples each rank trained (counter, from
+  its window records; work a dead rank did after the last average included);
+- ``rank_samples_per_second{rank}``, ``rank_share{rank}``,
+  ``rank_idle_percent{rank}`` — from each rank's latest window record;
+- ``loss`` — the latest epoch's mean training loss; ``anchor``;
+  ``epochs_completed``;
+- ``round_duration_seconds`` — a histogram of averaging rounds, trigger to
+  last acknowledgement;
+- ``live_ranks``; ``alerts_total{name,severity}`` — alert occurrences, by class.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from elche.core import timeline as tl
+
+__all__ = ["RunMetrics"]
+
+# Rounds take from about a millisecond (a few ranks on loopback) to seconds
+# (a large model over a slow link): buckets spread over that range.
+ROUND_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class RunMetrics:
+    """A registry of the run's metrics and the fold that updates it."""
+
+    def __init__(self) -> None:
+        self._live: set[int] = set()
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.samples = Counter(
+            "elche_samples_trained", "Samples each rank trained", ["rank"], registry=reg
+        )
+        self.speed = Gauge(
+            "elche_rank_samples_per_second", "Each rank's latest throughput", ["rank"],
+            registry=reg,
+        )  # fmt: skip
+        self.share = Gauge(
+            "elche_rank_share", "Each rank's latest share of the batches", ["rank"], registry=reg
+        )
+        self.idle = Gauge(
+            "elche_rank_idle_percent", "Each rank's latest idle percentage", ["rank"],
+            registry=reg,
+        )  # fmt: skip
+        self.loss = Gauge("elche_loss", "The latest epoch's mean training loss", registry=reg)
+        self.anchor = Gauge("elche_anchor", "The balancer's anchor (batches)", registry=reg)
+        self.epochs = Gauge("elche_epochs_completed", "Epochs completed", registry=reg)
+        self.rounds = Histogram(
+            "elche_round_duration_seconds", "Averaging round duration", buckets=ROUND_BUCKETS_S,
+            registry=reg,
+        )  # fmt: skip
+        self.live = Gauge("elche_live_ranks", "Ranks live now", registry=reg)
+        self.alerts = Counter(
+            "elche_alerts", "Alert occurrences by class", ["name", "severity"], registry=reg
+        )
+
+    def observe(self, event: tl.TimelineEvent) -> None:
+        """Fold one record in."""
+        match event:
+            case tl.RankJoined(rank=rank):
+                self._live.add(rank)
+                self.live.set(len(self._live))
+            case tl.RankLost(rank=rank):
+                self._live.discard(rank)
+                self.live.set(len(self._live))
+            case tl.RankWindow(rank=rank):
+                label = str(rank)
+                self.samples.labels(rank=label).inc(event.samples)
+                self.speed.labels(rank=label).set(event.samples_per_s)
+                self.share.labels(rank=label).set(event.share)
+                self.idle.labels(rank=label).set(event.idle_pct)
+            case tl.EpochEnd(epoch=epoch, loss=loss):
+                self.epochs.set(epoch + 1)
+                if loss is not None:
+                    self.loss.set(loss)
+            case tl.SyncEnd(duration_ms=duration_ms, anchor=anchor):
+                self.rounds.observe(duration_ms / 1000.0)
+                self.anchor.set(anchor)
+            case tl.Alert(name=name, severity=severity, count=count):
+                self.alerts.labels(name=name, severity=severity).inc(count)
+            case tl.RunEnd():
+                self._live.clear()
+                self.live.set(0)
+            case _:
+                pass
+
+    def text(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

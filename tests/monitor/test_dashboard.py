@@ -1,0 +1,143 @@
+"""The dashboard server over a hand-written timeline: real sockets, port 0."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from elche.core import timeline as tl
+from elche.monitor.dashboard import Dashboard
+from elche.monitor.timeline import TimelineWriter
+
+pytestmark = pytest.mark.slow
+
+
+def _get(url: str) -> tuple[int, dict[str, str], str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, dict(response.headers), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read().decode()
+
+
+def _state_when(url: str, condition: object, deadline_s: float = 10.0) -> dict[str, object]:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        state = json.loads(_get(url + "state.json")[2])
+        if condition(state):  # type: ignore[operator]  # a predicate
+            return state  # type: ignore[no-any-return]  # JSON
+        time.sleep(0.02)  # polling cadence; the condition is what synchronises
+    raise AssertionError("the dashboard never showed the record")
+
+
+def test_it_follows_the_timeline_and_serves_every_endpoint(tmp_path: Path) -> None:
+    board = Dashboard(tmp_path, 2, port=0)
+    url = board.start()
+    try:
+        assert url.startswith("http://127.0.0.1:")
+        status, headers, page = _get(url)
+        assert (
+            status == 200
+            and "/state.json" in page
+            and headers["Content-Type"].startswith("text/html")
+        )
+        writer = TimelineWriter(tmp_path, started_s=0.0)
+        writer.write(tl.RankJoined(rank=1, host="b"), now_s=0.5)
+        state = _state_when(url, lambda s: s["ranks"][1]["state"] == "live")
+        assert state["ranks"][0]["state"] == "joining"  # type: ignore[index]  # JSON
+        status, headers, _ = _get(url + "state.json")
+        assert headers["Access-Control-Allow-Origin"] == "*"
+        assert headers["Cache-Control"] == "no-cache"
+        status, headers, text = _get(url + "metrics")
+        assert status == 200 and "elche_live_ranks 1.0" in text
+        status, _, body = _get(url + "nowhere")
+        assert status == 404
+        assert json.loads(body)["endpoints"] == ["/", "/state.json", "/events", "/metrics"]
+        writer.write(tl.RankLost(rank=1, reason="gone"), now_s=1.0)
+        writer.close()
+    finally:
+        board.stop()
+    # stop() read the timeline one last time.
+    assert board.view.state()["ranks"][1]["state"] == "lost"
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url, timeout=2)
+
+
+def test_a_taken_port_is_an_os_error(tmp_path: Path) -> None:
+    first = Dashboard(tmp_path, 1, port=0)
+    url = first.start()
+    try:
+        port = int(url.rsplit(":", 1)[1].strip("/"))
+        with pytest.raises(OSError, match="could not serve"):
+            Dashboard(tmp_path, 1, port=port).start()
+    finally:
+        first.stop()
+
+
+def test_a_broken_record_does_not_stop_the_server(tmp_path: Path) -> None:
+    board = Dashboard(tmp_path, 1, port=0)
+    url = board.start()
+    try:
+        (tmp_path / "timeline.jsonl").write_bytes(b"not json\n")
+        writer = TimelineWriter(tmp_path, started_s=0.0)
+        writer.write(tl.RankJoined(rank=0, host="a"), now_s=0.1)
+        writer.close()
+        _state_when(url, lambda s: s["ranks"][0]["state"] == "live")
+    finally:
+        board.stop()
+
+
+def test_the_page_and_its_files_come_from_elche_itself(tmp_path: Path) -> None:
+    board = Dashboard(tmp_path, 1, port=0)
+    url = board.start()
+    try:
+        _, _, page = _get(url)
+        assert '<script src="/static/uPlot.iife.min.js">' in page
+        assert '<script src="/static/dashboard.js">' in page
+        for name, kind in [
+            ("dashboard.js", "text/javascript"),
+            ("dashboard.css", "text/css"),
+            ("uPlot.iife.min.js", "text/javascript"),
+            ("uPlot.min.css", "text/css"),
+            ("LICENSE-uPlot.txt", "text/plain"),
+        ]:
+            status, headers, text = _get(url + "static/" + name)
+            assert status == 200 and headers["Content-Type"].startswith(kind), name
+            if name.startswith("dashboard"):
+                assert "http://" not in text and "https://" not in text, name
+            elif name == "uPlot.iife.min.js":  # only its project's address, in its header
+                assert set(re.findall(r"https?://[^\s\"')]+", text)) == {
+                    "https://github.com/leeoniya/uPlot"
+                }
+        assert "http://" not in page and "https://" not in page
+        assert "MIT" in _get(url + "static/LICENSE-uPlot.txt")[2]
+        assert _get(url + "static/nothing.js")[0] == 404
+    finally:
+        board.stop()
+
+
+def test_events_push_the_state_and_say_when_the_run_is_complete(tmp_path: Path) -> None:
+    board = Dashboard(tmp_path, 1, port=0)
+    url = board.start()
+    writer = TimelineWriter(tmp_path, started_s=0.0)
+    writer.write(tl.RankJoined(rank=0, host="a"), now_s=0.1)
+    writer.close()
+    _state_when(url, lambda s: s["ranks"][0]["state"] == "live")
+    stream = urllib.request.urlopen(url + "events", timeout=10)
+    try:
+        assert stream.headers["Content-Type"].startswith("text/event-stream")
+        first = stream.readline().decode()
+        assert first.startswith("data: ")
+        assert json.loads(first.removeprefix("data: "))["ranks"][0]["host"] == "a"
+        board.stop()
+        rest = stream.read().decode()
+    finally:
+        stream.close()
+        board.stop()
+    assert "event: complete" in rest
