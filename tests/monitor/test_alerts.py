@@ -108,10 +108,11 @@ def test_which_records_raise_alerts() -> None:
     assert alerts_for(tl.RankLost(rank=2, reason="heartbeat stale")) == [
         ("rank_lost", "rank2", "heartbeat stale")
     ]
-    calm = tl.SyncEnd(round=3, duration_ms=1.0, d_raw=0.01, k_used=3, anchor=10)
-    assert alerts_for(calm) == []
-    drifting = tl.SyncEnd(round=3, duration_ms=1.0, d_raw=0.9, k_used=3, anchor=10)
-    assert [name for name, _, _ in alerts_for(drifting)] == ["drift"]
+    # A round far apart is no alert by itself (early rounds are); the guard's correction is.
+    apart = tl.SyncEnd(round=3, duration_ms=1.0, d_raw=0.9, k_used=3, anchor=10)
+    assert alerts_for(apart) == []
+    nudged = tl.GuardNudge(factor=0.5, old=20, new=10)
+    assert [name for name, _, _ in alerts_for(nudged)] == ["drift"]
     stalled = tl.Stalled(silent_s=120.0, waiting_for="round 3", ranks=())
     assert [name for name, _, _ in alerts_for(stalled)] == ["stall"]
     assert alerts_for(tl.EpochStart(epoch=0)) == []

@@ -55,6 +55,7 @@ def test_every_kind_round_trips() -> None:
         tl.SyncEnd(round=1, duration_ms=3.5, d_raw=0.01, k_used=9, anchor=10),
         tl.AnchorChanged(old=10, new=12),
         tl.MetaNudge(factor=0.5, old=12, new=6),
+        tl.GuardNudge(factor=0.5, old=6, new=3),
         tl.Eval(epoch=1, metric=0.5, rank=1),
         tl.RankLost(rank=1, reason="heartbeat stale"),
         tl.OuterMomentumRestored(file="x.outer.npz"),

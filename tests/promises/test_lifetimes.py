@@ -145,8 +145,20 @@ def wait_exit(proc: subprocess.Popen[str], within_s: float) -> tuple[int, str, s
     return proc.returncode, out, err
 
 
+def only_line(err: str) -> str:
+    """The one line a stopped run printed (the test fails showing them all if not one)."""
+    lines = elche_lines(err)
+    assert len(lines) == 1, "\n".join(lines)
+    return lines[0]
+
+
 def elche_lines(err: str) -> list[str]:
-    return [line for line in err.splitlines() if line.strip()]
+    """What was printed on stderr, but for the run directory said at the start."""
+    return [
+        line
+        for line in err.splitlines()
+        if line.strip() and not line.startswith("elche: run directory ")
+    ]
 
 
 def demo_args(save: Path, epochs: int = 8) -> list[str]:
@@ -167,7 +179,7 @@ def test_issue12_item12_a_signal_to_elche_demos_group_saves_a_bundle_and_exits_q
         returncode, _, err = wait_exit(proc, STOP_WITHIN_S)
     assert returncode == code, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
-    (line,) = elche_lines(err)
+    line = only_line(err)
     assert str(save) in line
     assert Path(f"{save}.meta.json").exists()
     if sig is not signal.SIGINT:
@@ -225,7 +237,7 @@ def test_issue12_item12_ctrl_c_in_a_script_raises_interrupted_with_the_bundle(
     assert returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert f"STOPPED Interrupted bundle={save} code=130" in out
-    (line,) = elche_lines(err)
+    line = only_line(err)
     assert f"resume_from={str(save)!r}" in line
     assert Path(f"{save}.meta.json").exists()
 
@@ -256,7 +268,7 @@ def test_issue12_item12_a_signal_to_elche_runs_group_saves_a_bundle_and_exits_qu
         returncode, _, err = wait_exit(proc, STOP_WITHIN_S)
     assert returncode == code, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
-    (line,) = elche_lines(err)
+    line = only_line(err)
     assert f"resume_from={str(save)!r}" in line
     assert Path(f"{save}.meta.json").exists()
 

@@ -28,6 +28,7 @@ __all__ = [
     "EpochStart",
     "Eval",
     "EvalFailed",
+    "GuardNudge",
     "MetaNudge",
     "OuterMomentumRestored",
     "RankJoined",
@@ -94,6 +95,14 @@ class SyncEnd(_Record, frozen=True):
 class AnchorChanged(_Record, frozen=True):
     """The balancer moved its anchor (batches of the slowest rank per window)."""
 
+    old: int
+    new: int
+
+
+class GuardNudge(_Record, frozen=True):
+    """The convergence guard saw divergence rising and scaled the anchor by ``factor``."""
+
+    factor: float
     old: int
     new: int
 
@@ -244,6 +253,7 @@ TimelineEvent = (
     | SyncEnd
     | AnchorChanged
     | MetaNudge
+    | GuardNudge
     | Eval
     | EvalFailed
     | CheckpointRan

@@ -162,12 +162,14 @@ class Tuner:
             case SuppressGrowth():
                 self.elche.apply_verdict(verdict)
             case NudgeDown():
+                old = self.elche.anchor
                 self.elche.apply_verdict(verdict)
                 text = (
                     "divergence rising: convergence guard nudged the anchor down "
                     f"(x{verdict.factor:.2f}) to {self.elche.anchor}"
                 )
-                return [Notice(level="warning", text=text)]
+                nudge = tl.GuardNudge(factor=verdict.factor, old=old, new=self.elche.anchor)
+                return [Notice(level="warning", text=text), Emit(event=nudge)]
             case _:
                 assert_never(verdict)
         return []

@@ -28,7 +28,6 @@ from elche.core import timeline as tl
 
 __all__ = [
     "COLLAPSE_S",
-    "DRIFT_D_RAW",
     "MAX_ENTRIES",
     "SEVERITY",
     "AlertBook",
@@ -46,9 +45,6 @@ SEVERITY = {
     "overflow": "warn",  # the alert book evicted entries
     "stall": "warn",  # no progress for the stall watchdog's interval
 }
-# A round whose worst relative divergence is above this is drift: the widest
-# trend threshold the convergence guard uses (EASGD's, ``core/guards.py``).
-DRIFT_D_RAW = 0.3
 OVERFLOW = "overflow"
 ROOT = "root"
 
@@ -154,8 +150,9 @@ def alerts_for(event: tl.TimelineEvent) -> list[tuple[str, str, str]]:
     match event:
         case tl.RankLost(rank=rank, reason=reason):
             return [("rank_lost", f"rank{rank}", reason)]
-        case tl.SyncEnd(round=number, d_raw=d_raw) if d_raw > DRIFT_D_RAW:
-            return [("drift", ROOT, f"round {number}: a replica is {d_raw:.2f} from the consensus")]
+        case tl.GuardNudge(factor=factor, new=new):
+            detail = f"divergence rising: the guard nudged the anchor down (x{factor:.2f}) to {new}"
+            return [("drift", ROOT, detail)]
         case tl.Stalled(silent_s=silent_s, waiting_for=waiting_for):
             return [("stall", ROOT, f"no progress for {silent_s:.0f} s; waiting for {waiting_for}")]
         case _:
