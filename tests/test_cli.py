@@ -113,3 +113,17 @@ def test_demo_and_run_take_a_dashboard_address() -> None:
 def test_a_bad_dashboard_address_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--nproc", "2", "--dashboard", "nope", "script.py"]) == 2
     assert "dashboard" in capsys.readouterr().err
+
+
+def test_version_names_elche_torch_and_python(capsys: pytest.CaptureFixture[str]) -> None:
+    import platform
+    from importlib import metadata
+
+    import elche
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out.strip()
+    python = platform.python_version()
+    assert out == f"elche {elche.__version__} (torch {metadata.version('torch')}, Python {python})"

@@ -40,11 +40,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def _version() -> str:
+    """``elche X (torch Y, Python Z)``, without importing torch (it takes seconds)."""
+    from importlib import metadata
+
+    from elche import __version__
+
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "not installed"
+    python = ".".join(str(part) for part in sys.version_info[:3])
+    return f"elche {__version__} (torch {torch}, Python {python})"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elche",
         description="Train one model on unequal workers at the speed of their sum.",
     )
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     sim = sub.add_parser(
         "sim",
