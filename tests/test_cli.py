@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -93,7 +94,7 @@ def test_bad_input_exits_2_naming_the_field(
 ) -> None:
     assert main(["sim", *args]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"elche: error: {field}:")
+    assert err.startswith(f"elche sim: error: {field}:")
 
 
 def test_bad_mode_lists_the_accepted_values(capsys: pytest.CaptureFixture[str]) -> None:
@@ -127,3 +128,40 @@ def test_version_names_elche_torch_and_python(capsys: pytest.CaptureFixture[str]
     out = capsys.readouterr().out.strip()
     python = platform.python_version()
     assert out == f"elche {elche.__version__} (torch {metadata.version('torch')}, Python {python})"
+
+
+@pytest.mark.parametrize("command", ["sim", "demo", "compare", "run", "bench"])
+def test_help_names_every_options_default(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    parser = _parser()
+    sub = next(
+        action for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+    )
+    options = sub.choices[command]
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "--help"])
+    assert "(default: " in capsys.readouterr().out  # the defaults are shown
+    for action in options._actions:
+        default = action.default
+        if not action.option_strings or default in (None, argparse.SUPPRESS) or default is False:
+            continue
+        if default == []:
+            continue
+        assert action.help is not None, f"{command} {action.option_strings} has no help"
+        assert "default" in options.formatter_class(command)._get_help_string(action), (
+            f"{command} {action.option_strings[0]} does not say its default"
+        )
+
+
+def test_every_subcommand_reports_bad_input_in_one_format(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", "--epochs", "0"]) == 2
+    assert capsys.readouterr().err.startswith("elche demo: error: epochs:")
+    with pytest.raises(SystemExit):  # argparse's own errors have the same shape
+        main(["run", "--nproc"])
+    assert capsys.readouterr().err.splitlines()[-1].startswith("elche run: error: ")
+
+
+def test_elche_run_takes_torchruns_spelling_of_nproc() -> None:
+    args = _parser().parse_args(["run", "--nproc-per-node", "3", "train.py", "--lr", "1"])
+    assert (args.nproc, args.script, args.script_args) == (3, "train.py", ["--lr", "1"])

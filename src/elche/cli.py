@@ -32,12 +32,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.run(args)
     except ConfigError as exc:
-        print(f"elche: error: {exc}", file=sys.stderr)
+        print(f"elche {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except TrainingError as exc:  # the user's traceback is in it; elche's frames are not
-        print(f"elche: error: the run failed: {exc}", file=sys.stderr)
+        print(f"elche {args.command}: error: the run failed: {exc}", file=sys.stderr)
         return 1
     return code
+
+
+class _Help(argparse.HelpFormatter):
+    """``--help`` names every option's default, unless its help already does."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        unset = default is None or default is False or default is argparse.SUPPRESS
+        if not action.option_strings or "default" in text or unset or default == []:
+            return action.help
+        shown = ",".join(f"{v:g}" for v in default) if isinstance(default, tuple) else default
+        return f"{text} (default: {str(shown).replace('%', '%%')})".strip()
 
 
 def _version() -> str:
@@ -58,11 +71,13 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elche",
         description="Train one model on unequal workers at the speed of their sum.",
+        formatter_class=_Help,
     )
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     sim = sub.add_parser(
         "sim",
+        formatter_class=_Help,
         help="simulate a heterogeneous cluster in virtual time",
         description=(
             "Run elche's coordinator against simulated ranks in virtual time. "
@@ -74,21 +89,17 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--mode",
         default="cadence",
-        help="sync, cadence, cpu-sync, cpu-cadence, cpu-async (or async); default cadence",
+        help="sync, cadence, cpu-sync, cpu-cadence, cpu-async (or async)",
     )
-    sim.add_argument("--epochs", type=int, default=3)
+    sim.add_argument("--epochs", type=int, default=3, help="epochs to simulate")
     sim.add_argument("--samples", type=int, default=30_000, help="samples per epoch")
-    sim.add_argument("--batch-size", type=int, default=32)
+    sim.add_argument("--batch-size", type=int, default=32, help="samples per step")
+    sim.add_argument("--base-ms", type=float, default=10.0, help="solo step time of a speed-1 rank")
+    sim.add_argument("--sync-ms", type=float, default=5.0, help="cost of one averaging round")
     sim.add_argument(
-        "--base-ms", type=float, default=10.0, help="solo step time of a speed-1 rank (default 10)"
+        "--jitter", type=float, default=0.0, help="relative std-dev of each step's time"
     )
-    sim.add_argument(
-        "--sync-ms", type=float, default=5.0, help="cost of one averaging round (default 5)"
-    )
-    sim.add_argument(
-        "--jitter", type=float, default=0.0, help="relative std-dev of each step's time (default 0)"
-    )
-    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--seed", type=int, default=0, help="seeds the shuffle and the jitter")
     sim.add_argument(
         "--kill",
         action="append",
@@ -117,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
         "--heartbeat-timeout",
         type=float,
         default=30.0,
-        help="seconds of silence before a rank is declared dead (default 30)",
+        help="seconds of silence before a rank is declared dead",
     )
     sim.add_argument(
         "--max-failures", type=int, default=None, help="save and stop once this many ranks died"
@@ -126,12 +137,13 @@ def _parser() -> argparse.ArgumentParser:
         "--anchor",
         type=int,
         default=None,
-        help="initial ElChe anchor (default 1 for sync, 10 otherwise)",
+        help="initial ElChe anchor (default: 1 for sync, 10 otherwise)",
     )
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.set_defaults(run=_run_sim)
     demo = sub.add_parser(
         "demo",
+        formatter_class=_Help,
         help="train a real model on this machine with unequal ranks",
         description=(
             "Train a small network on scikit-learn's handwritten digits with several "
@@ -139,9 +151,14 @@ def _parser() -> argparse.ArgumentParser:
             "step, as slower hardware would), and report what elche achieved."
         ),
     )
-    demo.add_argument("--ranks", type=int, default=None, help="rank processes (default 3)")
     demo.add_argument(
-        "--speeds", type=_speeds, default=None, help="per-rank speed fractions (default 1,0.5,0.25)"
+        "--ranks", type=int, default=None, help="rank processes (default: 3, or one per --speeds)"
+    )
+    demo.add_argument(
+        "--speeds",
+        type=_speeds,
+        default=None,
+        help="per-rank speed fractions (default: 1,0.5,0.25)",
     )
     _add_run_args(demo)
     demo.add_argument("--save-path", default=None, help="bundle stem for checkpoints")
@@ -171,7 +188,7 @@ def _parser() -> argparse.ArgumentParser:
         "--heartbeat-timeout",
         type=float,
         default=10.0,
-        help="seconds of silence before a rank is declared dead (default 10)",
+        help="seconds of silence before a rank is declared dead",
     )
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.add_argument("--no-progress", action="store_true", help="no live progress display")
@@ -179,18 +196,23 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_run_demo)
     compare = sub.add_parser(
         "compare",
+        formatter_class=_Help,
         help="elche demo and torch DDP side by side, with the wall-time ratio",
         description=(
             "Run torch DistributedDataParallel and elche on the same workload, rig and "
             "speed injection in this invocation, and print both and their ratio."
         ),
     )
-    compare.add_argument("--speeds", type=_speeds, default=(1.0, 0.5, 0.25))
+    compare.add_argument(
+        "--speeds", type=_speeds, default=(1.0, 0.5, 0.25),
+        help="per-rank speed fractions (default: 1,0.5,0.25)",
+    )  # fmt: skip
     _add_run_args(compare)
     compare.add_argument("--json", action="store_true", help="print one JSON object")
     compare.set_defaults(run=_run_compare)
     run = sub.add_parser(
         "run",
+        formatter_class=_Help,
         help="run a training script as N local ranks (like torchrun)",
         description=(
             "Start SCRIPT N times with the torch.distributed environment set (RANK, "
@@ -198,7 +220,10 @@ def _parser() -> argparse.ArgumentParser:
             "becomes one rank; rank 0 starts the coordinator."
         ),
     )
-    run.add_argument("--nproc", type=int, required=True, help="ranks to start")
+    run.add_argument(
+        "--nproc", "--nproc-per-node", dest="nproc", type=int, required=True,
+        help="ranks to start (torchrun's --nproc-per-node spelling works too)",
+    )  # fmt: skip
     _add_dashboard_arg(run)
     run.add_argument("script", help="the Python script that calls elche.train")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for SCRIPT")
@@ -212,11 +237,11 @@ def _add_run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mode",
         default="cadence",
-        help="sync, cadence, cpu-sync, cpu-cadence, cpu-async; default cadence",
+        help="sync, cadence, cpu-sync, cpu-cadence, cpu-async",
     )
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--epochs", type=int, default=20, help="epochs to train")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per step")
+    parser.add_argument("--seed", type=int, default=42, help="seeds the models and the shuffle")
 
 
 def _speeds(text: str) -> tuple[float, ...]:
@@ -397,6 +422,7 @@ def _run_script(args: argparse.Namespace) -> int:
 def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser(
         "bench",
+        formatter_class=_Help,
         help="elche's modes, torch DDP and solo side by side on real workloads",
         description=(
             "Train each suite workload on each rig with torch DDP, every elche mode and "
@@ -410,9 +436,9 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default="quick",
         help="quick: digits-cnn (compute-bound) and digits-mlp (communication-bound) on "
         "speeds 1,0.5,0.25, 3 repeats (~3 min on 2 cores); full: 5 workloads x 4 rigs "
-        "(default quick)",
+        "(default: quick)",
     )
-    bench.add_argument("--out", default=None, help="output dir (default results/bench-<time>)")
+    bench.add_argument("--out", default=None, help="output dir (default: results/bench-<time>)")
     bench.add_argument("--repeats", type=int, default=None, help="override the suite's repeats")
     bench.add_argument("--json", action="store_true", help="print the results JSON on stdout")
     bench.add_argument("--no-progress", action="store_true", help="no live progress display")
