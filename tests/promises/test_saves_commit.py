@@ -183,3 +183,17 @@ def test_issue12_item11_a_bundle_resumes_on_another_world_size(
     err = capfd.readouterr().err
     assert "saved by 3 ranks and resumes on 2" in err
     assert "the optimizer states of ranks [2] are not used" in err
+
+
+def test_issue12_item08_a_stop_whose_meta_cannot_be_written_is_not_announced_as_saved(
+    tmp_path: Path,
+) -> None:
+    stem = tmp_path / "bundle" / "run"
+    stem.parent.mkdir()
+    (stem.parent / "run.meta.json.tmp").mkdir()  # the meta cannot be written; the files can
+    result = train(tmp_path, crash={2: 0.5}, max_failures=1, save_path=str(stem),
+                   model_fn=make_model)  # fmt: skip
+    assert result.summary["outcome"] == "failed"
+    assert "its meta could not be written" in str(result.summary["reason"])
+    assert result.summary["bundle"] is None
+    assert not bundle.meta_path(str(stem)).exists()

@@ -51,6 +51,7 @@ class RunStats:
     eval_epoch: int = -1
     notices: list[str] = field(default_factory=list)
     end: tl.RunEnd | None = None  # the coordinator's account, once the run is over
+    unsaved: str | None = None  # why the stop's bundle has no meta (its files may be there)
 
     def observe(self, event: tl.TimelineEvent, now_s: float) -> None:
         """Fold one timeline record written at ``now_s`` into the stats."""
@@ -76,6 +77,9 @@ def coordinator_summary(stats: RunStats, *, mode: str, world_size: int) -> dict[
     report = stats.end
     if report is None:
         raise ValueError("the run summary needs the coordinator's RunEnd record")
+    outcome, reason = report.outcome, report.reason
+    if stats.unsaved is not None and outcome == "saved_and_shutdown":  # nothing resumes
+        outcome, reason = "failed", f"{reason}: {stats.unsaved}"
     first, last = stats.first_dispatch_s, stats.last_average_s
     wall_s = (last - first) if first is not None and last is not None else 0.0
     return {
@@ -90,8 +94,8 @@ def coordinator_summary(stats: RunStats, *, mode: str, world_size: int) -> dict[
         "syncs": report.rounds_done,
         "lost_samples": report.lost_samples,
         "dead_ranks": list(report.dead_ranks),
-        "outcome": report.outcome,
-        "reason": report.reason,
+        "outcome": outcome,
+        "reason": reason,
         "rejected_frames": report.rejected_frames,
         "anchor": report.anchor,
         "samples_per_rank": list(report.samples_per_rank),

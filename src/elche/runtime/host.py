@@ -297,6 +297,8 @@ class Host:
             bundle.write_file(bundle.meta_path(stem), lambda f: f.write(text), kind="meta")
         except OSError as exc:
             what = "checkpoint" if meta.reason is SaveReason.CHECKPOINT else "bundle"
+            if what == "bundle":
+                self.stats.unsaved = f"its meta could not be written ({exc})"
             self._print(
                 "error",
                 f"could not write the {what} meta {bundle.meta_path(stem)} ({exc}); that {what} "
