@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from elche.core import messages as m
 from elche.core.commands import Broadcast, Command, Send
 from elche.core.config import CoordinatorConfig, Mode, SchedulerConfig
-from elche.core.coordinator import Coordinator
+from elche.core.coordinator import Coordinator, RunState
 from elche.core.events import Event, MessageReceived, RankJoined, Started
 from elche.core.rank import SaveKind
 from elche.core.saves import SaveRound
@@ -84,13 +84,48 @@ class Harness:
     def received(self, rank: int, kind: type) -> list[m.CoordMessage]:
         return [msg for msg in self.inbox[rank] if isinstance(msg, kind)]
 
-    def answer_saves(self) -> list[Command]:
-        """Answer every save in flight as ranks that wrote their files would."""
+    def answer_saves(self, *, final: bool = True) -> list[Command]:
+        """Answer every save in flight (but the final one unless ``final``) as
+        ranks that wrote their files would."""
         out: list[Command] = []
         for save in list(self.core.saves.rounds.values()):
+            if save.kind is SaveKind.FINAL and not final:
+                continue
             for rank in sorted(save.awaiting):
                 out += self.send(rank, state_saved(save, rank))
         return out
+
+    def run_to_end(
+        self,
+        ms: dict[int, float] | None = None,
+        *,
+        periodic: bool = True,
+        final: bool = True,
+    ) -> list[Command]:
+        """Train every live rank through every window until training is over.
+
+        Rank ``r`` takes ``ms[r]`` per batch (10 ms by default). Periodic
+        bundles are answered as they come (unless ``periodic`` is false), the
+        final model once training is over (unless ``final`` is false).
+        """
+        out: list[Command] = []
+        number = 0
+        for _ in range(200):
+            if self.core.state is not RunState.TRAINING:
+                break
+            for rank in self.core.live:
+                budget = self.core.planner.budget
+                while self.chunks[rank] and self.core.work.steps_since_sync(rank) < budget[rank]:
+                    out += self.train(rank, 1, batch_ms=(ms or {}).get(rank, 10.0))
+            rnd = self.core.round
+            if rnd.in_flight and rnd.number != number:
+                number = rnd.number
+                for rank in sorted(rnd.members):
+                    steps = self.core.work.steps_since_sync(rank)
+                    out += self.send(rank, m.SyncAck(round=number, steps=steps))
+            if periodic:
+                out += self.answer_saves(final=False)
+        return out + (self.answer_saves() if final else [])
 
 
 def of(commands: Iterable[Command], kind: type) -> list[Command]:

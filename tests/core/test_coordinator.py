@@ -449,33 +449,9 @@ def test_async_opens_the_next_epoch_early_but_keeps_at_most_two_open() -> None:
 # -- end of run, callbacks -----------------------------------------------------
 
 
-def run_to_end(h: Harness) -> list:
-    """Train every rank through every window until the coordinator stops."""
-    out: list = []
-    number = 0
-    for _ in range(200):
-        if h.core.state is not RunState.TRAINING:
-            break
-        for rank in range(h.cfg.world_size):
-            if h.core.rank_state[rank] is RankState.LIVE:
-                while (
-                    h.chunks[rank]
-                    and h.core.work.steps_since_sync(rank) < h.core.planner.budget[rank]
-                ):
-                    out += h.train(rank, 1)
-        if h.core.round.in_flight and h.core.round.number != number:
-            number = h.core.round.number
-            for rank in sorted(h.core.round.members):
-                out += h.send(
-                    rank, m.SyncAck(round=number, steps=h.core.work.steps_since_sync(rank))
-                )
-        out += h.answer_saves()  # periodic bundles
-    return out + h.answer_saves()  # and the final model, once training is over
-
-
 def test_a_full_run_ends_with_shutdown_and_every_sample_committed() -> None:
     h = Harness(epochs=2)
-    out = h.form() + run_to_end(h)
+    out = h.form() + h.run_to_end()
     assert of(out, Finish) == [Finish(outcome="completed")]
     assert messages(out, m.Shutdown)
     assert h.core.epochs_completed == 2
@@ -487,7 +463,7 @@ def test_a_full_run_ends_with_shutdown_and_every_sample_committed() -> None:
 
 def test_eval_goes_to_the_eval_role_only_and_its_result_to_everyone() -> None:
     h = Harness(epochs=1, has_eval_fn=True)
-    out = h.form() + run_to_end(h)
+    out = h.form() + h.run_to_end()
     assert h.core.state is RunState.FINISHING  # waits for the final eval
     evals = [(c.rank, c.message) for c in of(out, Send) if isinstance(c.message, m.RunEval)]  # type: ignore[attr-defined]
     assert evals == [(0, m.RunEval(epoch=1))]
@@ -501,7 +477,7 @@ def test_eval_goes_to_the_eval_role_only_and_its_result_to_everyone() -> None:
 def test_failed_eval_is_logged_and_not_broadcast() -> None:
     h = Harness(epochs=1, has_eval_fn=True)
     h.form()
-    run_to_end(h)
+    h.run_to_end()
     out = h.send(0, m.EvalResult(epoch=1, metric=float("nan"), elapsed_ms=5.0, error="boom"))
     assert not messages(out, m.EvalBroadcast)
     assert any(isinstance(c, Notice) and "boom" in c.text for c in out)
@@ -511,7 +487,7 @@ def test_failed_eval_is_logged_and_not_broadcast() -> None:
 def test_failed_checkpoint_retries_on_the_next_live_rank_then_gives_up() -> None:
     h = Harness(world_size=3, num_samples=960, epochs=1, checkpoint_every=1)
     h.form()
-    run_to_end(h)
+    h.run_to_end()
     assert h.core.state is RunState.FINISHING
     out = h.send(0, m.CheckpointResult(version=1, elapsed_ms=1.0, error="disk full"))
     retry = [(c.rank, c.message) for c in of(out, Send)]  # type: ignore[attr-defined]
@@ -524,7 +500,7 @@ def test_failed_checkpoint_retries_on_the_next_live_rank_then_gives_up() -> None
 
 def test_checkpoint_cadence_writes_a_meta_at_the_epoch_boundary() -> None:
     h = Harness(epochs=2, checkpoint_every=1, save_path="/tmp/x")
-    out = h.form() + run_to_end(h)
+    out = h.form() + h.run_to_end()
     metas = [c.meta for c in of(out, WriteMeta)]  # type: ignore[attr-defined]
     assert [meta.reason for meta in metas] == [SaveReason.CHECKPOINT] * 2
     assert [meta.epoch for meta in metas] == [1, 2]
@@ -534,7 +510,7 @@ def test_checkpoint_cadence_writes_a_meta_at_the_epoch_boundary() -> None:
 def test_done_coordinator_ignores_everything() -> None:
     h = Harness()
     h.form()
-    run_to_end(h)
+    h.run_to_end()
     assert h.core.state is RunState.DONE
     assert h.feed(RankLost(rank=0, reason="late")) == []
     assert h.core.dead_ranks == []

@@ -14,35 +14,12 @@ from elche.core import timeline as tl
 from elche.core.checkpoint import CheckpointMeta, EpochCoverage, SaveReason
 from elche.core.commands import Emit, Finish, Notice, Send
 from elche.core.config import CallbackPolicy, Mode
-from elche.core.coordinator import Coordinator, RankState, RunState
+from elche.core.coordinator import Coordinator, RunState
 from elche.core.elche_state import ElCheState, Phase
 from elche.core.errors import ConfigError
 from elche.core.events import AverageComputed, RankJoined, RankLost, Started
 from elche.core.roles import Role
 from tests.core.harness import Harness, of
-
-
-def run_to_end(h: Harness, ms: dict[int, float] | None = None) -> list:
-    """Train every live rank through every window (rank r at ``ms[r]`` per batch)."""
-    out: list = []
-    number = 0
-    for _ in range(200):
-        if h.core.state is not RunState.TRAINING:
-            break
-        for rank in range(h.cfg.world_size):
-            if h.core.rank_state[rank] is RankState.LIVE:
-                while (
-                    h.chunks[rank]
-                    and h.core.work.steps_since_sync(rank) < h.core.planner.budget[rank]
-                ):
-                    out += h.train(rank, 1, batch_ms=(ms or {}).get(rank, 10.0))
-        if h.core.round.in_flight and h.core.round.number != number:
-            number = h.core.round.number
-            for rank in sorted(h.core.round.members):
-                out += h.send(
-                    rank, m.SyncAck(round=number, steps=h.core.work.steps_since_sync(rank))
-                )
-    return out + h.answer_saves()  # the final model, once training is over
 
 
 def sent(out: list, kind: type) -> list[tuple[int, m.CoordMessage]]:
@@ -64,7 +41,7 @@ def test_issue12_item03a_pinned_eval_rank_dying_in_the_final_eval_ends_the_run()
         callback_policy=CallbackPolicy.PINNED,
         callback_rank=1,
     )
-    out = h.form() + run_to_end(h)
+    out = h.form() + h.run_to_end()
     assert h.core.state is RunState.FINISHING
     assert sent(out, m.RunEval) == [(1, m.RunEval(epoch=1))]
     out = h.feed(RankLost(rank=1, reason="process killed"))
@@ -87,7 +64,7 @@ def test_issue12_item03a_pinned_eval_on_a_dead_rank_is_never_sent() -> None:
     )
     h.form()
     out = h.feed(RankLost(rank=2, reason="process killed"))
-    out += run_to_end(h)
+    out += h.run_to_end()
     assert not sent(out, m.RunEval)  # both epochs' evals were owed by the dead rank
     assert sum("eval" in text for text in notices(out)) == 2
     out += h.answer_saves()  # the final model is on disk
@@ -97,7 +74,7 @@ def test_issue12_item03a_pinned_eval_on_a_dead_rank_is_never_sent() -> None:
 def test_issue12_item03b_last_checkpoint_retry_dying_ends_the_run() -> None:
     h = Harness(world_size=3, num_samples=960, checkpoint_every=1)
     h.form()
-    run_to_end(h)
+    h.run_to_end()
     assert h.core.state is RunState.FINISHING
     h.send(0, m.CheckpointResult(version=1, elapsed_ms=1.0, error="disk full"))
     out = h.send(1, m.CheckpointResult(version=1, elapsed_ms=1.0, error="disk full"))
@@ -117,7 +94,7 @@ PACE_MS = {0: 10.0, 1: 40.0, 2: 20.0}  # fastest 0, then 2, then 1
 
 def test_issue12_item04_checkpoint_moves_to_the_fastest_survivor_when_its_rank_dies() -> None:
     h = Harness(world_size=3, num_samples=3200, checkpoint_every=1)
-    out = h.form() + run_to_end(h, PACE_MS)
+    out = h.form() + h.run_to_end(PACE_MS)
     assert h.core.state is RunState.FINISHING
     assert sent(out, m.RunCheckpoint) == [(0, m.RunCheckpoint(version=1))]
     out = h.feed(RankLost(rank=0, reason="process killed"))
@@ -132,7 +109,7 @@ def test_issue12_item04_checkpoint_moves_to_the_fastest_survivor_when_its_rank_d
 def test_a_failed_checkpoint_still_retries_the_next_untried_rank() -> None:
     h = Harness(world_size=3, num_samples=3200, checkpoint_every=1)
     h.form()
-    run_to_end(h, PACE_MS)
+    h.run_to_end(PACE_MS)
     out = h.send(0, m.CheckpointResult(version=1, elapsed_ms=1.0, error="disk full"))
     assert sent(out, m.RunCheckpoint) == [(1, m.RunCheckpoint(version=1))]  # reference rule
 
@@ -140,7 +117,7 @@ def test_a_failed_checkpoint_still_retries_the_next_untried_rank() -> None:
 def test_issue12_item03b_death_after_failures_skips_the_ranks_that_failed() -> None:
     h = Harness(world_size=3, num_samples=3200, checkpoint_every=1)
     h.form()
-    run_to_end(h, PACE_MS)
+    h.run_to_end(PACE_MS)
     h.send(0, m.CheckpointResult(version=1, elapsed_ms=1.0, error="disk full"))  # retry on 1
     h.send(1, m.CheckpointResult(version=1, elapsed_ms=1.0, error="disk full"))  # retry on 2
     h.send(0, m.Heartbeat())

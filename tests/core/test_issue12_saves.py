@@ -16,7 +16,7 @@ from tests.core.harness import Harness, messages, of, state_saved
 def test_issue12_item07_the_run_completes_only_once_the_final_model_is_on_disk() -> None:
     h = Harness(world_size=3, num_samples=960)
     h.form()
-    out = train_without_answering_the_final(h)
+    out = h.run_to_end(final=False)
     assert h.core.state is RunState.CLOSING
     assert messages(out, m.Shutdown) == [m.Shutdown(writer=0, seq=1)]
     assert not of(out, Finish)
@@ -31,7 +31,7 @@ def test_issue12_item07_the_run_completes_only_once_the_final_model_is_on_disk()
 def test_issue12_item07_a_final_model_nobody_could_write_fails_the_run() -> None:
     h = Harness(world_size=2)
     h.form()
-    train_without_answering_the_final(h)
+    h.run_to_end(final=False)
     final = h.core.saves.rounds[SaveKind.FINAL]
     h.send(0, state_saved(final, 0, error="OSError: [Errno 28] No space left on device"))
     out = h.send(1, state_saved(final, 1, error="OSError: [Errno 28] No space left on device"))
@@ -74,7 +74,7 @@ def test_issue12_item08_a_stop_whose_bundle_nobody_wrote_is_not_announced_as_sav
 def test_issue12_item09_a_checkpoints_meta_waits_for_every_ranks_files() -> None:
     h = Harness(world_size=3, num_samples=960, checkpoint_every=1, save_path="/b/run")
     h.form()
-    out = train_without_answering_the_final(h, answer_checkpoints=False)
+    out = h.run_to_end(periodic=False, final=False)
     assert messages(out, m.SaveState) == [m.SaveState(seq=1, writer=0, keep=0)]
     assert h.core.state is RunState.FINISHING  # the final save waits for the checkpoint
     assert not of(out, WriteMeta)  # nothing is claimed before the files are on disk
@@ -84,27 +84,3 @@ def test_issue12_item09_a_checkpoints_meta_waits_for_every_ranks_files() -> None
     (write,) = of(h.send(2, state_saved(save, 2)), WriteMeta)
     assert [rank for rank, _ in write.meta.files.optim] == [0, 1, 2]  # type: ignore[attr-defined]
     assert write.meta.save_seq == 1  # type: ignore[attr-defined]
-
-
-def train_without_answering_the_final(h: Harness, *, answer_checkpoints: bool = True) -> list:
-    """Train to the end, answering periodic saves (if asked), not the final one."""
-    out: list = []
-    number = 0
-    for _ in range(200):
-        if h.core.state is not RunState.TRAINING:
-            break
-        for rank in h.core.live:
-            while (
-                h.chunks[rank] and h.core.work.steps_since_sync(rank) < h.core.planner.budget[rank]
-            ):
-                out += h.train(rank, 1)
-        if h.core.round.in_flight and h.core.round.number != number:
-            number = h.core.round.number
-            for rank in sorted(h.core.round.members):
-                steps = h.core.work.steps_since_sync(rank)
-                out += h.send(rank, m.SyncAck(round=number, steps=steps))
-        periodic = h.core.saves.rounds.get(SaveKind.CHECKPOINT)
-        if answer_checkpoints and periodic is not None:
-            for rank in sorted(periodic.awaiting):
-                out += h.send(rank, state_saved(periodic, rank))
-    return out

@@ -17,7 +17,6 @@ from elche.core.errors import ConfigError
 from elche.core.events import RankJoined, RankLost, Started
 from elche.core.rank import Done, RankProtocol, Train
 from tests.core.harness import Harness, config, messages, of
-from tests.core.test_issue12_promises import run_to_end
 
 
 def failed(epoch: int = 0, *, first: bool = False, kind: str = "RuntimeError") -> m.Failed:
@@ -94,7 +93,7 @@ def test_issue12_item14_a_one_off_error_mid_run_is_survived_as_a_lost_rank() -> 
     out = h.send(1, failed(0, kind="IndexError"))
     assert h.core.state is RunState.TRAINING
     assert h.core.rank_state[1] is RankState.DEAD
-    out += run_to_end(h)
+    out += h.run_to_end()
     assert of(out, Finish) == [Finish(outcome="completed")]
     assert run_end(out).user_error is None
 
@@ -117,7 +116,7 @@ def test_issue12_item02_a_rank_lost_before_the_run_forms_is_survived() -> None:
     out += h.feed(RankJoined(rank=2))
     assert h.core.state is RunState.TRAINING
     assert h.received(1, m.AssignChunk) == []
-    out += run_to_end(h)
+    out += h.run_to_end()
     assert of(out, Finish) == [Finish(outcome="completed")]
     end = run_end(out)
     assert end.dead_ranks == (1,) and end.lost_samples == 0
@@ -135,7 +134,7 @@ def test_issue12_item02_a_collective_run_regroups_without_the_rank_lost_while_fo
     assert regroups == [m.Regroup(generation=1, members=[0, 2])]
     first = next(i for i, c in enumerate(out) if isinstance(getattr(c, "message", None), m.Regroup))
     assert all(not isinstance(getattr(c, "message", None), m.AssignChunk) for c in out[:first])
-    out += run_to_end(h)
+    out += h.run_to_end()
     assert of(out, Finish) == [Finish(outcome="completed")]
 
 
@@ -188,7 +187,7 @@ def test_issue12_item15_skip_leaves_the_step_out_and_goes_on() -> None:
     out = nan_batch(h, 1)
     assert h.core.state is RunState.TRAINING
     assert any("skipped" in c.text for c in of(out, Notice))  # type: ignore[attr-defined]
-    out += run_to_end(h)
+    out += h.run_to_end()
     assert of(out, Finish) == [Finish(outcome="completed")]
 
 

@@ -8,7 +8,6 @@ from elche.core.commands import Finish, Notice, WriteMeta
 from elche.core.coordinator import RunState
 from elche.core.events import RankJoined, Started, StopRequested
 from tests.core.harness import Harness, messages, of
-from tests.core.test_coordinator import run_to_end
 
 
 def test_a_run_still_forming_fails_and_names_the_stop() -> None:
@@ -42,7 +41,7 @@ def test_a_training_run_saves_a_graceful_bundle_and_stops() -> None:
 def test_a_run_whose_training_is_over_completes_anyway() -> None:
     h = Harness(epochs=1, has_eval_fn=True)
     h.form()
-    run_to_end(h)
+    h.run_to_end()
     assert h.core.state is RunState.FINISHING  # the final eval is out
     assert h.feed(StopRequested(reason="SIGINT")) == []
     h.send(0, m.EvalResult(epoch=1, metric=0.9, elapsed_ms=1.0))
