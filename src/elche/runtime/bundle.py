@@ -151,7 +151,6 @@ class BundlePaths:
     model: Path
     optim: dict[int, Path]  # rank -> file, for the ranks the bundle has
     outer: Path | None
-    listed: bool  # the meta names its files (schema 3): sizes and hashes are known
 
 
 def locate(stem: str, meta: CheckpointMeta, world_size: int) -> BundlePaths:
@@ -165,13 +164,11 @@ def locate(stem: str, meta: CheckpointMeta, world_size: int) -> BundlePaths:
             model=Path(f"{stem}.model.pt"),
             optim={r: p for r, p in optim.items() if p.exists()},
             outer=outer if outer.exists() else None,
-            listed=False,
         )
     return BundlePaths(
         model=folder / files.model.name,
         optim={rank: folder / f.name for rank, f in files.optim},
         outer=None if files.outer is None else folder / files.outer.name,
-        listed=True,
     )
 
 

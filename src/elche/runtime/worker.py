@@ -60,7 +60,7 @@ from elche.runtime.snapshots import Layout
 from elche.runtime.transport import RankEndpoint
 from elche.runtime.user_errors import failed_report, guarded, training_error, wait_answer
 
-__all__ = ["RankSpec", "UserFns", "Worker", "run_rank", "to_device", "train_rank"]
+__all__ = ["RankSpec", "UserFns", "Worker", "to_device", "train_rank"]
 
 # Batch reports go out at least this often while a rank trains, even mid-window,
 # so the coordinator's view (and the sync gate) never lags far behind.
@@ -565,12 +565,6 @@ class Worker:
             "stopped": self.proto.stop_reason,
             "user_error": msgspec.to_builtins(self.proto.user_error),  # the run failed on it
         }
-
-
-def run_rank(spec: RankSpec, fns: UserFns, batch_size: int) -> dict[str, object]:
-    """Body of one rank process; returns its report (also written to the run dir)."""
-    report, _ = train_rank(spec, fns, batch_size)
-    return report
 
 
 def train_rank(
