@@ -38,6 +38,7 @@ Rules:
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Collection, Sequence
 from fractions import Fraction
 from typing import assert_never
@@ -275,17 +276,22 @@ class Planner:
         plan = self.tail_plan or {}
         now_ms = now_s * 1000.0
         free_at = {rank: now_ms}
-        for q in plan:  # the tail's live ranks
-            ahead = batches_in(self.work.busy_samples(q), bs) + plan[q]
+        busy = self.work.busy_samples
+        for q, planned in plan.items():  # the tail's live ranks
             if q != rank:
+                ahead = -(-busy(q) // bs) + planned  # queued batches (a short one counts)
                 free_at[q] = self._progress_s[q] * 1000.0 + ahead * ms[q] if ahead > 0 else now_ms
         if any(ms[q] <= 0 for q in free_at):
             return 1
+        # A heap of (end of the next batch, not rank, first-asked order): the
+        # soonest end wins, ties go to rank, then to the earlier in the plan.
+        ends = [(free_at[q] + ms[q], q != rank, i, q) for i, q in enumerate(free_at)]
+        heapq.heapify(ends)
         share = 0
         for _ in range(self.tail_reserve):
-            soonest = min(free_at, key=lambda q: (free_at[q] + ms[q], q != rank))
-            free_at[soonest] += ms[soonest]
-            share += soonest == rank
+            end, other, i, q = ends[0]
+            share += not other
+            heapq.heapreplace(ends, (end + ms[q], other, i, q))
         return share
 
     def _plan_tail(self, live: Sequence[int]) -> None:

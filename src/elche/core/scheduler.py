@@ -114,6 +114,7 @@ class ElChe:
         self._windows: list[deque[float]] = [
             deque(maxlen=TRUST_WINDOW_CAP) for _ in range(world_size)
         ]
+        self._means: tuple[float, ...] | None = None  # ms_per_batch, until a window changes
         self._zero_reports = [0] * world_size
         self._snapshots: deque[tuple[int, ...]] = deque(maxlen=BATCH_COUNTS_WINDOW_CAP)
         self._slack_ms = [0.0] * world_size
@@ -242,7 +243,9 @@ class ElChe:
 
     def ms_per_batch(self) -> tuple[float, ...]:
         """Every rank's smoothed ms per batch, 0.0 where there is no data."""
-        return tuple(self._mean(r) for r in range(self._ws))
+        if self._means is None:
+            self._means = tuple(self._mean(r) for r in range(self._ws))
+        return self._means
 
     def anchor_wall_ms(self) -> float:
         """Target window wall: ``anchor`` x the anchor rank's ms (0 uncalibrated)."""
@@ -450,6 +453,7 @@ class ElChe:
             raise ValueError(f"rank must be in [0, {self._ws}), got {rank}")
         self._retired.add(rank)
         self._windows[rank].clear()
+        self._means = None
         self._slack_ms[rank] = 0.0
         self._fill_ms[rank] = 0.0
         if self._anchor_rank == rank:
@@ -481,6 +485,7 @@ class ElChe:
             self._windows[r].clear()
             if mean > 0 and r not in self._retired:
                 self._windows[r].append(mean)
+        self._means = None
         self._calibrated = any(m > 0 for m in state.smoothed_ms_per_batch)
 
     # -- internals ---------------------------------------------------------
@@ -498,6 +503,7 @@ class ElChe:
             self._recompute(slow_ms)
 
     def _ingest(self, wall_ms: Sequence[float], batches: Sequence[int]) -> None:
+        self._means = None
         for r, (wall, n) in enumerate(zip(wall_ms, batches, strict=True)):
             if r not in self._retired and n > 0 and wall > 0 and math.isfinite(wall):
                 self._windows[r].append(wall / n)

@@ -62,6 +62,7 @@ class WorkBook:
         self._next_open = 0  # every epoch below it was opened (or resumed past)
         self._missing_finished = 0  # samples of finished epochs no average holds
         self._queue: list[deque[Chunk]] = [deque() for _ in range(world_size)]
+        self._busy = [0] * world_size  # samples queued and not trained, per rank
         # (epoch, samples) of each trained batch not yet in a completed average.
         self._uncommitted: list[deque[tuple[int, int]]] = [deque() for _ in range(world_size)]
         self.steps_trained = [0] * world_size
@@ -135,11 +136,12 @@ class WorkBook:
     def assign(self, rank: int, epoch: int, span: Span) -> Chunk:
         chunk = Chunk(epoch=epoch, offset=span[0], size=span[1], cursor=span[0])
         self._queue[rank].append(chunk)
+        self._busy[rank] += span[1]
         return chunk
 
     def busy_samples(self, rank: int) -> int:
         """Samples queued on ``rank`` and not trained yet."""
-        return sum(chunk.left for chunk in self._queue[rank])
+        return self._busy[rank]
 
     def steps_since_sync(self, rank: int) -> int:
         return self.steps_trained[rank] - self.steps_synced[rank]
@@ -161,6 +163,7 @@ class WorkBook:
                 rank=rank,
             )
         chunk.cursor += size
+        self._busy[rank] -= size
         if chunk.left == 0:
             queue.popleft()
         self._uncommitted[rank].append((epoch, size))
@@ -192,6 +195,7 @@ class WorkBook:
             Samples handed back to the pools.
         """
         self._queue[rank].clear()
+        self._busy[rank] = 0
         self._uncommitted[rank].clear()
         self.steps_synced[rank] = self.steps_trained[rank]
         return sum(pool.forfeit(rank) for pool in self.pools.values())
