@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterator
 from typing import assert_never
 
 from elche.core import failures
@@ -97,6 +98,37 @@ class RunState(enum.Enum):
     DONE = "done"
 
 
+class RankStates:
+    """Each rank's state, indexed by rank; knows its live ranks without a scan.
+
+    The live list is rebuilt only after a state changes: at a thousand ranks
+    the coordinator asks for it on every batch report.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self._states = [RankState.JOINING] * world_size
+        self._live: list[int] | None = None
+
+    def __getitem__(self, rank: int) -> RankState:
+        return self._states[rank]
+
+    def __setitem__(self, rank: int, state: RankState) -> None:
+        self._states[rank] = state
+        self._live = None
+
+    def __iter__(self) -> Iterator[RankState]:
+        return iter(self._states)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def live(self) -> list[int]:
+        """Live ranks in ascending order (a fresh list: callers may keep it)."""
+        if self._live is None:
+            self._live = [r for r, s in enumerate(self._states) if s is RankState.LIVE]
+        return list(self._live)
+
+
 class Coordinator:
     """The sans-IO coordinator of one training run.
 
@@ -137,7 +169,7 @@ class Coordinator:
         self.telemetry = Telemetry(config, self.roles)
         self.stall = StallWatch(config.stall_dump_s)
         self.state = RunState.FORMING
-        self.rank_state = [RankState.JOINING] * ws
+        self.rank_state = RankStates(ws)
         self.hosts = [""] * ws
         self.last_seen_s = [0.0] * ws
         self.dead_ranks: list[int] = []
@@ -163,7 +195,7 @@ class Coordinator:
 
     @property
     def live(self) -> list[int]:
-        return [r for r, s in enumerate(self.rank_state) if s is RankState.LIVE]
+        return self.rank_state.live()
 
     @property
     def unsatisfied(self) -> frozenset[int]:

@@ -185,6 +185,7 @@ class ChunkPool:
         self.num_ranks: Final = len(shares)
         self._end = list(itertools.accumulate(shares))  # moves down when a thief takes a tail
         self._cursor = [end - share for end, share in zip(self._end, shares, strict=True)]
+        self._fresh = total  # samples of every residue: sum(end - cursor)
         self._outstanding: list[deque[Span]] = [deque() for _ in shares]
         self._reclaimed: deque[Span] = deque()
         self._committed = 0  # samples
@@ -229,6 +230,7 @@ class ChunkPool:
         if merged and sum(merged[-1]) > total:
             raise ConfigError("holes", f"{merged[-1]} ends past total {total}")
         pool._cursor = list(pool._end)  # no fresh samples: every residue is empty
+        pool._fresh = 0
         pool._reclaimed.extend(merged)
         pool._committed = total - _span_total(merged)
         return pool
@@ -240,8 +242,7 @@ class ChunkPool:
 
     def remaining(self) -> int:
         """Samples not handed out yet: every residue plus the reclaimed queue."""
-        residues = sum(end - cur for cur, end in zip(self._cursor, self._end, strict=True))
-        return residues + _span_total(self._reclaimed)
+        return self._fresh + _span_total(self._reclaimed)
 
     def remaining_batches(self) -> int:
         """``remaining()`` in batches, a short last batch counting as one."""
@@ -314,6 +315,7 @@ class ChunkPool:
         offset, size = span
         if offset + size == self._cursor[rank]:
             self._cursor[rank] = offset
+            self._fresh += size
         else:
             self._reclaimed.appendleft(span)
         return True
@@ -382,6 +384,7 @@ class ChunkPool:
         if taken == 0:
             return None
         self._cursor[rank] += taken
+        self._fresh -= taken
         return (offset, taken)
 
     def _steal(self, rank: int, size: int) -> Span | None:
@@ -391,6 +394,7 @@ class ChunkPool:
             return None
         taken = min(size, self._end[donor] - self._cursor[donor])
         self._end[donor] -= taken
+        self._fresh -= taken
         return (self._end[donor], taken)
 
 

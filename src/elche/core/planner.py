@@ -275,17 +275,24 @@ class Planner:
         ms = self.elche.ms_per_batch()
         plan = self.tail_plan or {}
         now_ms = now_s * 1000.0
-        free_at = {rank: now_ms}
-        busy = self.work.busy_samples
-        for q, planned in plan.items():  # the tail's live ranks
-            if q != rank:
-                ahead = -(-busy(q) // bs) + planned  # queued batches (a short one counts)
-                free_at[q] = self._progress_s[q] * 1000.0 + ahead * ms[q] if ahead > 0 else now_ms
-        if any(ms[q] <= 0 for q in free_at):
+        if ms[rank] <= 0:
             return 1
-        # A heap of (end of the next batch, not rank, first-asked order): the
-        # soonest end wins, ties go to rank, then to the earlier in the plan.
-        ends = [(free_at[q] + ms[q], q != rank, i, q) for i, q in enumerate(free_at)]
+        # Heap entries: (end of the next batch, not rank, order of asking). The
+        # soonest end wins; ties go to rank, then to the earlier in the plan.
+        ends = [(now_ms + ms[rank], False, 0, rank)]
+        last_mine = now_ms  # when rank would end its last reserve batch alone
+        for _ in range(self.tail_reserve):
+            last_mine += ms[rank]
+        busy = self.work.busy_samples
+        for i, (q, planned) in enumerate(plan.items(), start=1):  # the tail's live ranks
+            if q == rank:
+                continue
+            if ms[q] <= 0:
+                return 1
+            ahead = -(-busy(q) // bs) + planned  # queued batches (a short one counts)
+            free_ms = self._progress_s[q] * 1000.0 + ahead * ms[q] if ahead > 0 else now_ms
+            if free_ms + ms[q] <= last_mine:  # a later one can win none of these batches
+                ends.append((free_ms + ms[q], True, i, q))
         heapq.heapify(ends)
         share = 0
         for _ in range(self.tail_reserve):
