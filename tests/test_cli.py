@@ -67,6 +67,25 @@ def test_async_alias_is_cpu_async(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_json(capsys, *SMALL, "--mode", "async")["mode"] == "cpu-async"
 
 
+def test_cost_times_every_batch_report_and_round_without_changing_the_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    plain = run_json(capsys, *SMALL)
+    timed = run_json(capsys, *SMALL, "--cost")
+    cost = timed.pop("coordinator_cost")
+    plain.pop("real_s"), timed.pop("real_s")
+    assert timed == plain  # timing the coordinator changes none of its decisions
+    batches = -(-2000 // 32)  # one epoch, every batch reported once
+    assert cost["calls"]["BatchDone"]["count"] == batches  # type: ignore[index]
+    assert cost["calls"]["SyncAck"]["count"] == 3 * plain["syncs"]  # type: ignore[index, operator]
+    assert cost["batch_report_us"] > 0 and cost["round_us"] > 0  # type: ignore[index, operator]
+
+
+def test_cost_is_printed_under_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", *SMALL, "--cost"]) == 0
+    assert "µs per batch report" in capsys.readouterr().out
+
+
 def test_table_output_names_the_outcome(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", *SMALL]) == 0
     out = capsys.readouterr().out

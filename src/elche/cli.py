@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from elche.core.config import Mode, SchedulerConfig
 from elche.core.errors import ConfigError, TrainingError
 from elche.core.faults import FaultPlan
-from elche.sim.engine import SimConfig, SimError, simulate
+from elche.sim.engine import SimConfig, SimError, Simulation
 from elche.sim.result import SimResult
 
 __all__ = ["main"]
@@ -132,6 +132,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     sim.add_argument(
         "--max-failures", type=int, default=None, help="save and stop once this many ranks died"
+    )
+    sim.add_argument(
+        "--cost",
+        action="store_true",
+        help="time the coordinator's every decision on the real clock and report the "
+        "microseconds per batch report and per averaging round",
     )
     sim.add_argument(
         "--anchor",
@@ -335,19 +341,32 @@ def _run_sim(args: argparse.Namespace) -> int:
         max_failures=args.max_failures,
         scheduler=SchedulerConfig(anchor=args.anchor),
     )
+    timed = None
+    if args.cost:
+        from elche.bench.coordinator_cost import TimedCoordinator
+
+        timed = TimedCoordinator(config.coordinator_config(), resume=config.resume)
     started = time.perf_counter()
     try:
-        result = simulate(config)
+        result = Simulation(config, core=timed).run()
     except SimError as exc:
         print(f"elche sim: {exc}", file=sys.stderr)
         return 1
     real_s = time.perf_counter() - started
+    cost = None if timed is None else timed.report(result.syncs)
     if args.json:
         doc = result.to_json()
         doc["real_s"] = round(real_s, 3)
+        if cost is not None:
+            doc["coordinator_cost"] = cost
         print(json.dumps(doc))
     else:
         _print_table(result, real_s)
+        if cost is not None:
+            print(
+                f"coordinator: {cost['batch_report_us']} µs per batch report, "
+                f"{cost['round_us']} µs per averaging round, {cost['total_s']} s in all"
+            )
     return 0
 
 
