@@ -121,7 +121,9 @@ def train(
         heartbeat_timeout_s: silence after which a rank is declared dead.
         max_failures: save and stop after this many ranks died.
         progress: show a live progress display on stderr.
-        run_dir: where the run's files go (default: a new temp directory).
+        run_dir: where the run's files go (default: a new temp directory,
+            which a completed run trims to its report, timeline and summary;
+            ``summary["run_dir"]`` and ``summary["report"]`` name them).
         outer_lr: DiLoCo outer optimizer (Nesterov momentum on the averaged
             pseudo-gradient) in the coordinator, cpu-* modes only; None (the
             default) averages plainly. Suggested: 0.7.
@@ -403,6 +405,10 @@ def _dashboard(given: str | None) -> str | None:
 # -- several ranks --------------------------------------------------------------
 
 
+# What a completed run's temporary directory keeps (``_tidy``).
+KEPT_FILES = frozenset({"report.html", "timeline.jsonl", "summary.json"})
+
+
 def _train_cluster(
     plan: Plan,
     fns: Any,
@@ -427,9 +433,19 @@ def _train_cluster(
 
 
 def _tidy(result: TrainResult, directory: Path) -> None:
-    """A completed run's temporary directory goes; any other run's is kept and named."""
-    if result.summary.get("outcome") == "completed":
-        shutil.rmtree(directory, ignore_errors=True)
-        result.run_dir = None
-    else:
+    """Trim a completed run's temporary directory to its record; keep any other run's whole.
+
+    A completed run has nothing to resume, so its bundle, model states and
+    logs go; its report, timeline and summary (``KEPT_FILES``, a few hundred
+    kB) stay, so ``summary["report"]`` names a file that exists.
+    """
+    if result.summary.get("outcome") != "completed":
         print(f"elche: the run's files are kept in {directory}", file=sys.stderr, flush=True)
+        return
+    for path in directory.iterdir():
+        if path.name in KEPT_FILES:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)

@@ -73,6 +73,7 @@ __all__ = [
     "collect",
     "explain_outcome",
     "interrupted",
+    "keep_report",
     "launch_local",
     "on_record",
     "rank_spec",
@@ -396,6 +397,19 @@ def _supervise(
     return epochs
 
 
+def keep_report(plan: Plan, run_dir: Path) -> str | None:
+    """Write ``RUN_DIR/report.html``; its path, or None (said on stderr) when it cannot be."""
+    from elche.monitor.report import write_report
+
+    try:
+        path = write_report(run_dir, plan.config.world_size, devices=list(plan.devices))
+    except (OSError, ValueError) as exc:  # the run's result matters more than its report
+        print(f"elche: no report for this run ({exc})", file=sys.stderr, flush=True)
+        return None
+    print(f"elche: report at {path}", file=sys.stderr, flush=True)
+    return str(path)
+
+
 def interrupted(signum: int, result: TrainResult | None, save_path: str | None) -> Interrupted:
     """The ``Interrupted`` to raise for a run ``signum`` stopped, announced on stderr."""
     saved = result is not None and result.summary.get("outcome") == "saved_and_shutdown"
@@ -464,6 +478,8 @@ def collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]
     summary = run_summary(
         host, ranks, speeds=plan.speeds, launched_s=t0, save_path=plan.config.save_path
     )
+    summary["run_dir"] = str(run_dir)
+    summary["report"] = keep_report(plan, run_dir)
     user_error = summary.get("user_error")
     if isinstance(user_error, dict):
         explain_outcome(summary, plan.config.save_path)  # a non-finite loss saved a bundle
