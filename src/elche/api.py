@@ -20,6 +20,7 @@ The result carries the final averaged ``state_dict``, per-epoch metrics and a
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -38,6 +39,8 @@ __all__ = ["TrainResult", "train"]
 
 # Ranks give up on a silent coordinator after this long (reference: 30 s).
 COORDINATOR_TIMEOUT_S = 30.0
+# Where ``elche run`` passes --tensorboard to its ranks (rank 0 writes the log).
+TENSORBOARD_ENV = "ELCHE_TENSORBOARD"
 
 
 def train(
@@ -79,6 +82,7 @@ def train(
     outer_momentum: float = 0.9,
     nonfinite: str = "stop",
     dashboard: str | None = None,
+    tensorboard_dir: str | None = None,
 ) -> TrainResult:
     """Train ``model_fn``'s model on ``dataset`` over ``ranks`` unequal workers.
 
@@ -138,6 +142,12 @@ def train(
             the address is printed when the run starts. Default: the
             ``ELCHE_DASHBOARD`` environment variable, else none. Runs of
             several ranks only. See ``docs/monitoring.md``.
+        tensorboard_dir: a directory to write the run's scalars to as
+            TensorBoard event files while it goes on (loss, eval metric,
+            each rank's samples/s, share and idle %, the anchor, round
+            durations). Needs the ``tensorboardX`` package (the
+            ``elche[tensorboard]`` extra). Default: the ``ELCHE_TENSORBOARD``
+            environment variable, else none. Runs of several ranks only.
         crash: testing hook: ``{rank: epoch.fraction}`` — that rank kills
             itself with SIGKILL when its training reaches that point
             (shorthand for ``FaultPlan().kill(rank=r, at_epoch=e)``).
@@ -168,6 +178,7 @@ def train(
     """
     _check_user_fns(model_fn=model_fn, eval_fn=eval_fn, eval_dataset=eval_dataset)
     dashboard = _dashboard(dashboard)
+    tensorboard_dir = _tensorboard_dir(tensorboard_dir)
     plan = _plan(
         dataset=dataset, batch_size=batch_size, epochs=epochs, mode=mode, ranks=ranks,
         speeds=speeds, speed_base_s=speed_base_s, devices=devices,
@@ -198,18 +209,22 @@ def train(
             from elche.runtime.launched import train_launched
 
             return train_launched(
-                plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir, dashboard=dashboard
-            )
+                plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir,
+                dashboard=dashboard, tensorboard_dir=tensorboard_dir,
+            )  # fmt: skip
         if plan.config.world_size == 1:
             from elche.runtime.solo import train_solo
 
             if dashboard is not None:  # one rank has no coordinator, so no timeline to serve
                 print("elche: a single rank runs without a dashboard", file=sys.stderr, flush=True)
+            if tensorboard_dir is not None:
+                print("elche: a single rank runs without a TensorBoard log", file=sys.stderr,
+                      flush=True)  # fmt: skip
 
             return train_solo(plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir)
         return _train_cluster(
             plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir, progress=progress,
-            dashboard=dashboard,
+            dashboard=dashboard, tensorboard_dir=tensorboard_dir,
         )  # fmt: skip
 
 
@@ -402,6 +417,21 @@ def _dashboard(given: str | None) -> str | None:
     return address
 
 
+def _tensorboard_dir(given: str | None) -> str | None:
+    """The TensorBoard log directory: the argument, else ``ELCHE_TENSORBOARD``, else none.
+
+    Raises:
+        ConfigError: one is asked for and the ``tensorboard`` package is missing.
+    """
+    directory = given if given is not None else os.environ.get(TENSORBOARD_ENV) or None
+    if directory is not None and importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError(
+            "tensorboard_dir",
+            "needs the tensorboardX package (pip install 'elche[tensorboard]'), or None",
+        )
+    return directory
+
+
 # -- several ranks --------------------------------------------------------------
 
 
@@ -418,6 +448,7 @@ def _train_cluster(
     run_dir: str | None,
     progress: bool,
     dashboard: str | None,
+    tensorboard_dir: str | None,
 ) -> TrainResult:
     from elche.runtime.launch import check_picklable, launch_local
 
@@ -425,7 +456,7 @@ def _train_cluster(
     directory = Path(run_dir or tempfile.mkdtemp(prefix="elche-run-"))
     result = launch_local(
         plan, fns, hooks, directory, max_grad_norm=max_grad_norm, progress=progress,
-        dashboard=dashboard,
+        dashboard=dashboard, tensorboard_dir=tensorboard_dir,
     )  # fmt: skip
     if run_dir is None:
         _tidy(result, directory)
