@@ -490,6 +490,12 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     bench.add_argument("--out", default=None, help="output dir (default: results/bench-<time>)")
     bench.add_argument("--repeats", type=int, default=None, help="override the suite's repeats")
+    bench.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="also run each elche mode with its dashboard served and read every second "
+        "(MODE+dashboard), interleaved, and report what it costs",
+    )
     bench.add_argument("--json", action="store_true", help="print the results JSON on stdout")
     bench.add_argument("--no-progress", action="store_true", help="no live progress display")
     bench.set_defaults(run=_run_bench)
@@ -500,16 +506,20 @@ def _run_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from elche.bench import SUITES, default_out_dir, run_bench
+    from elche.bench.suites import with_dashboard
 
     suite = SUITES[args.suite]
     if args.repeats is not None:
         if args.repeats < 1:
             raise ConfigError("repeats", f"must be >= 1, got {args.repeats}")
         suite = dataclasses.replace(suite, repeats=args.repeats)
+    if args.dashboard:
+        suite = with_dashboard(suite)
     out_dir = Path(args.out) if args.out else default_out_dir()
     command = f"elche bench --suite {args.suite}"
     if args.repeats is not None:
         command += f" --repeats {args.repeats}"
+    command += " --dashboard" if args.dashboard else ""
     command += " --json" if args.json else ""
     doc = run_bench(suite, out_dir, command=command, progress=not args.no_progress)
     if args.json:
