@@ -4,7 +4,8 @@ Theory of operation. ``train`` validates everything up front (a bad value
 raises ``ConfigError`` naming the field and what is accepted), then:
 
 - one rank: trains in-process, no coordinator, same semantics (seeded
-  per-epoch permutation, ``epoch_fn`` on epoch start, eval after epochs);
+  per-epoch permutation, ``epoch_fn`` on epoch start, eval after epochs),
+  writing its own timeline in the run directory (``runtime.solo_record``);
 - several ranks from a plain script: writes the run directory, starts the
   coordinator as its own process (``python -m elche.runtime.host``, which
   never imports torch), spawns one process per rank, shows progress from the
@@ -140,14 +141,14 @@ def train(
             picks a free one) to serve the run's live state there:
             ``/state.json``, ``/metrics`` (Prometheus) and a page at ``/``;
             the address is printed when the run starts. Default: the
-            ``ELCHE_DASHBOARD`` environment variable, else none. Runs of
-            several ranks only. See ``docs/monitoring.md``.
+            ``ELCHE_DASHBOARD`` environment variable, else none. See
+            ``docs/monitoring.md``.
         tensorboard_dir: a directory to write the run's scalars to as
             TensorBoard event files while it goes on (loss, eval metric,
             each rank's samples/s, share and idle %, the anchor, round
             durations). Needs the ``tensorboardX`` package (the
             ``elche[tensorboard]`` extra). Default: the ``ELCHE_TENSORBOARD``
-            environment variable, else none. Runs of several ranks only.
+            environment variable, else none.
         crash: testing hook: ``{rank: epoch.fraction}`` — that rank kills
             itself with SIGKILL when its training reaches that point
             (shorthand for ``FaultPlan().kill(rank=r, at_epoch=e)``).
@@ -213,15 +214,10 @@ def train(
                 dashboard=dashboard, tensorboard_dir=tensorboard_dir,
             )  # fmt: skip
         if plan.config.world_size == 1:
-            from elche.runtime.solo import train_solo
-
-            if dashboard is not None:  # one rank has no coordinator, so no timeline to serve
-                print("elche: a single rank runs without a dashboard", file=sys.stderr, flush=True)
-            if tensorboard_dir is not None:
-                print("elche: a single rank runs without a TensorBoard log", file=sys.stderr,
-                      flush=True)  # fmt: skip
-
-            return train_solo(plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir)
+            return _train_one(
+                plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir,
+                dashboard=dashboard, tensorboard_dir=tensorboard_dir,
+            )  # fmt: skip
         return _train_cluster(
             plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir, progress=progress,
             dashboard=dashboard, tensorboard_dir=tensorboard_dir,
@@ -433,6 +429,29 @@ def _tensorboard_dir(given: str | None) -> str | None:
 
 
 # -- several ranks --------------------------------------------------------------
+
+
+def _train_one(
+    plan: Plan,
+    fns: Any,
+    hooks: Hooks,
+    *,
+    max_grad_norm: float | None,
+    run_dir: str | None,
+    dashboard: str | None,
+    tensorboard_dir: str | None,
+) -> TrainResult:
+    """One rank, in this process, its timeline in ``run_dir`` (or a temporary one)."""
+    from elche.runtime.solo import train_solo
+
+    directory = Path(run_dir or tempfile.mkdtemp(prefix="elche-run-"))
+    result = train_solo(
+        plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=str(directory),
+        dashboard=dashboard, tensorboard_dir=tensorboard_dir,
+    )  # fmt: skip
+    if run_dir is None:
+        _tidy(result, directory)
+    return result
 
 
 # What a completed run's temporary directory keeps (``_tidy``).
