@@ -464,7 +464,10 @@ def _timeline_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     timeline.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
     timeline.add_argument(
-        "--chrome", default=None, metavar="OUT.json", help="write a Chrome trace to OUT.json"
+        "--chrome",
+        default=None,
+        metavar="OUT.json",
+        help="write a Chrome trace to OUT.json (default: print the records, one JSON line each)",
     )
     timeline.set_defaults(run=_run_timeline)
 
