@@ -4,8 +4,8 @@ Theory of operation. ``TensorBoardLog`` is a daemon thread that follows
 ``RUN_DIR/timeline.jsonl`` (as the dashboard does) every ``FOLLOW_EVERY_S``
 and turns records into scalars through tensorboardX's ``SummaryWriter``
 (the ``elche[tensorboard]`` extra; the same writer API as
-``torch.utils.tensorboard``, without importing torch, which this layer does
-not). The coordinator never waits for it: a log
+``torch.utils.tensorboard``, in a package of its own, so this layer, which
+imports no torch, can use it). The coordinator never waits for it: a log
 that fails is reported once and the run goes on.
 
 Scalars (``scalars_for``), each at a step that orders them:
