@@ -6,11 +6,12 @@ given one, and each rank's spec carries only its own faults.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-from elche.api import _dashboard, _faults
+from elche.api import _dashboard, _faults, _tensorboard_dir
 from elche.core.config import CoordinatorConfig, Mode
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan, Kill, SlowDown, Stall
@@ -70,3 +71,19 @@ def test_the_dashboard_argument_beats_the_environment(monkeypatch: pytest.Monkey
     with pytest.raises(ConfigError) as info:
         _dashboard("x:y")
     assert info.value.field == "dashboard"
+
+
+def test_a_tensorboard_log_needs_its_writer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ELCHE_TENSORBOARD", raising=False)
+    assert _tensorboard_dir(None) is None
+    monkeypatch.setenv("ELCHE_TENSORBOARD", "/tb")
+    assert _tensorboard_dir(None) == "/tb"
+    assert _tensorboard_dir("/mine") == "/mine"
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec",
+        lambda name, *a: None if name == "tensorboardX" else real_find_spec(name, *a),
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        _tensorboard_dir("/mine")
+    assert info.value.field == "tensorboard_dir" and "elche[tensorboard]" in str(info.value)

@@ -149,7 +149,7 @@ def test_version_names_elche_torch_and_python(capsys: pytest.CaptureFixture[str]
     assert out == f"elche {elche.__version__} (torch {metadata.version('torch')}, Python {python})"
 
 
-@pytest.mark.parametrize("command", ["sim", "demo", "compare", "run", "bench"])
+@pytest.mark.parametrize("command", ["sim", "demo", "compare", "run", "bench", "timeline"])
 def test_help_names_every_options_default(capsys: pytest.CaptureFixture[str], command: str) -> None:
     parser = _parser()
     sub = next(

@@ -4,7 +4,8 @@ Theory of operation. ``train`` validates everything up front (a bad value
 raises ``ConfigError`` naming the field and what is accepted), then:
 
 - one rank: trains in-process, no coordinator, same semantics (seeded
-  per-epoch permutation, ``epoch_fn`` on epoch start, eval after epochs);
+  per-epoch permutation, ``epoch_fn`` on epoch start, eval after epochs),
+  writing its own timeline in the run directory (``runtime.solo_record``);
 - several ranks from a plain script: writes the run directory, starts the
   coordinator as its own process (``python -m elche.runtime.host``, which
   never imports torch), spawns one process per rank, shows progress from the
@@ -20,6 +21,7 @@ The result carries the final averaged ``state_dict``, per-epoch metrics and a
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -38,6 +40,8 @@ __all__ = ["TrainResult", "train"]
 
 # Ranks give up on a silent coordinator after this long (reference: 30 s).
 COORDINATOR_TIMEOUT_S = 30.0
+# Where ``elche run`` passes --tensorboard to its ranks (rank 0 writes the log).
+TENSORBOARD_ENV = "ELCHE_TENSORBOARD"
 
 
 def train(
@@ -79,6 +83,7 @@ def train(
     outer_momentum: float = 0.9,
     nonfinite: str = "stop",
     dashboard: str | None = None,
+    tensorboard_dir: str | None = None,
 ) -> TrainResult:
     """Train ``model_fn``'s model on ``dataset`` over ``ranks`` unequal workers.
 
@@ -121,7 +126,9 @@ def train(
         heartbeat_timeout_s: silence after which a rank is declared dead.
         max_failures: save and stop after this many ranks died.
         progress: show a live progress display on stderr.
-        run_dir: where the run's files go (default: a new temp directory).
+        run_dir: where the run's files go (default: a new temp directory,
+            which a completed run trims to its report, timeline and summary;
+            ``summary["run_dir"]`` and ``summary["report"]`` name them).
         outer_lr: DiLoCo outer optimizer (Nesterov momentum on the averaged
             pseudo-gradient) in the coordinator, cpu-* modes only; None (the
             default) averages plainly. Suggested: 0.7.
@@ -134,8 +141,14 @@ def train(
             picks a free one) to serve the run's live state there:
             ``/state.json``, ``/metrics`` (Prometheus) and a page at ``/``;
             the address is printed when the run starts. Default: the
-            ``ELCHE_DASHBOARD`` environment variable, else none. Runs of
-            several ranks only. See ``docs/monitoring.md``.
+            ``ELCHE_DASHBOARD`` environment variable, else none. See
+            ``docs/monitoring.md``.
+        tensorboard_dir: a directory to write the run's scalars to as
+            TensorBoard event files while it goes on (loss, eval metric,
+            each rank's samples/s, share and idle %, the anchor, round
+            durations). Needs the ``tensorboardX`` package (the
+            ``elche[tensorboard]`` extra). Default: the ``ELCHE_TENSORBOARD``
+            environment variable, else none.
         crash: testing hook: ``{rank: epoch.fraction}`` — that rank kills
             itself with SIGKILL when its training reaches that point
             (shorthand for ``FaultPlan().kill(rank=r, at_epoch=e)``).
@@ -166,6 +179,7 @@ def train(
     """
     _check_user_fns(model_fn=model_fn, eval_fn=eval_fn, eval_dataset=eval_dataset)
     dashboard = _dashboard(dashboard)
+    tensorboard_dir = _tensorboard_dir(tensorboard_dir)
     plan = _plan(
         dataset=dataset, batch_size=batch_size, epochs=epochs, mode=mode, ranks=ranks,
         speeds=speeds, speed_base_s=speed_base_s, devices=devices,
@@ -196,18 +210,17 @@ def train(
             from elche.runtime.launched import train_launched
 
             return train_launched(
-                plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir, dashboard=dashboard
-            )
+                plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir,
+                dashboard=dashboard, tensorboard_dir=tensorboard_dir,
+            )  # fmt: skip
         if plan.config.world_size == 1:
-            from elche.runtime.solo import train_solo
-
-            if dashboard is not None:  # one rank has no coordinator, so no timeline to serve
-                print("elche: a single rank runs without a dashboard", file=sys.stderr, flush=True)
-
-            return train_solo(plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir)
+            return _train_one(
+                plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir,
+                dashboard=dashboard, tensorboard_dir=tensorboard_dir,
+            )  # fmt: skip
         return _train_cluster(
             plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir, progress=progress,
-            dashboard=dashboard,
+            dashboard=dashboard, tensorboard_dir=tensorboard_dir,
         )  # fmt: skip
 
 
@@ -400,7 +413,49 @@ def _dashboard(given: str | None) -> str | None:
     return address
 
 
+def _tensorboard_dir(given: str | None) -> str | None:
+    """The TensorBoard log directory: the argument, else ``ELCHE_TENSORBOARD``, else none.
+
+    Raises:
+        ConfigError: one is asked for and the ``tensorboard`` package is missing.
+    """
+    directory = given if given is not None else os.environ.get(TENSORBOARD_ENV) or None
+    if directory is not None and importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError(
+            "tensorboard_dir",
+            "needs the tensorboardX package (pip install 'elche[tensorboard]'), or None",
+        )
+    return directory
+
+
 # -- several ranks --------------------------------------------------------------
+
+
+def _train_one(
+    plan: Plan,
+    fns: Any,
+    hooks: Hooks,
+    *,
+    max_grad_norm: float | None,
+    run_dir: str | None,
+    dashboard: str | None,
+    tensorboard_dir: str | None,
+) -> TrainResult:
+    """One rank, in this process, its timeline in ``run_dir`` (or a temporary one)."""
+    from elche.runtime.solo import train_solo
+
+    directory = Path(run_dir or tempfile.mkdtemp(prefix="elche-run-"))
+    result = train_solo(
+        plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=str(directory),
+        dashboard=dashboard, tensorboard_dir=tensorboard_dir,
+    )  # fmt: skip
+    if run_dir is None:
+        _tidy(result, directory)
+    return result
+
+
+# What a completed run's temporary directory keeps (``_tidy``).
+KEPT_FILES = frozenset({"report.html", "timeline.jsonl", "summary.json"})
 
 
 def _train_cluster(
@@ -412,6 +467,7 @@ def _train_cluster(
     run_dir: str | None,
     progress: bool,
     dashboard: str | None,
+    tensorboard_dir: str | None,
 ) -> TrainResult:
     from elche.runtime.launch import check_picklable, launch_local
 
@@ -419,7 +475,7 @@ def _train_cluster(
     directory = Path(run_dir or tempfile.mkdtemp(prefix="elche-run-"))
     result = launch_local(
         plan, fns, hooks, directory, max_grad_norm=max_grad_norm, progress=progress,
-        dashboard=dashboard,
+        dashboard=dashboard, tensorboard_dir=tensorboard_dir,
     )  # fmt: skip
     if run_dir is None:
         _tidy(result, directory)
@@ -427,9 +483,19 @@ def _train_cluster(
 
 
 def _tidy(result: TrainResult, directory: Path) -> None:
-    """A completed run's temporary directory goes; any other run's is kept and named."""
-    if result.summary.get("outcome") == "completed":
-        shutil.rmtree(directory, ignore_errors=True)
-        result.run_dir = None
-    else:
+    """Trim a completed run's temporary directory to its record; keep any other run's whole.
+
+    A completed run has nothing to resume, so its bundle, model states and
+    logs go; its report, timeline and summary (``KEPT_FILES``, a few hundred
+    kB) stay, so ``summary["report"]`` names a file that exists.
+    """
+    if result.summary.get("outcome") != "completed":
         print(f"elche: the run's files are kept in {directory}", file=sys.stderr, flush=True)
+        return
+    for path in directory.iterdir():
+        if path.name in KEPT_FILES:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)

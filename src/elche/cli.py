@@ -234,6 +234,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the Python script that calls elche.train")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for SCRIPT")
     run.set_defaults(run=_run_script)
+    _timeline_parser(sub)
     _bench_parser(sub)
     return parser
 
@@ -378,6 +379,33 @@ def _add_dashboard_arg(parser: argparse.ArgumentParser) -> None:
         help="serve the run's live state at http://HOST:PORT/ (/state.json, /metrics); "
         "port 0 picks a free port, HOST defaults to 127.0.0.1 (default: $ELCHE_DASHBOARD)",
     )
+    parser.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="write the run's scalars to DIR as TensorBoard event files "
+        "(needs elche[tensorboard]; default: $ELCHE_TENSORBOARD)",
+    )
+
+
+def _run_timeline(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from elche.core import timeline as tl
+    from elche.monitor.timeline import TIMELINE_FILE, read_timeline
+    from elche.monitor.trace import write_chrome_trace
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / TIMELINE_FILE).is_file():
+        raise ConfigError("run_dir", f"{run_dir} has no {TIMELINE_FILE}; give a run directory")
+    records = read_timeline(run_dir)
+    if args.chrome is None:
+        for record in records:
+            print(tl.encode(record).decode("utf-8"))
+        return 0
+    count = write_chrome_trace(records, Path(args.chrome))
+    print(f"elche timeline: {count} trace events from {len(records)} records in {args.chrome}")
+    return 0
 
 
 def _run_script(args: argparse.Namespace) -> int:
@@ -408,6 +436,10 @@ def _run_script(args: argparse.Namespace) -> int:
 
         parse_address(args.dashboard)
         env[DASHBOARD_ENV] = args.dashboard  # rank 0 serves it
+    if args.tensorboard is not None:
+        from elche.api import TENSORBOARD_ENV
+
+        env[TENSORBOARD_ENV] = args.tensorboard  # rank 0 writes it
     procs: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int) -> None:  # a signal to this process alone reaches the ranks too
@@ -438,6 +470,27 @@ def _run_script(args: argparse.Namespace) -> int:
     return stopped if stopped in codes else 0
 
 
+def _timeline_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    timeline = sub.add_parser(
+        "timeline",
+        formatter_class=_Help,
+        help="read a run directory's timeline: its records, or a Chrome trace",
+        description=(
+            "Print RUN_DIR/timeline.jsonl one record a line, or with --chrome write it as a "
+            "Chrome trace-event file (open it in Perfetto or chrome://tracing): one track "
+            "per rank with its work, idle time, averaging rounds and callbacks."
+        ),
+    )
+    timeline.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    timeline.add_argument(
+        "--chrome",
+        default=None,
+        metavar="OUT.json",
+        help="write a Chrome trace to OUT.json (default: print the records, one JSON line each)",
+    )
+    timeline.set_defaults(run=_run_timeline)
+
+
 def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser(
         "bench",
@@ -459,6 +512,12 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     bench.add_argument("--out", default=None, help="output dir (default: results/bench-<time>)")
     bench.add_argument("--repeats", type=int, default=None, help="override the suite's repeats")
+    bench.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="also run each elche mode with its dashboard served and read every second "
+        "(MODE+dashboard), interleaved, and report what it costs",
+    )
     bench.add_argument("--json", action="store_true", help="print the results JSON on stdout")
     bench.add_argument("--no-progress", action="store_true", help="no live progress display")
     bench.set_defaults(run=_run_bench)
@@ -469,16 +528,20 @@ def _run_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from elche.bench import SUITES, default_out_dir, run_bench
+    from elche.bench.suites import with_dashboard
 
     suite = SUITES[args.suite]
     if args.repeats is not None:
         if args.repeats < 1:
             raise ConfigError("repeats", f"must be >= 1, got {args.repeats}")
         suite = dataclasses.replace(suite, repeats=args.repeats)
+    if args.dashboard:
+        suite = with_dashboard(suite)
     out_dir = Path(args.out) if args.out else default_out_dir()
     command = f"elche bench --suite {args.suite}"
     if args.repeats is not None:
         command += f" --repeats {args.repeats}"
+    command += " --dashboard" if args.dashboard else ""
     command += " --json" if args.json else ""
     doc = run_bench(suite, out_dir, command=command, progress=not args.no_progress)
     if args.json:
@@ -545,6 +608,7 @@ def _demo_summary(
     crash: dict[int, float] | None = None, stall: dict[int, float] | None = None,
     faults: FaultPlan | None = None, heartbeat_timeout_s: float = 10.0,
     speed_base_s: float | None = None, dashboard: str | None = None,
+    tensorboard_dir: str | None = None,
 ) -> dict[str, object]:  # fmt: skip
     from elche.api import train
     from elche.workloads import digits
@@ -572,6 +636,7 @@ def _demo_summary(
         faults=faults,
         heartbeat_timeout_s=heartbeat_timeout_s,
         dashboard=dashboard,
+        tensorboard_dir=tensorboard_dir,
     )
     return result.summary
 
@@ -599,7 +664,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             crash=dict(_at(text, "crash") for text in args.crash),
             stall=dict(_at(text, "stall") for text in args.stall),
             faults=_read_faults(args.faults), heartbeat_timeout_s=args.heartbeat_timeout,
-            dashboard=args.dashboard,
+            dashboard=args.dashboard, tensorboard_dir=args.tensorboard,
         )  # fmt: skip
     except Interrupted as stop:  # the bundle is saved and the one line said where
         return int(stop.code)  # type: ignore[arg-type]  # Interrupted's code is an int

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 
 from elche.bench import metrics
-from elche.bench.report import acceptance, render
+from elche.bench.report import acceptance, dashboard_cost, render
 from elche.bench.rows import build_rows
-from elche.bench.suites import QUICK, SUITES, Suite, WorkloadPlan
+from elche.bench.suites import QUICK, SUITES, Suite, WorkloadPlan, split_system, with_dashboard
 
 CONTRACT_KEYS = {
     "workload", "system", "speeds", "wall_s", "samples_per_s", "efficiency",
@@ -192,3 +192,38 @@ def test_acceptance_does_not_judge_eval_of_a_lower_is_better_metric(
         "machine": {"description": "m"}, "rows": moved, "acceptance": [check],
     }  # fmt: skip
     assert "ratio miss; eval n/a (not an accuracy)" in render(doc)
+
+
+# --- the dashboard's cost ------------------------------------------------------------
+
+
+def test_with_dashboard_twins_each_elche_mode_right_after_it() -> None:
+    suite = with_dashboard(Suite(name="t", workloads=SUITE.workloads, rigs=SUITE.rigs,
+                                 systems=("torch-ddp", "cadence", "cpu-sync")))  # fmt: skip
+    assert suite.systems == (
+        "torch-ddp", "cadence", "cadence+dashboard", "cpu-sync", "cpu-sync+dashboard"
+    )  # fmt: skip
+    assert split_system("cpu-sync+dashboard") == ("cpu-sync", True)
+    assert split_system("torch-ddp") == ("torch-ddp", False)
+    assert any("+dashboard" in note for note in suite.notes)
+
+
+def test_the_dashboard_cost_is_judged_against_the_plain_runs_spread() -> None:
+    suite = Suite(name="t", workloads=SUITE.workloads, rigs=SUITE.rigs,
+                  systems=("cadence", "cadence+dashboard"), repeats=3)  # fmt: skip
+    runs = []
+    for plain, watched in ((2.0, 2.1), (2.4, 2.3), (2.2, 2.25)):
+        runs += [fake_run("cadence", plain, final_loss=0.3, eval_=0.9),
+                 fake_run("cadence+dashboard", watched, final_loss=0.3, eval_=0.9)]  # fmt: skip
+    (pair,) = dashboard_cost(build_rows(suite, runs))
+    assert pair["mode"] == "cadence" and pair["wall_s"] == 2.2 and pair["wall_s_dashboard"] == 2.25
+    assert pair["ratio"] == pytest.approx(2.25 / 2.2, abs=1e-4)
+    assert pair["spread"] == pytest.approx(1.2) and pair["within_noise"] is True
+    slow = [fake_run("cadence+dashboard", 3.0, final_loss=0.3, eval_=0.9)] * 3
+    (pair,) = dashboard_cost(
+        build_rows(suite, [r for r in runs if r["system"] == "cadence"] + slow)
+    )
+    assert pair["within_noise"] is False
+    doc = {"suite": "t", "date": "d", "command": "c", "machine": {"description": "m"},
+           "total_s": 1.0, "repeats": 3, "rows": [], "dashboard_cost": [pair]}  # fmt: skip
+    assert "| cadence | 2.20 | 3.00 | 1.364 | 1.200 | outside noise |" in render(doc)

@@ -65,17 +65,24 @@ def test_torchrun_works_unchanged(tmp_path: Path) -> None:
     assert summary["epochs_completed"] == 3
 
 
-def test_elche_run_serves_one_dashboard_from_rank_0(tmp_path: Path) -> None:
+def test_elche_run_serves_one_dashboard_and_writes_one_report_from_rank_0(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     done = subprocess.run(
         [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", "--dashboard", "127.0.0.1:0",
-         str(script), "cadence"],
+         "--tensorboard", str(tmp_path / "tb"), str(script), "cadence"],
         capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert summary_of(done.stdout)["outcome"] == "completed"
+    summary = summary_of(done.stdout)
+    assert summary["outcome"] == "completed"
     lines = done.stderr.splitlines()
     served = [line for line in lines if line.startswith("elche: dashboard at http://127.0.0.1:")]
     assert len(served) == 1, done.stderr
     assert sum(line.startswith("elche: run directory ") for line in lines) == 1
+    # elche run's run directory is kept whole; rank 0's process wrote the report there.
+    report = Path(str(summary["report"]))
+    assert report == Path(str(summary["run_dir"])) / "report.html" and report.is_file()
+    assert lines.count(f"elche: report at {report}") == 1
+    assert "window.ELCHE_STATE" in report.read_text(encoding="utf-8")
+    assert [p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir()] == [True]

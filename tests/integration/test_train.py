@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 
 import elche
+from elche.core import timeline as tl
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
+from elche.monitor.timeline import read_timeline
 from elche.workloads import digits
 from tests.promises.tiny import bundle_on_disk
 
@@ -153,9 +155,22 @@ def test_a_given_solo_step_paces_the_ranks(data: tuple[object, object], tmp_path
 
 
 def test_one_rank_trains_in_process(data: tuple[object, object], tmp_path: Path) -> None:
-    result = run(data, tmp_path, speeds=None, ranks=1, epochs=3)
+    result = run(data, tmp_path, speeds=None, ranks=1, epochs=3, dashboard="127.0.0.1:0",
+                 tensorboard_dir=str(tmp_path / "tb"))  # fmt: skip
     assert result.summary["world_size"] == 1
     assert result.summary["eval_accuracy"] >= 0.9  # type: ignore[operator]  # JSON value
+    # One rank writes the timeline a coordinator would, and its report and TensorBoard log.
+    records = read_timeline(tmp_path / "run")
+    windows = [r for r in records if isinstance(r, tl.RankWindow)]
+    assert [w.epoch for w in windows] == [0, 1, 2] and all(w.share == 1.0 for w in windows)
+    assert sum(w.samples for w in windows) == result.summary["per_rank"][0]["samples"]  # type: ignore[index]
+    assert all(0 <= w.idle_pct <= 100 and w.compute_ms_per_batch for w in windows)
+    assert [r.epoch for r in records if isinstance(r, tl.Eval)] == [1, 2, 3]  # eval_every=1
+    end = records[-1]
+    assert isinstance(end, tl.RunEnd) and end.outcome == "completed"
+    assert result.summary["report"] == str(tmp_path / "run" / "report.html")
+    assert '"phase": "done"' in (tmp_path / "run" / "report.html").read_text(encoding="utf-8")
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import elche
+from elche.api import KEPT_FILES
 from tests.promises.tiny import make_model, make_optimizer, score, step
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -102,7 +103,7 @@ def test_issue12_item05_hooks_that_raise_are_reported_and_the_run_goes_on(
     assert "eval_result_fn raised; training goes on" in err
 
 
-def test_issue12_item13_a_completed_run_removes_its_temporary_directory(
+def test_issue12_item13_issue15_item5_a_completed_run_keeps_only_its_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp puts run dirs
@@ -111,6 +112,13 @@ def test_issue12_item13_a_completed_run_removes_its_temporary_directory(
         make_model, make_optimizer, step, data, batch_size=16, epochs=1, ranks=2, progress=False
     )
     assert result.summary["outcome"] == "completed"
-    assert result.run_dir is None
-    assert list(tmp_path.iterdir()) == []
-    assert "files are kept" not in capsys.readouterr().err
+    (run_dir,) = tmp_path.glob("elche-run-*")  # its bundle, model states and logs went
+    assert result.run_dir == result.summary["run_dir"] == str(run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(KEPT_FILES)
+    assert result.summary["report"] == str(run_dir / "report.html")
+    report = (run_dir / "report.html").read_text(encoding="utf-8")
+    assert "http://" not in report and "https://" not in report
+    assert "window.ELCHE_STATE" in report and '"phase": "done"' in report
+    err = capsys.readouterr().err
+    assert "files are kept" not in err
+    assert f"elche: report at {run_dir / 'report.html'}" in err

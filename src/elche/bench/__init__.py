@@ -77,7 +77,7 @@ def run_bench(
         The results document (``results.json``'s content).
     """
     from elche.bench.charts import write_charts
-    from elche.bench.report import acceptance, render
+    from elche.bench.report import acceptance, dashboard_cost, render
     from elche.bench.rows import build_rows
     from elche.bench.runner import run_suite
 
@@ -102,6 +102,7 @@ def run_bench(
         "systems": ["solo", *suite.systems],
         "rows": rows,
         "acceptance": acceptance(rows),
+        "dashboard_cost": dashboard_cost(rows),
         "charts": charts,
         "notes": list(suite.notes),
         "out_dir": str(out_dir),

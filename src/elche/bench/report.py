@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from elche.bench import metrics
-from elche.bench.suites import DDP
+from elche.bench.suites import DDP, split_system
 
 __all__ = ["ACCEPT_RATIO", "ACCEPT_RIG", "acceptance", "render"]
 
@@ -95,6 +95,7 @@ def render(doc: Mapping[str, Any]) -> str:
     for name in dict.fromkeys(row["workload"] for row in rows):
         lines += _workload_section(name, [r for r in rows if r["workload"] == name], doc)
     lines += _acceptance_section(doc.get("acceptance") or [])
+    lines += _dashboard_section(doc.get("dashboard_cost") or [])
     for note in doc.get("notes") or []:
         lines.append(f"- {note}")
     return "\n".join(lines).rstrip() + "\n"
@@ -149,6 +150,60 @@ def _table(rig: tuple[float, ...], cell: Sequence[Row]) -> list[str]:
             f"| {_f(row['time_to_target_s'], 2)} | {_f(row['final_loss'], 4)} "
             f"| {_f(row['eval'], 4)} | {_delta(row)} | {row['syncs']} | {idle} "
             f"| {row['lost_samples']} |"
+        )
+    lines.append("")
+    return lines
+
+
+def dashboard_cost(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """Each ``MODE+dashboard`` row against its ``MODE`` row on the same workload and rig.
+
+    Returns:
+        Per pair: ``workload, rig, mode, wall_s, wall_s_dashboard`` (medians),
+        ``ratio`` (with ÷ without), ``spread`` (the plain runs' max ÷ min
+        wall: the noise) and ``within_noise`` (``|ratio - 1| <= spread - 1``).
+    """
+    out: list[dict[str, Any]] = []
+    for row in rows:
+        mode, dashboard = split_system(row["system"])
+        if not dashboard:
+            continue
+        base = next((r for r in rows if r["system"] == mode and r["workload"] == row["workload"]
+                     and r["speeds"] == row["speeds"]), None)  # fmt: skip
+        if base is None or not base.get("wall_s") or not row.get("wall_s"):
+            continue
+        walls = [w for w in base.get("wall_s_runs") or [base["wall_s"]] if w]
+        ratio = row["wall_s"] / base["wall_s"]
+        spread = max(walls) / min(walls)
+        out.append({
+            "workload": row["workload"], "rig": list(row["speeds"]), "mode": mode,
+            "wall_s": base["wall_s"], "wall_s_dashboard": row["wall_s"], "ratio": round(ratio, 4),
+            "spread": round(spread, 4), "within_noise": abs(ratio - 1) <= spread - 1,
+            "wall_s_runs": base.get("wall_s_runs"),
+            "wall_s_runs_dashboard": row.get("wall_s_runs"),
+        })  # fmt: skip
+    return out
+
+
+def _dashboard_section(pairs: Sequence[Mapping[str, Any]]) -> list[str]:
+    if not pairs:
+        return []
+    lines = [
+        "## What the dashboard costs",
+        "",
+        "Each mode with and without its dashboard (served on 127.0.0.1 and read every "
+        "second: /state.json and /metrics), interleaved in this invocation. *spread* is the "
+        "plain runs' slowest ÷ fastest wall: the noise the ratio is judged against.",
+        "",
+        "| workload | rig | mode | wall s | with dashboard s | ratio | spread | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in pairs:
+        verdict = "within noise" if p["within_noise"] else "outside noise"
+        lines.append(
+            f"| {p['workload']} | {_rig(p['rig'])} | {p['mode']} | {_f(p['wall_s'], 2)} "
+            f"| {_f(p['wall_s_dashboard'], 2)} | {_f(p['ratio'], 3)} | {_f(p['spread'], 3)} "
+            f"| {verdict} |"
         )
     lines.append("")
     return lines

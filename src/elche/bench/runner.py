@@ -41,6 +41,7 @@ goes on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 import time
@@ -49,7 +50,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from elche.bench.suites import DDP, SOLO, Suite, WorkloadPlan
+from elche.bench.suites import DDP, SOLO, Suite, WorkloadPlan, split_system
 from elche.core import timeline as tl
 from elche.monitor.summary import rank_report_file
 from elche.monitor.timeline import read_timeline
@@ -150,10 +151,11 @@ def run_one(
         elif system == SOLO:
             record.update(_solo(workload, plan, seed, data))
         else:
+            mode, dashboard = split_system(system)
             record.update(
                 _elche(
-                    workload, plan=plan, mode=system, speeds=speeds, seed=seed, split=data,
-                    speed_base_s=speed_base_s,
+                    workload, plan=plan, mode=mode, speeds=speeds, seed=seed, split=data,
+                    speed_base_s=speed_base_s, dashboard=dashboard,
                 )
             )  # fmt: skip
     except Exception as exc:  # a failed cell is reported, the suite goes on
@@ -277,16 +279,20 @@ def _elche(
     seed: int,
     split: Split,
     speed_base_s: float | None,
+    dashboard: bool = False,
 ) -> Run:
     from elche.api import train
+    from elche.bench.watch import Watch, watched_dashboard
 
-    with tempfile.TemporaryDirectory(prefix="elche-bench-") as tmp:
+    watching = watched_dashboard() if dashboard else contextlib.nullcontext(None)
+    with tempfile.TemporaryDirectory(prefix="elche-bench-") as tmp, watching as watch:
         result = train(
             workload.make_model, workload.make_optimizer, workload.step_fn, split[0],
             batch_size=plan.batch_size, epochs=plan.epochs, mode=mode, speeds=list(speeds),
             speed_base_s=speed_base_s, eval_fn=workload.eval_fn, eval_dataset=split[1],
             eval_every=plan.epochs,
             seed=seed, progress=False, run_dir=tmp,
+            dashboard=watch.address if isinstance(watch, Watch) else None,
         )  # fmt: skip
         run_dir = Path(tmp)
         timeline = read_timeline(run_dir)
@@ -315,6 +321,7 @@ def _elche(
         "lost_samples": summary["lost_samples"],
         "per_epoch": _epochs_from_timeline(timeline),
         "per_rank": per_rank,
+        "dashboard_polls": watch.polls if isinstance(watch, Watch) else None,
     }
 
 

@@ -13,10 +13,12 @@ Sizes are chosen on the 2-core development machine (CPU only) so that
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 __all__ = [
     "ALL_SYSTEMS",
+    "DASHBOARD_SUFFIX",
     "DDP",
     "ELCHE_MODES",
     "FULL",
@@ -25,12 +27,16 @@ __all__ = [
     "SUITES",
     "Suite",
     "WorkloadPlan",
+    "split_system",
+    "with_dashboard",
 ]
 
 DDP = "torch-ddp"
 SOLO = "solo"
 ELCHE_MODES = ("sync", "cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 ALL_SYSTEMS = (DDP, *ELCHE_MODES)  # per rig; SOLO runs once per workload
+# ``cadence+dashboard``: cadence, its dashboard served and read (``elche bench --dashboard``).
+DASHBOARD_SUFFIX = "+dashboard"
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,5 +109,31 @@ FULL = Suite(
         "ranks contend for CPU, which no speed injection models.",
     ),
 )
+
+
+def with_dashboard(suite: Suite) -> Suite:
+    """``suite`` with each elche mode's twin that serves and is watched by its dashboard.
+
+    The twin runs right after its mode (before it, in reversed repeats), so
+    the two see the same machine as nearly as the suite allows.
+    """
+    systems: list[str] = []
+    for system in suite.systems:
+        systems.append(system)
+        if system in ELCHE_MODES:
+            systems.append(system + DASHBOARD_SUFFIX)
+    note = (
+        f"MODE{DASHBOARD_SUFFIX}: MODE with its dashboard on 127.0.0.1 and a watcher in the "
+        "bench process reading /state.json and /metrics every second."
+    )
+    return dataclasses.replace(suite, systems=tuple(systems), notes=(*suite.notes, note))
+
+
+def split_system(system: str) -> tuple[str, bool]:
+    """A system's name as (the system without its dashboard suffix, whether it had it)."""
+    if system.endswith(DASHBOARD_SUFFIX):
+        return system.removesuffix(DASHBOARD_SUFFIX), True
+    return system, False
+
 
 SUITES = {suite.name: suite for suite in (QUICK, FULL)}

@@ -67,12 +67,15 @@ if TYPE_CHECKING:
     from multiprocessing.context import ForkServerContext, SpawnContext
 
     from elche.monitor.dashboard import Dashboard
+    from elche.monitor.tensorboard import TensorBoardLog
     from elche.runtime.worker import RankSpec, UserFns
 
 __all__ = [
+    "Watchers",
     "collect",
     "explain_outcome",
     "interrupted",
+    "keep_report",
     "launch_local",
     "on_record",
     "rank_spec",
@@ -235,12 +238,34 @@ def start_coordinator(
     return proc, line.split(maxsplit=1)[1]
 
 
-def start_watching(plan: Plan, run_dir: Path, dashboard: str | None) -> Dashboard | None:
-    """Say where the run's files are and start its dashboard, if asked for one.
+class Watchers:
+    """What follows the timeline in the launching process: the dashboard, the TensorBoard log."""
 
-    A dashboard that cannot start is reported; the run goes on without it.
+    def __init__(self, dashboard: Dashboard | None, tensorboard: TensorBoardLog | None) -> None:
+        self.dashboard = dashboard
+        self.tensorboard = tensorboard
+
+    def stop(self) -> None:
+        """Read the timeline one last time and stop following it."""
+        if self.dashboard is not None:
+            self.dashboard.stop()
+        if self.tensorboard is not None:
+            self.tensorboard.stop()
+
+
+def start_watching(
+    plan: Plan, run_dir: Path, dashboard: str | None, tensorboard_dir: str | None = None
+) -> Watchers:
+    """Say where the run's files are; start its dashboard and TensorBoard log, if asked for.
+
+    Either that cannot start is reported; the run goes on without it.
     """
     print(f"elche: run directory {run_dir}", file=sys.stderr, flush=True)
+    return Watchers(_start_dashboard(plan, run_dir, dashboard),
+                    _start_tensorboard(run_dir, tensorboard_dir))  # fmt: skip
+
+
+def _start_dashboard(plan: Plan, run_dir: Path, dashboard: str | None) -> Dashboard | None:
     if dashboard is None:
         return None
     from elche.monitor.address import parse_address
@@ -257,6 +282,21 @@ def start_watching(plan: Plan, run_dir: Path, dashboard: str | None) -> Dashboar
         return None
     print(f"elche: dashboard at {url}", file=sys.stderr, flush=True)
     return board
+
+
+def _start_tensorboard(run_dir: Path, tensorboard_dir: str | None) -> TensorBoardLog | None:
+    if tensorboard_dir is None:
+        return None
+    from elche.monitor.tensorboard import TensorBoardLog
+
+    try:
+        log = TensorBoardLog(run_dir, Path(tensorboard_dir))
+    except (OSError, ImportError) as exc:
+        print(f"elche: no TensorBoard log ({exc}); training goes on", file=sys.stderr, flush=True)
+        return None
+    log.start()
+    print(f"elche: TensorBoard log in {tensorboard_dir}", file=sys.stderr, flush=True)
+    return log
 
 
 def _rank_context() -> ForkServerContext | SpawnContext:
@@ -298,6 +338,7 @@ def launch_local(
     max_grad_norm: float | None,
     progress: bool,
     dashboard: str | None = None,
+    tensorboard_dir: str | None = None,
 ) -> TrainResult:
     """Run ``plan`` with one local process per rank; see ``elche.train``.
 
@@ -309,7 +350,7 @@ def launch_local(
     with StopSignals() as signals:
         epochs = _supervise(
             plan, fns, hooks, run_dir, signals, max_grad_norm=max_grad_norm, progress=progress,
-            dashboard=dashboard,
+            dashboard=dashboard, tensorboard_dir=tensorboard_dir,
         )  # fmt: skip
         try:
             result = collect(plan, run_dir, t0, epochs)
@@ -333,12 +374,13 @@ def _supervise(
     max_grad_norm: float | None,
     progress: bool,
     dashboard: str | None,
+    tensorboard_dir: str | None,
 ) -> list[dict[str, object]]:
     """Start the coordinator and the ranks, follow the run to its end; its epochs."""
     cfg = plan.config
     secret = new_secret()
     host, address = start_coordinator(cfg, run_dir, secret, plan.resume_from)
-    board = start_watching(plan, run_dir, dashboard)
+    board = start_watching(plan, run_dir, dashboard, tensorboard_dir)
     ctx = _rank_context()
     procs: list[Any] = []
     timeline = TimelineReader(run_dir)
@@ -389,11 +431,23 @@ def _supervise(
                 proc.join(timeout=5)
         if host.poll() is None:
             host.kill()
-        if board is not None:
-            board.stop()
+        board.stop()
     for event in timeline.new_records():
         on_record(event, epochs, hooks, display)
     return epochs
+
+
+def keep_report(plan: Plan, run_dir: Path) -> str | None:
+    """Write ``RUN_DIR/report.html``; its path, or None (said on stderr) when it cannot be."""
+    from elche.monitor.report import write_report
+
+    try:
+        path = write_report(run_dir, plan.config.world_size, devices=list(plan.devices))
+    except (OSError, ValueError) as exc:  # the run's result matters more than its report
+        print(f"elche: no report for this run ({exc})", file=sys.stderr, flush=True)
+        return None
+    print(f"elche: report at {path}", file=sys.stderr, flush=True)
+    return str(path)
 
 
 def interrupted(signum: int, result: TrainResult | None, save_path: str | None) -> Interrupted:
@@ -464,6 +518,8 @@ def collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]
     summary = run_summary(
         host, ranks, speeds=plan.speeds, launched_s=t0, save_path=plan.config.save_path
     )
+    summary["run_dir"] = str(run_dir)
+    summary["report"] = keep_report(plan, run_dir)
     user_error = summary.get("user_error")
     if isinstance(user_error, dict):
         explain_outcome(summary, plan.config.save_path)  # a non-finite loss saved a bundle

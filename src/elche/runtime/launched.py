@@ -77,6 +77,7 @@ def train_launched(
     max_grad_norm: float | None,
     run_dir: str | None,
     dashboard: str | None = None,
+    tensorboard_dir: str | None = None,
 ) -> TrainResult:
     """Train this process as rank ``$RANK`` of ``$WORLD_SIZE``; see ``elche.train``.
 
@@ -102,6 +103,7 @@ def train_launched(
         result, stopped = _train(
             plan, fns, hooks, rank=rank, host_box=host, signals=signals,
             max_grad_norm=max_grad_norm, run_dir=run_dir, dashboard=dashboard,
+            tensorboard_dir=tensorboard_dir,
         )  # fmt: skip
     if stopped != f"saved: {SaveReason.GRACEFUL_SHUTDOWN.value}":  # not stopped on request
         return result
@@ -122,6 +124,7 @@ def _train(
     max_grad_norm: float | None,
     run_dir: str | None,
     dashboard: str | None,
+    tensorboard_dir: str | None,
 ) -> tuple[TrainResult, object]:
     """Join, start the coordinator on rank 0, train; the result and why this rank stopped."""
     t0 = time.monotonic()
@@ -149,7 +152,7 @@ def _train(
         if multi_host:
             address = f"tcp://{os.environ['MASTER_ADDR']}:{address.rsplit(':', 1)[1]}"
         shared = [address, secret.hex(), str(directory)]
-        board = start_watching(bundled, directory, dashboard)
+        board = start_watching(bundled, directory, dashboard, tensorboard_dir)
     dist.broadcast_object_list(shared, src=0)
     address, secret_hex, directory_text = (str(x) for x in shared)
     directory = Path(directory_text)

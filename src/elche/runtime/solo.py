@@ -12,7 +12,8 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -25,6 +26,9 @@ from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.resume import load_bundle
 from elche.runtime.user_errors import describe
 from elche.runtime.worker import UserFns
+
+if TYPE_CHECKING:
+    from elche.runtime.solo_record import SoloRecord
 
 __all__ = ["train_solo"]
 
@@ -46,6 +50,10 @@ class _Solo:
     first_step_s: float | None = None
     eval_metric: float | None = None
     epochs: list[dict[str, object]] = field(default_factory=list)
+    record: SoloRecord | None = None  # the run's timeline, when it has a run directory
+    batches: int = 0  # this epoch's
+    compute_s: float = 0.0  # this epoch's, in the steps, the speed injection's waits excluded
+    epoch_trained: int = 0  # samples trained before this epoch
 
     def batch(self, perm: list[int], positions: range) -> Any:
         indices = [perm[i] for i in positions]
@@ -68,6 +76,16 @@ class _Solo:
         return sum(losses) / len(losses) if losses else None
 
     def step(self, batch: Any) -> float:
+        started_s = time.monotonic()
+        injected_s = self.pacer.injected_s if self.pacer is not None else 0.0
+        self.batches += 1
+        try:
+            return self._step(batch)
+        finally:
+            waited_s = (self.pacer.injected_s if self.pacer is not None else 0.0) - injected_s
+            self.compute_s += max(time.monotonic() - started_s - waited_s, 0.0)
+
+    def _step(self, batch: Any) -> float:
         loss = self.fns.step_fn(self.model, batch)
         self.optimizer.zero_grad(set_to_none=True)
         value = float(loss.detach())
@@ -81,16 +99,34 @@ class _Solo:
             self.pacer.after_step()
         return value
 
+    def begin_epoch(self, epoch: int) -> None:
+        self.batches, self.compute_s, self.epoch_trained = 0, 0.0, self.trained
+        if self.record is not None:
+            self.record.epoch_started(epoch)
+
+    def end_epoch(self, epoch: int, loss: float | None) -> None:
+        if self.record is not None:
+            lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
+            self.record.epoch_ended(
+                epoch, loss=loss, lr=float(lr) if isinstance(lr, int | float) else None,
+                batches=self.batches, samples=self.trained - self.epoch_trained,
+                compute_s=self.compute_s,
+            )  # fmt: skip
+
     def after_epoch(self, epoch: int, loss: float | None, hooks: Hooks) -> None:
         cfg = self.plan.config
         record: dict[str, object] = {"epoch": epoch, "loss": loss}
         done = epoch + 1
         if self.fns.eval_fn is not None and (done % cfg.eval_every == 0 or done == cfg.epochs):
+            started_s = time.monotonic()
             self.model.eval()
             with torch.no_grad():
                 self.eval_metric = float(self.fns.eval_fn(self.model, self.fns.eval_dataset))
             self.model.train()
             record["eval"] = self.eval_metric
+            if self.record is not None:
+                duration_ms = 1000 * (time.monotonic() - started_s)
+                self.record.evaluated(done, self.eval_metric, duration_ms)
             if hooks.eval_result_fn is not None:
                 hooks.eval_result_fn(done, self.eval_metric)
         every = cfg.checkpoint_every
@@ -108,14 +144,50 @@ def train_solo(
     *,
     max_grad_norm: float | None,
     run_dir: str | None,
+    dashboard: str | None = None,
+    tensorboard_dir: str | None = None,
 ) -> TrainResult:
-    """Train on one device in this process; see ``elche.train``."""
+    """Train on one device in this process; see ``elche.train``.
+
+    With a ``run_dir`` the run writes its timeline there (``SoloRecord``),
+    served by the dashboard and the TensorBoard log if asked for, and its
+    report at the end (``summary["report"]``).
+    """
+    if run_dir is None:
+        return _train_solo(plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=None)
+    from elche.runtime.solo_record import SoloRecord
+
+    record = SoloRecord(plan, Path(run_dir), dashboard=dashboard, tensorboard_dir=tensorboard_dir)
+    try:
+        result = _train_solo(plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir,
+                             record=record)  # fmt: skip
+    except BaseException as exc:
+        record.ended(outcome="failed", reason=f"{type(exc).__name__}: {exc}", epochs=0, samples=0)
+        raise
+    summary = result.summary
+    summary["run_dir"] = run_dir
+    summary["report"] = record.ended(
+        outcome="completed", reason="", epochs=plan.config.epochs,
+        samples=int(summary["per_rank"][0]["samples"]),  # type: ignore[index]  # JSON-shaped
+    )  # fmt: skip
+    return result
+
+
+def _train_solo(
+    plan: Plan,
+    fns: UserFns,
+    hooks: Hooks,
+    *,
+    max_grad_norm: float | None,
+    run_dir: str | None,
+    record: SoloRecord | None = None,
+) -> TrainResult:
     t0 = time.monotonic()
     cfg = plan.config
     device = torch.device(plan.devices[0])
     model = _user(0, lambda: fns.model_fn(device))
     optimizer = _user(0, lambda: fns.optimizer_fn(model.parameters()))
-    solo = _Solo(plan, fns, model, optimizer, device, max_grad_norm)
+    solo = _Solo(plan, fns, model, optimizer, device, max_grad_norm, record=record)
     start_epoch, holes = _resume(solo, plan.resume_from)
     perm = epoch_permutation(cfg.num_samples, seed=cfg.seed, epoch=0)
     first = _user(0, lambda: solo.batch(perm, range(min(cfg.batch_size, cfg.num_samples))))
@@ -123,11 +195,13 @@ def train_solo(
         model, solo.optimizer, fns.step_fn, first, speed=plan.speeds[0], base_s=plan.speed_base_s
     ))  # fmt: skip
     for epoch in range(start_epoch, cfg.epochs):
+        solo.begin_epoch(epoch)
         if fns.epoch_fn is not None:
             epoch_fn = fns.epoch_fn
             _user(epoch, lambda: epoch_fn(epoch, model, solo.optimizer))  # noqa: B023  # called at once
         spans = holes.get(epoch, ((0, cfg.num_samples),))
         loss = _user(epoch, lambda: solo.train_epoch(epoch, spans))  # noqa: B023  # called at once
+        solo.end_epoch(epoch, loss)
         solo.after_epoch(epoch, loss, hooks)
     end = time.monotonic()
     first_step = solo.first_step_s or end

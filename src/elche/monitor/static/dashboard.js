@@ -1,4 +1,5 @@
-// elche's dashboard page: draws /state.json, kept live by the /events stream.
+// elche's dashboard page: draws /state.json, kept live by the /events stream; or, in a
+// run's report.html, draws the state inlined as window.ELCHE_STATE and connects to nothing.
 // Charts are uPlot (vendored under /static, MIT); nothing is fetched from elsewhere.
 "use strict";
 
@@ -103,4 +104,5 @@ function connect() {
   events.addEventListener("complete", () => events.close());
 }
 
-connect();
+if (window.ELCHE_STATE) draw(window.ELCHE_STATE);
+else connect();
