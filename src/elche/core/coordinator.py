@@ -43,12 +43,21 @@ import enum
 import math
 from typing import assert_never
 
-from elche.core import failures
+from elche.core import failures, journal
 from elche.core import messages as m
 from elche.core import timeline as tl
 from elche.core.callbacks import Callbacks
 from elche.core.checkpoint import CheckpointMeta, SaveReason
-from elche.core.commands import ArmTimer, Broadcast, Command, Emit, Finish, Notice, Send
+from elche.core.commands import (
+    AppendJournal,
+    ArmTimer,
+    Broadcast,
+    Command,
+    Emit,
+    Finish,
+    Notice,
+    Send,
+)
 from elche.core.config import Backend, CoordinatorConfig
 from elche.core.elche_state import ElCheState
 from elche.core.errors import LocalProtocolError, RemoteProtocolError
@@ -149,6 +158,9 @@ class Coordinator:
         self.epochs_completed = 0
         self.outcome: str | None = None
         self.failure: m.Shutdown | None = None  # what a failed run told its ranks
+        self.coordinator_restarts = 0  # coordinators before this one (``journal.restore``)
+        self.restored_round: int | None = None  # the journal's round, if restored
+        self._journaled: tuple[int, tuple[int, ...]] | None = None  # (round, open epochs)
         self._start_epoch = 0
         self._resume = resume
         self._unsatisfied: set[int] = set()
@@ -193,9 +205,9 @@ class Coordinator:
             case Started():
                 self._formation_deadline_s = now_s + self.config.formation_timeout_s
                 self._arm()
-            case RankJoined(rank=rank, host=host):
+            case RankJoined(rank=rank, host=host, held=held):
                 self._check_rank(rank)
-                self._on_join(rank, host)
+                self._on_join(rank, host, held)
             case MessageReceived(rank=rank, message=message):
                 self._check_rank(rank)
                 self._on_message(rank, message)
@@ -225,10 +237,24 @@ class Coordinator:
                 f"event names rank {rank}; world size is {self.config.world_size}"
             )
 
-    def _on_join(self, rank: int, host: str) -> None:
+    @classmethod
+    def restore(cls, config: CoordinatorConfig, record: journal.JournalRecord) -> Coordinator:
+        """A coordinator that goes on from the journal's ``record`` (``journal.restore``)."""
+        return journal.restore(config, record)
+
+    def _on_join(self, rank: int, host: str, held: m.Held | None = None) -> None:
         if self.state is not RunState.FORMING or self.rank_state[rank] is not RankState.JOINING:
             self._evict(rank, RemoteProtocolError("joined twice", rank=rank))
             return
+        if self.restored_round is not None:
+            try:
+                if held is None:
+                    raise RemoteProtocolError("rejoined holding nothing", rank=rank)
+                journal.rebook(self, rank, held)
+            except RemoteProtocolError as exc:
+                self.rank_state[rank] = RankState.LIVE  # so that it is lost like a live one
+                self._evict(rank, exc)
+                return
         self.rank_state[rank] = RankState.LIVE
         self.hosts[rank] = host
         self.last_seen_s[rank] = self._now
@@ -243,6 +269,7 @@ class Coordinator:
         if self._resume is None:
             self._open_epoch(self._start_epoch)
         self._open_window()
+        self._journal()
 
     def _apply_resume(self, meta: CheckpointMeta) -> None:
         # At or past this run's plan the run is finished: it completes at once.
@@ -383,6 +410,18 @@ class Coordinator:
         epoch = serving[0] if serving else min(self.epochs_completed, self.config.epochs - 1)
         self._out += self.telemetry.on_round(self._now, self.live, epoch)
         self._open_window()
+        self._journal()
+
+    def _journal(self) -> None:
+        """Append the journal record of a new round or new open epochs (once each)."""
+        if self.state not in (RunState.TRAINING, RunState.FINISHING, RunState.CLOSING):
+            return
+        key = (self.rounds_done, tuple(self.work.open_epochs()))
+        if key == self._journaled:
+            return
+        compact = self._journaled is None or key[1] != self._journaled[1]
+        self._journaled = key
+        self._out.append(AppendJournal(record=journal.record_of(self), compact=compact))
 
     # -- windows, epochs and dispatch ----------------------------------------
 
@@ -428,6 +467,7 @@ class Coordinator:
         nxt = self.work.next_epoch_to_open()
         if nxt is not None and len(self.work.open_epochs()) < 2:
             self._open_epoch(nxt)
+            self._journal()  # a rank may hold batches of it before the next round
 
     def _epoch_finished(self, epoch: int) -> None:
         total, count = self._epoch_loss.pop(epoch, (0.0, 0))

@@ -235,7 +235,8 @@ def maybe_form(core: Coordinator) -> None:
 
     if any(s is RankState.JOINING for s in core.rank_state):
         return
-    if core.dead_ranks and core.config.backend is Backend.COLLECTIVE:
+    restored = core.restored_round is not None  # the ranks' group outlived the coordinator
+    if core.dead_ranks and core.config.backend is Backend.COLLECTIVE and not restored:
         core.generation += 1
         core._broadcast(m.Regroup(generation=core.generation, members=core.live))
     core._begin_training()

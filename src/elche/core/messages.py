@@ -35,6 +35,7 @@ __all__ = [
     "Exiting",
     "Failed",
     "Heartbeat",
+    "Held",
     "Hello",
     "InitialState",
     "LrUpdate",
@@ -75,13 +76,30 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 # --- rank -> coordinator ---------------------------------------------------
 
 
+class Held(msgspec.Struct, frozen=True, kw_only=True):
+    """What a rank holds in its model when it rejoins a restarted coordinator.
+
+    ``last_round``: the last averaging round it applied (0: none);
+    ``averaged``: its own batches that round averaged; ``since``: the batches
+    it trained after it, oldest first. A batch is ``(epoch, offset, size)``.
+    """
+
+    last_round: int = 0
+    averaged: tuple[tuple[int, int, int], ...] = ()
+    since: tuple[tuple[int, int, int], ...] = ()
+
+
 class Hello(_Msg, frozen=True):
-    """A rank joined: first frame on a new connection."""
+    """A rank joined: first frame on a new connection.
+
+    ``held`` is set when it reconnects after its coordinator was lost.
+    """
 
     rank: int
     world_size: int
     host: str = ""
     pid: int = 0
+    held: Held | None = None
 
 
 class InitialState(_Msg, frozen=True):

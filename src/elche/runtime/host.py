@@ -44,6 +44,7 @@ from elche.core import messages as m
 from elche.core import timeline as tl
 from elche.core.checkpoint import BundleFile, BundleFiles, CheckpointMeta, SaveReason
 from elche.core.commands import (
+    AppendJournal,
     ArmTimer,
     AverageSnapshots,
     Broadcast,
@@ -69,10 +70,12 @@ from elche.core.events import (
     TimerFired,
 )
 from elche.core.guards import GuardKind
+from elche.core.journal import JournalRecord
 from elche.monitor.summary import SUMMARY_FILE, RunStats, coordinator_summary
 from elche.monitor.timeline import TimelineWriter
 from elche.runtime import bundle
 from elche.runtime.frames import SECRET_ENV, secret_from_env
+from elche.runtime.journal_file import JOURNAL_FILE, JournalWriter, read_journal
 from elche.runtime.lifetimes import EXIT_ORPHANED, ORPHAN_GRACE_S
 from elche.runtime.lookout import Lookout
 from elche.runtime.snapshots import (
@@ -111,6 +114,8 @@ class Host:
         endpoint: the bound control plane.
         run_dir: where the summary and timeline go.
         resume: a meta to continue from.
+        restore: the journal's newest record, to go on from where a lost
+            coordinator of this run left it (``Coordinator.restore``).
         log: where notices are printed.
     """
 
@@ -121,12 +126,17 @@ class Host:
         run_dir: Path,
         *,
         resume: CheckpointMeta | None = None,
+        restore: JournalRecord | None = None,
         log: TextIO = sys.stderr,
     ) -> None:
         # The meta at the save path now: its files go once a newer meta is written.
         self._committed = _read_meta(config.save_path)
         last = 0 if self._committed is None else self._committed.save_seq
-        self.core = Coordinator(config, resume=resume, last_save=last)
+        if restore is not None:
+            self.core = Coordinator.restore(config, restore)
+        else:
+            self.core = Coordinator(config, resume=resume, last_save=last)
+        self._journal = JournalWriter(run_dir / JOURNAL_FILE)
         self.endpoint = endpoint
         self.run_dir = run_dir
         self.log = log
@@ -274,6 +284,8 @@ class Host:
                 self._average(number, dict(param_mass), dict(buffer_mass))
             case WriteMeta(stem=stem, meta=meta):
                 self._write_meta(stem, meta)
+            case AppendJournal(record=record, compact=compact):
+                self._append_journal(record, compact)
             case Notice(level=level, text=text):
                 self._print(level, text)
             case Emit(event=event):
@@ -282,6 +294,18 @@ class Host:
                 self.finish = command
             case _:
                 assert_never(command)
+
+    def _append_journal(self, record: JournalRecord, compact: bool) -> None:
+        """Make ``record`` durable in the run directory; a failure is said, not fatal."""
+        try:
+            self._journal.append(record, compact=compact)
+        except OSError as exc:
+            self._print(
+                "error",
+                f"journal record of round {record.rounds_done} not written ({exc}); "
+                "a lost coordinator could not be restarted from it",
+            )
+            self._journal.close()
 
     def _write_meta(self, stem: str, meta: CheckpointMeta) -> None:
         """Commit a bundle: its outer momentum, then the meta that names every file.
@@ -447,8 +471,10 @@ def config_from_json(text: str) -> CoordinatorConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the coordinator process."""
     args = list(sys.argv[1:] if argv is None else argv)
+    restoring = "--restore" in args  # a lost coordinator's successor: go on from the journal
+    args = [a for a in args if a != "--restore"]
     if len(args) != 1:
-        print("usage: python -m elche.runtime.host RUN_DIR", file=sys.stderr)
+        print("usage: python -m elche.runtime.host RUN_DIR [--restore]", file=sys.stderr)
         return 2
     # Ctrl-C reaches the launcher's process group, not this one (the launcher
     # starts it in its own); if one comes anyway, the launcher orders the stop.
@@ -463,6 +489,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if resume_file.exists()
         else None
     )
+    try:
+        restore = read_journal(run_dir / JOURNAL_FILE) if restoring else None
+    except ConfigError as exc:
+        print(f"elche coordinator: cannot restart: {exc}", file=sys.stderr)
+        return FAILED_EXIT
     bind = os.environ.get("ELCHE_BIND", "tcp://127.0.0.1:0")
     endpoint = CoordinatorEndpoint(
         world_size=config.world_size, secret=secret_from_env(os.environ), bind=bind
@@ -472,7 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (run_dir / "coordinator.pid").write_text(str(os.getpid()))
     print(f"{ADDRESS_LINE} {endpoint.address}", flush=True)
     with endpoint:
-        host = Host(config, endpoint, run_dir, resume=resume)
+        host = Host(config, endpoint, run_dir, resume=resume, restore=restore)
         signal.signal(signal.SIGTERM, lambda signum, frame: host.request_stop("SIGTERM"))
         for reason in stops:
             host.request_stop(reason)

@@ -46,6 +46,7 @@ from elche.core import messages as m
 from elche.core import timeline as tl
 from elche.core.checkpoint import CheckpointMeta, SaveReason
 from elche.core.commands import (
+    AppendJournal,
     ArmTimer,
     AverageSnapshots,
     Broadcast,
@@ -69,6 +70,7 @@ from elche.core.events import (
     TimerFired,
 )
 from elche.core.faults import FailCheckpoint, FaultPlan, Kill, SlowDown, Stall, position
+from elche.core.journal import JournalRecord
 from elche.core.rank import (
     Average,
     Callback,
@@ -233,6 +235,7 @@ class Simulation:
         self.timeline: list[tl.TimelineEvent] = []  # stamped with virtual time
         self.trace: list[str] | None = [] if record_trace else None
         self.metas: list[CheckpointMeta] = []
+        self.journal: list[JournalRecord] = []  # since the last compaction
         self.committed: dict[int, list[tuple[int, int]]] = {}
         self.committed_by_rank = [0] * len(self.ranks)
         self.finish: Finish | None = None
@@ -315,6 +318,10 @@ class Simulation:
                 self._start_average(number, [r for r, _ in mass])
             case WriteMeta(meta=meta):
                 self.metas.append(meta)
+            case AppendJournal(record=record, compact=compact):
+                if compact:
+                    self.journal.clear()
+                self.journal.append(record)
             case Notice(level=level, text=text):
                 self.notices.append((self.now, level, text))
             case Emit(event=event):
