@@ -14,6 +14,7 @@ from elche.core.dispatch import ChunkPool
 from elche.core.errors import ConfigError
 from elche.core.events import RankJoined, Started
 from elche.core.journal import JournalRecord
+from elche.core.rank import Hold, RankProtocol, Train
 from elche.core.timeline import RunEnd
 from tests.core.harness import Harness, config, of
 
@@ -156,3 +157,35 @@ def test_claim_carves_exactly_the_span_out_of_the_reclaimed_queue() -> None:
     assert not pool.claim(0, (45, 10))  # straddles a committed span
     assert not pool.claim(0, (20, 5))  # already claimed
     assert pool.commit(1, 10) == 10 and pool.uncovered() == [(0, 20), (30, 20), (70, 30)]
+
+
+def test_max_coordinator_restarts_must_be_a_count() -> None:
+    with pytest.raises(ConfigError, match="max_coordinator_restarts"):
+        config(max_coordinator_restarts=-1)
+    assert config().max_coordinator_restarts == 3
+
+
+def test_a_rank_rejoins_with_what_its_model_holds_and_forgets_its_orders() -> None:
+    proto = RankProtocol(1, mode=Mode.CADENCE, batch_size=32)
+    proto.handle(m.AssignChunk(epoch=0, offset=0, size=320, budget=3, window=3))
+    for _ in range(3):
+        action = proto.next_action()
+        assert isinstance(action, Train)
+        proto.trained(action, batch_ms=1.0, data_ms=0.0, loss=None)
+    proto.handle(m.SyncNow(round=4, generation=0))
+    proto.averaged()
+    proto.handle(m.SetBudget(budget=6, window=6))
+    for _ in range(2):
+        action = proto.next_action()
+        assert isinstance(action, Train)
+        proto.trained(action, batch_ms=1.0, data_ms=0.0, loss=None)
+    proto.handle(m.SyncNow(round=5, generation=0))  # the lost coordinator's last order
+    proto.handle(m.Rejoin())
+    hello = proto.rejoin(world_size=3, host="h", pid=7)
+    assert hello.held == m.Held(
+        last_round=4,
+        averaged=((0, 0, 32), (0, 32, 32), (0, 64, 32)),
+        since=((0, 96, 32), (0, 128, 32)),
+    )
+    assert (hello.rank, hello.world_size) == (1, 3)
+    assert isinstance(proto.next_action(), Hold)  # no chunk, no round: it waits for work

@@ -703,6 +703,7 @@ class Coordinator:
                 anchor=self.elche.anchor,
                 samples_per_rank=tuple(self.work.samples_committed),
                 user_error=user_error or self.failures.nonfinite,
+                coordinator_restarts=self.coordinator_restarts,
             )
         )
         self._out.append(Finish(outcome=outcome, reason=reason))

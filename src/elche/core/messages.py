@@ -42,6 +42,7 @@ __all__ = [
     "Message",
     "RankMessage",
     "Regroup",
+    "Rejoin",
     "RequestParams",
     "RunCheckpoint",
     "RunEval",
@@ -66,7 +67,8 @@ __all__ = [
 # 2: the averaging round is `round` in every message (was `cycle`).
 # 3: Failed; Shutdown.failure; BatchDone.nonfinite.
 # 4: saves are numbered and confirmed (``SaveState``, ``StateSaved.files``).
-PROTOCOL_VERSION = 4
+# 5: a restarted coordinator (``Rejoin``, ``Hello.held``).
+PROTOCOL_VERSION = 5
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -376,6 +378,11 @@ class CoordHeartbeat(_Msg, frozen=True):
     """Coordinator liveness beacon."""
 
 
+class Rejoin(_Msg, frozen=True):
+    """A coordinator restarted from the run's journal heard from a rank that has
+    not joined it: the rank says ``Hello`` again, with what it holds (``Held``)."""
+
+
 RankMessage = (
     Hello
     | BatchDone
@@ -404,6 +411,7 @@ CoordMessage = (
     | RunEval
     | EvalBroadcast
     | EpochDone
+    | Rejoin
     | Shutdown
     | SaveState
     | ShutdownWithSave

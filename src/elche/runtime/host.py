@@ -39,6 +39,7 @@ from typing import TextIO, assert_never
 
 import msgspec
 import numpy as np
+import zmq
 
 from elche.core import messages as m
 from elche.core import timeline as tl
@@ -72,7 +73,7 @@ from elche.core.events import (
 from elche.core.guards import GuardKind
 from elche.core.journal import JournalRecord
 from elche.monitor.summary import SUMMARY_FILE, RunStats, coordinator_summary
-from elche.monitor.timeline import TimelineWriter
+from elche.monitor.timeline import TimelineWriter, read_timeline
 from elche.runtime import bundle
 from elche.runtime.frames import SECRET_ENV, secret_from_env
 from elche.runtime.journal_file import JOURNAL_FILE, JournalWriter, read_journal
@@ -104,6 +105,12 @@ FAILED_EXIT = 4
 RESUME_OUTER = "resume.outer.npz"
 # The loop never sleeps longer than this, so a lost timer costs at most this.
 MAX_WAIT_S = 0.5
+# Testing hook: the run's first coordinator SIGKILLs itself at a named point:
+# ``round:N`` (round N journaled), ``averaging:N`` (round N's average asked
+# for), ``final`` (the final model's save ordered). See docs/failure-modes.md.
+FAULT_ENV = "ELCHE_FAULT_COORDINATOR"
+FIRST_DISPATCH_FILE = "first_dispatch"  # the first work's monotonic time, for a successor
+RUN_START_FILE = "coordinator.started"  # the first coordinator's start, monotonic
 
 
 class Host:
@@ -137,13 +144,14 @@ class Host:
         else:
             self.core = Coordinator(config, resume=resume, last_save=last)
         self._journal = JournalWriter(run_dir / JOURNAL_FILE)
+        self._kill_at = os.environ.get(FAULT_ENV, "")
         self.endpoint = endpoint
         self.run_dir = run_dir
         self.log = log
         self.stats = RunStats()
         self.finish: Finish | None = None
         self._deadline = math.inf
-        self._started = time.monotonic()
+        self._started = _run_start(run_dir, restored=restore is not None)
         self._snapshots: dict[int, tuple[Layout, list[bytes | memoryview]]] = {}
         self._update: tuple[int, list[bytes | memoryview]] | None = None
         self.outer = (
@@ -163,6 +171,8 @@ class Host:
         if self.outer is not None and saved_outer.exists():
             load_outer_state(self.outer, saved_outer)
             self._record(tl.OuterMomentumRestored(file=str(saved_outer)))
+        if restore is not None:
+            self._carry_on_stats()
 
     def watch(self, stream: TextIO, *, on_eof: Callable[[], None] | None = None) -> None:
         """Read launcher reports from ``stream`` (a pipe) on a daemon thread.
@@ -243,8 +253,8 @@ class Host:
 
     def _event(self, inbound: Joined | Received | Rejected) -> Event:
         match inbound:
-            case Joined(rank=rank, host=host):
-                return RankJoined(rank=rank, host=host)
+            case Joined(rank=rank, host=host, held=held):
+                return RankJoined(rank=rank, host=host, held=held)
             case Received(rank=rank, message=message, payload=payload):
                 if isinstance(message, m.SnapshotReady) and payload:
                     self._stash_snapshot(rank, payload)
@@ -294,6 +304,19 @@ class Host:
                 self.finish = command
             case _:
                 assert_never(command)
+        if self._kill_at and self.core.coordinator_restarts == 0 and _due(self._kill_at, command):
+            self.endpoint.close()  # what was sent leaves first: the hook kills after it
+            zmq.Context.instance().term()
+            os.kill(os.getpid(), signal.SIGKILL)  # the testing hook (FAULT_ENV)
+
+    def _carry_on_stats(self) -> None:
+        """A successor's summary counts what its predecessors saw (the timeline says it)."""
+        for event in read_timeline(self.run_dir):
+            if not isinstance(event, tl.RunEnd):
+                self.stats.observe(event, self._started + event.t)
+        with contextlib.suppress(OSError, ValueError):
+            first = float((self.run_dir / FIRST_DISPATCH_FILE).read_text(encoding="utf-8"))
+            self.stats.first_dispatch_s = first
 
     def _append_journal(self, record: JournalRecord, compact: bool) -> None:
         """Make ``record`` durable in the run directory; a failure is said, not fatal."""
@@ -358,6 +381,8 @@ class Host:
             payload = self._update[1]
         if isinstance(message, m.AssignChunk) and self.stats.first_dispatch_s is None:
             self.stats.first_dispatch_s = time.monotonic()
+            with contextlib.suppress(OSError):  # for a successor's wall time (same host clock)
+                (self.run_dir / FIRST_DISPATCH_FILE).write_text(repr(self.stats.first_dispatch_s))
         try:
             self.endpoint.send(rank, message, payload)
         except Exception as exc:  # a rank that is gone shows up as RankLost later
@@ -415,6 +440,29 @@ class Host:
             self.stats, mode=config.mode.value, world_size=config.world_size
         )
         _write_atomic(self.run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
+
+
+def _run_start(run_dir: Path, *, restored: bool) -> float:
+    """The monotonic time the run's first coordinator started (the timeline's zero)."""
+    path = run_dir / RUN_START_FILE
+    if restored:
+        with contextlib.suppress(OSError, ValueError):
+            return float(path.read_text(encoding="utf-8"))
+    now = time.monotonic()
+    with contextlib.suppress(OSError):
+        path.write_text(repr(now), encoding="utf-8")
+    return now
+
+
+def _due(point: str, command: Command) -> bool:
+    """``command`` is where the testing hook ``point`` (``FAULT_ENV``) kills."""
+    kind, _, number = point.partition(":")
+    message = command.message if isinstance(command, Send | Broadcast) else None
+    if kind == "round" and isinstance(command, AppendJournal):
+        return command.record.rounds_done >= int(number)
+    if kind == "averaging" and isinstance(message, m.SyncNow | m.RequestParams):
+        return message.round >= int(number)
+    return kind == "final" and isinstance(message, m.Shutdown) and message.writer >= 0
 
 
 def _names(files: BundleFiles) -> set[str]:
@@ -496,7 +544,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return FAILED_EXIT
     bind = os.environ.get("ELCHE_BIND", "tcp://127.0.0.1:0")
     endpoint = CoordinatorEndpoint(
-        world_size=config.world_size, secret=secret_from_env(os.environ), bind=bind
+        world_size=config.world_size,
+        secret=secret_from_env(os.environ),
+        bind=bind,
+        restarts=0 if restore is None else restore.coordinator_restarts + 1,
     )
     if SECRET_ENV not in os.environ:
         print("elche coordinator: no ELCHE_SECRET given; generated one", file=sys.stderr)

@@ -298,6 +298,23 @@ class Worker:
         if isinstance(message, m.Update):
             self._update_payload = payload
         self.proto.handle(message)
+        if isinstance(message, m.Rejoin):
+            self._rejoin()
+
+    def _rejoin(self) -> None:
+        """A coordinator restarted from the journal: say Hello again with what the model holds."""
+        self.unreported.clear()  # the Hello's ``held`` says it all
+        hello = self.proto.rejoin(
+            world_size=self.spec.world_size, host=os.uname().nodename, pid=os.getpid()
+        )
+        assert hello.held is not None
+        print(
+            f"elche rank {self.spec.rank}: the coordinator restarted; rejoining with "
+            f"{len(hello.held.since)} batch(es) since round {hello.held.last_round}",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._send(hello)
 
     def _send(self, message: m.RankMessage, payload: Sequence[memoryview | bytes] = ()) -> None:
         assert self.bridge is not None
