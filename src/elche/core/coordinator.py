@@ -160,6 +160,7 @@ class Coordinator:
         self.failure: m.Shutdown | None = None  # what a failed run told its ranks
         self.coordinator_restarts = 0  # coordinators before this one (``journal.restore``)
         self.restored_round: int | None = None  # the journal's round, if restored
+        self.restored_dead: tuple[int, ...] = ()  # the ranks the journal had lost
         self._journaled: tuple[int, tuple[int, ...]] | None = None  # (round, open epochs)
         self._start_epoch = 0
         self._resume = resume
@@ -638,6 +639,11 @@ class Coordinator:
     def _on_timer(self) -> None:
         now = self._now
         if self.state is RunState.FORMING:
+            if now >= self._formation_deadline_s and self.restored_round is not None:
+                for rank, state in enumerate(self.rank_state):  # a lost coordinator's ranks
+                    if state is RankState.JOINING and self.state is RunState.FORMING:
+                        self._lose(rank, "did not rejoin the restarted coordinator")
+                return
             if now >= self._formation_deadline_s:
                 joined = sum(s is RankState.LIVE for s in self.rank_state)
                 failures.fail(

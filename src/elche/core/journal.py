@@ -136,6 +136,7 @@ def restore(config: CoordinatorConfig, record: JournalRecord) -> Coordinator:
         core.elche.retire(rank)
         core.planner.note_rank_lost(rank)
     core.restored_round = record.rounds_done
+    core.restored_dead = record.dead_ranks
     return core
 
 
