@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from elche.core import messages as m
-from elche.core.commands import AppendJournal, Finish
+from elche.core.commands import AppendJournal, Finish, Send
 from elche.core.config import Mode
 from elche.core.coordinator import Coordinator, RankState, RunState
 from elche.core.dispatch import ChunkPool
@@ -123,12 +123,24 @@ def test_the_journal_is_compacted_when_the_open_epochs_change_and_bounded_by_the
     appended = of(h.log, AppendJournal)
     compacts = [c for c in appended if c.compact]  # type: ignore[attr-defined]
     assert appended[0].compact  # type: ignore[attr-defined]
-    # One compaction per epoch opened and one when the last one closed.
+    # One compaction per epoch opened, each written before the epoch's first
+    # chunk, and one once the last epoch is settled.
     assert [c.record.open_epochs for c in compacts] == [(0,), (1,), (2,), ()]  # type: ignore[attr-defined]
+    for compact in compacts[:-1]:
+        at = h.log.index(compact)
+        epoch = compact.record.open_epochs[0]  # type: ignore[attr-defined]
+        first_chunk = next(
+            i for i, c in enumerate(h.log)
+            if isinstance(c, Send) and isinstance(c.message, m.AssignChunk)
+            and c.message.epoch == epoch
+        )  # fmt: skip
+        assert at < first_chunk
+    assert appended[-1].record.rounds_done == h.core.rounds_done  # type: ignore[attr-defined]
     for command in appended:
         assert len(command.record.coverage) <= 2  # type: ignore[attr-defined]
-    rounds = [c.record.rounds_done for c in appended]  # type: ignore[attr-defined]
-    assert rounds == sorted(rounds) and len(rounds) == len(set(rounds))
+    keys = [(c.record.rounds_done, c.record.open_epochs) for c in appended]  # type: ignore[attr-defined]
+    rounds = [r for r, _ in keys]
+    assert rounds == sorted(rounds) and len(keys) == len(set(keys))  # each new state once
 
 
 def test_a_coordinator_restored_after_training_writes_the_final_model() -> None:

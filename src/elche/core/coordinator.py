@@ -269,8 +269,8 @@ class Coordinator:
         self._arm()
         if self._resume is None:
             self._open_epoch(self._start_epoch)
-        self._open_window()
         self._journal()
+        self._open_window()
 
     def _apply_resume(self, meta: CheckpointMeta) -> None:
         # At or past this run's plan the run is finished: it completes at once.
@@ -410,11 +410,16 @@ class Coordinator:
         serving = self.work.open_epochs()
         epoch = serving[0] if serving else min(self.epochs_completed, self.config.epochs - 1)
         self._out += self.telemetry.on_round(self._now, self.live, epoch)
-        self._open_window()
         self._journal()
+        self._open_window()
+        self._journal()  # the epochs it settled: a successor does not settle them again
 
     def _journal(self) -> None:
-        """Append the journal record of a new round or new open epochs (once each)."""
+        """Append the journal record of a new round or new open epochs (once each).
+
+        Called before any work of the new window or epoch is sent: a rank can
+        only hold batches of epochs the journal knows open.
+        """
         if self.state not in (RunState.TRAINING, RunState.FINISHING, RunState.CLOSING):
             return
         key = (self.rounds_done, tuple(self.work.open_epochs()))
@@ -452,6 +457,7 @@ class Coordinator:
         if role is not None:
             self._broadcast(m.SetEpochCallbackRole(rank=role))
         self._emit(tl.EpochStart(epoch=epoch))
+        self._journal()  # before its first chunk is sent
 
     def _dispatch(self, rank: int) -> None:
         """Give ``rank`` its next chunk if it is idle and may take one."""
@@ -468,7 +474,6 @@ class Coordinator:
         nxt = self.work.next_epoch_to_open()
         if nxt is not None and len(self.work.open_epochs()) < 2:
             self._open_epoch(nxt)
-            self._journal()  # a rank may hold batches of it before the next round
 
     def _epoch_finished(self, epoch: int) -> None:
         total, count = self._epoch_loss.pop(epoch, (0.0, 0))

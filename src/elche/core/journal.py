@@ -73,7 +73,7 @@ def record_of(core: Coordinator) -> JournalRecord:
         rounds_done=core.rounds_done,
         global_step=core.global_step,
         epochs_completed=core.epochs_completed,
-        next_epoch=core.work.next_epoch_to_open() or core.config.epochs,
+        next_epoch=_next_epoch(core),
         coverage=core.work.coverage(),
         elche_state=core.tuner.saved_state(),
         roles=tuple((role.value, rank) for role, rank in core.roles.roles.items()),
@@ -84,6 +84,11 @@ def record_of(core: Coordinator) -> JournalRecord:
         samples_committed=tuple(core.work.samples_committed),
         coordinator_restarts=core.coordinator_restarts,
     )
+
+
+def _next_epoch(core: Coordinator) -> int:
+    nxt = core.work.next_epoch_to_open()
+    return core.config.epochs if nxt is None else nxt
 
 
 def restore(config: CoordinatorConfig, record: JournalRecord) -> Coordinator:

@@ -42,7 +42,7 @@ Rules:
   ``rejoin``: the rank drops its queued chunks, its pending round and
   callbacks, and says ``Hello`` again with what it holds (``m.Held``); the
   new coordinator books it and hands out work afresh. A saving or held rank
-  stays so (the new coordinator's ``Shutdown`` lets it go).
+  trains again: the new coordinator orders the save it needs anew.
 
 Theory of operation. A driver loops: feed each message it received to
 ``handle``, ask ``next_action`` what to do, do that action's IO, and report
@@ -361,10 +361,10 @@ class RankProtocol:
         self.chunks.clear()
         self._request = self._update = self._uploaded = None
         self._callbacks.clear()
-        if self.stage is RankStage.WAITING_UPDATE:  # that round's average never came
-            self.stage = RankStage.TRAINING
-        if self._save is not None and self._save.kind is SaveKind.CHECKPOINT:
-            self._save = None  # the new coordinator numbers its own saves
+        if self.stage is not RankStage.DONE:  # the new coordinator gives its own orders
+            self.stage = RankStage.TRAINING  # (an Update that never came, a save it repeats)
+            self._save = None
+            self._held_for = None
         self.budget = self.window = 0
         held = m.Held(
             last_round=self.last_round, averaged=tuple(self._averaged), since=tuple(self._since)
