@@ -74,6 +74,7 @@ def train(
     seed: int = 42,
     heartbeat_timeout_s: float = 30.0,
     max_failures: int | None = None,
+    max_coordinator_restarts: int = 3,
     progress: bool = True,
     run_dir: str | None = None,
     crash: Mapping[int, float] | None = None,
@@ -125,6 +126,9 @@ def train(
         seed: the per-epoch shuffle seed.
         heartbeat_timeout_s: silence after which a rank is declared dead.
         max_failures: save and stop after this many ranks died.
+        max_coordinator_restarts: a coordinator process that dies is restarted
+            from the run's journal on the same address, this many times at
+            most (default 3; 0: never). See ``docs/failure-modes.md``.
         progress: show a live progress display on stderr.
         run_dir: where the run's files go (default: a new temp directory,
             which a completed run trims to its report, timeline and summary;
@@ -186,6 +190,7 @@ def train(
         callback_rank=callback_rank, scheduler=scheduler,
         easgd_alpha=easgd_alpha, seed=seed, heartbeat_timeout_s=heartbeat_timeout_s,
         max_failures=max_failures, has_eval=eval_fn is not None, eval_every=eval_every,
+        max_coordinator_restarts=max_coordinator_restarts,
         checkpoint_every=checkpoint_every, save_path=save_path, resume_from=resume_from,
         crash=crash, stall=stall, faults=faults, outer_lr=outer_lr,
         outer_momentum=outer_momentum, nonfinite=nonfinite,
@@ -240,6 +245,7 @@ def _plan(
     seed: int,
     heartbeat_timeout_s: float,
     max_failures: int | None,
+    max_coordinator_restarts: int,
     has_eval: bool,
     eval_every: int,
     checkpoint_every: int | None,
@@ -286,6 +292,7 @@ def _plan(
         has_eval_fn=has_eval, eval_every=eval_every, checkpoint_every=checkpoint_every,
         save_path=save_path, easgd_alpha=easgd_alpha, outer_lr=outer_lr,
         outer_momentum=outer_momentum, nonfinite=nonfinite,
+        max_coordinator_restarts=max_coordinator_restarts,
     )  # fmt: skip
     return Plan(
         config=config, speeds=speeds_t, speed_base_s=_speed_base(speed_base_s),

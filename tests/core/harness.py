@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from elche.core import messages as m
 from elche.core.commands import Broadcast, Command, Send
@@ -37,6 +37,20 @@ class Harness:
         self.log: list[Command] = []
         self.inbox: list[list[m.CoordMessage]] = [[] for _ in range(self.cfg.world_size)]
         self.chunks: list[deque[list[int]]] = [deque() for _ in range(self.cfg.world_size)]
+        # What each rank's model holds, as a real rank keeps it (``m.Held``),
+        # and every batch an applied average took, by rank: the ranks' own books.
+        ws = self.cfg.world_size
+        self.last_round = [0] * ws
+        self.averaged: list[list[tuple[int, int, int]]] = [[] for _ in range(ws)]
+        self.since: list[list[tuple[int, int, int]]] = [[] for _ in range(ws)]
+        self.in_averages: list[tuple[int, int, int]] = []
+
+    def held(self, rank: int) -> m.Held:
+        return m.Held(
+            last_round=self.last_round[rank],
+            averaged=tuple(self.averaged[rank]),
+            since=tuple(self.since[rank]),
+        )
 
     def feed(self, event: Event, *, at: float | None = None) -> list[Command]:
         if at is not None:
@@ -63,6 +77,14 @@ class Harness:
         return out
 
     def send(self, rank: int, message: m.RankMessage) -> list[Command]:
+        if isinstance(message, m.BatchDone):
+            self.since[rank].append((message.epoch, message.offset, message.size))
+        elif isinstance(message, m.SyncAck):  # the rank applied the average
+            held = self.since[rank]
+            took, self.since[rank] = held[: message.steps], held[message.steps :]
+            self.averaged[rank] = took
+            self.in_averages += took
+            self.last_round[rank] = message.round
         return self.feed(MessageReceived(rank=rank, message=message))
 
     def train(self, rank: int, steps: int, batch_ms: float = 10.0) -> list[Command]:
@@ -101,23 +123,29 @@ class Harness:
         *,
         periodic: bool = True,
         final: bool = True,
+        until: Callable[[], bool] | None = None,
     ) -> list[Command]:
         """Train every live rank through every window until training is over.
 
         Rank ``r`` takes ``ms[r]`` per batch (10 ms by default). Periodic
         bundles are answered as they come (unless ``periodic`` is false), the
-        final model once training is over (unless ``final`` is false).
+        final model once training is over (unless ``final`` is false). With
+        ``until``, it stops (answering nothing more) once ``until()`` is true.
         """
         out: list[Command] = []
         number = 0
         for _ in range(200):
             if self.core.state is not RunState.TRAINING:
                 break
+            if until is not None and until():
+                return out
             for rank in self.core.live:
                 budget = self.core.planner.budget
                 while self.chunks[rank] and self.core.work.steps_since_sync(rank) < budget[rank]:
                     out += self.train(rank, 1, batch_ms=(ms or {}).get(rank, 10.0))
             rnd = self.core.round
+            if until is not None and until():
+                return out
             if rnd.in_flight and rnd.number != number:
                 number = rnd.number
                 for rank in sorted(rnd.members):

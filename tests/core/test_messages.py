@@ -22,7 +22,13 @@ from elche.core.errors import RemoteProtocolError
 # One instance per message type, optional fields set where they exist so the
 # round trip covers them; a few defaults-only twins follow.
 SAMPLES: list[m.Message] = [
-    m.Hello(rank=2, world_size=4, host="gpu-b", pid=4242),
+    m.Hello(
+        rank=2,
+        world_size=4,
+        host="gpu-b",
+        pid=4242,
+        held=m.Held(last_round=3, averaged=((0, 0, 32),), since=((0, 32, 32), (0, 64, 7))),
+    ),
     m.BatchDone(epoch=1, offset=128, size=32, batch_ms=41.5, data_ms=2.25, loss=0.73),
     m.Batches(
         items=[
@@ -60,6 +66,7 @@ SAMPLES: list[m.Message] = [
     m.SaveState(seq=3, writer=0, keep=2),
     m.ShutdownWithSave(reason="max_failure_exceeded", writer=0, seq=5, keep=4),
     m.CoordHeartbeat(),
+    m.Rejoin(),
 ]
 DEFAULTS_ONLY: list[m.Message] = [
     m.Hello(rank=0, world_size=1),

@@ -58,6 +58,7 @@ def test_stats_follow_the_records_and_keep_the_latest_eval() -> None:
         "outcome": "completed",
         "reason": "",
         "rejected_frames": 1,
+        "coordinator_restarts": 0,
         "anchor": 12,
         "samples_per_rank": [700, 400, 100],
         "notices": [],

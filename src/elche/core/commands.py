@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from elche.core.checkpoint import CheckpointMeta
+from elche.core.journal import JournalRecord
 from elche.core.messages import CoordMessage
 from elche.core.timeline import TimelineEvent
 
 __all__ = [
+    "AppendJournal",
     "ArmTimer",
     "AverageSnapshots",
     "Broadcast",
@@ -72,6 +74,18 @@ class WriteMeta:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class AppendJournal:
+    """Append ``record`` to the run's journal and make it durable before going on.
+
+    ``compact``: the record replaces the journal's records (the open epochs
+    changed), written so that a crash leaves the old journal or the new one.
+    """
+
+    record: JournalRecord
+    compact: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Notice:
     """Log ``text`` at ``level`` (``"info"``, ``"warning"`` or ``"error"``)."""
 
@@ -97,4 +111,14 @@ class Finish:
     reason: str = ""
 
 
-Command = Send | Broadcast | ArmTimer | AverageSnapshots | WriteMeta | Notice | Emit | Finish
+Command = (
+    Send
+    | Broadcast
+    | ArmTimer
+    | AverageSnapshots
+    | WriteMeta
+    | AppendJournal
+    | Notice
+    | Emit
+    | Finish
+)

@@ -205,6 +205,9 @@ class CoordinatorConfig:
     # A non-finite loss: "stop" saves the last finite consensus and stops the
     # run; "skip" skips that step and goes on. A non-finite average always stops.
     nonfinite: str = "stop"
+    # A lost coordinator is restarted from the journal this many times at most
+    # (by the process that started it); past that the run stops.
+    max_coordinator_restarts: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
@@ -219,6 +222,7 @@ class CoordinatorConfig:
         _check_int("epochs", self.epochs, minimum=1)
         _check_int("seed", self.seed, minimum=0)
         _check_int("max_failures", self.max_failures, minimum=1, optional=True)
+        _check_int("max_coordinator_restarts", self.max_coordinator_restarts, minimum=0)
         _check_int("eval_every", self.eval_every, minimum=1)
         _check_int("checkpoint_every", self.checkpoint_every, minimum=1, optional=True)
         _check_int("callback_rank", self.callback_rank, minimum=0)

@@ -44,12 +44,21 @@ import math
 from collections.abc import Iterator
 from typing import assert_never
 
-from elche.core import failures
+from elche.core import failures, journal
 from elche.core import messages as m
 from elche.core import timeline as tl
 from elche.core.callbacks import Callbacks
 from elche.core.checkpoint import CheckpointMeta, SaveReason
-from elche.core.commands import ArmTimer, Broadcast, Command, Emit, Finish, Notice, Send
+from elche.core.commands import (
+    AppendJournal,
+    ArmTimer,
+    Broadcast,
+    Command,
+    Emit,
+    Finish,
+    Notice,
+    Send,
+)
 from elche.core.config import Backend, CoordinatorConfig
 from elche.core.elche_state import ElCheState
 from elche.core.errors import LocalProtocolError, RemoteProtocolError
@@ -181,6 +190,10 @@ class Coordinator:
         self.epochs_completed = 0
         self.outcome: str | None = None
         self.failure: m.Shutdown | None = None  # what a failed run told its ranks
+        self.coordinator_restarts = 0  # coordinators before this one (``journal.restore``)
+        self.restored_round: int | None = None  # the journal's round, if restored
+        self.restored_dead: tuple[int, ...] = ()  # the ranks the journal had lost
+        self._journaled: tuple[int, tuple[int, ...]] | None = None  # (round, open epochs)
         self._start_epoch = 0
         self._resume = resume
         self._unsatisfied: set[int] = set()
@@ -225,9 +238,9 @@ class Coordinator:
             case Started():
                 self._formation_deadline_s = now_s + self.config.formation_timeout_s
                 self._arm()
-            case RankJoined(rank=rank, host=host):
+            case RankJoined(rank=rank, host=host, held=held):
                 self._check_rank(rank)
-                self._on_join(rank, host)
+                self._on_join(rank, host, held)
             case MessageReceived(rank=rank, message=message):
                 self._check_rank(rank)
                 self._on_message(rank, message)
@@ -257,10 +270,24 @@ class Coordinator:
                 f"event names rank {rank}; world size is {self.config.world_size}"
             )
 
-    def _on_join(self, rank: int, host: str) -> None:
+    @classmethod
+    def restore(cls, config: CoordinatorConfig, record: journal.JournalRecord) -> Coordinator:
+        """A coordinator that goes on from the journal's ``record`` (``journal.restore``)."""
+        return journal.restore(config, record)
+
+    def _on_join(self, rank: int, host: str, held: m.Held | None = None) -> None:
         if self.state is not RunState.FORMING or self.rank_state[rank] is not RankState.JOINING:
             self._evict(rank, RemoteProtocolError("joined twice", rank=rank))
             return
+        if self.restored_round is not None:
+            try:
+                if held is None:
+                    raise RemoteProtocolError("rejoined holding nothing", rank=rank)
+                journal.rebook(self, rank, held)
+            except RemoteProtocolError as exc:
+                self.rank_state[rank] = RankState.LIVE  # so that it is lost like a live one
+                self._evict(rank, exc)
+                return
         self.rank_state[rank] = RankState.LIVE
         self.hosts[rank] = host
         self.last_seen_s[rank] = self._now
@@ -274,6 +301,7 @@ class Coordinator:
         self._arm()
         if self._resume is None:
             self._open_epoch(self._start_epoch)
+        self._journal()
         self._open_window()
 
     def _apply_resume(self, meta: CheckpointMeta) -> None:
@@ -414,7 +442,24 @@ class Coordinator:
         serving = self.work.open_epochs()
         epoch = serving[0] if serving else min(self.epochs_completed, self.config.epochs - 1)
         self._out += self.telemetry.on_round(self._now, self.live, epoch)
+        self._journal()
         self._open_window()
+        self._journal()  # the epochs it settled: a successor does not settle them again
+
+    def _journal(self) -> None:
+        """Append the journal record of a new round or new open epochs (once each).
+
+        Called before any work of the new window or epoch is sent: a rank can
+        only hold batches of epochs the journal knows open.
+        """
+        if self.state not in (RunState.TRAINING, RunState.FINISHING, RunState.CLOSING):
+            return
+        key = (self.rounds_done, tuple(self.work.open_epochs()))
+        if key == self._journaled:
+            return
+        compact = self._journaled is None or key[1] != self._journaled[1]
+        self._journaled = key
+        self._out.append(AppendJournal(record=journal.record_of(self), compact=compact))
 
     # -- windows, epochs and dispatch ----------------------------------------
 
@@ -444,6 +489,7 @@ class Coordinator:
         if role is not None:
             self._broadcast(m.SetEpochCallbackRole(rank=role))
         self._emit(tl.EpochStart(epoch=epoch))
+        self._journal()  # before its first chunk is sent
 
     def _dispatch(self, rank: int) -> None:
         """Give ``rank`` its next chunk if it is idle and may take one."""
@@ -630,6 +676,11 @@ class Coordinator:
     def _on_timer(self) -> None:
         now = self._now
         if self.state is RunState.FORMING:
+            if now >= self._formation_deadline_s and self.restored_round is not None:
+                for rank, state in enumerate(self.rank_state):  # a lost coordinator's ranks
+                    if state is RankState.JOINING and self.state is RunState.FORMING:
+                        self._lose(rank, "did not rejoin the restarted coordinator")
+                return
             if now >= self._formation_deadline_s:
                 joined = sum(s is RankState.LIVE for s in self.rank_state)
                 failures.fail(
@@ -695,6 +746,7 @@ class Coordinator:
                 anchor=self.elche.anchor,
                 samples_per_rank=tuple(self.work.samples_committed),
                 user_error=user_error or self.failures.nonfinite,
+                coordinator_restarts=self.coordinator_restarts,
             )
         )
         self._out.append(Finish(outcome=outcome, reason=reason))

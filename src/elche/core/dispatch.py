@@ -320,6 +320,29 @@ class ChunkPool:
             self._reclaimed.appendleft(span)
         return True
 
+    def claim(self, rank: int, span: Span) -> bool:
+        """Give ``rank`` exactly ``span`` out of the reclaimed queue (a rank that
+        rejoins a restarted coordinator holds it already).
+
+        Returns False, changing nothing, unless one reclaimed span holds all of
+        ``span``.
+
+        Raises:
+            ValueError: bad ``rank``.
+        """
+        self._check_rank(rank)
+        offset, size = span
+        for i, (start, length) in enumerate(self._reclaimed):
+            if size > 0 and start <= offset and offset + size <= start + length:
+                del self._reclaimed[i]
+                after = (offset + size, start + length - offset - size)
+                for part in ((start, offset - start), after)[::-1]:
+                    if part[1] > 0:
+                        self._reclaimed.insert(i, part)
+                self._outstanding[rank].append(span)
+                return True
+        return False
+
     def forfeit(self, rank: int) -> int:
         """Rank died: move its outstanding spans to reclaimed; return the samples.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elche.core.messages import RankMessage
+from elche.core.messages import Held, RankMessage
 
 __all__ = [
     "AverageComputed",
@@ -35,6 +35,7 @@ class RankJoined:
 
     rank: int
     host: str = ""
+    held: Held | None = None  # what it holds, rejoining a restarted coordinator
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -235,7 +235,10 @@ def maybe_form(core: Coordinator) -> None:
 
     if any(s is RankState.JOINING for s in core.rank_state):
         return
-    if core.dead_ranks and core.config.backend is Backend.COLLECTIVE:
+    # A restored coordinator's ranks kept their group: it re-forms only without
+    # ranks lost since.
+    lost = set(core.dead_ranks) - set(core.restored_dead)
+    if lost and core.config.backend is Backend.COLLECTIVE:
         core.generation += 1
         core._broadcast(m.Regroup(generation=core.generation, members=core.live))
     core._begin_training()

@@ -22,7 +22,10 @@ Triggers. A fault fires at the first of its triggers that is reached:
 Kinds. ``Kill`` (SIGKILL: the rank vanishes), ``Stall`` (no work, no
 heartbeat: a hung process), ``SlowDown`` (the rank runs at ``speed`` of its
 base speed from then on) and ``FailCheckpoint`` (its checkpoint callbacks
-report an error from then on; without a trigger, from the start). A new kind
+report an error from then on; without a trigger, from the start), and
+``KillCoordinator`` (the coordinator process is SIGKILLed when ``rank``
+reaches the trigger: it is restarted from its journal, see
+``elche.core.journal``). A new kind
 goes here, into ``Fault`` and ``_KINDS``; then each driver's ``match`` over
 ``Fault`` (``assert_never``) says where it still needs handling.
 
@@ -39,7 +42,16 @@ from typing import ClassVar
 
 from elche.core.errors import ConfigError
 
-__all__ = ["FailCheckpoint", "Fault", "FaultPlan", "Kill", "SlowDown", "Stall", "position"]
+__all__ = [
+    "FailCheckpoint",
+    "Fault",
+    "FaultPlan",
+    "Kill",
+    "KillCoordinator",
+    "SlowDown",
+    "Stall",
+    "position",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,14 +129,20 @@ class FailCheckpoint(_Triggered):
     needs_trigger: ClassVar[bool] = False
 
 
-Fault = Kill | Stall | SlowDown | FailCheckpoint
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KillCoordinator(_Triggered):
+    """SIGKILL the run's coordinator once ``rank`` reaches the trigger."""
+
+
+Fault = Kill | Stall | SlowDown | FailCheckpoint | KillCoordinator
 
 # The JSON name of each kind (the builder method's name).
-_KINDS: dict[str, type[Kill | Stall | SlowDown | FailCheckpoint]] = {
+_KINDS: dict[str, type[Fault]] = {
     "kill": Kill,
     "stall": Stall,
     "slow": SlowDown,
     "fail_checkpoint": FailCheckpoint,
+    "kill_coordinator": KillCoordinator,
 }
 
 
@@ -162,6 +180,12 @@ class FaultPlan:
     ) -> FaultPlan:
         """Add a ``FailCheckpoint``. Raises ConfigError on a bad field (this plan unchanged)."""
         return self._with(FailCheckpoint(rank=rank, at_s=at_s, at_epoch=at_epoch))
+
+    def kill_coordinator(
+        self, *, rank: int = 0, at_s: float | None = None, at_epoch: float | None = None
+    ) -> FaultPlan:
+        """Add a ``KillCoordinator``. Raises ConfigError on a bad field (this plan unchanged)."""
+        return self._with(KillCoordinator(rank=rank, at_s=at_s, at_epoch=at_epoch))
 
     def for_rank(self, rank: int) -> tuple[Fault, ...]:
         """The faults of ``rank``, in plan order."""
@@ -222,7 +246,8 @@ class FaultPlan:
     def random(
         cls, rng: random.Random, *, world_size: int, horizon_s: float, max_faults: int = 3
     ) -> FaultPlan:
-        """A random plan: up to ``max_faults`` kills, stalls, slow-downs and failing checkpoints.
+        """A random plan: up to ``max_faults`` kills, stalls, slow-downs, failing checkpoints
+        and coordinator kills.
 
         Every trigger is ``at_s`` in ``[0, horizon_s]`` (a failing checkpoint
         has none: it fails from the start).
@@ -231,8 +256,10 @@ class FaultPlan:
         for _ in range(rng.randint(0, max_faults)):
             rank = rng.randrange(world_size)
             at_s = rng.uniform(0.0, horizon_s)
-            kind = rng.choice(("kill", "stall", "slow", "fail"))
-            if kind == "kill":
+            kind = rng.choice(("kill", "stall", "slow", "fail", "coordinator"))
+            if kind == "coordinator":
+                plan = plan.kill_coordinator(rank=rank, at_s=at_s)
+            elif kind == "kill":
                 plan = plan.kill(rank=rank, at_s=at_s)
             elif kind == "stall":
                 plan = plan.stall(rank=rank, at_s=at_s)

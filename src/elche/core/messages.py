@@ -35,12 +35,14 @@ __all__ = [
     "Exiting",
     "Failed",
     "Heartbeat",
+    "Held",
     "Hello",
     "InitialState",
     "LrUpdate",
     "Message",
     "RankMessage",
     "Regroup",
+    "Rejoin",
     "RequestParams",
     "RunCheckpoint",
     "RunEval",
@@ -65,7 +67,8 @@ __all__ = [
 # 2: the averaging round is `round` in every message (was `cycle`).
 # 3: Failed; Shutdown.failure; BatchDone.nonfinite.
 # 4: saves are numbered and confirmed (``SaveState``, ``StateSaved.files``).
-PROTOCOL_VERSION = 4
+# 5: a restarted coordinator (``Rejoin``, ``Hello.held``).
+PROTOCOL_VERSION = 5
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -75,13 +78,30 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 # --- rank -> coordinator ---------------------------------------------------
 
 
+class Held(msgspec.Struct, frozen=True, kw_only=True):
+    """What a rank holds in its model when it rejoins a restarted coordinator.
+
+    ``last_round``: the last averaging round it applied (0: none);
+    ``averaged``: its own batches that round averaged; ``since``: the batches
+    it trained after it, oldest first. A batch is ``(epoch, offset, size)``.
+    """
+
+    last_round: int = 0
+    averaged: tuple[tuple[int, int, int], ...] = ()
+    since: tuple[tuple[int, int, int], ...] = ()
+
+
 class Hello(_Msg, frozen=True):
-    """A rank joined: first frame on a new connection."""
+    """A rank joined: first frame on a new connection.
+
+    ``held`` is set when it reconnects after its coordinator was lost.
+    """
 
     rank: int
     world_size: int
     host: str = ""
     pid: int = 0
+    held: Held | None = None
 
 
 class InitialState(_Msg, frozen=True):
@@ -358,6 +378,11 @@ class CoordHeartbeat(_Msg, frozen=True):
     """Coordinator liveness beacon."""
 
 
+class Rejoin(_Msg, frozen=True):
+    """A coordinator restarted from the run's journal heard from a rank that has
+    not joined it: the rank says ``Hello`` again, with what it holds (``Held``)."""
+
+
 RankMessage = (
     Hello
     | BatchDone
@@ -386,6 +411,7 @@ CoordMessage = (
     | RunEval
     | EvalBroadcast
     | EpochDone
+    | Rejoin
     | Shutdown
     | SaveState
     | ShutdownWithSave

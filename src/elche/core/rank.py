@@ -36,6 +36,13 @@ Rules:
   ignores messages.
 - The user's code raising on the rank (``failed``) stops it and makes the
   ``Failed`` report, which says whether the rank had trained a step yet.
+- A rank keeps what its model holds: the last round it applied, its own
+  batches that round averaged, and those it trained since. ``Rejoin`` (a
+  coordinator restarted from the journal) is answered by the driver with
+  ``rejoin``: the rank drops its queued chunks, its pending round and
+  callbacks, and says ``Hello`` again with what it holds (``m.Held``); the
+  new coordinator books it and hands out work afresh. A saving or held rank
+  trains again: the new coordinator orders the save it needs anew.
 
 Theory of operation. A driver loops: feed each message it received to
 ``handle``, ask ``next_action`` what to do, do that action's IO, and report
@@ -261,6 +268,9 @@ class RankProtocol:
         self._regroup: m.Regroup | None = None
         self._save: Save | None = None  # a save to make now
         self._held_for: str | None = None  # the stop reason once a held rank is let go
+        self.last_round = 0  # the last averaging round applied
+        self._averaged: list[tuple[int, int, int]] = []  # this rank's batches in it
+        self._since: list[tuple[int, int, int]] = []  # trained after it
 
     # -- inbound -------------------------------------------------------------
 
@@ -309,7 +319,7 @@ class RankProtocol:
                 self._save = Save(kind=SaveKind.CHECKPOINT, seq=seq, writer=writes, keep=keep)
             case m.SetEpochCallbackRole() | m.EvalBroadcast() | m.EpochDone():
                 pass
-            case m.CoordHeartbeat():
+            case m.CoordHeartbeat() | m.Rejoin():  # Rejoin: the driver answers ``rejoin``
                 pass
             case _:
                 assert_never(message)
@@ -341,6 +351,30 @@ class RankProtocol:
         if isinstance(self._request, m.SyncNow):
             self._request = None  # that round was abandoned with the old group
         self._regroup = message
+
+    def rejoin(self, *, world_size: int, host: str = "", pid: int = 0) -> m.Hello:
+        """A restarted coordinator asked: forget its predecessor's orders, say what is held.
+
+        Returns:
+            The ``Hello`` to send (with ``held``).
+        """
+        self.chunks.clear()
+        self._request = self._update = self._uploaded = None
+        self._callbacks.clear()
+        if self.stage is not RankStage.DONE:  # the new coordinator gives its own orders
+            self.stage = RankStage.TRAINING  # (an Update that never came, a save it repeats)
+            self._save = None
+            self._held_for = None
+        self.budget = self.window = 0
+        held = m.Held(
+            last_round=self.last_round, averaged=tuple(self._averaged), since=tuple(self._since)
+        )
+        return m.Hello(rank=self.rank, world_size=world_size, host=host, pid=pid, held=held)
+
+    def _applied(self, number: int, steps: int) -> None:
+        """Round ``number`` averaged this rank's first ``steps`` batches since the last."""
+        self.last_round = number
+        self._averaged, self._since = self._since[:steps], self._since[steps:]
 
     def coordinator_lost(self, reason: str) -> None:
         """The driver lost the coordinator: the rank stops (after its own save)."""
@@ -434,6 +468,7 @@ class RankProtocol:
         chunk.cursor += action.size
         if chunk.left == 0:
             self.chunks.popleft()
+        self._since.append((action.epoch, action.offset, action.size))  # booked as trained
         self.steps_since_sync += 1
         self.num_steps += 1
         return m.BatchDone(
@@ -478,6 +513,7 @@ class RankProtocol:
         steps = self.steps_since_sync
         self._request = None
         self.steps_since_sync = 0
+        self._applied(request.round, len(self._since))
         return m.SyncAck(round=request.round, steps=steps, **norms)
 
     def average_failed(self) -> None:
@@ -525,6 +561,7 @@ class RankProtocol:
             raise self._illegal("loaded", "no Update is waiting")
         self._update = self._uploaded = None
         self.steps_since_sync -= uploaded[1]
+        self._applied(update.round, uploaded[1])
         if self.stage is RankStage.WAITING_UPDATE:
             self.stage = RankStage.TRAINING
         return m.SyncAck(round=update.round, steps=uploaded[1], **norms)

@@ -236,6 +236,7 @@ class RunEnd(_Record, frozen=True):
     anchor: int
     samples_per_rank: tuple[int, ...]  # samples each rank put into the consensus
     user_error: UserError | None = None  # outcome "failed" on the user's own code
+    coordinator_restarts: int = 0  # coordinators lost and restarted from the journal
 
 
 class OuterMomentumRestored(_Record, frozen=True):

@@ -169,6 +169,24 @@ class WorkBook:
         self._uncommitted[rank].append((epoch, size))
         self.steps_trained[rank] += 1
 
+    def claim(self, rank: int, epoch: int, offset: int, size: int) -> None:
+        """Book a batch ``rank`` trained before this book existed as trained by it
+        and uncommitted (a rank rejoining a restarted coordinator).
+
+        Raises:
+            RemoteProtocolError: no average holds the batch, but it is not free.
+        """
+        pool = self.pools.get(epoch)
+        if pool is None or not pool.claim(rank, (offset, size)):
+            raise RemoteProtocolError(
+                f"holds batch (epoch {epoch}, offset {offset}, size {size}) that is "
+                "averaged already or not of an open epoch",
+                rank=rank,
+            )
+        self._queue[rank].appendleft(Chunk(epoch=epoch, offset=offset, size=size, cursor=offset))
+        self._busy[rank] += size
+        self.record_batch(rank, epoch, offset, size)
+
     def commit(self, rank: int, steps: int) -> int:
         """The first ``steps`` uncommitted batches of ``rank`` are in the consensus.
 

@@ -97,6 +97,7 @@ def coordinator_summary(stats: RunStats, *, mode: str, world_size: int) -> dict[
         "outcome": outcome,
         "reason": reason,
         "rejected_frames": report.rejected_frames,
+        "coordinator_restarts": report.coordinator_restarts,
         "anchor": report.anchor,
         "samples_per_rank": list(report.samples_per_rank),
         "notices": stats.notices,
@@ -161,6 +162,7 @@ def run_summary(
         "bundle": save_path if host["outcome"] == "saved_and_shutdown" else None,
         "user_error": host.get("user_error"),  # outcome "failed" on the user's code
         "notices": host.get("notices", []),  # the coordinator's warnings and errors
+        "coordinator_restarts": host.get("coordinator_restarts", 0),
         "per_rank": [
             {
                 "rank": rank,

@@ -39,11 +39,13 @@ from typing import TextIO, assert_never
 
 import msgspec
 import numpy as np
+import zmq
 
 from elche.core import messages as m
 from elche.core import timeline as tl
 from elche.core.checkpoint import BundleFile, BundleFiles, CheckpointMeta, SaveReason
 from elche.core.commands import (
+    AppendJournal,
     ArmTimer,
     AverageSnapshots,
     Broadcast,
@@ -69,10 +71,12 @@ from elche.core.events import (
     TimerFired,
 )
 from elche.core.guards import GuardKind
+from elche.core.journal import JournalRecord
 from elche.monitor.summary import SUMMARY_FILE, RunStats, coordinator_summary
-from elche.monitor.timeline import TimelineWriter
+from elche.monitor.timeline import TimelineWriter, read_timeline
 from elche.runtime import bundle
 from elche.runtime.frames import SECRET_ENV, secret_from_env
+from elche.runtime.journal_file import JOURNAL_FILE, JournalWriter, read_journal
 from elche.runtime.lifetimes import EXIT_ORPHANED, ORPHAN_GRACE_S
 from elche.runtime.lookout import Lookout
 from elche.runtime.snapshots import (
@@ -101,6 +105,12 @@ FAILED_EXIT = 4
 RESUME_OUTER = "resume.outer.npz"
 # The loop never sleeps longer than this, so a lost timer costs at most this.
 MAX_WAIT_S = 0.5
+# Testing hook: the run's first coordinator SIGKILLs itself at a named point:
+# ``round:N`` (round N journaled), ``averaging:N`` (round N's average asked
+# for), ``final`` (the final model's save ordered). See docs/failure-modes.md.
+FAULT_ENV = "ELCHE_FAULT_COORDINATOR"
+FIRST_DISPATCH_FILE = "first_dispatch"  # the first work's monotonic time, for a successor
+RUN_START_FILE = "coordinator.started"  # the first coordinator's start, monotonic
 
 
 class Host:
@@ -111,6 +121,8 @@ class Host:
         endpoint: the bound control plane.
         run_dir: where the summary and timeline go.
         resume: a meta to continue from.
+        restore: the journal's newest record, to go on from where a lost
+            coordinator of this run left it (``Coordinator.restore``).
         log: where notices are printed.
     """
 
@@ -121,19 +133,25 @@ class Host:
         run_dir: Path,
         *,
         resume: CheckpointMeta | None = None,
+        restore: JournalRecord | None = None,
         log: TextIO = sys.stderr,
     ) -> None:
         # The meta at the save path now: its files go once a newer meta is written.
         self._committed = _read_meta(config.save_path)
         last = 0 if self._committed is None else self._committed.save_seq
-        self.core = Coordinator(config, resume=resume, last_save=last)
+        if restore is not None:
+            self.core = Coordinator.restore(config, restore)
+        else:
+            self.core = Coordinator(config, resume=resume, last_save=last)
+        self._journal = JournalWriter(run_dir / JOURNAL_FILE)
+        self._kill_at = os.environ.get(FAULT_ENV, "")
         self.endpoint = endpoint
         self.run_dir = run_dir
         self.log = log
         self.stats = RunStats()
         self.finish: Finish | None = None
         self._deadline = math.inf
-        self._started = time.monotonic()
+        self._started = _run_start(run_dir, restored=restore is not None)
         self._snapshots: dict[int, tuple[Layout, list[bytes | memoryview]]] = {}
         self._update: tuple[int, list[bytes | memoryview]] | None = None
         self.outer = (
@@ -153,6 +171,8 @@ class Host:
         if self.outer is not None and saved_outer.exists():
             load_outer_state(self.outer, saved_outer)
             self._record(tl.OuterMomentumRestored(file=str(saved_outer)))
+        if restore is not None:
+            self._carry_on_stats()
 
     def watch(self, stream: TextIO, *, on_eof: Callable[[], None] | None = None) -> None:
         """Read launcher reports from ``stream`` (a pipe) on a daemon thread.
@@ -233,8 +253,8 @@ class Host:
 
     def _event(self, inbound: Joined | Received | Rejected) -> Event:
         match inbound:
-            case Joined(rank=rank, host=host):
-                return RankJoined(rank=rank, host=host)
+            case Joined(rank=rank, host=host, held=held):
+                return RankJoined(rank=rank, host=host, held=held)
             case Received(rank=rank, message=message, payload=payload):
                 if isinstance(message, m.SnapshotReady) and payload:
                     self._stash_snapshot(rank, payload)
@@ -274,6 +294,8 @@ class Host:
                 self._average(number, dict(param_mass), dict(buffer_mass))
             case WriteMeta(stem=stem, meta=meta):
                 self._write_meta(stem, meta)
+            case AppendJournal(record=record, compact=compact):
+                self._append_journal(record, compact)
             case Notice(level=level, text=text):
                 self._print(level, text)
             case Emit(event=event):
@@ -282,6 +304,31 @@ class Host:
                 self.finish = command
             case _:
                 assert_never(command)
+        if self._kill_at and self.core.coordinator_restarts == 0 and _due(self._kill_at, command):
+            self.endpoint.close()  # what was sent leaves first: the hook kills after it
+            zmq.Context.instance().term()
+            os.kill(os.getpid(), signal.SIGKILL)  # the testing hook (FAULT_ENV)
+
+    def _carry_on_stats(self) -> None:
+        """A successor's summary counts what its predecessors saw (the timeline says it)."""
+        for event in read_timeline(self.run_dir):
+            if not isinstance(event, tl.RunEnd):
+                self.stats.observe(event, self._started + event.t)
+        with contextlib.suppress(OSError, ValueError):
+            first = float((self.run_dir / FIRST_DISPATCH_FILE).read_text(encoding="utf-8"))
+            self.stats.first_dispatch_s = first
+
+    def _append_journal(self, record: JournalRecord, compact: bool) -> None:
+        """Make ``record`` durable in the run directory; a failure is said, not fatal."""
+        try:
+            self._journal.append(record, compact=compact)
+        except OSError as exc:
+            self._print(
+                "error",
+                f"journal record of round {record.rounds_done} not written ({exc}); "
+                "a lost coordinator could not be restarted from it",
+            )
+            self._journal.close()
 
     def _write_meta(self, stem: str, meta: CheckpointMeta) -> None:
         """Commit a bundle: its outer momentum, then the meta that names every file.
@@ -334,6 +381,8 @@ class Host:
             payload = self._update[1]
         if isinstance(message, m.AssignChunk) and self.stats.first_dispatch_s is None:
             self.stats.first_dispatch_s = time.monotonic()
+            with contextlib.suppress(OSError):  # for a successor's wall time (same host clock)
+                (self.run_dir / FIRST_DISPATCH_FILE).write_text(repr(self.stats.first_dispatch_s))
         try:
             self.endpoint.send(rank, message, payload)
         except Exception as exc:  # a rank that is gone shows up as RankLost later
@@ -393,6 +442,29 @@ class Host:
         _write_atomic(self.run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
 
 
+def _run_start(run_dir: Path, *, restored: bool) -> float:
+    """The monotonic time the run's first coordinator started (the timeline's zero)."""
+    path = run_dir / RUN_START_FILE
+    if restored:
+        with contextlib.suppress(OSError, ValueError):
+            return float(path.read_text(encoding="utf-8"))
+    now = time.monotonic()
+    with contextlib.suppress(OSError):
+        path.write_text(repr(now), encoding="utf-8")
+    return now
+
+
+def _due(point: str, command: Command) -> bool:
+    """``command`` is where the testing hook ``point`` (``FAULT_ENV``) kills."""
+    kind, _, number = point.partition(":")
+    message = command.message if isinstance(command, Send | Broadcast) else None
+    if kind == "round" and isinstance(command, AppendJournal):
+        return command.record.rounds_done >= int(number)
+    if kind == "averaging" and isinstance(message, m.SyncNow | m.RequestParams):
+        return message.round >= int(number)
+    return kind == "final" and isinstance(message, m.Shutdown) and message.writer >= 0
+
+
 def _names(files: BundleFiles) -> set[str]:
     names = {files.model.name, *(f.name for _, f in files.optim)}
     return names | ({files.outer.name} if files.outer is not None else set())
@@ -447,8 +519,10 @@ def config_from_json(text: str) -> CoordinatorConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the coordinator process."""
     args = list(sys.argv[1:] if argv is None else argv)
+    restoring = "--restore" in args  # a lost coordinator's successor: go on from the journal
+    args = [a for a in args if a != "--restore"]
     if len(args) != 1:
-        print("usage: python -m elche.runtime.host RUN_DIR", file=sys.stderr)
+        print("usage: python -m elche.runtime.host RUN_DIR [--restore]", file=sys.stderr)
         return 2
     # Ctrl-C reaches the launcher's process group, not this one (the launcher
     # starts it in its own); if one comes anyway, the launcher orders the stop.
@@ -463,16 +537,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if resume_file.exists()
         else None
     )
+    try:
+        restore = read_journal(run_dir / JOURNAL_FILE) if restoring else None
+    except ConfigError as exc:
+        print(f"elche coordinator: cannot restart: {exc}", file=sys.stderr)
+        return FAILED_EXIT
     bind = os.environ.get("ELCHE_BIND", "tcp://127.0.0.1:0")
     endpoint = CoordinatorEndpoint(
-        world_size=config.world_size, secret=secret_from_env(os.environ), bind=bind
+        world_size=config.world_size,
+        secret=secret_from_env(os.environ),
+        bind=bind,
+        restarts=0 if restore is None else restore.coordinator_restarts + 1,
     )
     if SECRET_ENV not in os.environ:
         print("elche coordinator: no ELCHE_SECRET given; generated one", file=sys.stderr)
     (run_dir / "coordinator.pid").write_text(str(os.getpid()))
     print(f"{ADDRESS_LINE} {endpoint.address}", flush=True)
     with endpoint:
-        host = Host(config, endpoint, run_dir, resume=resume)
+        host = Host(config, endpoint, run_dir, resume=resume, restore=restore)
         signal.signal(signal.SIGTERM, lambda signum, frame: host.request_stop("SIGTERM"))
         for reason in stops:
             host.request_stop(reason)

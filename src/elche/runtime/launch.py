@@ -54,6 +54,7 @@ from elche.monitor.timeline import TimelineReader
 from elche.runtime import bundle
 from elche.runtime.frames import SECRET_ENV, new_secret
 from elche.runtime.host import ADDRESS_LINE, FAILED_EXIT, RESUME_OUTER, config_to_json
+from elche.runtime.journal_file import JOURNAL_FILE
 from elche.runtime.lifetimes import (
     Interrupted,
     StopSignals,
@@ -207,10 +208,88 @@ def explain_outcome(summary: dict[str, object], save_path: str | None) -> None:
         )
 
 
+def restart_coordinator(
+    config: CoordinatorConfig, run_dir: Path, secret: bytes, address: str
+) -> subprocess.Popen[str] | None:
+    """Start a lost coordinator's successor from the run's journal, on ``address``.
+
+    Returns None (and says why on stderr) when it cannot: no journal yet, or
+    the new process did not come up.
+    """
+    if not (run_dir / JOURNAL_FILE).exists():
+        print("elche: the coordinator was lost before the run began", file=sys.stderr, flush=True)
+        return None
+    print(
+        "elche: the coordinator process was lost; restarting it from the journal",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        return start_coordinator(config, run_dir, secret, None, restore_at=address)[0]
+    except RuntimeError as exc:
+        print(f"elche: {exc}", file=sys.stderr, flush=True)
+        return None
+
+
+@dataclasses.dataclass(slots=True)
+class Supervised:
+    """The run's coordinator process, replaced from the journal when it is lost."""
+
+    host: subprocess.Popen[str]
+    address: str
+    config: CoordinatorConfig
+    run_dir: Path
+    secret: bytes
+    restarts: int = 0
+
+    def running(self, lost_ranks: dict[int, int | None]) -> bool:
+        """It is up, or it was lost and its successor is (``replaced``)."""
+        return self.host.poll() is None or self.replaced(lost_ranks)
+
+    def replaced(self, lost_ranks: dict[int, int | None]) -> bool:
+        """It exited: start its successor if it was lost and may be restarted.
+
+        ``lost_ranks``: the rank processes known gone (rank: exit code); the
+        successor hears of them.
+        """
+        if not coordinator_lost(self.host, self.run_dir):
+            return False
+        limit = self.config.max_coordinator_restarts
+        if self.restarts >= limit:
+            print(
+                f"elche: the coordinator was lost again after {self.restarts} restart(s) "
+                f"(max_coordinator_restarts={limit}); the run stops",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        successor = restart_coordinator(self.config, self.run_dir, self.secret, self.address)
+        if successor is None:
+            return False
+        self.host, self.restarts = successor, self.restarts + 1
+        for rank, code in sorted(lost_ranks.items()):  # gone while it was away
+            _report_lost(successor, rank, code)
+        return True
+
+
+def coordinator_lost(host: subprocess.Popen[str], run_dir: Path) -> bool:
+    """The coordinator process ended without its summary (killed, crashed)."""
+    return host.poll() is not None and not (run_dir / SUMMARY_FILE).exists()
+
+
 def start_coordinator(
-    config: CoordinatorConfig, run_dir: Path, secret: bytes, resume_from: str | None
+    config: CoordinatorConfig,
+    run_dir: Path,
+    secret: bytes,
+    resume_from: str | None,
+    *,
+    restore_at: str | None = None,
 ) -> tuple[subprocess.Popen[str], str]:
-    """Start ``python -m elche.runtime.host`` and return it with its address."""
+    """Start ``python -m elche.runtime.host`` and return it with its address.
+
+    ``restore_at``: the lost coordinator's address; the new one binds it and
+    goes on from the run's journal.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "coordinator.json").write_text(config_to_json(config), encoding="utf-8")
     if resume_from is not None:
@@ -220,8 +299,12 @@ def start_coordinator(
         if config.outer_lr is not None and outer is not None:
             shutil.copyfile(outer, run_dir / RESUME_OUTER)
     env = dict(os.environ, **{SECRET_ENV: secret.hex()})
+    restore = []
+    if restore_at is not None:
+        env["ELCHE_BIND"] = restore_at
+        restore = ["--restore"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "elche.runtime.host", str(run_dir)],
+        [sys.executable, "-m", "elche.runtime.host", str(run_dir), *restore],
         stdin=subprocess.PIPE,  # the launcher reports rank exits and stops here
         stdout=subprocess.PIPE,
         text=True,
@@ -379,7 +462,9 @@ def _supervise(
     """Start the coordinator and the ranks, follow the run to its end; its epochs."""
     cfg = plan.config
     secret = new_secret()
-    host, address = start_coordinator(cfg, run_dir, secret, plan.resume_from)
+    coordinator = Supervised(
+        *start_coordinator(cfg, run_dir, secret, plan.resume_from), cfg, run_dir, secret
+    )
     board = start_watching(plan, run_dir, dashboard, tensorboard_dir)
     ctx = _rank_context()
     procs: list[Any] = []
@@ -393,7 +478,9 @@ def _supervise(
         for rank in range(cfg.world_size):
             if signals.received is not None:
                 break  # stopped while starting: the run will not form
-            spec = rank_spec(plan, rank, address, secret, run_dir, max_grad_norm=max_grad_norm)
+            spec = rank_spec(
+                plan, rank, coordinator.address, secret, run_dir, max_grad_norm=max_grad_norm
+            )
             proc = ctx.Process(
                 target=_rank_process,
                 args=(spec, fns, cfg.batch_size, dict(os.environ), os.getpid()),
@@ -401,11 +488,15 @@ def _supervise(
             )
             proc.start()
             procs.append(proc)
-        while host.poll() is None and time.monotonic() < stop_by and not failed:
+        while (
+            time.monotonic() < stop_by
+            and not failed
+            and coordinator.running({r: procs[r].exitcode for r in reported})
+        ):
             time.sleep(SUPERVISE_EVERY_S)  # supervision cadence, not synchronisation
             if signals.received is not None and stop_by == math.inf:
                 stop_by = time.monotonic() + cfg.heartbeat_timeout_s + STOP_SLACK_S
-                tell_coordinator(host, f"stop {signal.Signals(signals.received).name}")
+                tell_coordinator(coordinator.host, f"stop {signal.Signals(signals.received).name}")
             for event in timeline.new_records():
                 on_record(event, epochs, hooks, display)
                 if isinstance(event, tl.RankLost) and event.rank < len(procs):
@@ -415,12 +506,13 @@ def _supervise(
             for rank, proc in enumerate(procs):
                 if proc.exitcode not in (None, 0) and rank not in reported:
                     reported.add(rank)
-                    _report_lost(host, rank, proc.exitcode)
+                    _report_lost(coordinator.host, rank, proc.exitcode)
             failed = _run_failed(run_dir)
     finally:
         display.close()
         # A failed run has nothing left to save: no rank is waited for.
         grace_s = RANK_EXIT_GRACE_S if signals.received is None else STOPPED_RANK_GRACE_S
+        host = coordinator.host
         if failed or host.poll() == FAILED_EXIT:
             grace_s = 0.0
         deadline = time.monotonic() + grace_s

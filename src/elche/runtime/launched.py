@@ -16,6 +16,11 @@ waits for it (``_supervises``): torchrun's agent ends the whole group when a
 worker exits non-zero, so a worker whose rank died must exit 0 for the others
 to go on.
 
+Rank 0's process also watches its coordinator: one that dies without its
+summary is restarted from the run's journal on the same address
+(``launch.Supervised``), up to ``max_coordinator_restarts`` times, while the
+ranks hold their state and rejoin it.
+
 Across hosts the coordinator binds every interface and is reached at
 ``MASTER_ADDR``; the per-run secret then authenticates every frame.
 """
@@ -29,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,6 +49,7 @@ from elche.monitor.summary import rank_report_file
 from elche.monitor.timeline import read_timeline
 from elche.runtime.frames import new_secret
 from elche.runtime.launch import (
+    Supervised,
     _rank_process,
     _report_lost,
     check_picklable,
@@ -137,6 +144,7 @@ def _train(
     shared: list[object] = [None, None, None]
     host = None
     board = None
+    watcher = None
     if rank == 0:
         directory = Path(
             run_dir or os.environ.get("ELCHE_RUN_DIR") or tempfile.mkdtemp(prefix="elche-run-")
@@ -147,6 +155,9 @@ def _train(
         bundled = with_bundle(plan, directory)
         host, address = start_coordinator(bundled.config, directory, secret, plan.resume_from)
         host_box.append(host)
+        watcher = _watch_coordinator(
+            Supervised(host, address, bundled.config, directory, secret), host_box
+        )
         if signals.received is not None:  # the signal came while the coordinator started
             tell_coordinator(host, f"stop {signal.Signals(signals.received).name}")
         if multi_host:
@@ -167,7 +178,8 @@ def _train(
     stopped = report.get("stopped")
     if host is None:
         return TrainResult(state_dict=state, summary={}, run_dir=str(directory)), stopped
-    host.wait(timeout=COORDINATOR_EXIT_S)
+    assert watcher is not None  # started with the coordinator
+    watcher.join(timeout=COORDINATOR_EXIT_S)
     if board is not None:
         board.stop()
     epochs: list[dict[str, object]] = []
@@ -180,6 +192,23 @@ def _train(
     if not result.state_dict:
         result.state_dict = state
     return result, stopped
+
+
+def _watch_coordinator(
+    coordinator: Supervised, host_box: list[subprocess.Popen[str]]
+) -> threading.Thread:
+    """Wait on the coordinator on a thread, replacing it while it is lost; ends with it."""
+
+    def watch() -> None:
+        while True:
+            coordinator.host.wait()
+            if not coordinator.replaced({}):
+                return
+            host_box[0] = coordinator.host  # a stop request reaches the successor
+
+    thread = threading.Thread(target=watch, name="elche-coordinator-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def _run_rank(

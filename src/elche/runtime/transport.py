@@ -34,6 +34,7 @@ a single ``zmq_poll`` each, cheap to call every few milliseconds.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import math
 import os
@@ -81,6 +82,8 @@ LINGER_MS = 250
 # One chatty peer must not keep ``poll`` draining forever and starve the host's
 # timers: after 1024 frames ``poll`` returns, and the rest wait for the next call.
 _DRAIN_LIMIT = 1024
+# Frame numbers a coordinator may use before a restarted one takes over (2**40).
+SEQ_SHIFT_PER_RESTART = 40
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,6 +92,7 @@ class Joined:
 
     rank: int
     host: str
+    held: messages.Held | None = None  # rejoining a restarted coordinator
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -212,8 +216,14 @@ class CoordinatorEndpoint(_Endpoint):
         secret: bytes | None,
         bind: str = "tcp://127.0.0.1:0",
         max_frame_bytes: int = MAX_FRAME_BYTES,
+        restarts: int = 0,
     ) -> None:
         check_limits(world_size, max_frame_bytes)
+        # A coordinator restarted on the run's address numbers its frames above
+        # every one its predecessors sent, so a rank's replay check still holds.
+        self._seq_out = restarts << SEQ_SHIFT_PER_RESTART
+        self.restarted = restarts > 0
+        self._asked: set[bytes] = set()  # connections told to Rejoin
         if secret is None:
             if not _is_loopback(bind):
                 raise ConfigError(
@@ -298,7 +308,9 @@ class CoordinatorEndpoint(_Endpoint):
                 frames = self._socket.recv_multipart(zmq.DONTWAIT, copy=False)
             except zmq.Again:
                 break
-            inbound.append(self._accept(frames[0].bytes, frames[1:]))
+            accepted = self._accept(frames[0].bytes, frames[1:])
+            if accepted is not None:
+                inbound.append(accepted)
         return inbound
 
     def _send_rank(self, rank: int, body: bytes, payload: Sequence[Buffer]) -> None:
@@ -325,7 +337,7 @@ class CoordinatorEndpoint(_Endpoint):
             raise TransportError(f"rank {peer.rank} is unreachable: {exc}") from exc
         peer.last_seq_out = seq
 
-    def _accept(self, identity: bytes, frames: list[zmq.Frame]) -> Inbound:
+    def _accept(self, identity: bytes, frames: list[zmq.Frame]) -> Inbound | None:
         peer = self._peers.get(identity)
         try:
             opened = unseal(
@@ -338,6 +350,9 @@ class CoordinatorEndpoint(_Endpoint):
             where = "" if peer is None else f" (on the connection of rank {peer.rank})"
             return self._reject(f"{exc}{where}", None)
         try:
+            if peer is None and self.restarted and not _is_hello(opened):
+                self._ask_rejoin(identity, opened.sender)  # a rank of the lost coordinator
+                return None
             return self._join(identity, opened) if peer is None else self._receive(peer, opened)
         except RemoteProtocolError as exc:
             return self._reject(str(exc), exc.rank)
@@ -354,9 +369,24 @@ class CoordinatorEndpoint(_Endpoint):
             raise RemoteProtocolError(f"Hello for rank {hello.rank} from sender {opened.sender}")
         if hello.rank in self._by_rank:
             raise RemoteProtocolError(f"rank {hello.rank} already joined on another connection")
-        self._peers[identity] = _Peer(rank=hello.rank, last_seq_in=opened.seq)
+        self._peers[identity] = _Peer(
+            rank=hello.rank, last_seq_in=opened.seq, last_seq_out=self._seq_out
+        )
         self._by_rank[hello.rank] = identity
-        return Joined(rank=hello.rank, host=hello.host)
+        return Joined(rank=hello.rank, host=hello.host, held=hello.held)
+
+    def _ask_rejoin(self, identity: bytes, sender: int) -> None:
+        """Tell a connection of the run that has not joined to say Hello (once)."""
+        if identity in self._asked:
+            return
+        self._asked.add(identity)
+        self._seq_out += 1
+        body = messages.encode(messages.Rejoin())
+        parts = seal(
+            self.secret, identity=identity, sender=COORDINATOR_SENDER, seq=self._seq_out, body=body
+        )
+        with contextlib.suppress(zmq.ZMQError):  # gone again: it will say something later
+            self._socket.send_multipart([identity, *parts], zmq.DONTWAIT, copy=False)
 
     def _receive(self, peer: _Peer, opened: Opened) -> Received:
         if opened.sender != peer.rank:
@@ -518,3 +548,10 @@ class RankEndpoint(_Endpoint):
         if not isinstance(message, messages.CoordMessage):
             raise RemoteProtocolError(f"{type(message).__name__} is not a coordinator message")
         return message, opened.payload
+
+
+def _is_hello(opened: Opened) -> bool:
+    try:
+        return isinstance(messages.decode(opened.body), messages.Hello)
+    except RemoteProtocolError:
+        return False

@@ -46,7 +46,15 @@ from elche.core import rank as r
 from elche.core.checkpoint import SaveReason
 from elche.core.config import Backend, Mode
 from elche.core.dispatch import epoch_permutation
-from elche.core.faults import FailCheckpoint, Fault, Kill, SlowDown, Stall, position
+from elche.core.faults import (
+    FailCheckpoint,
+    Fault,
+    Kill,
+    KillCoordinator,
+    SlowDown,
+    Stall,
+    position,
+)
 from elche.core.rank import RankProtocol
 from elche.monitor.summary import rank_report_file
 from elche.runtime import bundle
@@ -298,6 +306,23 @@ class Worker:
         if isinstance(message, m.Update):
             self._update_payload = payload
         self.proto.handle(message)
+        if isinstance(message, m.Rejoin):
+            self._rejoin()
+
+    def _rejoin(self) -> None:
+        """A coordinator restarted from the journal: say Hello again with what the model holds."""
+        self.unreported.clear()  # the Hello's ``held`` says it all
+        hello = self.proto.rejoin(
+            world_size=self.spec.world_size, host=os.uname().nodename, pid=os.getpid()
+        )
+        assert hello.held is not None
+        print(
+            f"elche rank {self.spec.rank}: the coordinator restarted; rejoining with "
+            f"{len(hello.held.since)} batch(es) since round {hello.held.last_round}",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._send(hello)
 
     def _send(self, message: m.RankMessage, payload: Sequence[memoryview | bytes] = ()) -> None:
         assert self.bridge is not None
@@ -350,8 +375,21 @@ class Worker:
                 self.pacer.set_speed(speed)
             case FailCheckpoint():
                 self._fail_checkpoint = True
+            case KillCoordinator():
+                self._kill_coordinator(at)
             case _:
                 assert_never(fault)
+
+    def _kill_coordinator(self, at: float) -> None:
+        """The ``KillCoordinator`` fault: SIGKILL the coordinator named in the run dir."""
+        rank = self.spec.rank
+        try:
+            pid = int((Path(self.spec.run_dir) / "coordinator.pid").read_text(encoding="utf-8"))
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError) as exc:
+            print(f"elche rank {rank}: cannot kill the coordinator: {exc}", file=sys.stderr)
+            return
+        print(f"elche rank {rank}: killed the coordinator on purpose at {at:.2f}", file=sys.stderr)
 
     def _train_one(self, action: r.Train) -> None:
         self._inject_faults(action)

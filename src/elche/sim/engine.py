@@ -23,6 +23,14 @@ the heartbeat timeout. A fault (``elche.core.faults``) fires at its virtual
 ``at_s``, or when its rank is about to train the batch at ``at_epoch``,
 whichever comes first, and once.
 
+A ``KillCoordinator`` fault loses the coordinator: whatever it had not sent
+yet and whatever is on its way to it is gone; after ``exit_detect_ms`` the
+shell restores a new one from the journal it kept (``Coordinator.restore``),
+tells it of the ranks lost meanwhile, and each live rank rejoins at its next
+step boundary with what it holds (``RankProtocol.rejoin``), as a real rank
+does when the new coordinator asks. A coordinator lost before the run formed
+(no journal yet) is not restarted: the fault is ignored.
+
 Besides driving the core, the simulator keeps its own ground truth of which
 trained batches reached a consensus model. ``SimResult.lost_samples`` and
 ``duplicated_samples`` come from that truth, not from the core's books, so a
@@ -46,6 +54,7 @@ from elche.core import messages as m
 from elche.core import timeline as tl
 from elche.core.checkpoint import CheckpointMeta, SaveReason
 from elche.core.commands import (
+    AppendJournal,
     ArmTimer,
     AverageSnapshots,
     Broadcast,
@@ -68,7 +77,16 @@ from elche.core.events import (
     Started,
     TimerFired,
 )
-from elche.core.faults import FailCheckpoint, FaultPlan, Kill, SlowDown, Stall, position
+from elche.core.faults import (
+    FailCheckpoint,
+    FaultPlan,
+    Kill,
+    KillCoordinator,
+    SlowDown,
+    Stall,
+    position,
+)
+from elche.core.journal import JournalRecord
 from elche.core.rank import (
     Average,
     Callback,
@@ -194,6 +212,7 @@ class _Rank:
     working: bool = False
     token: int = 0
     in_collective: bool = False
+    rejoin_due: bool = False  # a restored coordinator waits for its Hello
     snapshot: list[Batch] = field(default_factory=list)  # ground truth of the upload
     uncommitted: deque[Batch] = field(default_factory=deque)
     busy_s: float = 0.0
@@ -233,6 +252,7 @@ class Simulation:
         self.timeline: list[tl.TimelineEvent] = []  # stamped with virtual time
         self.trace: list[str] | None = [] if record_trace else None
         self.metas: list[CheckpointMeta] = []
+        self.journal: list[JournalRecord] = []  # since the last compaction
         self.committed: dict[int, list[tuple[int, int]]] = {}
         self.committed_by_rank = [0] * len(self.ranks)
         self.finish: Finish | None = None
@@ -245,6 +265,8 @@ class Simulation:
         self._collective: dict[int, int] | None = None  # rank -> steps entered with
         self._collective_round = -1
         self._averaging: dict[int, list[Batch]] = {}
+        self._core_gen = 0  # coordinators lost so far: what was sent to an older one is gone
+        self._joined_gen = [0] * len(self.ranks)  # the coordinator each rank has joined
         faults = config.faults.faults
         self._fail_checkpoint = {f.rank for f in faults if f.from_start}
         self._fired: set[int] = set()  # indices into faults
@@ -289,7 +311,12 @@ class Simulation:
     # -- the shell side --------------------------------------------------------
 
     def _to_core(self, event: Event) -> None:
-        self._after_ms(self.config.latency_ms, lambda: self._core_handle(event))
+        gen = self._core_gen
+        self._after_ms(self.config.latency_ms, lambda: self._deliver(event, gen))
+
+    def _deliver(self, event: Event, gen: int) -> None:
+        if gen == self._core_gen:  # else it was on its way to a coordinator that is gone
+            self._core_handle(event)
 
     def _core_handle(self, event: Event) -> None:
         if self.finish is not None:
@@ -315,6 +342,10 @@ class Simulation:
                 self._start_average(number, [r for r, _ in mass])
             case WriteMeta(meta=meta):
                 self.metas.append(meta)
+            case AppendJournal(record=record, compact=compact):
+                if compact:
+                    self.journal.clear()
+                self.journal.append(record)
             case Notice(level=level, text=text):
                 self.notices.append((self.now, level, text))
             case Emit(event=event):
@@ -334,8 +365,11 @@ class Simulation:
 
     def _start_average(self, number: int, holders: list[int]) -> None:
         self._averaging = {r: list(self.ranks[r].snapshot) for r in holders}
+        gen = self._core_gen
 
         def done() -> None:
+            if gen != self._core_gen:  # the coordinator died averaging: no rank got it
+                return
             for rank, batches in sorted(self._averaging.items()):
                 self._commit(rank, batches)
             self._averaging = {}
@@ -365,6 +399,8 @@ class Simulation:
         if not rank.active:
             return
         match fault:
+            case KillCoordinator():
+                self._lose_coordinator()
             case Kill():
                 self._stop(rank)
                 rank.alive = False
@@ -382,6 +418,34 @@ class Simulation:
                 self._fail_checkpoint.add(fault.rank)
             case _:
                 assert_never(fault)
+
+    def _lose_coordinator(self) -> None:
+        if not self.journal or self.finish is not None:
+            return
+        self._core_gen += 1
+        self._timer_token += 1  # its timers died with it
+        self._averaging = {}
+        self._after_ms(self.config.exit_detect_ms, self._restore_coordinator)
+
+    def _restore_coordinator(self) -> None:
+        if self.finish is not None:
+            return
+        record = self.journal[-1]
+        self.core = Coordinator.restore(self.core.config, record)
+        self._core_handle(Started())
+        for r in self.ranks:
+            if not r.alive and r.rank not in record.dead_ranks:  # the launcher saw it go
+                self._core_handle(RankLost(rank=r.rank, reason="process killed by SIGKILL"))
+            elif r.active:
+                r.rejoin_due = True
+                self._next(r)
+
+    def _rejoin(self, r: _Rank) -> None:
+        r.rejoin_due = False
+        r.snapshot = []
+        hello = r.proto.rejoin(world_size=len(self.ranks), host="sim")
+        self._joined_gen[r.rank] = self._core_gen
+        self._to_core(RankJoined(rank=r.rank, host="sim", held=hello.held))
 
     def _progress_faults(self, r: _Rank, action: Train) -> None:
         """Before ``r`` trains ``action``: fire its faults whose ``at_epoch`` is reached."""
@@ -406,7 +470,8 @@ class Simulation:
         self._after_ms(self.config.latency_ms, lambda: self._on_rank_message(rank, message))
 
     def _send(self, rank: int, message: m.RankMessage) -> None:
-        self._to_core(MessageReceived(rank=rank, message=message))
+        if self._joined_gen[rank] == self._core_gen:  # else no coordinator it joined hears it
+            self._to_core(MessageReceived(rank=rank, message=message))
 
     def _heartbeat(self, rank: int) -> None:
         sim_rank = self.ranks[rank]
@@ -439,6 +504,8 @@ class Simulation:
     def _next(self, r: _Rank) -> None:
         """At a step boundary: do what the rank's protocol says, until it waits."""
         while r.active and not r.working:
+            if r.rejoin_due:
+                self._rejoin(r)
             action = r.proto.next_action()
             match action:
                 case Hold():

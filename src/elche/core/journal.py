@@ -1,0 +1,172 @@
+"""The coordinator's journal: what a new coordinator needs to go on with a run.
+
+Rules:
+
+- After the run forms and after every averaging round the coordinator asks
+  the shell to append one ``JournalRecord`` (``AppendJournal``): the rounds
+  done, the global step, per open epoch the sample ranges no completed average
+  holds (the same ``EpochCoverage`` a checkpoint meta keeps), the balancer's
+  and the guard's state, the callback roles, the ranks lost, the collective
+  group's generation and the last save's number. Each record is whole: the
+  newest one alone rebuilds the coordinator.
+- The journal is bounded by the epochs open: a record whose open epochs differ
+  from the previous record's is written with ``compact=True`` and replaces
+  the file's records (the shell rewrites the file atomically).
+- A restarted coordinator (``restore``) starts ``FORMING`` with the ranks the
+  record names live; the ranks rejoin and say what they hold (``Held``): the
+  last averaging round they applied, the batches that round averaged on
+  them, and the batches they trained since. A round the journal does not know
+  (it closed after the last record) is booked as committed; the batches since
+  stay the rank's, uncommitted, for the next average. Everything else no
+  average holds is served again, once.
+
+Theory of operation: ``record_of`` reads a coordinator's state into a
+record; ``restore`` builds a coordinator from one through the checkpoint
+resume path (``CheckpointMeta``) and then puts back what a meta does not keep.
+``rebook`` (called on each rejoin) hands a rank's held batches back to it in
+the work book.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from elche.core.checkpoint import CheckpointMeta, EpochCoverage, SaveReason
+from elche.core.config import CoordinatorConfig
+from elche.core.elche_state import ElCheState
+from elche.core.errors import ConfigError, RemoteProtocolError
+from elche.core.messages import Held
+
+if TYPE_CHECKING:
+    from elche.core.coordinator import Coordinator
+
+__all__ = ["JournalRecord", "rebook", "record_of", "restore"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JournalRecord:
+    """One whole account of a run's position, written after each round."""
+
+    rounds_done: int
+    global_step: int
+    epochs_completed: int
+    next_epoch: int  # the next epoch to open (epochs below it were opened)
+    coverage: tuple[EpochCoverage, ...]
+    elche_state: ElCheState
+    roles: tuple[tuple[str, int], ...]  # (role name, rank)
+    roles_elected: bool
+    dead_ranks: tuple[int, ...]
+    generation: int
+    save_seq: int
+    samples_committed: tuple[int, ...]
+    coordinator_restarts: int = 0
+
+    @property
+    def open_epochs(self) -> tuple[int, ...]:
+        return tuple(c.epoch for c in self.coverage)
+
+
+def record_of(core: Coordinator) -> JournalRecord:
+    """The journal record of ``core``'s state right now."""
+    return JournalRecord(
+        rounds_done=core.rounds_done,
+        global_step=core.global_step,
+        epochs_completed=core.epochs_completed,
+        next_epoch=_next_epoch(core),
+        coverage=core.work.coverage(),
+        elche_state=core.tuner.saved_state(),
+        roles=tuple((role.value, rank) for role, rank in core.roles.roles.items()),
+        roles_elected=core.roles.elected,
+        dead_ranks=tuple(sorted(core.dead_ranks)),
+        generation=core.generation,
+        save_seq=core.saves.seq,
+        samples_committed=tuple(core.work.samples_committed),
+        coordinator_restarts=core.coordinator_restarts,
+    )
+
+
+def _next_epoch(core: Coordinator) -> int:
+    nxt = core.work.next_epoch_to_open()
+    return core.config.epochs if nxt is None else nxt
+
+
+def restore(config: CoordinatorConfig, record: JournalRecord) -> Coordinator:
+    """A coordinator that goes on with the run ``record`` describes.
+
+    It is ``FORMING``: the ranks the record names live rejoin it (``RankJoined``
+    with what they hold), the others stay lost.
+
+    Raises:
+        ConfigError: the record does not fit ``config`` (another world size,
+            an epoch past the plan, a rank outside the world).
+    """
+    from elche.core.coordinator import Coordinator, RankState
+    from elche.core.roles import Role
+
+    ws = config.world_size
+    if len(record.samples_committed) != ws:
+        raise ConfigError(
+            "journal", f"is for {len(record.samples_committed)} ranks; this run has {ws}"
+        )
+    if any(not 0 <= r < ws for r in record.dead_ranks):
+        raise ConfigError("journal", f"dead_ranks {record.dead_ranks} must lie in [0, {ws})")
+    open_epochs = record.open_epochs
+    meta = CheckpointMeta(
+        epoch=open_epochs[0] if open_epochs else record.epochs_completed,
+        global_step=record.global_step,
+        rounds_done=record.rounds_done,
+        world_size=ws,
+        reason=SaveReason.CHECKPOINT,
+        seed=config.seed,
+        batch_size=config.batch_size,
+        epochs=config.epochs,
+        mode=config.mode.value,
+        elche_state=record.elche_state,
+        coverage=record.coverage,
+        save_seq=record.save_seq,
+    )
+    core = Coordinator(config, resume=meta, last_save=record.save_seq)
+    core.work.resume(record.next_epoch, ())  # epochs opened before stay opened
+    core.epochs_completed = record.epochs_completed
+    core.work.samples_committed[:] = record.samples_committed
+    core.generation = record.generation
+    core.coordinator_restarts = record.coordinator_restarts + 1
+    for name, rank in record.roles:
+        core.roles.roles[Role(name)] = rank
+    core.roles.elected = record.roles_elected
+    for rank in record.dead_ranks:
+        core.rank_state[rank] = RankState.DEAD
+        core.dead_ranks.append(rank)
+        core.elche.retire(rank)
+        core.planner.note_rank_lost(rank)
+    core.restored_round = record.rounds_done
+    core.restored_dead = record.dead_ranks
+    return core
+
+
+def rebook(core: Coordinator, rank: int, held: Held) -> None:
+    """Give ``rank`` back the batches it holds, as the journal left the books.
+
+    Raises:
+        RemoteProtocolError: the rank names a round the journal cannot have
+            missed, or a batch no average holds that is not free to give it.
+    """
+    from elche.core.rounds import Round
+
+    journal_round = core.restored_round
+    assert journal_round is not None  # only a restored coordinator rebooks
+    if held.last_round not in (journal_round, journal_round + 1):
+        raise RemoteProtocolError(
+            f"rejoined at round {held.last_round}; the journal is at round {journal_round}",
+            rank=rank,
+        )
+    if held.last_round == journal_round + 1:  # a round that closed after the last record
+        if core.rounds_done == journal_round:
+            core.rounds_done = journal_round + 1
+            core.round = Round(core.config, core.work, number=journal_round + 1)
+        for epoch, offset, size in held.averaged:
+            core.work.claim(rank, epoch, offset, size)
+        core.work.commit(rank, len(held.averaged))
+    for epoch, offset, size in held.since:
+        core.work.claim(rank, epoch, offset, size)

@@ -1,0 +1,203 @@
+"""The coordinator's journal: a restored coordinator goes on with the run, exactly once."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from elche.core import messages as m
+from elche.core.commands import AppendJournal, Finish, Send
+from elche.core.config import Mode
+from elche.core.coordinator import Coordinator, RankState, RunState
+from elche.core.dispatch import ChunkPool
+from elche.core.errors import ConfigError
+from elche.core.events import RankJoined, Started
+from elche.core.journal import JournalRecord
+from elche.core.rank import Hold, RankProtocol, Train
+from elche.core.timeline import RunEnd
+from tests.core.harness import Harness, config, of
+
+
+def records(h: Harness) -> list[JournalRecord]:
+    return [c.record for c in of(h.log, AppendJournal)]  # type: ignore[attr-defined]
+
+
+def restart(h: Harness, record: JournalRecord) -> Harness:
+    """A new coordinator from ``record``; the live ranks rejoin with what they hold."""
+    h2 = Harness(h.cfg)
+    h2.core = Coordinator.restore(h.cfg, record)
+    h2.feed(Started())
+    for rank in range(h.cfg.world_size):
+        h2.last_round[rank] = h.last_round[rank]
+        h2.since[rank] = list(h.since[rank])
+        if rank not in record.dead_ranks:
+            h2.feed(RankJoined(rank=rank, held=h.held(rank)))
+    return h2
+
+
+def assert_exactly_once(h: Harness, *books: Harness) -> None:
+    """Every sample of every epoch is in exactly one applied average (the ranks' books)."""
+    per_epoch: dict[int, Counter[int]] = {}
+    for book in books:
+        for epoch, offset, size in book.in_averages:
+            per_epoch.setdefault(epoch, Counter()).update(range(offset, offset + size))
+    assert sorted(per_epoch) == list(range(h.cfg.epochs))
+    for counts in per_epoch.values():
+        assert set(counts) == set(range(h.cfg.num_samples))
+        assert set(counts.values()) == {1}
+
+
+def run_end(h: Harness) -> RunEnd:
+    ends = [c.event for c in h.log if hasattr(c, "event") and isinstance(c.event, RunEnd)]
+    assert len(ends) == 1
+    return ends[0]
+
+
+@pytest.mark.parametrize("mode", [Mode.CADENCE, Mode.SYNC])
+@pytest.mark.parametrize("unjournaled", [False, True])
+def test_a_restored_coordinator_finishes_the_run_exactly_once(
+    mode: Mode, unjournaled: bool
+) -> None:
+    cfg = config(mode=mode, world_size=3, epochs=3, num_samples=3200, seed=3)
+    h = Harness(cfg)
+    h.form()
+    ms = {0: 10.0, 1: 20.0, 2: 40.0}
+    h.run_to_end(ms, until=lambda: h.core.rounds_done >= 4)
+    for rank in h.core.live:  # the ranks train on after the last average
+        if h.chunks[rank]:
+            h.train(rank, 1, batch_ms=ms[rank])
+    journal = records(h)
+    assert journal[-1].rounds_done == h.core.rounds_done
+    # Unjournaled: the coordinator died after the ranks applied round 4, before its record.
+    record = [r for r in journal if r.rounds_done == 3][-1] if unjournaled else journal[-1]
+    assert any(h.since[r] for r in range(3))  # the ranks hold unaveraged batches
+
+    h2 = restart(h, record)
+    assert h2.core.live == [0, 1, 2]
+    assert h2.core.state is RunState.TRAINING
+    h2.run_to_end(ms)
+
+    assert of(h2.log, Finish) == [Finish(outcome="completed")]
+    end = run_end(h2)
+    assert end.lost_samples == 0 and end.epochs_completed == 3
+    assert sum(h2.core.work.samples_committed) == 3 * 3200
+    assert h2.core.coordinator_restarts == 1
+    assert_exactly_once(h, h, h2)
+
+
+def test_a_rank_lost_before_the_restart_stays_lost_and_its_work_is_served_once() -> None:
+    h = Harness(world_size=3, epochs=2, num_samples=960)
+    h.form()
+    h.run_to_end(until=lambda: h.core.rounds_done >= 2)
+    h.send(2, m.Exiting(reason="killed"))
+    h.run_to_end(until=lambda: h.core.rounds_done >= 4)
+    record = records(h)[-1]
+    assert record.dead_ranks == (2,)
+
+    h2 = restart(h, record)
+    assert h2.core.rank_state[2] is RankState.DEAD and h2.core.live == [0, 1]
+    h2.run_to_end()
+    assert run_end(h2).lost_samples == 0
+    assert_exactly_once(h, h, h2)
+
+
+def test_a_rank_that_rejoins_past_the_journal_or_with_nothing_is_evicted() -> None:
+    h = Harness(world_size=3, epochs=1, num_samples=960, mode=Mode.SYNC)
+    h.form()
+    h.run_to_end(until=lambda: h.core.rounds_done >= 3)
+    old = [r for r in records(h) if r.rounds_done == 1][-1]
+    h2 = Harness(h.cfg)
+    h2.core = Coordinator.restore(h.cfg, old)
+    h2.feed(Started())
+    h2.feed(RankJoined(rank=0, held=h.held(0)))  # at round 3: the journal is at round 1
+    h2.feed(RankJoined(rank=1))  # holds nothing
+    assert h2.core.rank_state[0] is RankState.ERRORED
+    assert h2.core.rank_state[1] is RankState.ERRORED
+
+
+def test_the_journal_is_compacted_when_the_open_epochs_change_and_bounded_by_them() -> None:
+    h = Harness(world_size=2, epochs=3, num_samples=640)
+    h.form()
+    h.run_to_end()
+    appended = of(h.log, AppendJournal)
+    compacts = [c for c in appended if c.compact]  # type: ignore[attr-defined]
+    assert appended[0].compact  # type: ignore[attr-defined]
+    # One compaction per epoch opened, each written before the epoch's first
+    # chunk, and one once the last epoch is settled.
+    assert [c.record.open_epochs for c in compacts] == [(0,), (1,), (2,), ()]  # type: ignore[attr-defined]
+    for compact in compacts[:-1]:
+        at = h.log.index(compact)
+        epoch = compact.record.open_epochs[0]  # type: ignore[attr-defined]
+        first_chunk = next(
+            i for i, c in enumerate(h.log)
+            if isinstance(c, Send) and isinstance(c.message, m.AssignChunk)
+            and c.message.epoch == epoch
+        )  # fmt: skip
+        assert at < first_chunk
+    assert appended[-1].record.rounds_done == h.core.rounds_done  # type: ignore[attr-defined]
+    for command in appended:
+        assert len(command.record.coverage) <= 2  # type: ignore[attr-defined]
+    keys = [(c.record.rounds_done, c.record.open_epochs) for c in appended]  # type: ignore[attr-defined]
+    rounds = [r for r, _ in keys]
+    assert rounds == sorted(rounds) and len(keys) == len(set(keys))  # each new state once
+
+
+def test_a_coordinator_restored_after_training_writes_the_final_model() -> None:
+    h = Harness(world_size=2, epochs=1, num_samples=640)
+    h.form()
+    h.run_to_end(final=False)
+    assert h.core.state is RunState.CLOSING  # the final save is under way
+    h2 = restart(h, records(h)[-1])
+    assert h2.core.state is RunState.CLOSING
+    assert of(h2.answer_saves(), Finish) == [Finish(outcome="completed")]
+    assert run_end(h2).lost_samples == 0
+
+
+def test_a_journal_of_another_world_size_is_refused_naming_it() -> None:
+    h = Harness(world_size=2, epochs=1, num_samples=640)
+    h.form()
+    with pytest.raises(ConfigError, match="journal"):
+        Coordinator.restore(config(world_size=3), records(h)[-1])
+
+
+def test_claim_carves_exactly_the_span_out_of_the_reclaimed_queue() -> None:
+    pool = ChunkPool.from_uncovered(100, [(0, 50), (70, 30)], batch_size=10, num_ranks=2)
+    assert pool.claim(1, (20, 10))
+    assert pool.reclaimed_spans() == [(0, 20), (30, 20), (70, 30)]
+    assert pool.outstanding_spans(1) == [(20, 10)]
+    assert not pool.claim(0, (45, 10))  # straddles a committed span
+    assert not pool.claim(0, (20, 5))  # already claimed
+    assert pool.commit(1, 10) == 10 and pool.uncovered() == [(0, 20), (30, 20), (70, 30)]
+
+
+def test_max_coordinator_restarts_must_be_a_count() -> None:
+    with pytest.raises(ConfigError, match="max_coordinator_restarts"):
+        config(max_coordinator_restarts=-1)
+    assert config().max_coordinator_restarts == 3
+
+
+def test_a_rank_rejoins_with_what_its_model_holds_and_forgets_its_orders() -> None:
+    proto = RankProtocol(1, mode=Mode.CADENCE, batch_size=32)
+    proto.handle(m.AssignChunk(epoch=0, offset=0, size=320, budget=3, window=3))
+    for _ in range(3):
+        action = proto.next_action()
+        assert isinstance(action, Train)
+        proto.trained(action, batch_ms=1.0, data_ms=0.0, loss=None)
+    proto.handle(m.SyncNow(round=4, generation=0))
+    proto.averaged()
+    proto.handle(m.SetBudget(budget=6, window=6))
+    for _ in range(2):
+        action = proto.next_action()
+        assert isinstance(action, Train)
+        proto.trained(action, batch_ms=1.0, data_ms=0.0, loss=None)
+    proto.handle(m.SyncNow(round=5, generation=0))  # the lost coordinator's last order
+    proto.handle(m.Rejoin())
+    hello = proto.rejoin(world_size=3, host="h", pid=7)
+    assert hello.held == m.Held(
+        last_round=4,
+        averaged=((0, 0, 32), (0, 32, 32), (0, 64, 32)),
+        since=((0, 96, 32), (0, 128, 32)),
+    )
+    assert (hello.rank, hello.world_size) == (1, 3)
+    assert isinstance(proto.next_action(), Hold)  # no chunk, no round: it waits for work

@@ -1,0 +1,106 @@
+"""Issue 13 item 2: a coordinator that dies is restarted from its journal and the run completes.
+
+Real processes, one run per launcher, each killing the first coordinator at
+another moment: mid-run, by rank 0 when it reaches epoch 1.3 (the
+``KillCoordinator`` fault: a SIGKILL from outside, wherever the coordinator
+is), and with the host's testing hook (``ELCHE_FAULT_COORDINATOR``: it SIGKILLs
+itself once what it sent has left) right after asking for round 3's average
+(during an averaging round) and right after ordering the final model's save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elche.core.config import CoordinatorConfig, Mode
+from elche.runtime.launch import Supervised
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SCRIPT = """
+import json, os, sys
+import elche
+from elche.workloads import digits
+
+if __name__ == "__main__":
+    train_set, test_set = digits.load_digits_split(seed=0)
+    faults = elche.FaultPlan()
+    if sys.argv[2] == "fault":
+        faults = faults.kill_coordinator(rank=0, at_epoch=1.3)
+    result = elche.train(
+        digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+        batch_size=32, epochs=3, mode=sys.argv[1], heartbeat_timeout_s=5.0,
+        ranks=None if "RANK" in os.environ else 3, faults=faults,
+        eval_fn=digits.eval_fn, eval_dataset=test_set, progress=False,
+    )
+    print(f"RETURNED {os.environ.get('RANK', 0)}", flush=True)
+    if result.summary:
+        print("SUMMARY " + json.dumps(result.summary), flush=True)
+"""
+
+EVERY_RANK = ["RETURNED 0", "RETURNED 1", "RETURNED 2"]
+LAUNCHERS = {
+    "elche.train": ([], ["RETURNED 0"]),
+    "elche-run": (["-m", "elche.cli", "run", "--nproc", "3"], EVERY_RANK),
+    "torchrun": (["-m", "torch.distributed.run", "--nproc-per-node", "3"], EVERY_RANK),
+}
+
+
+@pytest.mark.parametrize(
+    ("launcher", "mode", "kill_at"),
+    [
+        ("elche.train", "cadence", "fault"),
+        ("elche-run", "cpu-cadence", "averaging:3"),
+        ("torchrun", "cadence", "final"),
+    ],
+)
+def test_issue13_a_killed_coordinator_is_restarted_and_the_run_completes(
+    tmp_path: Path, launcher: str, mode: str, kill_at: str
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    args, expected = LAUNCHERS[launcher]
+    env = dict(os.environ, ELCHE_RUN_DIR=str(tmp_path / "run"))
+    if kill_at != "fault":
+        env["ELCHE_FAULT_COORDINATOR"] = kill_at
+    done = subprocess.run(
+        [sys.executable, *args, str(script), mode, kill_at],
+        capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    returned = sorted(re.findall(r"RETURNED \d", done.stdout))  # lines of 3 processes may mix
+    assert returned == expected, done.stderr[-4000:]
+    assert "restarting it from the journal" in done.stderr
+    assert done.stderr.count("the coordinator restarted; rejoining") == 3
+    (line,) = re.findall(r"SUMMARY (\{.*\})", done.stdout)
+    summary = json.loads(line)
+    assert summary["outcome"] == "completed", summary
+    assert summary["coordinator_restarts"] == 1
+    assert summary["lost_samples"] == 0 and summary["dead_ranks"] == []
+    assert summary["epochs_completed"] == 3
+    assert sum(r["samples"] for r in summary["per_rank"]) == 3 * 1437  # each sample once per epoch
+    assert summary["eval_accuracy"] is not None and summary["eval_accuracy"] > 0.7
+    assert summary["wall_s"] > 0
+
+
+def test_issue13_a_coordinator_lost_past_its_restarts_is_not_restarted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = CoordinatorConfig(
+        mode=Mode.CADENCE, world_size=2, num_samples=64, batch_size=8, epochs=1,
+        max_coordinator_restarts=1,
+    )  # fmt: skip
+    gone = subprocess.Popen([sys.executable, "-c", "pass"], text=True)
+    gone.wait()
+    watched = Supervised(gone, "tcp://127.0.0.1:1", config, tmp_path, b"0" * 32, restarts=1)
+    assert not watched.running({})
+    assert "lost again after 1 restart(s) (max_coordinator_restarts=1)" in capsys.readouterr().err
+    (tmp_path / "summary.json").write_text("{}")  # it wrote its summary: it ended, not lost
+    assert not Supervised(gone, "tcp://127.0.0.1:1", config, tmp_path, b"0" * 32).running({})
