@@ -24,14 +24,17 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from elche.core.config import CallbackPolicy, CoordinatorConfig, Mode, SchedulerConfig
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
+from elche.core.progress import Progress
 from elche.runtime.bundle import meta_path
+from elche.runtime.options import check_options
+from elche.runtime.options import check_picklable as check_options_picklable
 from elche.runtime.plan import Hooks, Plan, TrainResult, hold_save_path
 
 __all__ = ["TrainResult", "train"]
@@ -79,6 +82,14 @@ def train(
     outer_momentum: float = 0.9,
     nonfinite: str = "stop",
     dashboard: str | None = None,
+    lr_schedule: Callable[[Progress], float] | None = None,
+    accumulate: int = 1,
+    precision: str = "fp32",
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    drop_last: bool = False,
+    batch_sampler: Callable[[list[int]], Iterable[Sequence[int]]] | None = None,
 ) -> TrainResult:
     """Train ``model_fn``'s model on ``dataset`` over ``ranks`` unequal workers.
 
@@ -136,6 +147,26 @@ def train(
             the address is printed when the run starts. Default: the
             ``ELCHE_DASHBOARD`` environment variable, else none. Runs of
             several ranks only. See ``docs/monitoring.md``.
+        lr_schedule: ``lr_schedule(progress) -> factor``: before every
+            optimizer step on every rank, each param group's lr is its base
+            lr times the factor (``LambdaLR``'s shape). ``progress`` is an
+            ``elche.Progress`` (``.fraction`` of the plan, ``.step`` at the
+            reference batch ``batch_size × accumulate``, ``.samples``), the
+            run's global progress: the same on every rank, exact at each
+            average. See ``docs/training.md``.
+        accumulate: micro-batches of ``batch_size`` per optimizer step; the
+            loss of each is weighted by its share of the step's samples.
+        precision: ``"fp32"`` (default), ``"bf16"`` (autocast around
+            ``step_fn``) or ``"fp16"`` (autocast and loss scaling; CUDA only).
+        collate_fn: builds a batch from a list of items (default:
+            ``default_collate``), as in ``DataLoader``.
+        num_workers: loader processes (persistent) that prefetch the rank's
+            batches; 0 (default) loads in the training thread.
+        pin_memory: batches in pinned memory (for CUDA devices).
+        drop_last: a step shorter than ``batch_size × accumulate`` trains nothing.
+        batch_sampler: ``batch_sampler(indices) -> batches``: splits the
+            dataset indices of one optimizer step into its micro-batches
+            (each index exactly once; default: slices of ``batch_size``).
         crash: testing hook: ``{rank: epoch.fraction}`` — that rank kills
             itself with SIGKILL when its training reaches that point
             (shorthand for ``FaultPlan().kill(rank=r, at_epoch=e)``).
@@ -166,6 +197,14 @@ def train(
     """
     _check_user_fns(model_fn=model_fn, eval_fn=eval_fn, eval_dataset=eval_dataset)
     dashboard = _dashboard(dashboard)
+    options = check_options(
+        accumulate=accumulate, precision=precision, lr_schedule=lr_schedule,
+        collate_fn=collate_fn, num_workers=num_workers, pin_memory=pin_memory,
+        drop_last=drop_last, batch_sampler=batch_sampler, devices=devices or ("cpu",),
+        planned_samples=_planned(dataset, epochs),
+    )  # fmt: skip
+    if isinstance(batch_size, int) and not isinstance(batch_size, bool):
+        batch_size *= options.accumulate  # the coordinator counts optimizer steps
     plan = _plan(
         dataset=dataset, batch_size=batch_size, epochs=epochs, mode=mode, ranks=ranks,
         speeds=speeds, speed_base_s=speed_base_s, devices=devices,
@@ -181,7 +220,7 @@ def train(
     fns = UserFns(
         model_fn=model_fn, optimizer_fn=optimizer_fn, step_fn=step_fn, dataset=dataset,
         eval_fn=eval_fn, eval_dataset=eval_dataset, epoch_fn=epoch_fn,
-        checkpoint_fn=checkpoint_fn,
+        checkpoint_fn=checkpoint_fn, options=options,
     )  # fmt: skip
     hooks = Hooks(eval_result_fn=eval_result_fn, metrics_fn=metrics_fn)
     if plan.resume_from is not None:
@@ -279,6 +318,14 @@ def _plan(
         devices=devices_t, resume_from=resume_from,
         faults=_faults(faults, crash, stall, world),
     )  # fmt: skip
+
+
+def _planned(dataset: Any, epochs: Any) -> int:
+    """Samples in the plan (``epochs × len(dataset)``); 1 when either is bad (_plan says)."""
+    try:
+        return max(int(epochs) * len(dataset), 1)
+    except (TypeError, ValueError):
+        return 1
 
 
 def _check_user_fns(*, model_fn: Any, eval_fn: Any, eval_dataset: Any) -> None:
@@ -416,6 +463,7 @@ def _train_cluster(
     from elche.runtime.launch import check_picklable, launch_local
 
     check_picklable(fns)  # before anything starts: nothing to clean up
+    check_options_picklable(fns.options)
     directory = Path(run_dir or tempfile.mkdtemp(prefix="elche-run-"))
     result = launch_local(
         plan, fns, hooks, directory, max_grad_norm=max_grad_norm, progress=progress,

@@ -60,6 +60,7 @@ SAMPLES: list[m.Message] = [
     m.SaveState(seq=3, writer=0, keep=2),
     m.ShutdownWithSave(reason="max_failure_exceeded", writer=0, seq=5, keep=4),
     m.CoordHeartbeat(),
+    m.GlobalProgress(round=3, samples=640, share=0.25),
 ]
 DEFAULTS_ONLY: list[m.Message] = [
     m.Hello(rank=0, world_size=1),

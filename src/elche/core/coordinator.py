@@ -242,6 +242,7 @@ class Coordinator:
         self._arm()
         if self._resume is None:
             self._open_epoch(self._start_epoch)
+        self._send_progress(self.round.number)
         self._open_window()
 
     def _apply_resume(self, meta: CheckpointMeta) -> None:
@@ -382,6 +383,7 @@ class Coordinator:
         serving = self.work.open_epochs()
         epoch = serving[0] if serving else min(self.epochs_completed, self.config.epochs - 1)
         self._out += self.telemetry.on_round(self._now, self.live, epoch)
+        self._send_progress(rnd.number)
         self._open_window()
 
     # -- windows, epochs and dispatch ----------------------------------------
@@ -633,6 +635,13 @@ class Coordinator:
         self._out.append(ArmTimer(deadline_s=self._now + self.config.heartbeat_interval_s))
 
     # -- output helpers --------------------------------------------------------
+
+    def _send_progress(self, round_number: int) -> None:
+        """Tell each live rank the exact global progress and its share of the next window."""
+        samples = self.work.samples_averaged()
+        for rank, share in self.planner.shares(self.live).items():
+            message = m.GlobalProgress(round=round_number, samples=samples, share=share)
+            self._out.append(Send(rank=rank, message=message))
 
     def _broadcast(self, message: m.CoordMessage) -> None:
         ranks = tuple(self.live)

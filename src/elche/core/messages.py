@@ -34,6 +34,7 @@ __all__ = [
     "EvalResult",
     "Exiting",
     "Failed",
+    "GlobalProgress",
     "Heartbeat",
     "Hello",
     "InitialState",
@@ -65,7 +66,8 @@ __all__ = [
 # 2: the averaging round is `round` in every message (was `cycle`).
 # 3: Failed; Shutdown.failure; BatchDone.nonfinite.
 # 4: saves are numbered and confirmed (``SaveState``, ``StateSaved.files``).
-PROTOCOL_VERSION = 4
+# 5: GlobalProgress.
+PROTOCOL_VERSION = 5
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -354,6 +356,19 @@ class ShutdownWithSave(_Msg, frozen=True):
     keep: int = 0
 
 
+class GlobalProgress(_Msg, frozen=True):
+    """The run's exact progress once ``round`` closed (0: at the start of training).
+
+    ``samples``: samples the consensus holds, cluster-wide, out of the plan
+    (``epochs x num_samples``); ``share``: the receiving rank's share of the
+    cluster's samples in the next window (see ``elche.core.progress``).
+    """
+
+    round: int
+    samples: int
+    share: float
+
+
 class CoordHeartbeat(_Msg, frozen=True):
     """Coordinator liveness beacon."""
 
@@ -390,6 +405,7 @@ CoordMessage = (
     | SaveState
     | ShutdownWithSave
     | CoordHeartbeat
+    | GlobalProgress
 )
 Message = RankMessage | CoordMessage
 

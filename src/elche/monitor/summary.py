@@ -167,6 +167,7 @@ def run_summary(
                 "speed": speeds[rank],
                 "samples": host["samples_per_rank"][rank],
                 "idle_s": ranks.get(rank, {}).get("idle_s"),
+                "lr": ranks.get(rank, {}).get("lr"),  # the rank's learning rate at the end
             }
             for rank in range(world)
         ],
