@@ -123,6 +123,8 @@ def _rank_process(
     os.environ["ELCHE_RANK"] = str(spec.rank)  # lets user callbacks know where they run
     from elche.runtime.worker import train_rank
 
+    if isinstance(fns, bytes):  # the launcher pickled them by value
+        fns = pickle.loads(fns)
     try:
         _, state = train_rank(spec, fns, batch_size)
         if state_out is not None:
@@ -354,7 +356,9 @@ def _supervise(
             spec = rank_spec(plan, rank, address, secret, run_dir, max_grad_norm=max_grad_norm)
             proc = ctx.Process(
                 target=_rank_process,
-                args=(spec, fns, cfg.batch_size, dict(os.environ), os.getpid()),
+                # Pickled here, by value: the process pickler would send every tensor
+                # in the dataset as a shared-memory fd (too many fds for a list of them).
+                args=(spec, pickle.dumps(fns), cfg.batch_size, dict(os.environ), os.getpid()),
                 name=f"elche-rank{rank}",
             )
             proc.start()
