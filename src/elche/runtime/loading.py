@@ -22,6 +22,8 @@ covered, as ``DataLoader(drop_last=True)`` leaves an epoch's last batch out.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -152,6 +154,7 @@ class Loader:
                 self.dataset, batch_sampler=self._feed,
                 collate_fn=self.options.collate_fn or default_collate, num_workers=workers,
                 pin_memory=self.options.pin_memory, persistent_workers=workers > 0,
+                multiprocessing_context=_worker_context() if workers > 0 else None,
             )  # fmt: skip
         self._stream = iter(self._loader)
 
@@ -160,3 +163,14 @@ class Loader:
         self._stream = None
         self._loader = None
         self._expect.clear()
+
+
+def _worker_context() -> multiprocessing.context.BaseContext | None:
+    """Loader workers fork from the rank, as ``DataLoader`` does by default on Linux.
+
+    A rank itself may come from a fork server, whose context would pickle the
+    dataset to every worker (each tensor in it as a file descriptor).
+    """
+    if "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork")
+    return None
