@@ -15,7 +15,8 @@ raises ``ConfigError`` naming the field and what is accepted), then:
   address over the group, and every process trains.
 
 The result carries the final averaged ``state_dict``, per-epoch metrics and a
-``summary`` with the keys of the ``elche demo --json`` contract.
+``summary`` with the keys of the ``elche demo --json`` contract, the same on
+every rank under a launcher.
 """
 
 from __future__ import annotations
@@ -118,11 +119,14 @@ def train(
         eval_fn: ``eval_fn(model, eval_dataset) -> float`` on the eval role
             after every ``eval_every`` epochs and after the last one.
         eval_dataset: passed to ``eval_fn``.
-        eval_result_fn: ``eval_result_fn(epoch, metric)`` in this process.
+        eval_result_fn: ``eval_result_fn(epoch, metric)`` in this process;
+            ``epoch`` is numbered as in ``metrics_fn`` (from 0).
         eval_every: epochs between evals.
         checkpoint_fn: ``checkpoint_fn(version, model)`` on the checkpoint role.
         checkpoint_every: epochs between checkpoints (and bundle writes).
-        metrics_fn: called in this process with each finished epoch's metrics.
+        metrics_fn: called in this process with each finished epoch's
+            metrics: ``epoch`` (from 0), ``loss``, ``syncs``, ``lr``,
+            ``progress`` and ``per_rank`` (samples, samples/s and share).
         save_path: bundle stem for checkpoints and save-and-shutdown.
         resume_from: a bundle stem to continue from.
         callback_rank: ``"fastest"`` or a rank to pin the callbacks on.

@@ -98,3 +98,8 @@ def mse_step(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
     x, y = batch
     AUTOCAST_SEEN.append(torch.is_autocast_enabled("cpu"))
     return nn.functional.mse_loss(model(x).float(), y)
+
+
+def linear_eval(model: nn.Module, dataset: torch.utils.data.TensorDataset) -> float:
+    x, y = dataset.tensors
+    return float(nn.functional.mse_loss(model(x), y))

@@ -6,8 +6,9 @@ torch.distributed environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
 lands here: it joins the default gloo group from the environment; global rank
 0 starts the coordinator as its own process and shares its address and the
 run secret over the group; then every process trains as one rank. Rank 0
-waits for the coordinator to finish and returns the full result; the other
-ranks return their final model (the consensus) and an empty summary.
+waits for the coordinator to finish and builds the result; every rank
+returns its final model (the consensus) with the same summary and per-epoch
+metrics, which rank 0 shares (``elche.runtime.shared_result``).
 When the run fails on the user's code, every process raises the same
 ``TrainingError`` (a failing rank its own, the others the coordinator's).
 
@@ -31,7 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,7 @@ from elche.runtime.launch import (
     _report_lost,
     check_picklable,
     collect,
+    epoch_log,
     explain_outcome,
     interrupted,
     on_record,
@@ -58,6 +60,7 @@ from elche.runtime.launch import (
 )
 from elche.runtime.lifetimes import Interrupted, StopSignals, watch_launcher
 from elche.runtime.plan import Hooks, Plan, TrainResult
+from elche.runtime.shared_result import HOLD_S, ResultBoard
 from elche.runtime.worker import train_rank
 
 if TYPE_CHECKING:
@@ -131,9 +134,10 @@ def _train(
     if not multi_host:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
-    shared: list[object] = [None, None, None]
+    shared: list[object] = [None, None, None, None]
     host = None
     board = None
+    results: ResultBoard | None = None
     if rank == 0:
         directory = Path(
             run_dir or os.environ.get("ELCHE_RUN_DIR") or tempfile.mkdtemp(prefix="elche-run-")
@@ -148,10 +152,13 @@ def _train(
             tell_coordinator(host, f"stop {signal.Signals(signals.received).name}")
         if multi_host:
             address = f"tcp://{os.environ['MASTER_ADDR']}:{address.rsplit(':', 1)[1]}"
-        shared = [address, secret.hex(), str(directory)]
+        results = ResultBoard.serve()
+        shared = [address, secret.hex(), str(directory), results.port]
         board = start_watching(bundled, directory, dashboard)
     dist.broadcast_object_list(shared, src=0)
-    address, secret_hex, directory_text = (str(x) for x in shared)
+    address, secret_hex, directory_text, port = (str(x) for x in shared)
+    if results is None:
+        results = ResultBoard.join(_board_host(multi_host), int(port), COORDINATOR_EXIT_S)
     directory = Path(directory_text)
     plan = with_bundle(plan, directory)
     spec = rank_spec(
@@ -160,23 +167,64 @@ def _train(
     report, state = _run_rank(spec, fns, plan.config.batch_size, host, multi_host=multi_host)
     user_error = report.get("user_error")
     if host is None and isinstance(user_error, dict):  # another rank's: the same error here
+        results.leave()
         raise TrainingError.from_summary(user_error)
     stopped = report.get("stopped")
     if host is None:
-        return TrainResult(state_dict=state, summary={}, run_dir=str(directory)), stopped
+        return _shared_result(results, state, directory), stopped
+    try:
+        result = _collect_on_rank0(plan, hooks, host, board=board, directory=directory, t0=t0)
+    except BaseException as exc:
+        results.publish({"error": f"{type(exc).__name__}: {exc}"}, readers=world - 1)
+        raise
+    results.publish({"summary": result.summary, "epochs": result.epochs}, readers=world - 1)
+    if not result.state_dict:
+        result.state_dict = state
+    return result, stopped
+
+
+def _board_host(multi_host: bool) -> str:
+    return os.environ["MASTER_ADDR"] if multi_host else "127.0.0.1"
+
+
+def _shared_result(
+    results: ResultBoard, state: dict[str, torch.Tensor], directory: Path
+) -> TrainResult:
+    """A rank but 0: its model with the summary and epochs rank 0 published."""
+    doc = results.read(COORDINATOR_EXIT_S + HOLD_S)
+    summary = doc.get("summary") if doc else None
+    epochs = doc.get("epochs") if doc else None
+    if not isinstance(summary, dict):
+        why = doc.get("error") if doc else "none came"
+        print(f"elche: rank 0 shared no run summary ({why})", file=sys.stderr, flush=True)
+        summary = {}
+    return TrainResult(
+        state_dict=state, summary=summary, epochs=epochs if isinstance(epochs, list) else [],
+        run_dir=str(directory),
+    )  # fmt: skip
+
+
+def _collect_on_rank0(
+    plan: Plan,
+    hooks: Hooks,
+    host: subprocess.Popen[str],
+    *,
+    board: Any,
+    directory: Path,
+    t0: float,
+) -> TrainResult:
+    """Rank 0: wait for the coordinator, then build the run's result from its files."""
     host.wait(timeout=COORDINATOR_EXIT_S)
     if board is not None:
         board.stop()
-    epochs: list[dict[str, object]] = []
+    epochs = epoch_log(plan)
     quiet = Progress(plan.config.epochs, enabled=False)
     for event in read_timeline(directory):
         on_record(event, epochs, hooks, quiet)
     result = collect(plan, directory, t0, epochs)
     if result.summary.get("reason") != SaveReason.GRACEFUL_SHUTDOWN.value:
         explain_outcome(result.summary, plan.config.save_path)
-    if not result.state_dict:
-        result.state_dict = state
-    return result, stopped
+    return result
 
 
 def _run_rank(

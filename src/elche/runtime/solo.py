@@ -85,9 +85,22 @@ class _Solo:
             self.pacer.after_step()
         return value
 
-    def after_epoch(self, epoch: int, loss: float | None, hooks: Hooks) -> None:
+    def after_epoch(
+        self, epoch: int, loss: float | None, hooks: Hooks, *, samples: int, span_s: float
+    ) -> None:
         cfg = self.plan.config
-        record: dict[str, object] = {"epoch": epoch, "loss": loss}
+        done_samples = (epoch + 1) * cfg.num_samples
+        record: dict[str, object] = {
+            "epoch": epoch, "loss": loss, "syncs": 0, "lr": self.stepper.lr,
+            "progress": {
+                "samples": done_samples, "step": done_samples // cfg.batch_size,
+                "fraction": (epoch + 1) / cfg.epochs,
+            },
+            "per_rank": [{
+                "rank": 0, "samples": samples, "share": 1.0,
+                "samples_per_s": round(samples / span_s, 2) if span_s > 0 else 0.0,
+            }],
+        }  # fmt: skip
         done = epoch + 1
         if self.fns.eval_fn is not None and (done % cfg.eval_every == 0 or done == cfg.epochs):
             self.model.eval()
@@ -95,8 +108,8 @@ class _Solo:
                 self.eval_metric = float(self.fns.eval_fn(self.model, self.fns.eval_dataset))
             self.model.train()
             record["eval"] = self.eval_metric
-            if hooks.eval_result_fn is not None:
-                hooks.eval_result_fn(done, self.eval_metric)
+            if hooks.eval_result_fn is not None:  # numbered as metrics_fn numbers epochs
+                hooks.eval_result_fn(epoch, self.eval_metric)
         every = cfg.checkpoint_every
         if self.fns.checkpoint_fn is not None and every and done % every == 0:
             self.fns.checkpoint_fn(done, self.model)
@@ -183,8 +196,10 @@ def _epochs(
             epoch_fn = fns.epoch_fn
             _user(epoch, lambda: epoch_fn(epoch, model, solo.optimizer))  # noqa: B023  # called at once
         spans = holes.get(epoch, ((0, cfg.num_samples),))
+        began_s, before = time.monotonic(), solo.trained
         loss = _user(epoch, lambda: solo.train_epoch(epoch, spans))  # noqa: B023  # called at once
-        solo.after_epoch(epoch, loss, hooks)
+        span_s = time.monotonic() - began_s
+        solo.after_epoch(epoch, loss, hooks, samples=solo.trained - before, span_s=span_s)
 
 
 def _result(solo: _Solo, t0: float, run_dir: str | None) -> TrainResult:
@@ -201,12 +216,18 @@ def _result(solo: _Solo, t0: float, run_dir: str | None) -> TrainResult:
         "samples_per_s": round(solo.trained / wall_s, 2) if wall_s > 0 else 0.0,
         "final_loss": solo.epochs[-1]["loss"] if solo.epochs else None,
         "eval_accuracy": solo.eval_metric,
+        "eval": solo.eval_metric,
         "syncs": 0,
         "lost_samples": 0,
         "dead_ranks": [],
         "outcome": "completed",
-        "per_rank": [{"rank": 0, "speed": plan.speeds[0], "samples": solo.trained, "idle_s": 0.0}],
-    }
+        "bundle": None,
+        "bundles": [],
+        "per_rank": [
+            {"rank": 0, "speed": plan.speeds[0], "samples": solo.trained, "idle_s": 0.0,
+             "lr": solo.stepper.lr}
+        ],
+    }  # fmt: skip
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return TrainResult(state_dict=state, epochs=solo.epochs, summary=summary, run_dir=run_dir)
 
