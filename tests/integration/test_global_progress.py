@@ -4,7 +4,8 @@ Three ranks at speeds 1, 0.5 and 0.25 train with warm-up + cosine through
 ``lr_schedule``; every step's lr and ``elche.progress()`` is traced to a file
 per process (``tests.integration.lr_trace``). At any moment the ranks'
 learning rates differ by at most one averaging window's worth of schedule,
-and every rank ends at the schedule's final value.
+and every rank ends at the schedule's final value. The same run's per-epoch
+metrics carry the learning rate, the progress and each rank's share.
 """
 
 from __future__ import annotations
@@ -70,3 +71,11 @@ def test_ranks_follow_one_schedule_on_global_progress(tmp_path: Path) -> None:
         assert rank["lr"] == pytest.approx(final, abs=1e-12)
     for trace in traces:  # and the last step on every rank was within a window of it
         assert abs(trace[-1]["lr"] - final) <= lt.BASE_LR * lt.MAX_SLOPE * (window + step)
+
+    # The per-epoch metrics (what metrics_fn gets) carry the lr and each rank's share.
+    assert [e["epoch"] for e in result.epochs] == list(range(EPOCHS))
+    assert all(isinstance(e["lr"], float) for e in result.epochs)
+    last = result.epochs[-1]
+    assert last["progress"] == {"samples": planned, "step": planned // 32, "fraction": 1.0}
+    shares = [r["share"] for r in last["per_rank"]]  # type: ignore[attr-defined]
+    assert sum(shares) == pytest.approx(1.0, abs=1e-3) and shares[0] > shares[2]

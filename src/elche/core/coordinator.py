@@ -404,6 +404,7 @@ class Coordinator:
         for rank, update in zip(live, self.planner.open_window(live), strict=True):
             if update is not None:
                 self._out.append(Send(rank=rank, message=update))
+        self._send_progress(self.round.number)  # again: the shares of the budgets just planned
         for rank in live:
             self._dispatch(rank)
         self._unsatisfied = {r for r in self.live if not self.planner.satisfied(r)}

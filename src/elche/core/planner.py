@@ -114,6 +114,8 @@ class Planner:
         """Each live rank's share of the cluster's samples in a window (ElChe counts)."""
         if self.config.policy is Policy.SYNC:  # one step each per window
             steps = {rank: 1 for rank in live}
+        elif self.config.policy is Policy.CADENCE:  # each trains its budget (tail included)
+            steps = {rank: max(self.budget[rank], self.window_steps(rank), 1) for rank in live}
         else:
             steps = {rank: max(self.window_steps(rank), 1) for rank in live}
         total = sum(steps.values())

@@ -77,6 +77,7 @@ class ProgressTracker:
         self._share = 1.0 / world_size
         self._exact = 0  # cluster samples the last confirmation named
         self._own_at_exact = 0  # this rank's own samples at that confirmation's average
+        self._exact_round = 0  # the round of the last confirmation
         self._own_at_round: dict[int, int] = {}  # averages not confirmed yet
         self._floor = 0  # the estimate never goes below what it showed before
 
@@ -92,8 +93,13 @@ class ProgressTracker:
         """The coordinator's exact count after ``message.round``."""
         self._floor = max(self._floor, self.samples())
         own = self._own_at_round.get(message.round)
-        self._own_at_exact = self.own_samples if own is None else own
-        self._own_at_round = {k: v for k, v in self._own_at_round.items() if k > message.round}
+        if own is not None:
+            self._own_at_exact = own
+        elif message.round != self._exact_round:  # an average this rank was not part of
+            self._own_at_exact = self.own_samples
+        self._exact_round = message.round
+        # The round's own count stays: a second word on it (new shares) counts from it too.
+        self._own_at_round = {k: v for k, v in self._own_at_round.items() if k >= message.round}
         self._exact = min(max(message.samples, 0), self.planned_samples)
         if message.share > 0:
             self._share = min(message.share, 1.0)

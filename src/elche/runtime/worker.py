@@ -301,9 +301,12 @@ class Worker:
                     proto.regrouped()
                 case r.Load():
                     self._apply_update(action)
+                    self._report_lr()
                 case r.Average() | r.Upload():
                     self._report()
                     self._serve_round(action)
+                    if isinstance(action, r.Average):
+                        self._report_lr()
                 case r.Callback(request=request):
                     self._report()
                     self._run_callback(request)
@@ -458,6 +461,13 @@ class Worker:
             elapsed_ms=elapsed_ms, lr=lr if isinstance(lr, float) else None
         ):
             self._send(message)
+
+    def _report_lr(self) -> None:
+        """Under ``lr_schedule``, the lr once per average (the timeline and the
+        LR-aware meta-controller read it; a smooth schedule leaves it quiet)."""
+        lr = self.stepper.lr
+        if self.fns.options.lr_schedule is not None and lr is not None:
+            self._send(m.LrUpdate(lr=lr))
 
     # -- averaging -------------------------------------------------------------
 
