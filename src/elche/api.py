@@ -35,7 +35,6 @@ from elche.core.faults import FaultPlan
 from elche.core.progress import Progress
 from elche.runtime.bundle import meta_path
 from elche.runtime.options import check_options
-from elche.runtime.options import check_picklable as check_options_picklable
 from elche.runtime.plan import Hooks, Plan, TrainResult, hold_save_path
 
 __all__ = ["TrainResult", "train"]
@@ -467,7 +466,6 @@ def _train_cluster(
     from elche.runtime.launch import check_picklable, launch_local
 
     check_picklable(fns)  # before anything starts: nothing to clean up
-    check_options_picklable(fns.options)
     directory = Path(run_dir or tempfile.mkdtemp(prefix="elche-run-"))
     result = launch_local(
         plan, fns, hooks, directory, max_grad_norm=max_grad_norm, progress=progress,

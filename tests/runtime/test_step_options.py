@@ -141,3 +141,12 @@ def test_a_batch_sampler_that_loses_an_index_is_refused() -> None:
     loader = _loader(0, batch_sampler=lambda ids: [ids[:-1]])
     with pytest.raises(ValueError, match="exactly once"):
         loader.step(0, 0, 8, list)
+
+
+def test_a_schedule_that_cannot_reach_the_ranks_is_refused_before_they_start() -> None:
+    with pytest.raises(elche.ConfigError) as caught:
+        elche.train(
+            fx.linear_model, fx.linear_optimizer, fx.mse_step, _linear_data(), batch_size=8,
+            epochs=1, ranks=2, progress=False, lr_schedule=lambda p: 1.0 - p.fraction,
+        )  # fmt: skip
+    assert caught.value.field == "lr_schedule"

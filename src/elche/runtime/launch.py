@@ -62,6 +62,7 @@ from elche.runtime.lifetimes import (
     ignore_stop_signals,
     watch_launcher,
 )
+from elche.runtime.options import check_picklable as check_options_picklable
 from elche.runtime.plan import Hooks, Plan, TrainResult
 
 if TYPE_CHECKING:
@@ -290,6 +291,7 @@ def check_picklable(fns: UserFns) -> None:
                 f"{fn!r} cannot be sent to the rank processes ({exc}); define it with def at "
                 "the top level of a module (not a lambda or a nested function)",
             ) from None
+    check_options_picklable(fns.options)  # lr_schedule, batch_sampler, collate_fn
 
 
 def launch_local(

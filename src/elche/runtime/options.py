@@ -104,7 +104,7 @@ def check_picklable(options: TrainOptions) -> None:
     Raises:
         ConfigError: naming the function that cannot be pickled.
     """
-    for name in ("lr_schedule", "batch_sampler"):
+    for name in ("lr_schedule", "batch_sampler", "collate_fn"):
         fn = getattr(options, name)
         if fn is None:
             continue
