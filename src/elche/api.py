@@ -125,7 +125,7 @@ def train(
         checkpoint_every: epochs between checkpoints (and bundle writes).
         metrics_fn: called in this process with each finished epoch's
             metrics: ``epoch`` (from 0), ``loss``, ``syncs``, ``lr``,
-            ``progress`` and ``per_rank`` (samples, samples/s and share).
+            ``progress`` and ``per_rank`` (samples, loss, samples/s, share).
         save_path: bundle stem for checkpoints and save-and-shutdown.
         resume_from: a bundle stem to continue from.
         callback_rank: ``"fastest"`` or a rank to pin the callbacks on.

@@ -42,8 +42,8 @@ def test_each_epoch_entry_has_lr_progress_and_every_ranks_rate_and_share() -> No
         "epoch": 0, "loss": 0.5, "syncs": 3, "lr": 0.01, "eval": 0.9,
         "progress": {"samples": 100, "step": 10, "fraction": 0.5},
         "per_rank": [
-            {"rank": 0, "samples": 60, "samples_per_s": 60.0, "share": 0.6},
-            {"rank": 1, "samples": 40, "samples_per_s": 20.0, "share": 0.4},
+            {"rank": 0, "samples": 60, "loss": 1.0, "samples_per_s": 60.0, "share": 0.6},
+            {"rank": 1, "samples": 40, "loss": 1.0, "samples_per_s": 20.0, "share": 0.4},
         ],
     }  # fmt: skip
     assert [(kind, epoch) for kind, epoch, _ in seen] == [("metrics", 0), ("eval", 0)]  # type: ignore[misc]

@@ -9,8 +9,9 @@ each epoch's entry carries, besides ``epoch``, ``loss`` and ``syncs``:
 - ``progress``: ``{"samples", "step", "fraction"}`` of the plan at the end
   of that epoch (``elche.Progress``'s units: every sample of the epochs up
   to it is in the consensus);
-- ``per_rank``: ``[{"rank", "samples", "samples_per_s", "share"}]`` over the
-  windows served in that epoch (``share``: of the samples trained in them);
+- ``per_rank``: ``[{"rank", "samples", "loss", "samples_per_s", "share"}]``
+  over the windows served in that epoch (``loss``: the rank's mean training
+  loss; ``share``: of the samples trained in them);
 - ``eval``: the eval metric after that epoch, when an eval ran.
 
 ``bundles`` lists every bundle committed (``{"stem", "seq", "reason"}``).
@@ -30,6 +31,12 @@ __all__ = ["EpochLog", "with_bundles"]
 class _Served:
     samples: int = 0
     span_s: float = 0.0
+    loss_sum: float = 0.0  # loss × samples over the windows that reported a loss
+    loss_samples: int = 0
+
+    @property
+    def loss(self) -> float | None:
+        return self.loss_sum / self.loss_samples if self.loss_samples else None
 
 
 class EpochLog(list[dict[str, object]]):
@@ -53,6 +60,9 @@ class EpochLog(list[dict[str, object]]):
         served = self._served.setdefault(record.epoch, {}).setdefault(record.rank, _Served())
         served.samples += record.samples
         served.span_s += record.span_s
+        if record.loss is not None:
+            served.loss_sum += record.loss * record.samples
+            served.loss_samples += record.samples
 
     def note_bundle(self, record: tl.BundleWritten) -> None:
         self.bundles.append({"stem": record.stem, "seq": record.seq, "reason": record.reason})
@@ -76,6 +86,7 @@ class EpochLog(list[dict[str, object]]):
                 {
                     "rank": rank,
                     "samples": s.samples,
+                    "loss": s.loss,
                     "samples_per_s": round(s.samples / s.span_s, 2) if s.span_s > 0 else 0.0,
                     "share": round(s.samples / total, 4) if total else 0.0,
                 }

@@ -97,7 +97,7 @@ class _Solo:
                 "fraction": (epoch + 1) / cfg.epochs,
             },
             "per_rank": [{
-                "rank": 0, "samples": samples, "share": 1.0,
+                "rank": 0, "samples": samples, "loss": loss, "share": 1.0,
                 "samples_per_s": round(samples / span_s, 2) if span_s > 0 else 0.0,
             }],
         }  # fmt: skip
