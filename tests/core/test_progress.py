@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from elche.core import messages as m
+from elche.core.checkpoint import CheckpointMeta
 from elche.core.commands import Send
 from elche.core.config import Mode
+from elche.core.coordinator import Coordinator
 from elche.core.progress import ProgressTracker
 from elche.core.rank import RankProtocol, Train
 from tests.core.harness import Harness, messages
+from tests.core.test_issue12_promises import meta_doc
 
 
 def test_the_coordinator_confirms_the_exact_samples_after_every_round() -> None:
@@ -86,3 +91,11 @@ def test_a_second_word_on_the_same_round_counts_from_the_same_average() -> None:
     t.trained(10)
     t.confirmed(m.GlobalProgress(round=1, samples=100, share=0.25))  # the planned budgets
     assert t.now().samples == 100 + 10 * 4
+
+
+def test_a_resumed_run_starts_from_the_samples_its_bundle_covers() -> None:
+    meta = CheckpointMeta.from_json(json.dumps(meta_doc()))  # epoch 1 half done, of 3
+    h = Harness(num_samples=640, epochs=3, seed=42)
+    h.core = Coordinator(h.cfg, resume=meta)
+    first = messages(h.form(), m.GlobalProgress)[0]
+    assert (first.round, first.samples) == (8, 640 + 320)  # type: ignore[attr-defined]
