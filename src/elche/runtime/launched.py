@@ -164,14 +164,15 @@ def _train(
     spec = rank_spec(
         plan, rank, address, bytes.fromhex(secret_hex), directory, max_grad_norm=max_grad_norm
     )
-    report, state = _run_rank(spec, fns, plan.config.batch_size, host, multi_host=multi_host)
-    user_error = report.get("user_error")
-    if host is None and isinstance(user_error, dict):  # another rank's: the same error here
-        results.leave()
-        raise TrainingError.from_summary(user_error)
+    try:
+        report, state = _run_rank(spec, fns, plan.config.batch_size, host, multi_host=multi_host)
+    except BaseException:
+        if host is None:  # rank 0 need not hold the result for this rank
+            results.leave()
+        raise
     stopped = report.get("stopped")
     if host is None:
-        return _shared_result(results, state, directory), stopped
+        return _other_rank_result(report, state, results, directory), stopped
     try:
         result = _collect_on_rank0(plan, hooks, host, board=board, directory=directory, t0=t0)
     except BaseException as exc:
@@ -181,6 +182,20 @@ def _train(
     if not result.state_dict:
         result.state_dict = state
     return result, stopped
+
+
+def _other_rank_result(
+    report: dict[str, object],
+    state: dict[str, torch.Tensor],
+    results: ResultBoard,
+    directory: Path,
+) -> TrainResult:
+    """A rank but 0: the run's user error (raised), or its result as rank 0 shares it."""
+    user_error = report.get("user_error")
+    if isinstance(user_error, dict):  # another rank's: the same error here
+        results.leave()
+        raise TrainingError.from_summary(user_error)
+    return _shared_result(results, state, directory)
 
 
 def _board_host(multi_host: bool) -> str:

@@ -21,7 +21,9 @@ are cleared and the optimizer does not step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -112,8 +114,11 @@ class Stepper:
         """The step's loss over ``micro`` as one batch (for the pacer's timing)."""
         total = sum(mb.size for mb in micro)
         with self._forward():
-            losses = [self.step_fn(model, mb.batch) * (mb.size / total) for mb in micro]
-        return torch.stack([loss.float() for loss in losses]).sum()
+            losses = [self.step_fn(model, mb.batch) for mb in micro]
+        if len(losses) == 1:
+            return losses[0]  # as step_fn made it (a non-scalar loss fails as it would)
+        weighted = [loss * (mb.size / total) for loss, mb in zip(losses, micro, strict=True)]
+        return functools.reduce(operator.add, weighted)
 
     def step(self, micro: Sequence[MicroBatch]) -> float:
         """One optimizer step over ``micro``; returns the step's loss (NaN/inf: not applied).
