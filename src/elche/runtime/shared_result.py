@@ -5,9 +5,9 @@ coordinator) can build the run's summary and per-epoch metrics, once the
 coordinator has finished. Rank 0 serves a ``torch.distributed.TCPStore`` on
 a free port (its address travels with the coordinator's over the process
 group); every other rank waits there for the result and says it has read
-it, and rank 0 keeps the store up until each rank has (or ``HOLD_S``
-passed: a rank that died reads nothing). A rank that leaves without the
-result (its own error) says so at once.
+it, and rank 0 keeps the store up until each rank has (at most ``HOLD_S``:
+a rank that died reads nothing, and one that comes later gets no summary).
+A rank that leaves without the result (its own error) says so at once.
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ __all__ = ["ResultBoard"]
 
 _RESULT_KEY = "elche/result"
 _GONE_KEY = "elche/gone"
-# How long rank 0 keeps the result up for ranks that have not read it yet.
-HOLD_S = 30.0
+# How long rank 0 keeps the result up for ranks that have not read it yet. The
+# others finish training before rank 0 (it waits for the coordinator), so they
+# are waiting when it publishes; a rank that died reads nothing, and a run
+# whose launcher is gone must end within the orphan bound (ORPHAN_GRACE_S).
+HOLD_S = 2.0
 _POLL_S = 0.05
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]  # exported at runtime
 
