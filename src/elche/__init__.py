@@ -27,6 +27,7 @@ from elche.core.errors import (
     TransportError,
 )
 from elche.core.faults import FaultPlan
+from elche.core.progress import Progress
 from elche.sim.engine import SimConfig, SimError, Simulation, simulate
 from elche.sim.result import SimResult
 
@@ -40,6 +41,10 @@ def __getattr__(name: str) -> object:
         from elche import api
 
         return getattr(api, name)
+    if name == "progress":
+        from elche.runtime.current import progress
+
+        return progress
     if name == "Interrupted":
         from elche.runtime.lifetimes import Interrupted
 
@@ -60,6 +65,7 @@ __all__ = [
     "LocalProtocolError",
     "Mode",
     "Policy",
+    "Progress",
     "ProtocolError",
     "RemoteProtocolError",
     "SaveReason",
@@ -72,6 +78,7 @@ __all__ = [
     "TrainingError",
     "TransportError",
     "__version__",
+    "progress",
     "simulate",
     "train",
 ]

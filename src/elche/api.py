@@ -16,7 +16,8 @@ raises ``ConfigError`` naming the field and what is accepted), then:
   address over the group, and every process trains.
 
 The result carries the final averaged ``state_dict``, per-epoch metrics and a
-``summary`` with the keys of the ``elche demo --json`` contract.
+``summary`` with the keys of the ``elche demo --json`` contract, the same on
+every rank under a launcher.
 """
 
 from __future__ import annotations
@@ -26,14 +27,16 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from elche.core.config import CallbackPolicy, CoordinatorConfig, Mode, SchedulerConfig
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
+from elche.core.progress import Progress
 from elche.runtime.bundle import meta_path
+from elche.runtime.options import check_options
 from elche.runtime.plan import Hooks, Plan, TrainResult, hold_save_path
 
 __all__ = ["TrainResult", "train"]
@@ -85,6 +88,14 @@ def train(
     nonfinite: str = "stop",
     dashboard: str | None = None,
     tensorboard_dir: str | None = None,
+    lr_schedule: Callable[[Progress], float] | None = None,
+    accumulate: int = 1,
+    precision: str = "fp32",
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    drop_last: bool = False,
+    batch_sampler: Callable[[list[int]], Iterable[Sequence[int]]] | None = None,
 ) -> TrainResult:
     """Train ``model_fn``'s model on ``dataset`` over ``ranks`` unequal workers.
 
@@ -113,11 +124,14 @@ def train(
         eval_fn: ``eval_fn(model, eval_dataset) -> float`` on the eval role
             after every ``eval_every`` epochs and after the last one.
         eval_dataset: passed to ``eval_fn``.
-        eval_result_fn: ``eval_result_fn(epoch, metric)`` in this process.
+        eval_result_fn: ``eval_result_fn(epoch, metric)`` in this process;
+            ``epoch`` is numbered as in ``metrics_fn`` (from 0).
         eval_every: epochs between evals.
         checkpoint_fn: ``checkpoint_fn(version, model)`` on the checkpoint role.
         checkpoint_every: epochs between checkpoints (and bundle writes).
-        metrics_fn: called in this process with each finished epoch's metrics.
+        metrics_fn: called in this process with each finished epoch's
+            metrics: ``epoch`` (from 0), ``loss``, ``syncs``, ``lr``,
+            ``progress`` and ``per_rank`` (samples, loss, samples/s, share).
         save_path: bundle stem for checkpoints and save-and-shutdown.
         resume_from: a bundle stem to continue from.
         callback_rank: ``"fastest"`` or a rank to pin the callbacks on.
@@ -153,6 +167,26 @@ def train(
             durations). Needs the ``tensorboardX`` package (the
             ``elche[tensorboard]`` extra). Default: the ``ELCHE_TENSORBOARD``
             environment variable, else none.
+        lr_schedule: ``lr_schedule(progress) -> factor``: before every
+            optimizer step on every rank, each param group's lr is its base
+            lr times the factor (``LambdaLR``'s shape). ``progress`` is an
+            ``elche.Progress`` (``.fraction`` of the plan, ``.step`` at the
+            reference batch ``batch_size × accumulate``, ``.samples``), the
+            run's global progress: the same on every rank, exact at each
+            average. See ``docs/training.md``.
+        accumulate: micro-batches of ``batch_size`` per optimizer step; the
+            loss of each is weighted by its share of the step's samples.
+        precision: ``"fp32"`` (default), ``"bf16"`` (autocast around
+            ``step_fn``) or ``"fp16"`` (autocast and loss scaling; CUDA only).
+        collate_fn: builds a batch from a list of items (default:
+            ``default_collate``), as in ``DataLoader``.
+        num_workers: loader processes (persistent) that prefetch the rank's
+            batches; 0 (default) loads in the training thread.
+        pin_memory: batches in pinned memory (for CUDA devices).
+        drop_last: a step shorter than ``batch_size × accumulate`` trains nothing.
+        batch_sampler: ``batch_sampler(indices) -> batches``: splits the
+            dataset indices of one optimizer step into its micro-batches
+            (each index exactly once; default: slices of ``batch_size``).
         crash: testing hook: ``{rank: epoch.fraction}`` — that rank kills
             itself with SIGKILL when its training reaches that point
             (shorthand for ``FaultPlan().kill(rank=r, at_epoch=e)``).
@@ -184,6 +218,14 @@ def train(
     _check_user_fns(model_fn=model_fn, eval_fn=eval_fn, eval_dataset=eval_dataset)
     dashboard = _dashboard(dashboard)
     tensorboard_dir = _tensorboard_dir(tensorboard_dir)
+    options = check_options(
+        accumulate=accumulate, precision=precision, lr_schedule=lr_schedule,
+        collate_fn=collate_fn, num_workers=num_workers, pin_memory=pin_memory,
+        drop_last=drop_last, batch_sampler=batch_sampler, devices=devices or ("cpu",),
+        planned_samples=_planned(dataset, epochs),
+    )  # fmt: skip
+    if isinstance(batch_size, int) and not isinstance(batch_size, bool):
+        batch_size *= options.accumulate  # the coordinator counts optimizer steps
     plan = _plan(
         dataset=dataset, batch_size=batch_size, epochs=epochs, mode=mode, ranks=ranks,
         speeds=speeds, speed_base_s=speed_base_s, devices=devices,
@@ -200,7 +242,7 @@ def train(
     fns = UserFns(
         model_fn=model_fn, optimizer_fn=optimizer_fn, step_fn=step_fn, dataset=dataset,
         eval_fn=eval_fn, eval_dataset=eval_dataset, epoch_fn=epoch_fn,
-        checkpoint_fn=checkpoint_fn,
+        checkpoint_fn=checkpoint_fn, options=options,
     )  # fmt: skip
     hooks = Hooks(eval_result_fn=eval_result_fn, metrics_fn=metrics_fn)
     if plan.resume_from is not None:
@@ -299,6 +341,14 @@ def _plan(
         devices=devices_t, resume_from=resume_from,
         faults=_faults(faults, crash, stall, world),
     )  # fmt: skip
+
+
+def _planned(dataset: Any, epochs: Any) -> int:
+    """Samples in the plan (``epochs × len(dataset)``); 1 when either is bad (_plan says)."""
+    try:
+        return max(int(epochs) * len(dataset), 1)
+    except (TypeError, ValueError):
+        return 1
 
 
 def _check_user_fns(*, model_fn: Any, eval_fn: Any, eval_dataset: Any) -> None:

@@ -67,6 +67,7 @@ SAMPLES: list[m.Message] = [
     m.ShutdownWithSave(reason="max_failure_exceeded", writer=0, seq=5, keep=4),
     m.CoordHeartbeat(),
     m.Rejoin(),
+    m.GlobalProgress(round=3, samples=640, share=0.25),
 ]
 DEFAULTS_ONLY: list[m.Message] = [
     m.Hello(rank=0, world_size=1),

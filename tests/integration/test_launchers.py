@@ -12,7 +12,7 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SCRIPT = """
-import json, sys
+import json, os, sys
 import elche
 from elche.workloads import digits
 
@@ -23,15 +23,21 @@ if __name__ == "__main__":
         batch_size=32, epochs=3, mode=sys.argv[1], speeds=[1.0, 0.5],
         eval_fn=digits.eval_fn, eval_dataset=test_set, progress=False,
     )
-    if result.summary:
-        print("SUMMARY " + json.dumps(result.summary))
+    # What the README's example reads, on every rank.
+    print("EVAL", os.environ["RANK"], result.summary["eval_accuracy"], result.summary["eval"])
+    print("SUMMARY " + json.dumps(result.summary, sort_keys=True))
+    print("EPOCHS " + json.dumps(result.epochs, sort_keys=True))
     assert result.state_dict
 """
 
 
-def summary_of(output: str) -> dict[str, object]:
+def summary_of(output: str, ranks: int = 2) -> dict[str, object]:
+    """The run's summary, which every rank returned alike (and its epochs too)."""
+    for kind in ("SUMMARY ", "EPOCHS "):
+        lines = [line for line in output.splitlines() if line.startswith(kind)]
+        assert len(lines) == ranks, output  # one per rank
+        assert len(set(lines)) == 1, output  # the same on every rank
     lines = [line for line in output.splitlines() if line.startswith("SUMMARY ")]
-    assert len(lines) == 1, output  # only rank 0 reports the run
     return json.loads(lines[0].removeprefix("SUMMARY "))  # type: ignore[no-any-return]  # JSON
 
 

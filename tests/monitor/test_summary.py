@@ -84,9 +84,9 @@ def test_the_launchers_summary_joins_the_rank_reports(tmp_path: Path) -> None:
     assert summary["samples_per_s"] == 600.0
     assert summary["bundle"] is None  # completed: no bundle to name
     assert summary["per_rank"] == [
-        {"rank": 0, "speed": 1.0, "samples": 700, "idle_s": 0.25},
-        {"rank": 1, "speed": 0.5, "samples": 400, "idle_s": 0.5},
-        {"rank": 2, "speed": 0.25, "samples": 100, "idle_s": None},
+        {"rank": 0, "speed": 1.0, "samples": 700, "idle_s": 0.25, "lr": None},
+        {"rank": 1, "speed": 0.5, "samples": 400, "idle_s": 0.5, "lr": None},
+        {"rank": 2, "speed": 0.25, "samples": 100, "idle_s": None, "lr": None},
     ]
 
 

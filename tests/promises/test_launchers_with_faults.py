@@ -35,8 +35,7 @@ if __name__ == "__main__":
         eval_fn=digits.eval_fn, eval_dataset=test_set, progress=False,
     )
     print(f"RETURNED {os.environ['RANK']}", flush=True)
-    if result.summary:
-        print("SUMMARY " + json.dumps(result.summary), flush=True)
+    print("SUMMARY " + json.dumps(result.summary, sort_keys=True), flush=True)
 """
 
 
@@ -70,8 +69,9 @@ def test_issue12_item01_survivors_of_a_killed_rank_under_a_launcher_return(
     returned = sorted(line for line in done.stdout.splitlines() if line.startswith("RETURNED"))
     assert returned == expected, done.stderr[-4000:]
     assert "Process group cannot be None" not in done.stderr
-    (line,) = [x for x in done.stdout.splitlines() if x.startswith("SUMMARY ")]
-    summary = json.loads(line.removeprefix("SUMMARY "))
+    lines = [x for x in done.stdout.splitlines() if x.startswith("SUMMARY ")]
+    assert len(lines) == len(expected) and len(set(lines)) == 1  # the same on every rank
+    summary = json.loads(lines[0].removeprefix("SUMMARY "))
     assert summary["outcome"] == "completed"
     assert summary["dead_ranks"] == [1]
     assert summary["lost_samples"] == 0

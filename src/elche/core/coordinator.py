@@ -302,6 +302,7 @@ class Coordinator:
         if self._resume is None:
             self._open_epoch(self._start_epoch)
         self._journal()
+        self._send_progress(self.round.number)
         self._open_window()
 
     def _apply_resume(self, meta: CheckpointMeta) -> None:
@@ -443,6 +444,7 @@ class Coordinator:
         epoch = serving[0] if serving else min(self.epochs_completed, self.config.epochs - 1)
         self._out += self.telemetry.on_round(self._now, self.live, epoch)
         self._journal()
+        self._send_progress(rnd.number)
         self._open_window()
         self._journal()  # the epochs it settled: a successor does not settle them again
 
@@ -479,6 +481,7 @@ class Coordinator:
         for rank, update in zip(live, self.planner.open_window(live), strict=True):
             if update is not None:
                 self._out.append(Send(rank=rank, message=update))
+        self._send_progress(self.round.number)  # again: the shares of the budgets just planned
         for rank in live:
             self._dispatch(rank)
         self._unsatisfied = {r for r in self.live if not self.planner.satisfied(r)}
@@ -716,6 +719,13 @@ class Coordinator:
         self._out.append(ArmTimer(deadline_s=self._now + self.config.heartbeat_interval_s))
 
     # -- output helpers --------------------------------------------------------
+
+    def _send_progress(self, round_number: int) -> None:
+        """Tell each live rank the exact global progress and its share of the next window."""
+        samples = self.work.samples_averaged()
+        for rank, share in self.planner.shares(self.live).items():
+            message = m.GlobalProgress(round=round_number, samples=samples, share=share)
+            self._out.append(Send(rank=rank, message=message))
 
     def _broadcast(self, message: m.CoordMessage) -> None:
         ranks = tuple(self.live)

@@ -34,6 +34,7 @@ __all__ = [
     "EvalResult",
     "Exiting",
     "Failed",
+    "GlobalProgress",
     "Heartbeat",
     "Held",
     "Hello",
@@ -67,7 +68,7 @@ __all__ = [
 # 2: the averaging round is `round` in every message (was `cycle`).
 # 3: Failed; Shutdown.failure; BatchDone.nonfinite.
 # 4: saves are numbered and confirmed (``SaveState``, ``StateSaved.files``).
-# 5: a restarted coordinator (``Rejoin``, ``Hello.held``).
+# 5: a restarted coordinator (``Rejoin``, ``Hello.held``); ``GlobalProgress``.
 PROTOCOL_VERSION = 5
 
 
@@ -374,6 +375,19 @@ class ShutdownWithSave(_Msg, frozen=True):
     keep: int = 0
 
 
+class GlobalProgress(_Msg, frozen=True):
+    """The run's exact progress once ``round`` closed (0: at the start of training).
+
+    ``samples``: samples the consensus holds, cluster-wide, out of the plan
+    (``epochs x num_samples``); ``share``: the receiving rank's share of the
+    cluster's samples in the next window (see ``elche.core.progress``).
+    """
+
+    round: int
+    samples: int
+    share: float
+
+
 class CoordHeartbeat(_Msg, frozen=True):
     """Coordinator liveness beacon."""
 
@@ -416,6 +430,7 @@ CoordMessage = (
     | SaveState
     | ShutdownWithSave
     | CoordHeartbeat
+    | GlobalProgress
 )
 Message = RankMessage | CoordMessage
 

@@ -111,6 +111,17 @@ class Planner:
         count = self.elche.batch_counts[rank]
         return count if self.elche.is_calibrated else min(count, PROBE_STEPS)
 
+    def shares(self, live: Sequence[int]) -> dict[int, float]:
+        """Each live rank's share of the cluster's samples in a window (ElChe counts)."""
+        if self.config.policy is Policy.SYNC:  # one step each per window
+            steps = {rank: 1 for rank in live}
+        elif self.config.policy is Policy.CADENCE:  # each trains its budget (tail included)
+            steps = {rank: max(self.budget[rank], self.window_steps(rank), 1) for rank in live}
+        else:
+            steps = {rank: max(self.window_steps(rank), 1) for rank in live}
+        total = sum(steps.values())
+        return {rank: count / total for rank, count in steps.items()}
+
     def satisfied(self, rank: int) -> bool:
         """Whether the averaging gate may fire as far as ``rank`` is concerned.
 

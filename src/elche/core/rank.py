@@ -43,6 +43,9 @@ Rules:
   callbacks, and says ``Hello`` again with what it holds (``m.Held``); the
   new coordinator books it and hands out work afresh. A saving or held rank
   trains again: the new coordinator orders the save it needs anew.
+- With a plan (``planned_samples``), ``progress`` tracks the run's global
+  progress (``elche.core.progress``): every trained batch, every average the
+  rank took part in and every ``GlobalProgress`` feed it.
 
 Theory of operation. A driver loops: feed each message it received to
 ``handle``, ask ``next_action`` what to do, do that action's IO, and report
@@ -74,6 +77,7 @@ from typing import TypedDict, Unpack, assert_never
 from elche.core import messages as m
 from elche.core.config import Backend, Mode, Policy
 from elche.core.errors import LocalProtocolError
+from elche.core.progress import ProgressTracker
 from elche.core.work import Chunk
 
 __all__ = [
@@ -236,13 +240,23 @@ class RankProtocol:
         mode: the run's mode; its policy decides whether an upload holds.
         batch_size: samples per step (the last batch of a chunk may be short).
         runs_epoch_fn: the rank has an ``epoch_fn`` to run at each epoch start.
+        planned_samples: ``epochs × num_samples``: track the global progress
+            (``progress``); None: not tracked.
+        world_size: ranks in the run (the progress estimate's first share).
 
     Raises:
         ValueError: ``batch_size`` below 1.
     """
 
     def __init__(
-        self, rank: int, *, mode: Mode, batch_size: int, runs_epoch_fn: bool = False
+        self,
+        rank: int,
+        *,
+        mode: Mode,
+        batch_size: int,
+        runs_epoch_fn: bool = False,
+        planned_samples: int | None = None,
+        world_size: int = 1,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -260,6 +274,11 @@ class RankProtocol:
         self.num_stale = 0  # messages ignored as stale
         self.num_steps = 0  # training steps done in this run
         self.user_error: m.UserError | None = None  # the run failed on it (Shutdown)
+        self.progress: ProgressTracker | None = None
+        if planned_samples is not None:
+            self.progress = ProgressTracker(
+                planned_samples=planned_samples, reference_batch=batch_size, world_size=world_size
+            )
         self._collective_mode = mode.backend is Backend.COLLECTIVE
         self._request: m.SyncNow | m.RequestParams | None = None
         self._callbacks: deque[m.RunEval | m.RunCheckpoint] = deque()
@@ -319,6 +338,9 @@ class RankProtocol:
                 self._save = Save(kind=SaveKind.CHECKPOINT, seq=seq, writer=writes, keep=keep)
             case m.SetEpochCallbackRole() | m.EvalBroadcast() | m.EpochDone():
                 pass
+            case m.GlobalProgress():
+                if self.progress is not None:
+                    self.progress.confirmed(message)
             case m.CoordHeartbeat() | m.Rejoin():  # Rejoin: the driver answers ``rejoin``
                 pass
             case _:
@@ -471,6 +493,8 @@ class RankProtocol:
         self._since.append((action.epoch, action.offset, action.size))  # booked as trained
         self.steps_since_sync += 1
         self.num_steps += 1
+        if self.progress is not None:
+            self.progress.trained(action.size)
         return m.BatchDone(
             epoch=action.epoch,
             offset=action.offset,
@@ -514,6 +538,8 @@ class RankProtocol:
         self._request = None
         self.steps_since_sync = 0
         self._applied(request.round, len(self._since))
+        if self.progress is not None:
+            self.progress.averaged(request.round)
         return m.SyncAck(round=request.round, steps=steps, **norms)
 
     def average_failed(self) -> None:
@@ -543,6 +569,8 @@ class RankProtocol:
             raise self._illegal("uploaded", "no snapshot is requested")
         self._request = None
         self._uploaded = (request.round, self.steps_since_sync)
+        if self.progress is not None:  # the samples in the snapshot are the ones before it
+            self.progress.averaged(request.round)
         if self.mode.policy is not Policy.ASYNC:
             self.stage = RankStage.WAITING_UPDATE
         return m.SnapshotReady(round=request.round, steps=self.steps_since_sync)

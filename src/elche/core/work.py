@@ -118,6 +118,12 @@ class WorkBook:
         )
         return self._missing_finished + open_missing
 
+    def samples_averaged(self) -> int:
+        """Samples of the plan that are behind the run: every finished (or resumed
+        past) epoch in full, and what the open epochs' averages hold."""
+        finished = sum(1 for epoch in range(self._next_open) if epoch not in self.pools)
+        return finished * self.num_samples + sum(p.committed() for p in self.pools.values())
+
     def open_epochs(self) -> list[int]:
         """Epochs opened and not finished, in ascending order."""
         return sorted(self.pools)

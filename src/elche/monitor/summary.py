@@ -154,6 +154,7 @@ def run_summary(
         "samples_per_s": round(trained / wall_s, 2) if wall_s > 0 else 0.0,
         "final_loss": host["final_loss"],
         "eval_accuracy": host["eval_accuracy"],
+        "eval": host["eval_accuracy"],  # eval_fn's metric, whatever it measures
         "syncs": host["syncs"],
         "lost_samples": host["lost_samples"],
         "dead_ranks": host["dead_ranks"],
@@ -169,6 +170,7 @@ def run_summary(
                 "speed": speeds[rank],
                 "samples": host["samples_per_rank"][rank],
                 "idle_s": ranks.get(rank, {}).get("idle_s"),
+                "lr": ranks.get(rank, {}).get("lr"),  # the rank's learning rate at the end
             }
             for rank in range(world)
         ],

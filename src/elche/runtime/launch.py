@@ -52,6 +52,7 @@ from elche.monitor.progress import Progress
 from elche.monitor.summary import SUMMARY_FILE, read_run, run_summary
 from elche.monitor.timeline import TimelineReader
 from elche.runtime import bundle
+from elche.runtime.epochs import EpochLog, with_bundles
 from elche.runtime.frames import SECRET_ENV, new_secret
 from elche.runtime.host import ADDRESS_LINE, FAILED_EXIT, RESUME_OUTER, config_to_json
 from elche.runtime.journal_file import JOURNAL_FILE
@@ -62,6 +63,7 @@ from elche.runtime.lifetimes import (
     ignore_stop_signals,
     watch_launcher,
 )
+from elche.runtime.options import check_picklable as check_options_picklable
 from elche.runtime.plan import Hooks, Plan, TrainResult
 
 if TYPE_CHECKING:
@@ -127,6 +129,8 @@ def _rank_process(
     os.environ["ELCHE_RANK"] = str(spec.rank)  # lets user callbacks know where they run
     from elche.runtime.worker import train_rank
 
+    if isinstance(fns, bytes):  # the launcher pickled them by value
+        fns = pickle.loads(fns)
     try:
         _, state = train_rank(spec, fns, batch_size)
         if state_out is not None:
@@ -410,6 +414,7 @@ def check_picklable(fns: UserFns) -> None:
                 f"{fn!r} cannot be sent to the rank processes ({exc}); define it with def at "
                 "the top level of a module (not a lambda or a nested function)",
             ) from None
+    check_options_picklable(fns.options)  # lr_schedule, batch_sampler, collate_fn
 
 
 def launch_local(
@@ -469,7 +474,7 @@ def _supervise(
     ctx = _rank_context()
     procs: list[Any] = []
     timeline = TimelineReader(run_dir)
-    epochs: list[dict[str, object]] = []
+    epochs = epoch_log(plan)
     display = Progress(cfg.epochs, enabled=progress)
     reported: set[int] = set()
     stop_by = math.inf  # once asked to stop: when the launcher stops waiting
@@ -483,7 +488,9 @@ def _supervise(
             )
             proc = ctx.Process(
                 target=_rank_process,
-                args=(spec, fns, cfg.batch_size, dict(os.environ), os.getpid()),
+                # Pickled here, by value: the process pickler would send every tensor
+                # in the dataset as a shared-memory fd (too many fds for a list of them).
+                args=(spec, pickle.dumps(fns), cfg.batch_size, dict(os.environ), os.getpid()),
                 name=f"elche-rank{rank}",
             )
             proc.start()
@@ -569,18 +576,22 @@ def on_record(
 ) -> None:
     """Apply one timeline record: per-epoch metrics, user hooks, the display."""
     display.show(event)
+    log = epochs if isinstance(epochs, EpochLog) else EpochLog()
     match event:
-        case tl.EpochEnd(epoch=epoch, loss=loss, rounds_done=syncs):
-            entry: dict[str, object] = {"epoch": epoch, "loss": loss, "syncs": syncs}
-            epochs.append(entry)
+        case tl.EpochEnd():
+            entry = log.ended(event)
+            if log is not epochs:
+                epochs.append(entry)
             if hooks.metrics_fn is not None:
                 _call_hook("metrics_fn", hooks.metrics_fn, entry)
-        case tl.Eval(epoch=epoch, metric=metric):
-            for entry in epochs:
-                if entry["epoch"] == epoch - 1:
-                    entry["eval"] = metric
+        case tl.Eval(epoch=done, metric=metric):  # after ``done`` epochs: epoch ``done - 1``
+            log.evaluated(done - 1, metric)
             if hooks.eval_result_fn is not None:
-                _call_hook("eval_result_fn", hooks.eval_result_fn, epoch, metric)
+                _call_hook("eval_result_fn", hooks.eval_result_fn, done - 1, metric)
+        case tl.RankWindow():
+            log.note_window(event)
+        case tl.BundleWritten():
+            log.note_bundle(event)
         case _:
             pass
 
@@ -595,6 +606,12 @@ def _call_hook(name: str, fn: Callable[..., object], *args: object) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def epoch_log(plan: Plan) -> EpochLog:
+    """The run's per-epoch metrics, filled from its timeline."""
+    cfg = plan.config
+    return EpochLog(epochs=cfg.epochs, num_samples=cfg.num_samples, reference_batch=cfg.batch_size)
 
 
 def collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]]) -> TrainResult:
@@ -618,6 +635,7 @@ def collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]
         print(f"elche: the run's files are kept in {run_dir}", file=sys.stderr, flush=True)
         stem = summary.get("bundle")
         raise TrainingError.from_summary(user_error, stem if isinstance(stem, str) else None)
+    with_bundles(summary, epochs)
     model_file = run_dir / bundle.FINAL_MODEL
     state = torch.load(model_file, map_location="cpu") if model_file.exists() else {}
     return TrainResult(state_dict=state, epochs=epochs, summary=summary, run_dir=str(run_dir))

@@ -6,8 +6,9 @@ torch.distributed environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
 lands here: it joins the default gloo group from the environment; global rank
 0 starts the coordinator as its own process and shares its address and the
 run secret over the group; then every process trains as one rank. Rank 0
-waits for the coordinator to finish and returns the full result; the other
-ranks return their final model (the consensus) and an empty summary.
+waits for the coordinator to finish and builds the result; every rank
+returns its final model (the consensus) with the same summary and per-epoch
+metrics, which rank 0 shares (``elche.runtime.shared_result``).
 When the run fails on the user's code, every process raises the same
 ``TrainingError`` (a failing rank its own, the others the coordinator's).
 
@@ -36,8 +37,9 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,7 @@ from elche.runtime.launch import (
     _report_lost,
     check_picklable,
     collect,
+    epoch_log,
     explain_outcome,
     interrupted,
     on_record,
@@ -65,6 +68,7 @@ from elche.runtime.launch import (
 )
 from elche.runtime.lifetimes import Interrupted, StopSignals, watch_launcher
 from elche.runtime.plan import Hooks, Plan, TrainResult
+from elche.runtime.shared_result import HOLD_S, ResultBoard
 from elche.runtime.worker import train_rank
 
 if TYPE_CHECKING:
@@ -141,57 +145,148 @@ def _train(
     if not multi_host:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
-    shared: list[object] = [None, None, None]
-    host = None
-    board = None
-    watcher = None
+    rank0 = None
+    shared: list[object] = [None, None, None, None]
     if rank == 0:
-        directory = Path(
-            run_dir or os.environ.get("ELCHE_RUN_DIR") or tempfile.mkdtemp(prefix="elche-run-")
-        )
-        secret = new_secret()
-        if multi_host:
-            os.environ["ELCHE_BIND"] = "tcp://0.0.0.0:0"
-        bundled = with_bundle(plan, directory)
-        host, address = start_coordinator(bundled.config, directory, secret, plan.resume_from)
-        host_box.append(host)
-        watcher = _watch_coordinator(
-            Supervised(host, address, bundled.config, directory, secret), host_box
-        )
-        if signals.received is not None:  # the signal came while the coordinator started
-            tell_coordinator(host, f"stop {signal.Signals(signals.received).name}")
-        if multi_host:
-            address = f"tcp://{os.environ['MASTER_ADDR']}:{address.rsplit(':', 1)[1]}"
-        shared = [address, secret.hex(), str(directory)]
-        board = start_watching(bundled, directory, dashboard, tensorboard_dir)
+        rank0 = _start_on_rank0(
+            plan, host_box, signals, run_dir=run_dir, multi_host=multi_host,
+            dashboard=dashboard, tensorboard_dir=tensorboard_dir,
+        )  # fmt: skip
+        shared = rank0.shared
     dist.broadcast_object_list(shared, src=0)
-    address, secret_hex, directory_text = (str(x) for x in shared)
+    address, secret_hex, directory_text, port = (str(x) for x in shared)
+    host = None if rank0 is None else rank0.host
+    if rank0 is None:
+        results = ResultBoard.join(_board_host(multi_host), int(port), COORDINATOR_EXIT_S)
+    else:
+        results = rank0.results
     directory = Path(directory_text)
     plan = with_bundle(plan, directory)
     spec = rank_spec(
         plan, rank, address, bytes.fromhex(secret_hex), directory, max_grad_norm=max_grad_norm
     )
-    report, state = _run_rank(spec, fns, plan.config.batch_size, host, multi_host=multi_host)
-    user_error = report.get("user_error")
-    if host is None and isinstance(user_error, dict):  # another rank's: the same error here
-        raise TrainingError.from_summary(user_error)
+    try:
+        report, state = _run_rank(spec, fns, plan.config.batch_size, host, multi_host=multi_host)
+    except BaseException:
+        if host is None:  # rank 0 need not hold the result for this rank
+            results.leave()
+        raise
     stopped = report.get("stopped")
-    if host is None:
-        return TrainResult(state_dict=state, summary={}, run_dir=str(directory)), stopped
-    assert watcher is not None  # started with the coordinator
+    if rank0 is None:
+        return _other_rank_result(report, state, results, directory), stopped
+    try:
+        result = _collect_on_rank0(
+            plan, hooks, rank0.watcher, board=rank0.board, directory=directory, t0=t0
+        )
+    except BaseException as exc:
+        results.publish({"error": f"{type(exc).__name__}: {exc}"}, readers=world - 1)
+        raise
+    results.publish({"summary": result.summary, "epochs": result.epochs}, readers=world - 1)
+    if not result.state_dict:
+        result.state_dict = state
+    return result, stopped
+
+
+@dataclass(slots=True)
+class _Rank0:
+    """What rank 0 starts for the run: the coordinator and who follows it."""
+
+    host: subprocess.Popen[str]
+    watcher: threading.Thread  # replaces a lost coordinator; ends with the last one
+    results: ResultBoard  # where the other ranks read the run's result
+    board: Any  # the dashboard and TensorBoard log (launch.Watchers)
+    shared: list[object]  # address, secret, run directory, result board port
+
+
+def _start_on_rank0(
+    plan: Plan,
+    host_box: list[subprocess.Popen[str]],
+    signals: StopSignals,
+    *,
+    run_dir: str | None,
+    multi_host: bool,
+    dashboard: str | None,
+    tensorboard_dir: str | None,
+) -> _Rank0:
+    """Start the coordinator (supervised), the result board and the watchers."""
+    directory = Path(
+        run_dir or os.environ.get("ELCHE_RUN_DIR") or tempfile.mkdtemp(prefix="elche-run-")
+    )
+    secret = new_secret()
+    if multi_host:
+        os.environ["ELCHE_BIND"] = "tcp://0.0.0.0:0"
+    bundled = with_bundle(plan, directory)
+    host, address = start_coordinator(bundled.config, directory, secret, plan.resume_from)
+    host_box.append(host)
+    watcher = _watch_coordinator(
+        Supervised(host, address, bundled.config, directory, secret), host_box
+    )
+    if signals.received is not None:  # the signal came while the coordinator started
+        tell_coordinator(host, f"stop {signal.Signals(signals.received).name}")
+    if multi_host:
+        address = f"tcp://{os.environ['MASTER_ADDR']}:{address.rsplit(':', 1)[1]}"
+    results = ResultBoard.serve()
+    board = start_watching(bundled, directory, dashboard, tensorboard_dir)
+    shared: list[object] = [address, secret.hex(), str(directory), results.port]
+    return _Rank0(host=host, watcher=watcher, results=results, board=board, shared=shared)
+
+
+def _other_rank_result(
+    report: dict[str, object],
+    state: dict[str, torch.Tensor],
+    results: ResultBoard,
+    directory: Path,
+) -> TrainResult:
+    """A rank but 0: the run's user error (raised), or its result as rank 0 shares it."""
+    user_error = report.get("user_error")
+    if isinstance(user_error, dict):  # another rank's: the same error here
+        results.leave()
+        raise TrainingError.from_summary(user_error)
+    return _shared_result(results, state, directory)
+
+
+def _board_host(multi_host: bool) -> str:
+    return os.environ["MASTER_ADDR"] if multi_host else "127.0.0.1"
+
+
+def _shared_result(
+    results: ResultBoard, state: dict[str, torch.Tensor], directory: Path
+) -> TrainResult:
+    """A rank but 0: its model with the summary and epochs rank 0 published."""
+    doc = results.read(COORDINATOR_EXIT_S + HOLD_S)
+    summary = doc.get("summary") if doc else None
+    epochs = doc.get("epochs") if doc else None
+    if not isinstance(summary, dict):
+        why = doc.get("error") if doc else "none came"
+        print(f"elche: rank 0 shared no run summary ({why})", file=sys.stderr, flush=True)
+        summary = {}
+    return TrainResult(
+        state_dict=state, summary=summary, epochs=epochs if isinstance(epochs, list) else [],
+        run_dir=str(directory),
+    )  # fmt: skip
+
+
+def _collect_on_rank0(
+    plan: Plan,
+    hooks: Hooks,
+    watcher: threading.Thread,
+    *,
+    board: Any,
+    directory: Path,
+    t0: float,
+) -> TrainResult:
+    """Rank 0: wait for the coordinator (and its successors), then build the result."""
     watcher.join(timeout=COORDINATOR_EXIT_S)
     if board is not None:
         board.stop()
-    epochs: list[dict[str, object]] = []
+    epochs = epoch_log(plan)
     quiet = Progress(plan.config.epochs, enabled=False)
     for event in read_timeline(directory):
         on_record(event, epochs, hooks, quiet)
     result = collect(plan, directory, t0, epochs)
     if result.summary.get("reason") != SaveReason.GRACEFUL_SHUTDOWN.value:
         explain_outcome(result.summary, plan.config.save_path)
-    if not result.state_dict:
-        result.state_dict = state
-    return result, stopped
+    return result
 
 
 def _watch_coordinator(

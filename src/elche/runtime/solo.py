@@ -8,24 +8,29 @@ as still to do.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
 
+from elche.core import messages as m
 from elche.core.dispatch import epoch_permutation
 from elche.core.errors import TrainingError
-from elche.runtime.data import fetch, to_device
+from elche.core.progress import ProgressTracker
+from elche.runtime.current import providing
+from elche.runtime.loading import Loader, StepPlan
 from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.resume import load_bundle
+from elche.runtime.stepping import MicroBatch, Stepper
 from elche.runtime.user_errors import describe
-from elche.runtime.worker import UserFns
+from elche.runtime.worker import UserFns, _with_collate
 
 if TYPE_CHECKING:
     from elche.runtime.solo_record import SoloRecord
@@ -44,7 +49,9 @@ class _Solo:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     device: torch.device
-    max_grad_norm: float | None
+    stepper: Stepper
+    loader: Loader
+    tracker: ProgressTracker
     pacer: Pacer | None = None
     trained: int = 0
     first_step_s: float | None = None
@@ -55,46 +62,43 @@ class _Solo:
     compute_s: float = 0.0  # this epoch's, in the steps, the speed injection's waits excluded
     epoch_trained: int = 0  # samples trained before this epoch
 
-    def batch(self, perm: list[int], positions: range) -> Any:
-        indices = [perm[i] for i in positions]
-        return to_device(fetch(self.fns.dataset, indices, self.fns.collate_fn), self.device)
-
     def train_epoch(self, epoch: int, spans: Sequence[tuple[int, int]]) -> float | None:
         cfg = self.plan.config
-        perm = epoch_permutation(cfg.num_samples, seed=cfg.seed, epoch=epoch)
+        step = cfg.batch_size  # samples per optimizer step (batch_size × accumulate)
+        plan = [
+            (epoch, start, min(step, offset + size - start))
+            for offset, size in spans
+            for start in range(offset, offset + size, step)
+        ]
         losses: list[float] = []
-        for offset, size in spans:
-            for start in range(offset, offset + size, cfg.batch_size):
-                self.first_step_s = self.first_step_s or time.monotonic()
-                stop = min(start + cfg.batch_size, offset + size)
-                value = self.step(self.batch(perm, range(start, stop)))
-                if math.isfinite(value):
-                    losses.append(value)
-                elif cfg.nonfinite == "stop":  # the step was not applied: the model is finite
-                    raise _nonfinite(epoch)
-                self.trained += stop - start
+        for i, (_, start, size) in enumerate(plan):
+            self.first_step_s = self.first_step_s or time.monotonic()
+            upcoming = functools.partial(_rest, plan, i)
+            value = self.step(self.loader.step(epoch, start, size, upcoming))
+            if value is None:  # drop_last left it out
+                pass
+            elif math.isfinite(value):
+                losses.append(value)
+            elif cfg.nonfinite == "stop":  # the step was not applied: the model is finite
+                raise _nonfinite(epoch)
+            self.trained += size
+            self.tracker.trained(size)
         return sum(losses) / len(losses) if losses else None
 
-    def step(self, batch: Any) -> float:
+    def step(self, micro: list[MicroBatch]) -> float | None:
+        if not micro:
+            return None
         started_s = time.monotonic()
         injected_s = self.pacer.injected_s if self.pacer is not None else 0.0
         self.batches += 1
         try:
-            return self._step(batch)
+            return self._step(micro)
         finally:
             waited_s = (self.pacer.injected_s if self.pacer is not None else 0.0) - injected_s
             self.compute_s += max(time.monotonic() - started_s - waited_s, 0.0)
 
-    def _step(self, batch: Any) -> float:
-        loss = self.fns.step_fn(self.model, batch)
-        self.optimizer.zero_grad(set_to_none=True)
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            return value  # a NaN/inf loss: the step is not applied
-        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
-        if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
+    def _step(self, micro: list[MicroBatch]) -> float:
+        value = self.stepper.step(micro)
         if self.pacer is not None:
             self.pacer.after_step()
         return value
@@ -106,16 +110,28 @@ class _Solo:
 
     def end_epoch(self, epoch: int, loss: float | None) -> None:
         if self.record is not None:
-            lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
             self.record.epoch_ended(
-                epoch, loss=loss, lr=float(lr) if isinstance(lr, int | float) else None,
+                epoch, loss=loss, lr=self.stepper.lr,
                 batches=self.batches, samples=self.trained - self.epoch_trained,
                 compute_s=self.compute_s,
             )  # fmt: skip
 
-    def after_epoch(self, epoch: int, loss: float | None, hooks: Hooks) -> None:
+    def after_epoch(
+        self, epoch: int, loss: float | None, hooks: Hooks, *, samples: int, span_s: float
+    ) -> None:
         cfg = self.plan.config
-        record: dict[str, object] = {"epoch": epoch, "loss": loss}
+        done_samples = (epoch + 1) * cfg.num_samples
+        record: dict[str, object] = {
+            "epoch": epoch, "loss": loss, "syncs": 0, "lr": self.stepper.lr,
+            "progress": {
+                "samples": done_samples, "step": done_samples // cfg.batch_size,
+                "fraction": (epoch + 1) / cfg.epochs,
+            },
+            "per_rank": [{
+                "rank": 0, "samples": samples, "loss": loss, "share": 1.0,
+                "samples_per_s": round(samples / span_s, 2) if span_s > 0 else 0.0,
+            }],
+        }  # fmt: skip
         done = epoch + 1
         if self.fns.eval_fn is not None and (done % cfg.eval_every == 0 or done == cfg.epochs):
             started_s = time.monotonic()
@@ -127,8 +143,8 @@ class _Solo:
             if self.record is not None:
                 duration_ms = 1000 * (time.monotonic() - started_s)
                 self.record.evaluated(done, self.eval_metric, duration_ms)
-            if hooks.eval_result_fn is not None:
-                hooks.eval_result_fn(done, self.eval_metric)
+            if hooks.eval_result_fn is not None:  # numbered as metrics_fn numbers epochs
+                hooks.eval_result_fn(epoch, self.eval_metric)
         every = cfg.checkpoint_every
         if self.fns.checkpoint_fn is not None and every and done % every == 0:
             self.fns.checkpoint_fn(done, self.model)
@@ -183,26 +199,85 @@ def _train_solo(
     record: SoloRecord | None = None,
 ) -> TrainResult:
     t0 = time.monotonic()
-    cfg = plan.config
     device = torch.device(plan.devices[0])
     model = _user(0, lambda: fns.model_fn(device))
     optimizer = _user(0, lambda: fns.optimizer_fn(model.parameters()))
-    solo = _Solo(plan, fns, model, optimizer, device, max_grad_norm, record=record)
+    solo = _solo(plan, fns, model, optimizer, max_grad_norm)
+    solo.record = record
+    with providing(solo.tracker.now):
+        _train(solo, hooks)
+    return _result(solo, t0, run_dir)
+
+
+def _solo(
+    plan: Plan,
+    fns: UserFns,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    max_grad_norm: float | None,
+) -> _Solo:
+    cfg, options = plan.config, fns.options
+    device = torch.device(plan.devices[0])
+    tracker = ProgressTracker(
+        planned_samples=options.planned_samples, reference_batch=cfg.batch_size, world_size=1
+    )
+    stepper = Stepper(
+        model, optimizer, fns.step_fn, device=device, max_grad_norm=max_grad_norm,
+        options=options, progress=tracker.now,
+    )  # fmt: skip
+    perms: dict[int, list[int]] = {}
+
+    def perm(epoch: int) -> list[int]:
+        if epoch not in perms:
+            perms.clear()
+            perms[epoch] = epoch_permutation(cfg.num_samples, seed=cfg.seed, epoch=epoch)
+        return perms[epoch]
+
+    loader = Loader(
+        fns.dataset, _with_collate(options, fns.collate_fn),
+        micro_size=cfg.batch_size // options.accumulate, step_size=cfg.batch_size, perm=perm,
+        device=device,
+    )  # fmt: skip
+    return _Solo(plan, fns, model, optimizer, device, stepper, loader, tracker)
+
+
+def _train(solo: _Solo, hooks: Hooks) -> None:
+    plan, model = solo.plan, solo.model
+    cfg = plan.config
     start_epoch, holes = _resume(solo, plan.resume_from)
-    perm = epoch_permutation(cfg.num_samples, seed=cfg.seed, epoch=0)
-    first = _user(0, lambda: solo.batch(perm, range(min(cfg.batch_size, cfg.num_samples))))
+    _user(start_epoch, solo.stepper.apply_schedule)  # the first step's lr, for the warm-up too
+    first = _user(0, lambda: solo.loader.direct(0, 0, min(cfg.batch_size, cfg.num_samples)))
     solo.pacer = _user(0, lambda: pacer_for(
-        model, solo.optimizer, fns.step_fn, first, speed=plan.speeds[0], base_s=plan.speed_base_s
+        model, solo.optimizer, solo.stepper.loss, first, speed=plan.speeds[0],
+        base_s=plan.speed_base_s,
     ))  # fmt: skip
+    try:
+        _epochs(solo, hooks, start_epoch, holes)
+    finally:
+        solo.loader.close()
+    # The progress is the plan's end: the optimizer ends at the schedule's last value.
+    _user(cfg.epochs - 1, solo.stepper.apply_schedule)
+
+
+def _epochs(
+    solo: _Solo, hooks: Hooks, start_epoch: int, holes: dict[int, tuple[tuple[int, int], ...]]
+) -> None:
+    cfg, fns, model = solo.plan.config, solo.fns, solo.model
     for epoch in range(start_epoch, cfg.epochs):
         solo.begin_epoch(epoch)
         if fns.epoch_fn is not None:
             epoch_fn = fns.epoch_fn
             _user(epoch, lambda: epoch_fn(epoch, model, solo.optimizer))  # noqa: B023  # called at once
         spans = holes.get(epoch, ((0, cfg.num_samples),))
+        began_s, before = time.monotonic(), solo.trained
         loss = _user(epoch, lambda: solo.train_epoch(epoch, spans))  # noqa: B023  # called at once
+        span_s = time.monotonic() - began_s
         solo.end_epoch(epoch, loss)
-        solo.after_epoch(epoch, loss, hooks)
+        solo.after_epoch(epoch, loss, hooks, samples=solo.trained - before, span_s=span_s)
+
+
+def _result(solo: _Solo, t0: float, run_dir: str | None) -> TrainResult:
+    plan, model, cfg = solo.plan, solo.model, solo.plan.config
     end = time.monotonic()
     first_step = solo.first_step_s or end
     wall_s = end - first_step
@@ -215,14 +290,24 @@ def _train_solo(
         "samples_per_s": round(solo.trained / wall_s, 2) if wall_s > 0 else 0.0,
         "final_loss": solo.epochs[-1]["loss"] if solo.epochs else None,
         "eval_accuracy": solo.eval_metric,
+        "eval": solo.eval_metric,
         "syncs": 0,
         "lost_samples": 0,
         "dead_ranks": [],
         "outcome": "completed",
-        "per_rank": [{"rank": 0, "speed": plan.speeds[0], "samples": solo.trained, "idle_s": 0.0}],
-    }
+        "bundle": None,
+        "bundles": [],
+        "per_rank": [
+            {"rank": 0, "speed": plan.speeds[0], "samples": solo.trained, "idle_s": 0.0,
+             "lr": solo.stepper.lr}
+        ],
+    }  # fmt: skip
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return TrainResult(state_dict=state, epochs=solo.epochs, summary=summary, run_dir=run_dir)
+
+
+def _rest(plan: list[StepPlan], first: int) -> list[StepPlan]:
+    return plan[first:]
 
 
 def _nonfinite(epoch: int) -> TrainingError:
@@ -255,4 +340,12 @@ def _resume(solo: _Solo, stem: str | None) -> tuple[int, dict[int, tuple[tuple[i
     if stem is None:
         return 0, {}
     meta = load_bundle(stem, solo.model, solo.optimizer, rank=0, world_size=1, device=solo.device)
-    return meta.epoch, {c.epoch: c.uncovered for c in meta.coverage}
+    holes = {c.epoch: c.uncovered for c in meta.coverage}
+    cfg = solo.plan.config
+    to_do = sum(
+        sum(size for _, size in holes[e]) if e in holes else cfg.num_samples
+        for e in range(meta.epoch, cfg.epochs)
+    )
+    done = cfg.epochs * cfg.num_samples - to_do
+    solo.tracker.confirmed(m.GlobalProgress(round=0, samples=done, share=1.0))
+    return meta.epoch, holes

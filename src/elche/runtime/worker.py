@@ -23,6 +23,7 @@ step, ``FailCheckpoint`` makes every later checkpoint report an error.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -55,16 +56,21 @@ from elche.core.faults import (
     Stall,
     position,
 )
+from elche.core.progress import Progress
 from elche.core.rank import RankProtocol
 from elche.monitor.summary import rank_report_file
 from elche.runtime import bundle
 from elche.runtime.averaging import collective_average, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
 from elche.runtime.consensus import Consensus, start_from_rank0
-from elche.runtime.data import fetch, to_device
+from elche.runtime.current import providing
+from elche.runtime.data import to_device
+from elche.runtime.loading import Loader, StepPlan
+from elche.runtime.options import TrainOptions
 from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.resume import load_bundle
 from elche.runtime.snapshots import Layout
+from elche.runtime.stepping import MicroBatch, Stepper
 from elche.runtime.transport import RankEndpoint
 from elche.runtime.user_errors import failed_report, guarded, training_error, wait_answer
 
@@ -92,6 +98,7 @@ class UserFns:
     epoch_fn: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None
     checkpoint_fn: Callable[[int, nn.Module], None] | None = None
     collate_fn: Callable[[list[Any]], Any] | None = None
+    options: TrainOptions = TrainOptions()  # accumulate, precision, lr_schedule, loader
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -142,12 +149,24 @@ class Worker:
         self.fns = fns
         self.mode = Mode.parse(spec.mode)
         self.batch_size = batch_size
+        options = fns.options
         self.proto = RankProtocol(
-            spec.rank, mode=self.mode, batch_size=batch_size, runs_epoch_fn=fns.epoch_fn is not None
-        )
+            spec.rank, mode=self.mode, batch_size=batch_size,
+            runs_epoch_fn=fns.epoch_fn is not None, planned_samples=options.planned_samples,
+            world_size=spec.world_size,
+        )  # fmt: skip
         self.device = torch.device(spec.device)
         self.model = fns.model_fn(self.device)
         self.optimizer = fns.optimizer_fn(self.model.parameters())
+        self.stepper = Stepper(
+            self.model, self.optimizer, fns.step_fn, device=self.device,
+            max_grad_norm=spec.max_grad_norm, options=options, progress=self.progress,
+        )  # fmt: skip
+        self.loader = Loader(
+            fns.dataset, _with_collate(options, fns.collate_fn),
+            micro_size=batch_size // options.accumulate, step_size=batch_size, perm=self._perm,
+            device=self.device,
+        )  # fmt: skip
         self.unreported: list[m.BatchDone] = []
         self.consensus = Consensus()  # restored before a save for a non-finite value
         self.reported_s = time.monotonic()
@@ -240,10 +259,15 @@ class Worker:
         while not all(mark.exists() for mark in marks) and time.monotonic() < deadline:
             time.sleep(STARTUP_POLL_S)
 
-    def warm_up(self, batch: Any) -> None:
+    def progress(self) -> Progress:
+        """The run's global progress as this rank sees it (``elche.core.progress``)."""
+        assert self.proto.progress is not None  # the worker's protocol tracks it
+        return self.proto.progress.now()
+
+    def warm_up(self, batch: list[MicroBatch]) -> None:
         """Warm the rank's steps up and, on a paced rank, build its pacer."""
         self.pacer = pacer_for(
-            self.model, self.optimizer, self._loss, batch,
+            self.model, self.optimizer, self.stepper.loss, batch,
             speed=self.spec.speed, base_s=self.spec.speed_base_s,
             slows_later=self.spec.slows_later,
         )  # fmt: skip
@@ -253,13 +277,22 @@ class Worker:
     def run(self) -> str:
         """Train until told to stop; returns why it stopped."""
         assert self.bridge is not None
-        proto = self.proto
         self._loop_started_s = time.monotonic()
+        try:
+            with providing(self.progress):
+                return self._loop()
+        finally:
+            self.loader.close()
+
+    def _loop(self) -> str:
+        proto = self.proto
         while True:
             self._drain()
             action = proto.next_action()
             match action:
                 case r.Done(reason=reason):
+                    if reason == "completed":  # the progress is exact: the plan is done
+                        self.stepper.apply_schedule()
                     return reason
                 case r.Train():
                     self._train_one(action)
@@ -276,9 +309,12 @@ class Worker:
                     proto.regrouped()
                 case r.Load():
                     self._apply_update(action)
+                    self._report_lr()
                 case r.Average() | r.Upload():
                     self._report()
                     self._serve_round(action)
+                    if isinstance(action, r.Average):
+                        self._report_lr()
                 case r.Callback(request=request):
                     self._report()
                     self._run_callback(request)
@@ -337,13 +373,18 @@ class Worker:
             }
         return self._perms[epoch]
 
-    def batch_at(self, epoch: int, offset: int, size: int) -> Any:
-        perm = self._perm(epoch)
-        batch = fetch(self.fns.dataset, perm[offset : offset + size], self.fns.collate_fn)
-        return to_device(batch, self.device)
+    def batch_at(self, epoch: int, offset: int, size: int) -> list[MicroBatch]:
+        """The micro-batches of one step, fetched now (warm-up)."""
+        return self.loader.direct(epoch, offset, size)
 
-    def _loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        return self.fns.step_fn(model, batch)
+    def _upcoming(self) -> list[StepPlan]:
+        """Every step of the queued chunks, in training order (the loader's stream)."""
+        step = self.batch_size
+        return [
+            (chunk.epoch, at, min(step, chunk.offset + chunk.size - at))
+            for chunk in self.proto.chunks
+            for at in range(chunk.cursor, chunk.offset + chunk.size, step)
+        ]
 
     def _inject_faults(self, batch: r.Train) -> None:
         """Testing hooks: before ``batch``, fire this rank's faults that are due, in order."""
@@ -399,22 +440,19 @@ class Worker:
         # what the balancer must see to size windows that end together.
         started = self._step_end if self._step_end is not None else time.perf_counter()
         try:  # the user's code: the dataset, the collate, step_fn, the optimizer
-            batch = self.batch_at(action.epoch, action.offset, size)
+            micro = self.loader.step(action.epoch, action.offset, size, self._upcoming)
             loaded = time.perf_counter()
-            loss = self._loss(self.model, batch)
-            value = float(loss.detach())
-            self.optimizer.zero_grad(set_to_none=True)
-            if math.isfinite(value):  # a NaN/inf loss: the step is not applied
-                loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
-                if self.spec.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
-                self.optimizer.step()
+            value = self.stepper.step(micro) if micro else None  # None: drop_last dropped it
         except Exception as exc:
             raise self._user_failed(exc, action.epoch) from exc
-        if self.pacer is not None:
+        if self.pacer is not None and micro:
             self.pacer.after_step()
         done = self._step_end = time.perf_counter()
-        self.last_loss = value if math.isfinite(value) else self.last_loss
+        if value is None:
+            finite, value = True, None
+        else:
+            finite = math.isfinite(value)
+            self.last_loss = value if finite else self.last_loss
         self.busy_s += done - started
         self.step_s += done - started
         self.samples += size
@@ -425,8 +463,8 @@ class Worker:
                 action,
                 batch_ms=(done - loaded) * 1000.0,
                 data_ms=(loaded - started) * 1000.0,
-                loss=value if math.isfinite(value) else None,
-                nonfinite=not math.isfinite(value),
+                loss=value if finite else None,
+                nonfinite=not finite,
             )
         )
         if self.proto.report_due or time.monotonic() - self.reported_s >= REPORT_EVERY_S:
@@ -461,6 +499,13 @@ class Worker:
             elapsed_ms=elapsed_ms, lr=lr if isinstance(lr, float) else None
         ):
             self._send(message)
+
+    def _report_lr(self) -> None:
+        """Under ``lr_schedule``, the lr once per average (the timeline and the
+        LR-aware meta-controller read it; a smooth schedule leaves it quiet)."""
+        lr = self.stepper.lr
+        if self.fns.options.lr_schedule is not None and lr is not None:
+            self._send(m.LrUpdate(lr=lr))
 
     # -- averaging -------------------------------------------------------------
 
@@ -602,7 +647,17 @@ class Worker:
             "idle_s": round(max(wall - self.busy_s, 0.0), 4),
             "stopped": self.proto.stop_reason,
             "user_error": msgspec.to_builtins(self.proto.user_error),  # the run failed on it
+            "lr": self.stepper.lr,
+            "progress": msgspec.to_builtins(self.progress()),
+            "dropped_samples": self.loader.num_dropped,
         }
+
+
+def _with_collate(options: TrainOptions, collate_fn: Any) -> TrainOptions:
+    """The options with ``UserFns.collate_fn`` when they name none."""
+    if options.collate_fn is not None or collate_fn is None:
+        return options
+    return dataclasses.replace(options, collate_fn=collate_fn)
 
 
 def train_rank(
@@ -621,7 +676,9 @@ def train_rank(
     fingerprint = start_from_rank0(worker.model, worker.group)  # (collective) rank 0's weights
     worker.wait_peers_started()  # the same, for coordinator modes
     first = min(batch_size, len(fns.dataset))  # the dataset, collate and step_fn:
-    guarded(spec, lambda: worker.warm_up(worker.batch_at(0, 0, first)))
+    with providing(worker.progress):  # the user's code may ask for it (and lr_schedule does)
+        guarded(spec, worker.stepper.apply_schedule)
+        guarded(spec, lambda: worker.warm_up(worker.batch_at(0, 0, first)))
     worker.consensus.keep(worker.model)  # the run's start is its first consensus
     worker.connect()
     worker._send(m.InitialState(fingerprint=fingerprint))

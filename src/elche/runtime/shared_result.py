@@ -1,0 +1,80 @@
+"""The run's result on every launched rank: rank 0 publishes it, the others read it.
+
+Under ``elche run`` and ``torchrun`` only rank 0 (which hosts the
+coordinator) can build the run's summary and per-epoch metrics, once the
+coordinator has finished. Rank 0 serves a ``torch.distributed.TCPStore`` on
+a free port (its address travels with the coordinator's over the process
+group); every other rank waits there for the result and says it has read
+it, and rank 0 keeps the store up until each rank has (at most ``HOLD_S``:
+a rank that died reads nothing, and one that comes later gets no summary).
+A rank that leaves without the result (its own error) says so at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["ResultBoard"]
+
+_RESULT_KEY = "elche/result"
+_GONE_KEY = "elche/gone"
+# How long rank 0 keeps the result up for ranks that have not read it yet. The
+# others finish training before rank 0 (it waits for the coordinator), so they
+# are waiting when it publishes; a rank that died reads nothing, and a run
+# whose launcher is gone must end within the orphan bound (ORPHAN_GRACE_S).
+HOLD_S = 2.0
+_POLL_S = 0.05
+_TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]  # exported at runtime
+
+
+class ResultBoard:
+    """One run's result board (see the module docstring)."""
+
+    def __init__(self, store: Any) -> None:  # a TCPStore
+        self.store = store
+
+    @classmethod
+    def serve(cls) -> ResultBoard:
+        """Rank 0: a board on a free port of every interface (``port`` says which)."""
+        store = _TCPStore(
+            "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+        )
+        return cls(store)
+
+    @classmethod
+    def join(cls, host: str, port: int, timeout_s: float) -> ResultBoard:
+        """Another rank: the board rank 0 serves at ``host:port``."""
+        store = _TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        return cls(store)
+
+    @property
+    def port(self) -> int:
+        return int(self.store.port)
+
+    def publish(self, result: dict[str, object], *, readers: int) -> None:
+        """Rank 0: put the result up and hold it until ``readers`` ranks read it."""
+        self.store.set(_RESULT_KEY, json.dumps(result, default=str))
+        deadline = time.monotonic() + HOLD_S
+        while self.store.add(_GONE_KEY, 0) < readers and time.monotonic() < deadline:
+            time.sleep(_POLL_S)  # polling a counter: the store has no wait-for-count
+
+    def read(self, timeout_s: float) -> dict[str, object] | None:
+        """Another rank: the result rank 0 published (None: none came in ``timeout_s``)."""
+        try:
+            self.store.wait([_RESULT_KEY], timedelta(seconds=timeout_s))
+            doc = json.loads(self.store.get(_RESULT_KEY))
+        except (RuntimeError, ValueError):  # DistStoreError is a RuntimeError
+            doc = None
+        self.leave()
+        return doc if isinstance(doc, dict) else None
+
+    def leave(self) -> None:
+        """Another rank: this rank reads nothing more."""
+        with contextlib.suppress(RuntimeError):  # rank 0 is gone already
+            self.store.add(_GONE_KEY, 1)

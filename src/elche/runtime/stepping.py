@@ -1,0 +1,159 @@
+"""One optimizer step, the same on every rank and in the single-rank path.
+
+A step is ``accumulate`` micro-batches (the last step of a chunk may have
+fewer, or a short last one): each micro-batch's loss is weighted by its
+share of the step's samples before ``backward``, so for a mean-reduced loss
+the gradient is the one of the step's samples as one batch. The forward
+(``step_fn``) runs under ``torch.autocast`` when ``precision`` is ``bf16`` or
+``fp16``; ``fp16`` on CUDA also scales the loss (``torch.amp.GradScaler``),
+which skips a step whose gradients overflowed, as its documentation says.
+
+Before every step ``lr_schedule`` (if given) sets each param group's
+learning rate to its base rate times ``lr_schedule(progress)``, where
+``progress`` is the run's global progress (``elche.core.progress``). The
+base rate is kept in the group as ``initial_lr`` (as ``LambdaLR`` keeps it),
+so a resumed optimizer, whose state carries it, scales from the same base.
+
+A NaN or infinite loss in any micro-batch leaves the step out: the gradients
+are cleared and the optimizer does not step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from elche.core.progress import Progress
+from elche.runtime.options import TrainOptions
+
+__all__ = ["MicroBatch", "Stepper"]
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """One micro-batch: the collated batch on the device and its number of samples."""
+
+    batch: Any
+    size: int
+
+
+class Stepper:
+    """Runs optimizer steps for one rank (see the module docstring).
+
+    Args:
+        model: the rank's model.
+        optimizer: its optimizer; each group's current ``lr`` becomes its
+            base rate unless the group already has an ``initial_lr``.
+        step_fn: ``step_fn(model, batch) -> loss``.
+        device: where the model lives (autocast's device type).
+        max_grad_norm: clip the gradients' norm to this (None: no clipping).
+        options: accumulate, precision and lr_schedule.
+        progress: the run's global progress now (for ``lr_schedule``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        step_fn: Callable[[nn.Module, Any], torch.Tensor],
+        *,
+        device: torch.device,
+        max_grad_norm: float | None,
+        options: TrainOptions,
+        progress: Callable[[], Progress],
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.step_fn = step_fn
+        self.device = device
+        self.max_grad_norm = max_grad_norm
+        self.options = options
+        self.progress = progress
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options.precision)
+        self._autocast_dtype = dtype
+        self.scaler: torch.amp.GradScaler | None = None
+        if options.precision == "fp16" and device.type == "cuda":
+            self.scaler = torch.amp.GradScaler("cuda")
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group.get("lr"))
+
+    @property
+    def lr(self) -> float | None:
+        """The first param group's learning rate now."""
+        lr = self.optimizer.param_groups[0].get("lr")
+        return float(lr) if isinstance(lr, int | float) else None
+
+    def apply_schedule(self) -> None:
+        """Set every group's lr to ``initial_lr × lr_schedule(progress)`` (if scheduled)."""
+        schedule = self.options.lr_schedule
+        if schedule is None:
+            return
+        factor = float(schedule(self.progress()))
+        for group in self.optimizer.param_groups:
+            base = group.get("initial_lr")
+            if isinstance(base, int | float):
+                group["lr"] = base * factor
+
+    @contextlib.contextmanager
+    def _forward(self) -> Iterator[None]:
+        if self._autocast_dtype is None:
+            yield
+            return
+        with torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype):
+            yield
+
+    def loss(self, model: nn.Module, micro: Sequence[MicroBatch]) -> torch.Tensor:
+        """The step's loss over ``micro`` as one batch (for the pacer's timing)."""
+        total = sum(mb.size for mb in micro)
+        with self._forward():
+            losses = [self.step_fn(model, mb.batch) for mb in micro]
+        if len(losses) == 1:
+            return losses[0]  # as step_fn made it (a non-scalar loss fails as it would)
+        weighted = [loss * (mb.size / total) for loss, mb in zip(losses, micro, strict=True)]
+        return functools.reduce(operator.add, weighted)
+
+    def step(self, micro: Sequence[MicroBatch]) -> float:
+        """One optimizer step over ``micro``; returns the step's loss (NaN/inf: not applied).
+
+        Raises:
+            Exception: whatever the user's ``step_fn``, ``lr_schedule`` or the
+                optimizer raise.
+        """
+        self.apply_schedule()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = sum(mb.size for mb in micro)
+        value = 0.0
+        for mb in micro:
+            with self._forward():
+                loss = self.step_fn(self.model, mb.batch)
+            part = float(loss.detach())
+            if not math.isfinite(part):
+                self.optimizer.zero_grad(set_to_none=True)
+                return part  # the step is not applied
+            weighted = loss * (mb.size / total)
+            value += part * mb.size / total
+            scaled = weighted if self.scaler is None else self.scaler.scale(weighted)
+            scaled.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
+        self._apply()
+        return value
+
+    def _apply(self) -> None:
+        params = self.model.parameters()
+        if self.scaler is None:
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            self.optimizer.step()
+            return
+        if self.max_grad_norm is not None:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
