@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,9 @@ import socket, sys
 with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30) as s:
     s.sendall(b"x" * int(sys.argv[3]))
 """
+
+
+NAMES = "import socket as s; print(s.gethostname(), s.gethostbyname('h0'), s.gethostbyname('h2'))"
 
 
 def _netns() -> str:
@@ -58,6 +62,8 @@ def test_hosts_have_their_own_addresses_reach_each_other_and_a_private_tmp() -> 
         assert rig.hosts[1].address in shown
         assert rig.hosts[0].address not in shown  # only its own address
         assert _send(rig, 2, 0, 1000) >= 0
+        named = rig.run(1, [sys.executable, "-c", NAMES]).stdout.split()
+        assert named == ["h1", rig.hosts[0].address, rig.hosts[2].address]
         (rig.tmp(0) / "mine").write_text("host 0")
         assert rig.run(0, ["cat", "/tmp/mine"]).stdout == "host 0"
         assert rig.run(1, ["ls", "/tmp"]).stdout == ""
@@ -78,6 +84,7 @@ def test_hosts_have_their_own_addresses_reach_each_other_and_a_private_tmp() -> 
     listed = _netns()
     assert not any(name in listed for name in names)
     assert not root.exists()
+    assert not any(Path("/etc/netns", name).exists() for name in names)
 
 
 @pytest.mark.slow

@@ -8,12 +8,13 @@ commands the core returns, all of them, in order. Averaging for the
 coordinator backends happens here, on numpy (``elche.runtime.snapshots``);
 its ``AverageComputed`` is queued and fed only once the command list that
 asked for it has run to the end, so no command of a later event overtakes
-one the core returned earlier. This process never imports torch, so it
-starts in a fraction of a second.
+one the core returned earlier. Its main thread never imports torch, so it
+starts in a fraction of a second; in the collective modes a thread serves
+the store the ranks' groups form through (``elche.runtime.groups``).
 
 Run it as ``python -m elche.runtime.host RUN_DIR``: it reads
 ``RUN_DIR/coordinator.json`` (the config), binds, prints one line
-``ELCHE_COORDINATOR <address>`` on stdout for the launcher, and writes
+``ELCHE_COORDINATOR <address> [groups=<port>]`` on stdout for the launcher, and writes
 ``RUN_DIR/summary.json``, ``RUN_DIR/timeline.jsonl`` and, on save, the meta
 sidecar. The run secret comes from ``ELCHE_SECRET``. Its stdin is the
 launcher's: ``lost RANK REASON`` and ``stop REASON`` lines, and EOF once the
@@ -54,7 +55,7 @@ from elche.core.commands import (
     Send,
     WriteMeta,
 )
-from elche.core.config import CoordinatorConfig, Mode, SchedulerConfig
+from elche.core.config import Backend, CoordinatorConfig, Mode, SchedulerConfig
 from elche.core.coordinator import Coordinator
 from elche.core.errors import ConfigError
 from elche.core.events import (
@@ -72,7 +73,9 @@ from elche.core.guards import GuardKind
 from elche.monitor.summary import SUMMARY_FILE, RunStats, coordinator_summary
 from elche.monitor.timeline import TimelineWriter
 from elche.runtime import bundle
+from elche.runtime.addresses import BIND_ENV
 from elche.runtime.frames import SECRET_ENV, secret_from_env
+from elche.runtime.groups import GROUPS_FIELD, GroupStoreServer, listen
 from elche.runtime.lifetimes import EXIT_ORPHANED, ORPHAN_GRACE_S
 from elche.runtime.lookout import Lookout
 from elche.runtime.snapshots import (
@@ -463,14 +466,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if resume_file.exists()
         else None
     )
-    bind = os.environ.get("ELCHE_BIND", "tcp://127.0.0.1:0")
+    bind = os.environ.get(BIND_ENV, "tcp://127.0.0.1:0")
     endpoint = CoordinatorEndpoint(
         world_size=config.world_size, secret=secret_from_env(os.environ), bind=bind
     )
     if SECRET_ENV not in os.environ:
         print("elche coordinator: no ELCHE_SECRET given; generated one", file=sys.stderr)
     (run_dir / "coordinator.pid").write_text(str(os.getpid()))
-    print(f"{ADDRESS_LINE} {endpoint.address}", flush=True)
+    collective = config.backend is Backend.COLLECTIVE and config.world_size >= 2
+    groups = GroupStoreServer(listen(bind)) if collective else None
+    said = f" {GROUPS_FIELD}{groups.port}" if groups is not None else ""
+    print(f"{ADDRESS_LINE} {endpoint.address}{said}", flush=True)
+    if groups is not None:
+        groups.start()
     with endpoint:
         host = Host(config, endpoint, run_dir, resume=resume)
         signal.signal(signal.SIGTERM, lambda signum, frame: host.request_stop("SIGTERM"))

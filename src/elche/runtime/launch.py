@@ -52,7 +52,8 @@ from elche.monitor.progress import Progress
 from elche.monitor.summary import SUMMARY_FILE, read_run, run_summary
 from elche.monitor.timeline import TimelineReader
 from elche.runtime import bundle
-from elche.runtime.frames import SECRET_ENV, new_secret
+from elche.runtime.frames import SECRET_ENV, new_secret, secret_from_env
+from elche.runtime.groups import parse_address_line
 from elche.runtime.host import ADDRESS_LINE, FAILED_EXIT, RESUME_OUTER, config_to_json
 from elche.runtime.lifetimes import (
     Interrupted,
@@ -161,8 +162,9 @@ def rank_spec(
     run_dir: Path,
     *,
     max_grad_norm: float | None,
+    group_port: int | None = None,
 ) -> RankSpec:
-    """The spec rank ``rank`` of ``plan`` runs with."""
+    """The spec rank ``rank`` of ``plan`` runs with (``group_port``: see ``start_coordinator``)."""
     from elche.runtime.worker import RankSpec
 
     cfg = plan.config
@@ -174,7 +176,7 @@ def rank_spec(
         save_path=cfg.save_path, resume_from=plan.resume_from,
         coordinator_timeout_s=max(cfg.heartbeat_timeout_s, 10.0),
         collective_timeout_s=max(2 * cfg.heartbeat_timeout_s, 60.0),
-        faults=plan.faults.for_rank(rank),
+        faults=plan.faults.for_rank(rank), group_port=group_port,
     )  # fmt: skip
 
 
@@ -206,8 +208,11 @@ def explain_outcome(summary: dict[str, object], save_path: str | None) -> None:
 
 def start_coordinator(
     config: CoordinatorConfig, run_dir: Path, secret: bytes, resume_from: str | None
-) -> tuple[subprocess.Popen[str], str]:
-    """Start ``python -m elche.runtime.host`` and return it with its address."""
+) -> tuple[subprocess.Popen[str], str, int | None]:
+    """Start ``python -m elche.runtime.host``; it, its address and its group store's port.
+
+    The port is None where no collective group forms (``elche.runtime.groups``).
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "coordinator.json").write_text(config_to_json(config), encoding="utf-8")
     if resume_from is not None:
@@ -232,7 +237,8 @@ def start_coordinator(
     if not line.startswith(ADDRESS_LINE):
         proc.kill()
         raise RuntimeError(f"the coordinator failed to start (said {line!r}); see stderr")
-    return proc, line.split(maxsplit=1)[1]
+    address, group_port = parse_address_line(line.split()[1:])
+    return proc, address, group_port
 
 
 def start_watching(plan: Plan, run_dir: Path, dashboard: str | None) -> Dashboard | None:
@@ -336,8 +342,8 @@ def _supervise(
 ) -> list[dict[str, object]]:
     """Start the coordinator and the ranks, follow the run to its end; its epochs."""
     cfg = plan.config
-    secret = new_secret()
-    host, address = start_coordinator(cfg, run_dir, secret, plan.resume_from)
+    secret = secret_from_env(os.environ) or new_secret()
+    host, address, group_port = start_coordinator(cfg, run_dir, secret, plan.resume_from)
     board = start_watching(plan, run_dir, dashboard)
     ctx = _rank_context()
     procs: list[Any] = []
@@ -351,7 +357,10 @@ def _supervise(
         for rank in range(cfg.world_size):
             if signals.received is not None:
                 break  # stopped while starting: the run will not form
-            spec = rank_spec(plan, rank, address, secret, run_dir, max_grad_norm=max_grad_norm)
+            spec = rank_spec(
+                plan, rank, address, secret, run_dir, max_grad_norm=max_grad_norm,
+                group_port=group_port,
+            )  # fmt: skip
             proc = ctx.Process(
                 target=_rank_process,
                 args=(spec, fns, cfg.batch_size, dict(os.environ), os.getpid()),

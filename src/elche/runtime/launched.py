@@ -11,13 +11,17 @@ ranks return their final model (the consensus) and an empty summary.
 When the run fails on the user's code, every process raises the same
 ``TrainingError`` (a failing rank its own, the others the coordinator's).
 
-Under torchrun on one host each worker trains its rank in a child process and
+Under torchrun each worker trains its rank in a child process and
 waits for it (``_supervises``): torchrun's agent ends the whole group when a
 worker exits non-zero, so a worker whose rank died must exit 0 for the others
 to go on.
 
-Across hosts the coordinator binds every interface and is reached at
-``MASTER_ADDR``; the per-run secret then authenticates every frame.
+Across hosts the coordinator binds every interface and is reached at the
+address ``elche.runtime.addresses`` chooses among rank 0's (``ELCHE_ADVERTISE``
+overrides it), rank 0 on any host; the run's secret (``ELCHE_SECRET`` when
+set, else a fresh one) authenticates every frame. Every host keeps its own
+run directory, at the path rank 0 chose; the ranks' groups form through the
+coordinator's store (``elche.runtime.groups``), never through files.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from elche.core.errors import ConfigError, TrainingError
 from elche.monitor.progress import Progress
 from elche.monitor.summary import rank_report_file
 from elche.monitor.timeline import read_timeline
-from elche.runtime.frames import new_secret
+from elche.runtime.addresses import BIND_ENV, EVERY_INTERFACE, advertised_host
+from elche.runtime.frames import new_secret, secret_from_env
 from elche.runtime.launch import (
     _rank_process,
     _report_lost,
@@ -131,33 +136,30 @@ def _train(
     if not multi_host:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
-    shared: list[object] = [None, None, None]
+    shared: list[object] = [None, None, None, None]
     host = None
     board = None
     if rank == 0:
         directory = Path(
             run_dir or os.environ.get("ELCHE_RUN_DIR") or tempfile.mkdtemp(prefix="elche-run-")
         )
-        secret = new_secret()
-        if multi_host:
-            os.environ["ELCHE_BIND"] = "tcp://0.0.0.0:0"
         bundled = with_bundle(plan, directory)
-        host, address = start_coordinator(bundled.config, directory, secret, plan.resume_from)
+        host, shared = _start_coordinator(bundled, directory, multi_host=multi_host)
         host_box.append(host)
         if signals.received is not None:  # the signal came while the coordinator started
             tell_coordinator(host, f"stop {signal.Signals(signals.received).name}")
-        if multi_host:
-            address = f"tcp://{os.environ['MASTER_ADDR']}:{address.rsplit(':', 1)[1]}"
-        shared = [address, secret.hex(), str(directory)]
         board = start_watching(bundled, directory, dashboard)
     dist.broadcast_object_list(shared, src=0)
-    address, secret_hex, directory_text = (str(x) for x in shared)
+    address, secret_hex, directory_text = (str(x) for x in shared[:3])
+    group_port = shared[3] if isinstance(shared[3], int) else None
     directory = Path(directory_text)
+    directory.mkdir(parents=True, exist_ok=True)  # on another host: this host's own run dir
     plan = with_bundle(plan, directory)
     spec = rank_spec(
-        plan, rank, address, bytes.fromhex(secret_hex), directory, max_grad_norm=max_grad_norm
-    )
-    report, state = _run_rank(spec, fns, plan.config.batch_size, host, multi_host=multi_host)
+        plan, rank, address, bytes.fromhex(secret_hex), directory, max_grad_norm=max_grad_norm,
+        group_port=group_port,
+    )  # fmt: skip
+    report, state = _run_rank(spec, fns, plan.config.batch_size, host)
     user_error = report.get("user_error")
     if host is None and isinstance(user_error, dict):  # another rank's: the same error here
         raise TrainingError.from_summary(user_error)
@@ -179,16 +181,33 @@ def _train(
     return result, stopped
 
 
+def _start_coordinator(
+    plan: Plan, directory: Path, *, multi_host: bool
+) -> tuple[subprocess.Popen[str], list[object]]:
+    """Rank 0 starts the coordinator; it and what every rank needs of it.
+
+    That is ``[address, secret (hex), run dir, group store port]``, the
+    address one the other hosts reach when the ranks are on several.
+    """
+    secret = secret_from_env(os.environ) or new_secret()
+    advertise = None
+    if multi_host:
+        advertise = advertised_host(os.environ)  # before anything starts: fail fast
+        os.environ.setdefault(BIND_ENV, EVERY_INTERFACE)
+    host, address, group_port = start_coordinator(plan.config, directory, secret, plan.resume_from)
+    if advertise is not None:
+        address = f"tcp://{advertise}:{address.rsplit(':', 1)[1]}"
+    return host, [address, secret.hex(), str(directory), group_port]
+
+
 def _run_rank(
     spec: RankSpec,
     fns: UserFns,
     batch_size: int,
     host: subprocess.Popen[str] | None,
-    *,
-    multi_host: bool,
 ) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     """Train the rank, here or in a child (``_supervises``); its report and model."""
-    if _supervises(fns, multi_host):
+    if _supervises(fns):
         dist.destroy_process_group()  # the rank's own process forms its group
         return _train_in_child(spec, fns, batch_size, host)
     try:
@@ -198,17 +217,18 @@ def _run_rank(
             dist.destroy_process_group()
 
 
-def _supervises(fns: UserFns, multi_host: bool) -> bool:
-    """Under torchrun on one host, the rank trains in a process of its own.
+def _supervises(fns: UserFns) -> bool:
+    """Under torchrun, the rank trains in a process of its own.
 
     torchrun's agent ends the whole group when any worker exits non-zero
     (``docs/failure-modes.md``), so a worker whose rank is SIGKILLed must
     exit 0: the worker starts the rank as its child, waits for it, and
-    returns whatever became of it. Across hosts (the rank's group forms over
-    the run dir, which only rank 0's host has) and with functions that cannot
-    be sent to another process, the rank trains in the worker itself.
+    returns whatever became of it. On one host or several alike: the child's
+    groups form through the coordinator's store (``elche.runtime.groups``).
+    With functions that cannot be sent to another process, the rank trains
+    in the worker itself.
     """
-    if "TORCHELASTIC_RUN_ID" not in os.environ or multi_host:
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
         return False
     try:
         check_picklable(fns)

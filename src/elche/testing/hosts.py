@@ -5,8 +5,10 @@ one switch (``…-sw``) holding a Linux bridge, and one per host (``…-h0``,
 ``…-h1``, …). Each host gets a veth pair created straight into the two
 namespaces (so the machine's own namespace never sees an interface of the
 rig): ``eth0`` inside the host, ``h<i>`` on the bridge. Host ``i`` has the
-address ``10.<a>.<b>.<i + 1>/24`` on a subnet the rig picks at random, and a
-loopback. Every command the rig runs on a host enters the host's network
+address ``10.<a>.<b>.<i + 1>/24`` on a subnet the rig picks at random, a
+loopback, and the host name ``h<i>`` (a UTS namespace), which every host
+resolves through its own ``/etc/hosts`` (no name server is asked). Every
+command the rig runs on a host enters the host's network namespace, its UTS
 namespace and a fresh mount namespace in which the host's own directory
 (``Rig.tmp(i)`` on the machine) is bind-mounted over ``/tmp``: the hosts
 share the machine's files except ``/tmp``, as hosts that share a software
@@ -35,6 +37,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -47,6 +50,7 @@ __all__ = ["RIG_PREFIX", "HostSpec", "Rig", "missing", "sweep_stale"]
 
 RIG_PREFIX = "elche-rig"  # every namespace and directory of a rig starts with it
 INTERFACE = "eth0"  # a host's interface, inside its namespace
+NETNS_ETC = Path("/etc/netns")  # per-namespace files ``ip netns exec`` mounts over /etc
 KILL_WAIT_S = 10.0  # how long processes get to vanish after SIGKILL
 _TOOLS = ("ip", "unshare", "mount", "tc")
 
@@ -73,6 +77,11 @@ class HostSpec:
     interface: str  # the interface that address is on, inside the namespace
     tmp: Path  # on the machine: what the host sees as /tmp
     port: str  # the bridge port (in the switch namespace) its link plugs into
+
+    @property
+    def name(self) -> str:
+        """Its host name (``h<i>``), which every host of the rig resolves."""
+        return self.port
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -104,6 +113,20 @@ def _kill_netns(netns: str) -> None:
 def _delete_netns(netns: str) -> None:
     _kill_netns(netns)
     _ip("netns", "del", netns, check=False)
+    shutil.rmtree(NETNS_ETC / netns, ignore_errors=True)
+
+
+def _write_etc(netns: str, names: str) -> None:
+    """The host's /etc/hosts (every rig host by name) and a resolv.conf with no server.
+
+    ``ip netns exec`` mounts ``/etc/netns/NS/*`` over ``/etc``: lookups of the
+    rig's names answer at once, and no lookup waits on a name server the
+    namespace cannot reach (torch's c10d looks up every peer's name).
+    """
+    etc = NETNS_ETC / netns
+    etc.mkdir(parents=True)
+    (etc / "hosts").write_text(f"127.0.0.1 localhost\n{names}", encoding="utf-8")
+    (etc / "resolv.conf").write_text("options timeout:1 attempts:1\n", encoding="utf-8")
 
 
 def _tbf(netns: str, device: str, rate_mbit: float) -> None:
@@ -157,8 +180,10 @@ class Rig:
         _ip("netns", "add", sw)
         _in(sw, "ip", "link", "add", "br0", "type", "bridge")
         _in(sw, "ip", "link", "set", "br0", "up")
+        names = "".join(f"{h.address} {h.name}\n" for h in self.hosts)
         for host in self.hosts:
             host.tmp.mkdir(parents=True)
+            _write_etc(host.netns, names)
             _ip("netns", "add", host.netns)
             _ip("link", "add", host.interface, "netns", host.netns, "type", "veth",
                 "peer", "name", host.port, "netns", sw)  # fmt: skip
@@ -175,10 +200,10 @@ class Rig:
     def command(self, host: int, argv: Sequence[str]) -> list[str]:
         """The argv that runs ``argv`` on host ``host`` (its network, its /tmp)."""
         spec = self.hosts[host]
-        mount_tmp = 'mount --bind "$0" /tmp && exec "$@"'
+        enter = f'mount --bind "$0" /tmp && hostname {spec.name} && exec "$@"'
         return ["ip", "netns", "exec", spec.netns,
-                "unshare", "--mount", "--propagation", "private",
-                "sh", "-c", mount_tmp, str(spec.tmp), *argv]  # fmt: skip
+                "unshare", "--mount", "--uts", "--propagation", "private",
+                "sh", "-c", enter, str(spec.tmp), *argv]  # fmt: skip
 
     def env(self, host: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """This process's environment for host ``host``: its interface for gloo, TMPDIR /tmp."""
@@ -205,6 +230,14 @@ class Rig:
             self.command(host, argv), env=self.env(host, env), capture_output=True, text=True,
             timeout=timeout_s, check=False,
         )  # fmt: skip
+
+    def free_port(self, host: int) -> int:
+        """A TCP port free on host ``host`` (its namespace is the rig's alone)."""
+        probe = "import socket; s = socket.create_server(('', 0)); print(s.getsockname()[1])"
+        done = self.run(host, [sys.executable, "-c", probe])
+        if done.returncode != 0:
+            raise RuntimeError(f"no free port on host {host}: {done.stderr.strip()}")
+        return int(done.stdout)
 
     def tmp(self, host: int) -> Path:
         """Where host ``host``'s /tmp lies on this machine."""
@@ -273,6 +306,10 @@ def sweep_stale() -> list[str]:
     stale = [n for n in names if (pid := _rig_pid(n)) is not None and not _alive(pid)]
     for netns in sorted(stale, key=lambda n: n.endswith("-sw")):  # hosts first, then switches
         _delete_netns(netns)
+    for etc in NETNS_ETC.glob(RIG_PREFIX + "-*") if NETNS_ETC.exists() else []:
+        pid = _rig_pid(etc.name)
+        if pid is not None and not _alive(pid):
+            shutil.rmtree(etc, ignore_errors=True)
     for path in Path(tempfile.gettempdir()).glob(RIG_PREFIX + "-*"):
         pid = _rig_pid(path.name)
         if pid is not None and not _alive(pid):
