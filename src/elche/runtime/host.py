@@ -130,6 +130,7 @@ class Host:
         self._committed = _read_meta(config.save_path)
         last = 0 if self._committed is None else self._committed.save_seq
         self.core = Coordinator(config, resume=resume, last_save=last)
+        self._writers: dict[str, int] = {}  # a bundle file's name: the rank that wrote it
         self.endpoint = endpoint
         self.run_dir = run_dir
         self.log = log
@@ -241,6 +242,8 @@ class Host:
             case Received(rank=rank, message=message, payload=payload):
                 if isinstance(message, m.SnapshotReady) and payload:
                     self._stash_snapshot(rank, payload)
+                if isinstance(message, m.StateSaved):  # who wrote which file: where it lies
+                    self._writers.update((f.name, rank) for f in message.files)
                 return MessageReceived(rank=rank, message=message)
             case Rejected(reason=reason, rank=rank):
                 return FrameRejected(reason=reason, rank=rank)
@@ -309,7 +312,29 @@ class Host:
             )
             return
         self._record(tl.BundleWritten(stem=stem, seq=meta.save_seq, reason=meta.reason.value))
+        if meta.reason is not SaveReason.CHECKPOINT and meta.files is not None:
+            self._say_where(stem, meta.files)
         self._drop_superseded(stem, meta)
+
+    def _say_where(self, stem: str, files: BundleFiles) -> None:
+        """Across hosts, name the host each file of a resumable bundle lies on."""
+        hosts = self.core.hosts
+        if len({h for h in hosts if h}) < 2:
+            return  # one host: the folder holds the bundle (the resume line says so)
+        here = f"{hosts[0]} (the coordinator's)"
+        placed = [f"{bundle.meta_path(stem).name} on {here}"]
+        written = [files.model, *(f for _, f in files.optim)]
+        for f in written:
+            rank = self._writers.get(f.name)
+            placed.append(f"{f.name} on {hosts[rank] if rank is not None else '?'} (rank {rank})")
+        if files.outer is not None:
+            placed.append(f"{files.outer.name} on {here}")
+        text = (
+            f"bundle {stem}: its files lie on several hosts: {'; '.join(placed)}. To resume "
+            f"elsewhere, copy them into one folder and pass resume_from=FOLDER/{Path(stem).name}"
+        )
+        self.stats.notices.append(f"info: {text}")
+        print(f"elche coordinator: {text}", file=self.log, flush=True)
 
     def _write_outer(self, stem: str, seq: int) -> BundleFile | None:
         """The outer momentum's file of save ``seq`` (None before it has a velocity)."""
