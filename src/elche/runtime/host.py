@@ -8,12 +8,13 @@ commands the core returns, all of them, in order. Averaging for the
 coordinator backends happens here, on numpy (``elche.runtime.snapshots``);
 its ``AverageComputed`` is queued and fed only once the command list that
 asked for it has run to the end, so no command of a later event overtakes
-one the core returned earlier. This process never imports torch, so it
-starts in a fraction of a second.
+one the core returned earlier. Its main thread never imports torch, so it
+starts in a fraction of a second; in the collective modes a thread serves
+the store the ranks' groups form through (``elche.runtime.groups``).
 
 Run it as ``python -m elche.runtime.host RUN_DIR``: it reads
 ``RUN_DIR/coordinator.json`` (the config), binds, prints one line
-``ELCHE_COORDINATOR <address>`` on stdout for the launcher, and writes
+``ELCHE_COORDINATOR <address> [groups=<port>]`` on stdout for the launcher, and writes
 ``RUN_DIR/summary.json``, ``RUN_DIR/timeline.jsonl`` and, on save, the meta
 sidecar. The run secret comes from ``ELCHE_SECRET``. Its stdin is the
 launcher's: ``lost RANK REASON`` and ``stop REASON`` lines, and EOF once the
@@ -56,7 +57,7 @@ from elche.core.commands import (
     Send,
     WriteMeta,
 )
-from elche.core.config import CoordinatorConfig, Mode, SchedulerConfig
+from elche.core.config import Backend, CoordinatorConfig, Mode, SchedulerConfig
 from elche.core.coordinator import Coordinator
 from elche.core.errors import ConfigError
 from elche.core.events import (
@@ -75,7 +76,9 @@ from elche.core.journal import JournalRecord
 from elche.monitor.summary import SUMMARY_FILE, RunStats, coordinator_summary
 from elche.monitor.timeline import TimelineWriter, read_timeline
 from elche.runtime import bundle
+from elche.runtime.addresses import BIND_ENV
 from elche.runtime.frames import SECRET_ENV, secret_from_env
+from elche.runtime.groups import GROUPS_FIELD, GROUPS_PORT_ENV, GroupStoreServer, listen
 from elche.runtime.journal_file import JOURNAL_FILE, JournalWriter, read_journal
 from elche.runtime.lifetimes import EXIT_ORPHANED, ORPHAN_GRACE_S
 from elche.runtime.lookout import Lookout
@@ -145,6 +148,7 @@ class Host:
             self.core = Coordinator(config, resume=resume, last_save=last)
         self._journal = JournalWriter(run_dir / JOURNAL_FILE)
         self._kill_at = os.environ.get(FAULT_ENV, "")
+        self._writers: dict[str, int] = {}  # a bundle file's name: the rank that wrote it
         self.endpoint = endpoint
         self.run_dir = run_dir
         self.log = log
@@ -258,6 +262,8 @@ class Host:
             case Received(rank=rank, message=message, payload=payload):
                 if isinstance(message, m.SnapshotReady) and payload:
                     self._stash_snapshot(rank, payload)
+                if isinstance(message, m.StateSaved):  # who wrote which file: where it lies
+                    self._writers.update((f.name, rank) for f in message.files)
                 return MessageReceived(rank=rank, message=message)
             case Rejected(reason=reason, rank=rank):
                 return FrameRejected(reason=reason, rank=rank)
@@ -353,7 +359,29 @@ class Host:
             )
             return
         self._record(tl.BundleWritten(stem=stem, seq=meta.save_seq, reason=meta.reason.value))
+        if meta.reason is not SaveReason.CHECKPOINT and meta.files is not None:
+            self._say_where(stem, meta.files)
         self._drop_superseded(stem, meta)
+
+    def _say_where(self, stem: str, files: BundleFiles) -> None:
+        """Across hosts, name the host each file of a resumable bundle lies on."""
+        hosts = self.core.hosts
+        if len({h for h in hosts if h}) < 2:
+            return  # one host: the folder holds the bundle (the resume line says so)
+        here = f"{hosts[0]} (the coordinator's)"
+        placed = [f"{bundle.meta_path(stem).name} on {here}"]
+        written = [files.model, *(f for _, f in files.optim)]
+        for f in written:
+            rank = self._writers.get(f.name)
+            placed.append(f"{f.name} on {hosts[rank] if rank is not None else '?'} (rank {rank})")
+        if files.outer is not None:
+            placed.append(f"{files.outer.name} on {here}")
+        text = (
+            f"bundle {stem}: its files lie on several hosts: {'; '.join(placed)}. To resume "
+            f"elsewhere, copy them into one folder and pass resume_from=FOLDER/{Path(stem).name}"
+        )
+        self.stats.notices.append(f"info: {text}")
+        print(f"elche coordinator: {text}", file=self.log, flush=True)
 
     def _write_outer(self, stem: str, seq: int) -> BundleFile | None:
         """The outer momentum's file of save ``seq`` (None before it has a velocity)."""
@@ -542,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"elche coordinator: cannot restart: {exc}", file=sys.stderr)
         return FAILED_EXIT
-    bind = os.environ.get("ELCHE_BIND", "tcp://127.0.0.1:0")
+    bind = os.environ.get(BIND_ENV, "tcp://127.0.0.1:0")
     endpoint = CoordinatorEndpoint(
         world_size=config.world_size,
         secret=secret_from_env(os.environ),
@@ -552,7 +580,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if SECRET_ENV not in os.environ:
         print("elche coordinator: no ELCHE_SECRET given; generated one", file=sys.stderr)
     (run_dir / "coordinator.pid").write_text(str(os.getpid()))
-    print(f"{ADDRESS_LINE} {endpoint.address}", flush=True)
+    collective = config.backend is Backend.COLLECTIVE and config.world_size >= 2
+    port = int(os.environ.get(GROUPS_PORT_ENV, "0"))  # a successor's: its predecessor's
+    groups = GroupStoreServer(listen(bind, port)) if collective else None
+    said = f" {GROUPS_FIELD}{groups.port}" if groups is not None else ""
+    print(f"{ADDRESS_LINE} {endpoint.address}{said}", flush=True)
+    if groups is not None:
+        groups.start()
     with endpoint:
         host = Host(config, endpoint, run_dir, resume=resume, restore=restore)
         signal.signal(signal.SIGTERM, lambda signum, frame: host.request_stop("SIGTERM"))

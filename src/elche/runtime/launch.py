@@ -52,8 +52,10 @@ from elche.monitor.progress import Progress
 from elche.monitor.summary import SUMMARY_FILE, read_run, run_summary
 from elche.monitor.timeline import TimelineReader
 from elche.runtime import bundle
+from elche.runtime.addresses import BIND_ENV
 from elche.runtime.epochs import EpochLog, with_bundles
-from elche.runtime.frames import SECRET_ENV, new_secret
+from elche.runtime.frames import SECRET_ENV, new_secret, secret_from_env
+from elche.runtime.groups import GROUPS_PORT_ENV, parse_address_line
 from elche.runtime.host import ADDRESS_LINE, FAILED_EXIT, RESUME_OUTER, config_to_json
 from elche.runtime.journal_file import JOURNAL_FILE
 from elche.runtime.lifetimes import (
@@ -169,8 +171,9 @@ def rank_spec(
     run_dir: Path,
     *,
     max_grad_norm: float | None,
+    group_port: int | None = None,
 ) -> RankSpec:
-    """The spec rank ``rank`` of ``plan`` runs with."""
+    """The spec rank ``rank`` of ``plan`` runs with (``group_port``: see ``start_coordinator``)."""
     from elche.runtime.worker import RankSpec
 
     cfg = plan.config
@@ -182,7 +185,7 @@ def rank_spec(
         save_path=cfg.save_path, resume_from=plan.resume_from,
         coordinator_timeout_s=max(cfg.heartbeat_timeout_s, 10.0),
         collective_timeout_s=max(2 * cfg.heartbeat_timeout_s, 60.0),
-        faults=plan.faults.for_rank(rank),
+        faults=plan.faults.for_rank(rank), group_port=group_port,
     )  # fmt: skip
 
 
@@ -213,9 +216,10 @@ def explain_outcome(summary: dict[str, object], save_path: str | None) -> None:
 
 
 def restart_coordinator(
-    config: CoordinatorConfig, run_dir: Path, secret: bytes, address: str
+    config: CoordinatorConfig, run_dir: Path, secret: bytes, address: tuple[str, int | None]
 ) -> subprocess.Popen[str] | None:
-    """Start a lost coordinator's successor from the run's journal, on ``address``.
+    """Start a lost coordinator's successor from the run's journal, on ``address``
+    (its control address and its group store's port).
 
     Returns None (and says why on stderr) when it cannot: no journal yet, or
     the new process did not come up.
@@ -241,6 +245,7 @@ class Supervised:
 
     host: subprocess.Popen[str]
     address: str
+    group_port: int | None  # its collective groups' store (``elche.runtime.groups``)
     config: CoordinatorConfig
     run_dir: Path
     secret: bytes
@@ -267,7 +272,9 @@ class Supervised:
                 flush=True,
             )
             return False
-        successor = restart_coordinator(self.config, self.run_dir, self.secret, self.address)
+        successor = restart_coordinator(
+            self.config, self.run_dir, self.secret, (self.address, self.group_port)
+        )
         if successor is None:
             return False
         self.host, self.restarts = successor, self.restarts + 1
@@ -287,12 +294,13 @@ def start_coordinator(
     secret: bytes,
     resume_from: str | None,
     *,
-    restore_at: str | None = None,
-) -> tuple[subprocess.Popen[str], str]:
-    """Start ``python -m elche.runtime.host`` and return it with its address.
+    restore_at: tuple[str, int | None] | None = None,
+) -> tuple[subprocess.Popen[str], str, int | None]:
+    """Start ``python -m elche.runtime.host``; it, its address and its group store's port.
 
-    ``restore_at``: the lost coordinator's address; the new one binds it and
-    goes on from the run's journal.
+    The port is None where no collective group forms (``elche.runtime.groups``).
+    ``restore_at``: the lost coordinator's address and store port; the new one
+    binds them and goes on from the run's journal.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "coordinator.json").write_text(config_to_json(config), encoding="utf-8")
@@ -305,7 +313,9 @@ def start_coordinator(
     env = dict(os.environ, **{SECRET_ENV: secret.hex()})
     restore = []
     if restore_at is not None:
-        env["ELCHE_BIND"] = restore_at
+        env[BIND_ENV], port = restore_at
+        if port is not None:
+            env[GROUPS_PORT_ENV] = str(port)
         restore = ["--restore"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "elche.runtime.host", str(run_dir), *restore],
@@ -322,7 +332,8 @@ def start_coordinator(
     if not line.startswith(ADDRESS_LINE):
         proc.kill()
         raise RuntimeError(f"the coordinator failed to start (said {line!r}); see stderr")
-    return proc, line.split(maxsplit=1)[1]
+    address, group_port = parse_address_line(line.split()[1:])
+    return proc, address, group_port
 
 
 class Watchers:
@@ -466,7 +477,7 @@ def _supervise(
 ) -> list[dict[str, object]]:
     """Start the coordinator and the ranks, follow the run to its end; its epochs."""
     cfg = plan.config
-    secret = new_secret()
+    secret = secret_from_env(os.environ) or new_secret()
     coordinator = Supervised(
         *start_coordinator(cfg, run_dir, secret, plan.resume_from), cfg, run_dir, secret
     )
@@ -484,8 +495,9 @@ def _supervise(
             if signals.received is not None:
                 break  # stopped while starting: the run will not form
             spec = rank_spec(
-                plan, rank, coordinator.address, secret, run_dir, max_grad_norm=max_grad_norm
-            )
+                plan, rank, coordinator.address, secret, run_dir, max_grad_norm=max_grad_norm,
+                group_port=coordinator.group_port,
+            )  # fmt: skip
             proc = ctx.Process(
                 target=_rank_process,
                 # Pickled here, by value: the process pickler would send every tensor

@@ -12,7 +12,7 @@ metrics, which rank 0 shares (``elche.runtime.shared_result``).
 When the run fails on the user's code, every process raises the same
 ``TrainingError`` (a failing rank its own, the others the coordinator's).
 
-Under torchrun on one host each worker trains its rank in a child process and
+Under torchrun each worker trains its rank in a child process and
 waits for it (``_supervises``): torchrun's agent ends the whole group when a
 worker exits non-zero, so a worker whose rank died must exit 0 for the others
 to go on.
@@ -22,8 +22,12 @@ summary is restarted from the run's journal on the same address
 (``launch.Supervised``), up to ``max_coordinator_restarts`` times, while the
 ranks hold their state and rejoin it.
 
-Across hosts the coordinator binds every interface and is reached at
-``MASTER_ADDR``; the per-run secret then authenticates every frame.
+Across hosts the coordinator binds every interface and is reached at the
+address ``elche.runtime.addresses`` chooses among rank 0's (``ELCHE_ADVERTISE``
+overrides it), rank 0 on any host; the run's secret (``ELCHE_SECRET`` when
+set, else a fresh one) authenticates every frame. Every host keeps its own
+run directory, at the path rank 0 chose; the ranks' groups form through the
+coordinator's store (``elche.runtime.groups``), never through files.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ from elche.core.errors import ConfigError, TrainingError
 from elche.monitor.progress import Progress
 from elche.monitor.summary import rank_report_file
 from elche.monitor.timeline import read_timeline
-from elche.runtime.frames import new_secret
+from elche.runtime.addresses import BIND_ENV, EVERY_INTERFACE, advertised_host
+from elche.runtime.frames import new_secret, secret_from_env
 from elche.runtime.launch import (
     Supervised,
     _rank_process,
@@ -146,7 +151,7 @@ def _train(
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     rank0 = None
-    shared: list[object] = [None, None, None, None]
+    shared: list[object] = [None, None, None, None, None]
     if rank == 0:
         rank0 = _start_on_rank0(
             plan, host_box, signals, run_dir=run_dir, multi_host=multi_host,
@@ -154,19 +159,22 @@ def _train(
         )  # fmt: skip
         shared = rank0.shared
     dist.broadcast_object_list(shared, src=0)
-    address, secret_hex, directory_text, port = (str(x) for x in shared)
+    address, secret_hex, directory_text, port = (str(x) for x in shared[:4])
+    group_port = shared[4] if isinstance(shared[4], int) else None
     host = None if rank0 is None else rank0.host
     if rank0 is None:
         results = ResultBoard.join(_board_host(multi_host), int(port), COORDINATOR_EXIT_S)
     else:
         results = rank0.results
     directory = Path(directory_text)
+    directory.mkdir(parents=True, exist_ok=True)  # on another host: this host's own run dir
     plan = with_bundle(plan, directory)
     spec = rank_spec(
-        plan, rank, address, bytes.fromhex(secret_hex), directory, max_grad_norm=max_grad_norm
-    )
+        plan, rank, address, bytes.fromhex(secret_hex), directory, max_grad_norm=max_grad_norm,
+        group_port=group_port,
+    )  # fmt: skip
     try:
-        report, state = _run_rank(spec, fns, plan.config.batch_size, host, multi_host=multi_host)
+        report, state = _run_rank(spec, fns, plan.config.batch_size, host)
     except BaseException:
         if host is None:  # rank 0 need not hold the result for this rank
             results.leave()
@@ -195,7 +203,7 @@ class _Rank0:
     watcher: threading.Thread  # replaces a lost coordinator; ends with the last one
     results: ResultBoard  # where the other ranks read the run's result
     board: Any  # the dashboard and TensorBoard log (launch.Watchers)
-    shared: list[object]  # address, secret, run directory, result board port
+    shared: list[object]  # what every rank needs (``_start_on_rank0``)
 
 
 def _start_on_rank0(
@@ -208,26 +216,35 @@ def _start_on_rank0(
     dashboard: str | None,
     tensorboard_dir: str | None,
 ) -> _Rank0:
-    """Start the coordinator (supervised), the result board and the watchers."""
+    """Start the coordinator (supervised), the result board and the watchers.
+
+    ``shared`` is what every rank needs: the coordinator's address (one the
+    other hosts reach when the ranks are on several), the secret, the run
+    directory, the result board's port and the group store's port.
+    """
     directory = Path(
         run_dir or os.environ.get("ELCHE_RUN_DIR") or tempfile.mkdtemp(prefix="elche-run-")
     )
-    secret = new_secret()
+    secret = secret_from_env(os.environ) or new_secret()
+    advertise = None
     if multi_host:
-        os.environ["ELCHE_BIND"] = "tcp://0.0.0.0:0"
+        advertise = advertised_host(os.environ)  # before anything starts: fail fast
+        os.environ.setdefault(BIND_ENV, EVERY_INTERFACE)
     bundled = with_bundle(plan, directory)
-    host, address = start_coordinator(bundled.config, directory, secret, plan.resume_from)
+    host, address, group_port = start_coordinator(
+        bundled.config, directory, secret, plan.resume_from
+    )
     host_box.append(host)
     watcher = _watch_coordinator(
-        Supervised(host, address, bundled.config, directory, secret), host_box
+        Supervised(host, address, group_port, bundled.config, directory, secret), host_box
     )
     if signals.received is not None:  # the signal came while the coordinator started
         tell_coordinator(host, f"stop {signal.Signals(signals.received).name}")
-    if multi_host:
-        address = f"tcp://{os.environ['MASTER_ADDR']}:{address.rsplit(':', 1)[1]}"
+    if advertise is not None:
+        address = f"tcp://{advertise}:{address.rsplit(':', 1)[1]}"
     results = ResultBoard.serve()
     board = start_watching(bundled, directory, dashboard, tensorboard_dir)
-    shared: list[object] = [address, secret.hex(), str(directory), results.port]
+    shared: list[object] = [address, secret.hex(), str(directory), results.port, group_port]
     return _Rank0(host=host, watcher=watcher, results=results, board=board, shared=shared)
 
 
@@ -311,11 +328,9 @@ def _run_rank(
     fns: UserFns,
     batch_size: int,
     host: subprocess.Popen[str] | None,
-    *,
-    multi_host: bool,
 ) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     """Train the rank, here or in a child (``_supervises``); its report and model."""
-    if _supervises(fns, multi_host):
+    if _supervises(fns):
         dist.destroy_process_group()  # the rank's own process forms its group
         return _train_in_child(spec, fns, batch_size, host)
     try:
@@ -325,17 +340,18 @@ def _run_rank(
             dist.destroy_process_group()
 
 
-def _supervises(fns: UserFns, multi_host: bool) -> bool:
-    """Under torchrun on one host, the rank trains in a process of its own.
+def _supervises(fns: UserFns) -> bool:
+    """Under torchrun, the rank trains in a process of its own.
 
     torchrun's agent ends the whole group when any worker exits non-zero
     (``docs/failure-modes.md``), so a worker whose rank is SIGKILLed must
     exit 0: the worker starts the rank as its child, waits for it, and
-    returns whatever became of it. Across hosts (the rank's group forms over
-    the run dir, which only rank 0's host has) and with functions that cannot
-    be sent to another process, the rank trains in the worker itself.
+    returns whatever became of it. On one host or several alike: the child's
+    groups form through the coordinator's store (``elche.runtime.groups``).
+    With functions that cannot be sent to another process, the rank trains
+    in the worker itself.
     """
-    if "TORCHELASTIC_RUN_ID" not in os.environ or multi_host:
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
         return False
     try:
         check_picklable(fns)

@@ -41,6 +41,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import Store
 
 from elche.core import messages as m
 from elche.core import rank as r
@@ -59,7 +60,7 @@ from elche.core.faults import (
 from elche.core.progress import Progress
 from elche.core.rank import RankProtocol
 from elche.monitor.summary import rank_report_file
-from elche.runtime import bundle
+from elche.runtime import bundle, groups
 from elche.runtime.averaging import collective_average, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
 from elche.runtime.consensus import Consensus, start_from_rank0
@@ -124,6 +125,7 @@ class RankSpec:
     threads: int = 1
     collective_timeout_s: float = 120.0
     faults: tuple[Fault, ...] = ()  # testing: this rank's faults (elche.core.faults)
+    group_port: int | None = None  # the coordinator's group store (elche.runtime.groups)
 
     @property
     def slows_later(self) -> bool:
@@ -183,6 +185,7 @@ class Worker:
         self._perms: dict[int, list[int]] = {}
         self.bridge: Bridge | None = None
         self.owns_group = True
+        self._groups: Store | None = None  # the client of the group store, once formed
         self._faults = [f for f in spec.faults if not f.from_start]  # not fired yet
         self._fail_checkpoint = any(f.from_start for f in spec.faults)
         self._loop_started_s = time.monotonic()  # reset when run() begins (at_s counts from it)
@@ -212,12 +215,15 @@ class Worker:
         self._form_group(0, list(range(self.spec.world_size)))
 
     def _form_group(self, generation: int, members: list[int]) -> None:
-        """Join generation ``generation`` of the gloo group (rendezvous in the run dir)."""
-        path = str(Path(self.spec.run_dir) / f"group-{generation}")
-        store = dist.FileStore(path, len(members))  # type: ignore[attr-defined]  # exported at runtime
+        """Join generation ``generation`` of the gloo group (rendezvous at the coordinator)."""
+        spec = self.spec
+        if spec.group_port is None:
+            raise RuntimeError("a collective group needs the coordinator's group store port")
+        if self._groups is None:
+            self._groups = groups.connect(spec.address, spec.group_port, spec.collective_timeout_s)
         dist.init_process_group(
             "gloo",
-            store=store,
+            store=groups.generation_store(self._groups, generation),
             rank=members.index(self.spec.rank),
             world_size=len(members),
             timeout=timedelta(seconds=self.spec.collective_timeout_s),

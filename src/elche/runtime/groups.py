@@ -1,0 +1,117 @@
+"""Where the collective groups of a run form: a TCP store in the coordinator process.
+
+Theory of operation. A collective group (gloo) forms through a key-value
+store that every member reaches. The store lives in the coordinator
+process, which is no rank and so does not die with one, and it is reached
+over the network at the coordinator's host, so ranks on other hosts reach
+it as well as local ones: nothing of a run's rendezvous lies in files.
+
+The coordinator binds the store's socket as it binds its control socket
+(``listen``, same interface, any free port) and says the port on its
+address line; only then does it import torch and serve the store on that
+socket (``serve``, in a thread), so the launcher does not wait for torch.
+A rank that connects before the store serves waits in the socket's
+backlog. Generation ``g`` of the group (the first one, and the one formed
+after each ``Regroup``) rendezvous under the prefix ``group-g`` of the
+store (``generation_store``), so the keys of an abandoned generation never
+meet those of the next.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+__all__ = [
+    "GROUPS_FIELD",
+    "GROUPS_PORT_ENV",
+    "GroupStoreServer",
+    "connect",
+    "generation_store",
+    "listen",
+    "parse_address_line",
+    "store_host",
+]
+
+GROUPS_FIELD = "groups="  # on the coordinator's address line: the store's port
+# The port a restarted coordinator serves the store on: its predecessor's,
+# which every rank was told.
+GROUPS_PORT_ENV = "ELCHE_GROUPS_PORT"
+
+# How long the store server waits on a client's request before dropping it.
+SERVER_TIMEOUT_S = 300.0
+
+
+def store_host(address: str) -> str:
+    """The host part of a coordinator address ``tcp://HOST:PORT``."""
+    rest = address.partition("://")[2]
+    return rest.rpartition(":")[0].strip("[]")
+
+
+def parse_address_line(words: list[str]) -> tuple[str, int | None]:
+    """``[ADDRESS, "groups=PORT"?]`` of the coordinator's address line: address, store port."""
+    port = None
+    for word in words[1:]:
+        if word.startswith(GROUPS_FIELD):
+            port = int(word.removeprefix(GROUPS_FIELD))
+    return words[0], port
+
+
+def listen(bind: str, port: int = 0) -> socket.socket:
+    """A listening socket on the interface of ``bind`` (``tcp://HOST:PORT``), on ``port``
+    (0: any free port)."""
+    host = store_host(bind)
+    if host in ("*", ""):
+        host = "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=128)
+
+
+class GroupStoreServer:
+    """Serves the run's store on a socket from ``listen`` (torch imported in a thread)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.port: int = sock.getsockname()[1]
+        self.error: BaseException | None = None
+        self._store: object = None  # the TCPStore, kept alive while the run lasts
+        self._thread = threading.Thread(target=self._serve, name="elche-group-store", daemon=True)
+
+    def start(self) -> GroupStoreServer:
+        self._thread.start()
+        return self
+
+    def _serve(self) -> None:
+        try:
+            from torch._C._distributed_c10d import TCPStore
+
+            self._store = TCPStore(
+                "0.0.0.0", self.port, None, True, timedelta(seconds=SERVER_TIMEOUT_S),
+                wait_for_workers=False, master_listen_fd=self.sock.fileno(),
+            )  # fmt: skip
+        except Exception as exc:  # the ranks' group formation then times out, saying so
+            self.error = exc
+            print(f"elche coordinator: the group store did not start: {exc}", file=sys.stderr)
+
+
+def connect(address: str, port: int, timeout_s: float) -> Store:
+    """A client of the store served at the host of coordinator ``address``, on ``port``."""
+    from torch._C._distributed_c10d import TCPStore
+
+    return TCPStore(
+        store_host(address), port, None, False, timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )  # fmt: skip
+
+
+def generation_store(client: Store, generation: int) -> Store:
+    """The part of the store that generation ``generation`` of the group forms in."""
+    from torch._C._distributed_c10d import PrefixStore
+
+    return PrefixStore(f"group-{generation}", client)
