@@ -103,6 +103,33 @@ class Harness:
                 self.chunks[rank][0] = [epoch, offset + take, size - take]
         return out
 
+    def quota(self, rank: int) -> int:
+        """Steps ``rank`` trains before it waits for the others.
+
+        While the probe streams (``Planner.probing``) that is its probe
+        steps, as a real rank is still training when the slowest one ends
+        its probe; after that, its budget.
+        """
+        planner = self.core.planner
+        return planner.window_steps(rank) if planner.probing else planner.budget[rank]
+
+    def train_window(self, ms: dict[int, float] | None = None) -> list[Command]:
+        """Train every live rank up to its quota, in turns, until none can train.
+
+        The first window's probe comes first (everyone's probe steps), then
+        the rest of the window. Rank ``r`` takes ``ms[r]`` per batch (10 ms).
+        """
+        out: list[Command] = []
+        moved = True
+        while moved and self.core.state is RunState.TRAINING:
+            moved = False
+            for rank in self.core.live:
+                steps = self.core.work.steps_since_sync
+                while self.chunks[rank] and steps(rank) < self.quota(rank):
+                    out += self.train(rank, 1, batch_ms=(ms or {}).get(rank, 10.0))
+                    moved = True
+        return out
+
     def received(self, rank: int, kind: type) -> list[m.CoordMessage]:
         return [msg for msg in self.inbox[rank] if isinstance(msg, kind)]
 
@@ -139,10 +166,7 @@ class Harness:
                 break
             if until is not None and until():
                 return out
-            for rank in self.core.live:
-                budget = self.core.planner.budget
-                while self.chunks[rank] and self.core.work.steps_since_sync(rank) < budget[rank]:
-                    out += self.train(rank, 1, batch_ms=(ms or {}).get(rank, 10.0))
+            out += self.train_window(ms)
             rnd = self.core.round
             if until is not None and until():
                 return out

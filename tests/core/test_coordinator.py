@@ -17,7 +17,7 @@ from elche.core.commands import (
     Send,
     WriteMeta,
 )
-from elche.core.config import Mode
+from elche.core.config import Mode, SchedulerConfig
 from elche.core.coordinator import RankState, RunState
 from elche.core.errors import LocalProtocolError
 from elche.core.events import (
@@ -89,10 +89,27 @@ def test_first_window_is_a_short_probe() -> None:
     assert chunk.budget == PROBE_STEPS  # type: ignore[attr-defined]
 
 
-def test_cadence_gate_waits_for_every_rank_then_fires_once() -> None:
-    h = Harness()
+def test_the_probe_goes_on_as_the_first_window() -> None:
+    h = Harness(num_samples=6400)
     h.form()
-    out = h.train(0, PROBE_STEPS) + h.train(1, PROBE_STEPS - 1)
+    out = h.train(0, PROBE_STEPS + 3)  # the fast rank streams on, a batch at a time
+    assert [c.size for c in messages(out, m.AssignChunk)] == [32] * 4  # type: ignore[attr-defined]
+    assert not h.core.elche.is_calibrated
+    out = h.train(1, PROBE_STEPS, batch_ms=40.0)  # the last probe step calibrates: no round
+    assert not messages(out, m.SyncNow) and h.core.rounds_done == 0
+    assert h.core.elche.batch_counts == (40, 10)
+    # The window counts from the steps each made (each has one more in flight).
+    assert h.core.planner.budget == [5 + 40, 2 + 10]
+    budgets = [m.SetBudget(budget=45, window=45), m.SetBudget(budget=12, window=12)]
+    assert messages(out, m.SetBudget) == budgets
+
+
+def test_cadence_gate_waits_for_every_rank_then_fires_once() -> None:
+    h = Harness(num_samples=6400)
+    h.form()
+    h.train(0, PROBE_STEPS)
+    h.train(1, PROBE_STEPS)
+    out = h.train(0, h.quota(0) - PROBE_STEPS) + h.train(1, h.quota(1) - PROBE_STEPS - 1)
     assert not messages(out, m.SyncNow)  # one step short holds the gate
     out = h.train(1, 1)
     assert messages(out, m.SyncNow) == [m.SyncNow(round=1, generation=0)]
@@ -103,22 +120,23 @@ def test_cadence_gate_waits_for_every_rank_then_fires_once() -> None:
 def test_gate_counts_steps_not_wall_time() -> None:
     h = Harness()
     h.form()
-    out = h.train(0, PROBE_STEPS, batch_ms=1e6) + h.train(1, PROBE_STEPS, batch_ms=1e6)
+    out = h.train_window({0: 1e6, 1: 1e6})
     assert messages(out, m.SyncNow)
 
 
 def test_acks_close_the_round_and_calibrate_counts_by_speed() -> None:
-    h = Harness(num_samples=6400)
+    h = Harness(num_samples=6400, scheduler=SchedulerConfig(max_anchor=10))  # no growth
     h.form()
-    h.train(0, PROBE_STEPS, batch_ms=10.0)
-    h.train(1, PROBE_STEPS, batch_ms=40.0)
+    h.train_window({0: 10.0, 1: 40.0})
+    assert h.core.elche.batch_counts == (40, 10)  # 4x faster rank does 4x the steps
+    steps = {r: h.core.work.steps_since_sync(r) for r in (0, 1)}
+    assert steps == {0: PROBE_STEPS + 40, 1: PROBE_STEPS + 10}
     out: list = []
     for rank in (0, 1):
-        out += h.send(rank, m.SyncAck(round=1, steps=PROBE_STEPS, divergence=0.001))
+        out += h.send(rank, m.SyncAck(round=1, steps=steps[rank], divergence=0.001))
     assert not h.core.round.in_flight
     assert h.core.rounds_done == 1
-    assert h.core.global_step == 2 * PROBE_STEPS
-    assert h.core.elche.batch_counts == (40, 10)  # 4x faster rank does 4x the steps
+    assert h.core.global_step == sum(steps.values())
     chunks = messages(out, m.AssignChunk)
     assert [c.size for c in chunks] == [40 * 32, 10 * 32]  # type: ignore[attr-defined]
     # Roles move to the fastest rank at the first calibration (it already is 0).
@@ -130,26 +148,25 @@ def test_roles_follow_pace_at_first_calibration() -> None:
     h = Harness(num_samples=6400)
     h.form()
     h.train(0, PROBE_STEPS, batch_ms=40.0)
-    h.train(1, PROBE_STEPS, batch_ms=10.0)
-    acked_round(h, 1, {0: PROBE_STEPS, 1: PROBE_STEPS})
+    h.train(1, PROBE_STEPS, batch_ms=10.0)  # the first calibration, mid-window
     assert {h.core.roles.holder(role) for role in Role} == {1}
     assert h.core.roles.epoch_role_dirty
 
 
 def _tail_of_51() -> Harness:
-    """A run whose first window leaves a 51-batch epoch tail at paces 10 and 40 ms.
+    """A run whose second window is a 51-batch epoch tail at paces 10 and 40 ms.
 
-    55 batches: the 2-step probes leave 51 for counts (40, 10), one too many
-    for a window; the crumb ends soonest on the fast rank: tail [41, 10]. Of
-    it, 2 slow steps in fast batches (8) are held back from the batches that
-    end last, leaving the plan [35, 8]. The window opens at t = 1 s.
+    105 batches: the first window (the probes, then counts (40, 10)) takes
+    54 and leaves 51, one too many for a window; list scheduling at the two
+    paces gives the tail [41, 10]. Of it, 2 slow steps in fast batches (8)
+    are held back from the batches that end last, leaving the plan [35, 8].
+    The window opens at t = 1 s.
     """
-    h = Harness(num_samples=55 * 32)
+    h = Harness(num_samples=105 * 32, scheduler=SchedulerConfig(max_anchor=10))
     h.form()
-    h.train(0, PROBE_STEPS, batch_ms=10.0)
-    h.train(1, PROBE_STEPS, batch_ms=40.0)
+    h.train_window({0: 10.0, 1: 40.0})
     h.now = 1.0
-    acked_round(h, 1, {0: PROBE_STEPS, 1: PROBE_STEPS})
+    acked_round(h, 1, {0: PROBE_STEPS + 40, 1: PROBE_STEPS + 10})
     assert h.core.elche.batch_counts == (40, 10)
     assert h.core.planner.tail_reserve == 8
     plan = h.core.planner.tail_plan
@@ -157,6 +174,26 @@ def _tail_of_51() -> Harness:
     queued = [sum(size for _, _, size in h.chunks[r]) // 32 for r in range(2)]
     assert [queued[r] + plan[r] for r in range(2)] == [35, 8]
     return h
+
+
+def test_a_short_last_window_is_folded_into_the_epoch_tail() -> None:
+    # 94 batches at 10 and 30 ms: the first window (probes, then counts
+    # (30, 10)) takes 44. The 50 left would make a full window and a
+    # 10-batch one; under 1.5 windows they are one tail instead, split by
+    # list scheduling on the paces: [38, 12] (both end by 380 ms), of which
+    # 6 (2 slow steps in fast batches) are held back from the last ends.
+    h = Harness(num_samples=94 * 32, scheduler=SchedulerConfig(max_anchor=10))
+    h.form()
+    h.train_window({0: 10.0, 1: 30.0})
+    assert h.core.elche.batch_counts == (30, 10)
+    assert h.core.planner.tail_plan is None  # 89 left at the calibration: a full window
+    acked_round(h, 1, {0: PROBE_STEPS + 30, 1: PROBE_STEPS + 10})
+    plan = h.core.planner.tail_plan
+    assert plan is not None and h.core.planner.tail_reserve == 6
+    queued = [sum(size for _, _, size in h.chunks[r]) // 32 for r in range(2)]
+    assert [queued[r] + plan[r] for r in range(2)] == [33, 11]
+    h.run_to_end({0: 10.0, 1: 30.0})
+    assert h.core.rounds_done == 2 and h.core.state is RunState.DONE
 
 
 def test_cadence_tail_window_is_averaged_in_one_round() -> None:
@@ -217,22 +254,22 @@ def test_a_rank_behind_its_pace_leaves_the_reserve_to_the_others() -> None:
     assert not messages(out, m.AssignChunk)
     assert h.core.planner.quiesced[1]
     h.now = 1.51
-    out = h.train(0, 16)  # idle: its planned 9 come, and the idle rank 1 is offered the reserve
-    # Rank 0 is due at 1.51 + 9 x 10 = 1.60, so rank 1 ends three held
-    # batches first (1.55, 1.59, 1.63: ties to it); rank 0 asks for the rest.
-    assert [c.size for c in messages(out, m.AssignChunk)] == [9 * 32, 3 * 32]  # type: ignore[attr-defined]
+    out = h.train(0, 16)  # idle: its planned 24 come, and the idle rank 1 is offered the reserve
+    # Rank 0 is due at 1.51 + 24 x 10 = 1.75, so rank 1 ends six held
+    # batches first (1.55 ... 1.75: ties to it); rank 0 asks for the rest.
+    assert [c.size for c in messages(out, m.AssignChunk)] == [24 * 32, 6 * 32]  # type: ignore[attr-defined]
     assert not h.core.planner.quiesced[1]
     out = h.train(0, 9)
-    assert [c.size for c in messages(out, m.AssignChunk)] == [5 * 32]  # type: ignore[attr-defined]
-    assert not messages(h.train(0, 5), m.SyncNow)  # the gate waits for rank 1's three
-    assert messages(h.train(1, 3), m.SyncNow)
+    assert [c.size for c in messages(out, m.AssignChunk)] == [2 * 32]  # type: ignore[attr-defined]
+    assert not messages(h.train(0, 2), m.SyncNow)  # the gate waits for rank 1's six
+    assert messages(h.train(1, 6), m.SyncNow)
 
 
 def test_an_idle_rank_is_offered_the_reserve_a_late_rank_would_take() -> None:
     h = _tail_of_51()
     h.now = 1.35  # rank 0 frees at 350; rank 1, assigned at 1.0, is due at 1.32
     out = h.train(0, 35)
-    assert [c.size for c in messages(out, m.AssignChunk)] == [9 * 32, 6 * 32]  # type: ignore[attr-defined]
+    assert [c.size for c in messages(out, m.AssignChunk)] == [24 * 32, 6 * 32]  # type: ignore[attr-defined]
     h.now = 1.41
     out = h.train(0, 6)  # the two left are held for rank 1: due, it ends them at 1.36 and 1.40
     assert not messages(out, m.AssignChunk)
@@ -264,8 +301,7 @@ def test_sync_gate_fires_after_one_step_each() -> None:
 def test_stale_ack_is_counted_and_ignored() -> None:
     h = Harness()
     h.form()
-    h.train(0, PROBE_STEPS)
-    h.train(1, PROBE_STEPS)
+    h.train_window()
     out = h.send(0, m.SyncAck(round=9, steps=1))
     assert out == []
     assert h.core.stale_messages == 1
@@ -285,9 +321,8 @@ def test_batch_outside_assigned_work_evicts_the_rank_and_the_run_goes_on() -> No
     assert messages(out, m.Regroup) == [m.Regroup(generation=1, members=[0, 2])]
     assert h.core.state is RunState.TRAINING
     # Its chunk goes to a survivor in the next window.
-    h.train(0, PROBE_STEPS)
-    h.train(2, PROBE_STEPS)
-    acked_round(h, 1, {0: PROBE_STEPS, 2: PROBE_STEPS})
+    h.train_window()
+    acked_round(h, 1, {r: h.core.work.steps_since_sync(r) for r in (0, 2)})
     reissued = [c.offset for r in (0, 2) for c in h.received(r, m.AssignChunk)]  # type: ignore[attr-defined]
     assert h.received(1, m.AssignChunk)[0].offset in reissued  # type: ignore[attr-defined]
 
@@ -328,10 +363,9 @@ def test_silent_rank_is_declared_dead_and_its_work_reissued() -> None:
     out = h.feed(TimerFired(), at=6.0)
     assert h.core.rank_state[2] is RankState.DEAD
     assert any(isinstance(c, Notice) and "heartbeat stale" in c.text for c in out)
-    h.train(0, PROBE_STEPS)
-    out = h.train(1, PROBE_STEPS)
+    out = h.train_window()
     assert messages(out, m.SyncNow)  # the gate no longer waits for rank 2
-    acked_round(h, 1, {0: PROBE_STEPS, 1: PROBE_STEPS})
+    acked_round(h, 1, {r: h.core.work.steps_since_sync(r) for r in (0, 1)})
     offsets = [c.offset for r in (0, 1) for c in h.received(r, m.AssignChunk)]  # type: ignore[attr-defined]
     assert lost_offset in offsets
 
@@ -339,13 +373,14 @@ def test_silent_rank_is_declared_dead_and_its_work_reissued() -> None:
 def test_death_mid_collective_abandons_the_round_and_regroups() -> None:
     h = Harness(world_size=3, num_samples=960)
     h.form()
-    for rank in range(3):
-        h.train(rank, PROBE_STEPS)
+    h.train_window()
     assert h.core.round.in_flight
     out = h.feed(RankLost(rank=2, reason="process killed"))
     assert messages(out, m.Regroup) == [m.Regroup(generation=1, members=[0, 1])]
     assert h.core.round.members == {0, 1}
-    # Survivors hold uncommitted steps, so the gate fires again at once.
+    # The survivors train what rank 2 had trained, then the gate fires again.
+    assert not messages(out, m.SyncNow)
+    out = h.train_window()
     assert messages(out, m.SyncNow) == [m.SyncNow(round=2, generation=1)]
 
 
@@ -390,26 +425,26 @@ def test_coordinator_backend_keeps_running_with_one_survivor() -> None:
 def test_coordinator_round_snapshot_average_update_ack() -> None:
     h = Harness(mode=Mode.CPU_CADENCE)
     h.form()
-    h.train(0, PROBE_STEPS)
-    out = h.train(1, PROBE_STEPS)
+    out = h.train_window()
     assert messages(out, m.RequestParams) == [m.RequestParams(round=1)]
-    h.send(0, m.SnapshotReady(round=1, steps=2))
-    out = h.send(1, m.SnapshotReady(round=1, steps=1))
+    steps = {r: h.core.work.steps_since_sync(r) for r in (0, 1)}
+    h.send(0, m.SnapshotReady(round=1, steps=steps[0]))
+    out = h.send(1, m.SnapshotReady(round=1, steps=steps[1]))
+    mass = ((0, float(steps[0])), (1, float(steps[1])))
     assert of(out, AverageSnapshots) == [
-        AverageSnapshots(round=1, param_mass=((0, 2.0), (1, 1.0)), buffer_mass=((0, 1.0), (1, 1.0)))
+        AverageSnapshots(round=1, param_mass=mass, buffer_mass=((0, 1.0), (1, 1.0)))
     ]
     out = h.feed(AverageComputed(round=1))
     assert [c.rank for c in of(out, Send)] == [0, 1]  # type: ignore[attr-defined]
     assert messages(out, m.Update) == [m.Update(round=1), m.Update(round=1)]
-    acked_round(h, 1, {0: 2, 1: 1})
+    acked_round(h, 1, steps)
     assert h.core.rounds_done == 1 and not h.core.round.in_flight
 
 
 def test_snapshot_claiming_more_steps_than_made_evicts() -> None:
     h = Harness(mode=Mode.CPU_CADENCE, world_size=3, num_samples=960)
     h.form()
-    for rank in range(3):
-        h.train(rank, PROBE_STEPS)
+    h.train_window()
     h.send(2, m.SnapshotReady(round=1, steps=99))
     assert h.core.rank_state[2] is RankState.ERRORED
 
@@ -523,7 +558,7 @@ def test_lr_cliff_nudges_the_anchor_down() -> None:
     for number in range(1, 9):
         for rank in (0, 1):
             h.send(rank, m.LrUpdate(lr=0.1 if number < 7 else 0.001))
-            h.train(rank, h.core.planner.budget[rank])
+        h.train_window()
         out = []
         for rank in (0, 1):
             out += h.send(rank, m.SyncAck(round=number, steps=h.core.work.steps_since_sync(rank)))
@@ -535,8 +570,9 @@ def test_lr_cliff_nudges_the_anchor_down() -> None:
 def test_a_lone_rank_holds_nothing_back() -> None:
     h = Harness(world_size=1, num_samples=12 * 32)  # a 10-batch tail, one window
     h.form()
-    h.train(0, PROBE_STEPS)
-    acked_round(h, 1, {0: PROBE_STEPS})
+    h.train(0, PROBE_STEPS)  # the calibration: one batch is in flight, 9 are left
+    assert h.core.rounds_done == 0
+    h.train(0, 1)
     assert h.core.planner.tail_plan == {0: 0}  # all of it went out in one chunk
-    assert [size for _, _, size in h.chunks[0]] == [10 * 32]
+    assert [size for _, _, size in h.chunks[0]] == [9 * 32]
     assert h.core.planner.tail_reserve == 0

@@ -162,7 +162,7 @@ def windows(epoch_fn_ms: dict[int, float] | None, mode: Mode = Mode.CADENCE) -> 
 
     def quota(rank: int) -> int:  # async: the round is instant, nobody overshoots
         planner = h.core.planner
-        return planner.window_steps(rank) if mode is Mode.CPU_ASYNC else planner.budget[rank]
+        return h.quota(rank) if mode is not Mode.CPU_ASYNC else planner.window_steps(rank)
 
     seen = [window()]
     number = 0

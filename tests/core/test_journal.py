@@ -59,18 +59,20 @@ def run_end(h: Harness) -> RunEnd:
 def test_a_restored_coordinator_finishes_the_run_exactly_once(
     mode: Mode, unjournaled: bool
 ) -> None:
-    cfg = config(mode=mode, world_size=3, epochs=3, num_samples=3200, seed=3)
+    cfg = config(mode=mode, world_size=3, epochs=3, num_samples=6400, seed=3)
     h = Harness(cfg)
     h.form()
     ms = {0: 10.0, 1: 20.0, 2: 40.0}
-    h.run_to_end(ms, until=lambda: h.core.rounds_done >= 4)
+    stop = 4  # mid-epoch 1 (cadence averages three times an epoch here)
+    h.run_to_end(ms, until=lambda: h.core.rounds_done >= stop)
     for rank in h.core.live:  # the ranks train on after the last average
         if h.chunks[rank]:
             h.train(rank, 1, batch_ms=ms[rank])
     journal = records(h)
     assert journal[-1].rounds_done == h.core.rounds_done
-    # Unjournaled: the coordinator died after the ranks applied round 4, before its record.
-    record = [r for r in journal if r.rounds_done == 3][-1] if unjournaled else journal[-1]
+    # Unjournaled: the coordinator died after the ranks applied a round, before its record.
+    behind = [r for r in journal if r.rounds_done == stop - 1]
+    record = behind[-1] if unjournaled else journal[-1]
     assert any(h.since[r] for r in range(3))  # the ranks hold unaveraged batches
 
     h2 = restart(h, record)
@@ -81,13 +83,13 @@ def test_a_restored_coordinator_finishes_the_run_exactly_once(
     assert of(h2.log, Finish) == [Finish(outcome="completed")]
     end = run_end(h2)
     assert end.lost_samples == 0 and end.epochs_completed == 3
-    assert sum(h2.core.work.samples_committed) == 3 * 3200
+    assert sum(h2.core.work.samples_committed) == 3 * 6400
     assert h2.core.coordinator_restarts == 1
     assert_exactly_once(h, h, h2)
 
 
 def test_a_rank_lost_before_the_restart_stays_lost_and_its_work_is_served_once() -> None:
-    h = Harness(world_size=3, epochs=2, num_samples=960)
+    h = Harness(world_size=3, epochs=2, num_samples=3840)  # 8 rounds in all
     h.form()
     h.run_to_end(until=lambda: h.core.rounds_done >= 2)
     h.send(2, m.Exiting(reason="killed"))

@@ -48,9 +48,7 @@ def test_no_progress_for_the_interval_dumps_and_repeats_while_it_lasts() -> None
 def test_a_round_in_flight_names_the_ranks_it_waits_for() -> None:
     h = Harness(stall_dump_s=2.0, heartbeat_timeout_s=50.0)
     h.form()
-    budget = [h.core.planner.budget[r] for r in range(2)]
-    h.train(0, budget[0])
-    h.train(1, budget[1])
+    h.train_window()
     assert h.core.round.in_flight
     _tick(h, 1.0)
     (stalled,) = _stalls(_tick(h, 3.0))

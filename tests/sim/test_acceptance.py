@@ -77,3 +77,16 @@ def test_256_ranks_stay_efficient() -> None:
     assert result.outcome == "completed"
     assert result.efficiency >= 0.9
     assert (result.lost_samples, result.duplicated_samples) == (0, 0)
+
+
+@pytest.mark.slow
+def test_1024_ranks_waste_under_5_percent() -> None:
+    # One epoch is about 30 batches a rank: the probe goes on as the first
+    # window and the short last one is folded into the epoch tail, so the
+    # whole epoch is one window and one average.
+    speeds = draw_speeds(1024, 7)
+    result = simulate(SimConfig(speeds=speeds, epochs=1, samples=1_000_000))
+    assert result.outcome == "completed"
+    assert result.efficiency >= 0.95
+    assert result.syncs == 1
+    assert (result.lost_samples, result.duplicated_samples) == (0, 0)

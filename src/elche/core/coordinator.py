@@ -408,6 +408,10 @@ class Coordinator:
     def _progress(self) -> None:
         if self.round.in_flight or self._unsatisfied:
             return
+        if self.planner.probing and self.tuner.calibrate_in_window(self.live, self.dead_ranks):
+            self._plan_window(continuing=True)  # the probe goes on as the first window
+            if self._unsatisfied:
+                return
         live = self.live
         if live and any(self.work.steps_since_sync(r) > 0 for r in live):
             self._out += self.round.start(set(live), self._now, self.generation)
@@ -477,8 +481,12 @@ class Coordinator:
                 self._end_of_training()
                 return
             self._open_epoch(nxt)
+        self._plan_window()
+
+    def _plan_window(self, *, continuing: bool = False) -> None:
         live = self.live
-        for rank, update in zip(live, self.planner.open_window(live), strict=True):
+        plan = self.planner.open_window(live, continuing=continuing, now_s=self._now)
+        for rank, update in zip(live, plan, strict=True):
             if update is not None:
                 self._out.append(Send(rank=rank, message=update))
         self._send_progress(self.round.number)  # again: the shares of the budgets just planned

@@ -6,6 +6,12 @@ Rules:
   first calibration. Its *budget* (the steps it may take since the last
   average before it must hold) is the window, plus the overshoot allowance
   under ``async``, or its epoch-tail allocation when that is larger.
+- Under ``cadence`` the probe does not idle: before the first calibration a
+  rank past its probe steps keeps streaming one-batch chunks, its budget
+  raised by one each. Once every live rank has trained its probe steps the
+  coordinator calibrates and the probe *continues* as the first window
+  (``open_window(continuing=True)``): each rank's window and budget count
+  from the steps it has already taken.
 - The automatic overshoot allowance (``async`` without a configured one)
   starts at ``OVERSHOOT_INITIAL``, grows by one per ``Stable`` verdict up to
   ``OVERSHOOT_CEILING`` and falls back to the start on a ``NudgeDown``.
@@ -16,9 +22,12 @@ Rules:
 - ``sync`` hands each rank its whole equal partition at once and spreads a
   dead rank's partition evenly over the survivors.
 - ``cadence`` and ``async`` hand out chunks of the remaining budget. When the
-  epoch's remaining batches no longer fill a whole window, the tail is
-  apportioned across live ranks by their counts (``final_window_alloc``) so
-  the last window of the epoch is as short as possible.
+  epoch's remaining batches no longer fill a whole window, or would leave a
+  last window under half a full one (``TAIL_FOLD_WINDOWS``), the rest of the
+  epoch is one tail window: its batches go by list scheduling on the ranks'
+  paces (each to whoever would end it soonest, a chunk in flight counted
+  first), or by their counts (``final_window_alloc``) while a pace is
+  missing, so the last window of the epoch is as short as possible.
 - Of that tail, ``TAIL_RESERVE_SLOW_STEPS`` of the slowest rank's steps
   (counted in the fastest rank's batches) are held back from the batches
   planned to end last. A rank that finishes its share takes from this
@@ -68,6 +77,12 @@ PROBE_STEPS = 2
 # of the tail is still planned (see ``Planner._hold_back``).
 TAIL_RESERVE_SLOW_STEPS = 2
 
+# An epoch whose remaining batches would leave a last window under half a
+# full one (fewer than 1.5 windows' worth) is planned as one tail: a short
+# window costs an average and a whole-batch rounding of its own. (At 2 the
+# longer tails lost more to jitter than the saved averages won back.)
+TAIL_FOLD_WINDOWS = 1.5
+
 # Async overshoot: start at 3 steps past the window, grow by one per Stable
 # round up to 15 (reference defaults).
 OVERSHOOT_INITIAL = 3
@@ -95,6 +110,7 @@ class Planner:
         self.tail_plan: dict[int, int] | None = None
         self.tail_reserve = 0  # tail batches held back for whoever frees up first
         self._progress_s = [0.0] * config.world_size  # last assignment or report
+        self._base = [0] * config.world_size  # steps the current window counts from
 
     def open_epoch(self, epoch: int, live: Collection[int]) -> None:
         """Open ``epoch``'s pool with a reservation for each ``live`` rank."""
@@ -106,8 +122,16 @@ class Planner:
             weights = [float(counts[r]) if r in live else 0.0 for r in range(ws)]
         self.work.open_epoch(epoch, weights)
 
+    @property
+    def probing(self) -> bool:
+        """Whether the ranks stream the probe, waiting for the first calibration."""
+        return self.config.policy is Policy.CADENCE and not self.elche.is_calibrated
+
     def window_steps(self, rank: int) -> int:
-        """Steps that complete ``rank``'s window."""
+        """Steps since the last average that complete ``rank``'s window."""
+        return self._base[rank] + self._count(rank)
+
+    def _count(self, rank: int) -> int:
         count = self.elche.batch_counts[rank]
         return count if self.elche.is_calibrated else min(count, PROBE_STEPS)
 
@@ -134,20 +158,26 @@ class Planner:
             case Policy.SYNC:
                 target = 1
             case Policy.CADENCE:
-                target = self.budget[rank]
+                target = self.window_steps(rank) if self.probing else self.budget[rank]
             case Policy.ASYNC:
                 target = self.window_steps(rank)
             case _:
                 assert_never(self.config.policy)
         return self.work.steps_since_sync(rank) >= target or self.quiesced[rank]
 
-    def open_window(self, live: Sequence[int]) -> list[m.CoordMessage | None]:
+    def open_window(
+        self, live: Sequence[int], *, continuing: bool = False, now_s: float = 0.0
+    ) -> list[m.CoordMessage | None]:
         """Plan a new window; returns a ``SetBudget`` (or None) per live rank.
 
         Only ranks that still hold work need to hear a changed budget; others
-        get it with their next chunk.
+        get it with their next chunk. ``continuing``: no average came between
+        (the probe goes on as the first window), so each rank's window and
+        budget count from the steps it has taken since the last one.
         """
-        self._plan_tail(live)
+        for rank in live:
+            self._base[rank] = self.work.steps_since_sync(rank) if continuing else 0
+        self._plan_tail(live, now_s)
         updates: list[m.CoordMessage | None] = []
         for rank in live:
             budget = self._budget_of(rank)
@@ -222,6 +252,9 @@ class Planner:
         if self.tail_plan is not None and self.tail_plan.get(rank, 0) <= 0:
             return self._from_reserve(rank, now_s)
         left = self.budget[rank] - self.work.steps_since_sync(rank)
+        if left <= 0 and self.probing:
+            self.budget[rank] += 1 - left  # streams on until the calibration
+            left = 1
         if left <= 0:
             return None  # holds for the next average
         epoch = self.work.serving_epoch()
@@ -312,7 +345,7 @@ class Planner:
             heapq.heapreplace(ends, (end + ms[q], other, i, q))
         return share
 
-    def _plan_tail(self, live: Sequence[int]) -> None:
+    def _plan_tail(self, live: Sequence[int], now_s: float) -> None:
         self.tail_plan = None
         self.tail_reserve = 0
         if self.config.policy is not Policy.CADENCE:
@@ -321,18 +354,49 @@ class Planner:
         if epoch is None:
             return
         remaining = self.work.pools[epoch].remaining_batches()
-        counts = [self.window_steps(r) for r in range(self.config.world_size)]
-        if needs_final_window(remaining, counts, live):
-            alloc = final_window_alloc(remaining, counts, live)
+        counts = [self._count(r) for r in range(self.config.world_size)]
+        scheduled = sum(counts[r] for r in live)
+        folds = self.elche.is_calibrated and remaining < TAIL_FOLD_WINDOWS * scheduled
+        if folds or needs_final_window(remaining, counts, live):
+            alloc = self._timed_alloc(remaining, live, now_s)
+            if alloc is None:
+                alloc = final_window_alloc(remaining, counts, live)
             self.tail_reserve = _hold_back(alloc, counts, live)
             self.tail_plan = {r: alloc[r] for r in live}
+
+    def _timed_alloc(self, remaining: int, live: Sequence[int], now_s: float) -> list[int] | None:
+        """The tail's batches by list scheduling on the ranks' paces (None: a pace missing).
+
+        Each batch goes to the rank that would end it soonest, a rank's
+        chunk in flight counted first: whole batches, yet the shares end as
+        close together as whole batches allow.
+        """
+        ms = self.elche.ms_per_batch()
+        if any(ms[r] <= 0 for r in live):
+            return None
+        bs = self.config.batch_size
+        now_ms = now_s * 1000.0
+        ends = []
+        for r in live:
+            ahead = -(-self.work.busy_samples(r) // bs)
+            free_ms = max(now_ms, self._progress_s[r] * 1000.0 + ahead * ms[r]) if ahead else now_ms
+            ends.append((free_ms + ms[r], r))
+        heapq.heapify(ends)
+        alloc = [0] * self.config.world_size
+        for _ in range(remaining):
+            end, r = ends[0]
+            alloc[r] += 1
+            heapq.heapreplace(ends, (end + ms[r], r))
+        return alloc
 
     def _budget_of(self, rank: int) -> int:
         window = self.window_steps(rank)
         if self.config.policy is Policy.ASYNC:
             return window + self.max_overshoot
         if self.tail_plan is not None:
-            return max(window, self.tail_plan.get(rank, 0))
+            ahead = -(-self.work.busy_samples(rank) // self.config.batch_size)
+            planned = self.tail_plan.get(rank, 0) + ahead
+            return self._base[rank] + max(self._count(rank), planned)
         return window
 
     def _take(self, rank: int, epoch: int, left: int, live_count: int) -> Span | None:

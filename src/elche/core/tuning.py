@@ -6,7 +6,9 @@ matters and follows the reference coordinator's finish head):
 1. stage callback slack if the next window holds boundary work (an epoch
    start, an eval or checkpoint asked);
 2. feed ElChe the window's timing (compute and delivered ms per rank);
-   on the first calibration, elect the callback roles on pace;
+   on the first calibration, elect the callback roles on pace (under
+   ``cadence`` the first calibration comes earlier, mid-window, from
+   ``calibrate_in_window``);
 3. ask the convergence guard for a verdict on the round's divergence;
 4. let the LR-aware meta-controller observe the round (it may nudge the
    anchor down, discarding a staged growth of the same round);
@@ -97,6 +99,25 @@ class Tuner:
     def note_lr(self, rank: int, lr: float) -> None:
         """``rank`` reported its learning rate (the meta-controller watches it)."""
         self._lr[rank] = lr
+
+    def calibrate_in_window(self, live: Collection[int], dead: Collection[int]) -> bool:
+        """The probe's timing, before any average: the first calibration, now.
+
+        Under ``cadence`` the probe goes on as the first window (see
+        ``Planner``), so ElChe calibrates from the probe batches the ledger
+        holds and the callback roles are elected on that pace here, not at
+        the round's close; the guard and the meta-controller judge the round
+        when it closes, as any other. The window's timing starts afresh (its
+        steps are kept), so the round's report holds only what came after.
+        Returns whether ElChe is calibrated (a probe without timing is not).
+        """
+        report = self.ledger.build_window_report(dead=dead, delivered_capable=True, sync_ms=0.0)
+        self.elche.report_window(report)
+        if not self.elche.is_calibrated:
+            return False
+        self.roles.on_first_calibration(live, self.elche.smoothed_ms_per_batch)
+        self.ledger.reset_timing()
+        return True
 
     def close_round(
         self, rnd: Round, sync_ms: float, live: Collection[int], dead: Collection[int]
