@@ -78,7 +78,9 @@ def test_a_lost_host_is_survived_under_torchrun_c10d_with_no_shared_storage() ->
         texts = wait_for("the survivors to return", returned)
         # torchrun's agents then wait in their exit barrier for the lost host's
         # agent (docs/launching.md); the rig ends them.
-        (line,) = [x for t in texts for x in t.splitlines() if x.startswith("SUMMARY ")]
+        lines = [x for t in texts for x in t.splitlines() if x.startswith("SUMMARY ")]
+        assert len(lines) == len(survivors) and len(set(lines)) == 1  # one result, every rank
+        line = lines[0]
         run_dirs = {i: rig.tmp(i) / Path(path.parent).name for i in range(3)}
         other = next(i for i in survivors if i != rank0_host)
         other_files = sorted(p.name for p in run_dirs[other].iterdir())

@@ -153,12 +153,10 @@ def only_line(err: str) -> str:
 
 
 def elche_lines(err: str) -> list[str]:
-    """What was printed on stderr, but for the run directory said at the start."""
-    return [
-        line
-        for line in err.splitlines()
-        if line.strip() and not line.startswith("elche: run directory ")
-    ]
+    """What was printed on stderr, but for where the run's files are (its directory at
+    the start, its report at the end)."""
+    where = ("elche: run directory ", "elche: report at ")
+    return [line for line in err.splitlines() if line.strip() and not line.startswith(where)]
 
 
 def demo_args(save: Path, epochs: int = 8) -> list[str]:

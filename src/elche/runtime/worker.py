@@ -315,12 +315,10 @@ class Worker:
                     proto.regrouped()
                 case r.Load():
                     self._apply_update(action)
-                    self._report_lr()
                 case r.Average() | r.Upload():
                     self._report()
+                    self._report_lr()  # before the round: the epoch it may end records it
                     self._serve_round(action)
-                    if isinstance(action, r.Average):
-                        self._report_lr()
                 case r.Callback(request=request):
                     self._report()
                     self._run_callback(request)
