@@ -495,11 +495,13 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     bench = sub.add_parser(
         "bench",
         formatter_class=_Help,
-        help="elche's modes, torch DDP and solo side by side on real workloads",
+        help="elche's modes, torch DDP, torchft and solo side by side on real workloads",
         description=(
-            "Train each suite workload on each rig with torch DDP, every elche mode and "
-            "one solo rank, in this invocation, and write report.md, results.json and "
-            "PNG charts with the ratios against DDP."
+            "Train each suite workload on each rig with torch DDP, torchft's LocalSGD and "
+            "DiLoCo (skipped, saying so, without elche[peers]), every elche mode and one "
+            "solo rank, in this invocation, and write report.md, results.json and PNG "
+            "charts with the ratios against DDP, each system's final eval and its time "
+            "to the workload's target eval."
         ),
     )
     bench.add_argument(
@@ -507,8 +509,8 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         choices=("quick", "full"),
         default="quick",
         help="quick: digits-cnn (compute-bound) and digits-mlp (communication-bound) on "
-        "speeds 1,0.5,0.25, 3 repeats (~3 min on 2 cores); full: 5 workloads x 4 rigs "
-        "(default: quick)",
+        "speeds 1,0.5,0.25, 3 repeats, cadence and DDP on digits-cnn also on seeds 1 and 2; "
+        "full: 5 workloads x 4 rigs (default: quick)",
     )
     bench.add_argument("--out", default=None, help="output dir (default: results/bench-<time>)")
     bench.add_argument("--repeats", type=int, default=None, help="override the suite's repeats")

@@ -9,11 +9,20 @@ import pytest
 from elche.bench import metrics
 from elche.bench.report import acceptance, dashboard_cost, render
 from elche.bench.rows import build_rows
-from elche.bench.suites import QUICK, SUITES, Suite, WorkloadPlan, split_system, with_dashboard
+from elche.bench.suites import (
+    EVAL_TARGETS,
+    QUICK,
+    SUITES,
+    Suite,
+    WorkloadPlan,
+    split_system,
+    with_dashboard,
+)
 
 CONTRACT_KEYS = {
     "workload", "system", "speeds", "wall_s", "samples_per_s", "efficiency",
     "final_loss", "eval", "syncs", "idle_pct", "lost_samples",
+    "final_eval", "target_eval", "time_to_target_s", "seeds",
 }  # fmt: skip
 
 
@@ -61,6 +70,22 @@ def test_time_to_target_is_the_first_epoch_at_or_below_it() -> None:
     assert metrics.time_to_target(epochs, None) is None
 
 
+def test_time_to_target_eval_is_the_first_epoch_reaching_it_either_way() -> None:
+    evals = [(1.0, 0.5), (2.0, None), (3.0, 0.96), (4.0, 0.99)]
+    assert metrics.time_to_target_eval(evals, 0.95, higher_is_better=True) == 3.0
+    assert metrics.time_to_target_eval(evals, 0.995, higher_is_better=True) is None
+    assert metrics.time_to_target_eval(evals, None, higher_is_better=True) is None
+    errors = [(1.0, 0.09), (2.0, float("nan")), (3.0, 0.02)]
+    assert metrics.time_to_target_eval(errors, 0.03, higher_is_better=False) == 3.0
+    assert metrics.time_to_target_eval(errors, 0.1, higher_is_better=False) == 1.0
+
+
+def test_spread_over_seeds() -> None:
+    got = metrics.spread([0.97, None, 0.95, float("inf"), 0.99])
+    assert got == pytest.approx({"n": 3, "min": 0.95, "max": 0.99, "mean": 0.97, "range": 0.04})
+    assert metrics.spread([None]) is None
+
+
 def test_idle_pct() -> None:
     assert metrics.idle_pct(10.0, 7.5) == pytest.approx(25.0)
     assert metrics.idle_pct(10.0, 11.0) == 0.0  # never negative
@@ -81,8 +106,21 @@ def test_quick_runs_ddp_and_cadence_on_the_issue_rig() -> None:
     assert SUITES["quick"] is QUICK
     assert (1.0, 0.5, 0.25) in QUICK.rigs
     assert {"torch-ddp", "cadence"} <= set(QUICK.systems)
-    # per repeat and workload: solo + every system on every rig
-    assert QUICK.num_runs() == QUICK.repeats * len(QUICK.workloads) * (1 + len(QUICK.systems))
+    assert {"torchft-localsgd", "torchft-diloco"} <= set(QUICK.systems)
+    # per repeat and workload: solo + every system on every rig; then the headline
+    # cell (cadence and DDP on digits-cnn) once on each extra seed
+    jobs = QUICK.seed_jobs()
+    assert [(seed, p.name, system) for seed, p, system, _ in jobs] == [
+        (1, "digits-cnn", "torch-ddp"), (1, "digits-cnn", "cadence"),
+        (2, "digits-cnn", "torch-ddp"), (2, "digits-cnn", "cadence"),
+    ]  # fmt: skip
+    per_repeat = len(QUICK.workloads) * (1 + len(QUICK.systems))
+    assert QUICK.num_runs() == QUICK.repeats * per_repeat + len(jobs)
+
+
+def test_every_quick_workload_has_a_target_eval() -> None:
+    for plan in QUICK.workloads:
+        assert 0.0 < EVAL_TARGETS[plan.name] < 1.0
 
 
 # --- rows and report -----------------------------------------------------------------
@@ -93,10 +131,14 @@ SUITE = Suite(
     rigs=((1.0, 0.5),),
     systems=("torch-ddp", "cadence"),
     repeats=3,
+    extra_seeds=(1, 2),
+    headline_workload="digits-cnn",
 )
 
 
-def fake_run(system: str, wall_s: float, *, final_loss: float, eval_: float) -> dict[str, Any]:
+def fake_run(
+    system: str, wall_s: float, *, final_loss: float, eval_: float, seed: int = 0
+) -> dict[str, Any]:
     speeds = [1.0] if system == "solo" else [1.0, 0.5]
     samples = [200, 100][: len(speeds)]
     return {
@@ -105,9 +147,10 @@ def fake_run(system: str, wall_s: float, *, final_loss: float, eval_: float) -> 
         "error": None, "wall_s": wall_s, "startup_s": 1.0, "total_s": wall_s + 2,
         "samples": sum(samples), "samples_per_s": sum(samples) / wall_s,
         "final_loss": final_loss, "eval": eval_, "syncs": 3, "lost_samples": 0,
+        "seed": seed,
         "per_epoch": [
-            {"epoch": 0, "t": wall_s / 2, "loss": 1.0},
-            {"epoch": 1, "t": wall_s, "loss": final_loss},
+            {"epoch": 0, "t": wall_s / 2, "loss": 1.0, "eval": eval_ - 0.02},
+            {"epoch": 1, "t": wall_s, "loss": final_loss, "eval": eval_},
         ],
         "per_rank": [
             {"rank": r, "speed": s, "samples": n, "busy_s": wall_s * 0.75}
@@ -128,6 +171,11 @@ def rows() -> list[dict[str, Any]]:
     failed = fake_run("cadence", 1.0, final_loss=1.0, eval_=0.0)
     keep = ("workload", "system", "speeds", "ranks", "epochs", "batch_size", "metric")
     runs.append({**{k: failed[k] for k in keep}, "higher_is_better": True, "error": "boom"})
+    for seed, eval_ in ((1, 0.93), (2, 0.99)):  # the headline cell on the extra seeds
+        runs += [
+            fake_run("torch-ddp", 10.0, final_loss=0.2, eval_=eval_, seed=seed),
+            fake_run("cadence", 5.0, final_loss=0.3, eval_=eval_ - 0.01, seed=seed),
+        ]
     return build_rows(SUITE, runs)
 
 
@@ -153,12 +201,43 @@ def test_rows_report_the_median_run_and_ratios_against_ddp(rows: list[dict[str, 
     assert cadence["per_rank"][0]["share"] == pytest.approx(2 / 3)
 
 
-def test_time_to_target_uses_the_highest_final_loss(rows: list[dict[str, Any]]) -> None:
+def test_time_to_target_loss_uses_the_highest_final_loss(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         assert row["target_loss"] == 0.3
     solo, ddp, cadence = rows
-    assert (solo["time_to_target_s"], ddp["time_to_target_s"]) == (2.0, 4.0)
+    assert (solo["time_to_target_loss_s"], ddp["time_to_target_loss_s"]) == (2.0, 4.0)
+    assert cadence["time_to_target_loss_s"] == 2.5
+
+
+def test_every_row_carries_final_eval_and_time_to_the_workloads_target(
+    rows: list[dict[str, Any]],
+) -> None:
+    solo, ddp, cadence = rows
+    assert [r["target_eval"] for r in rows] == [EVAL_TARGETS["digits-cnn"]] * 3 == [0.95] * 3
+    assert (solo["final_eval"], ddp["final_eval"], cadence["final_eval"]) == (0.97, 0.96, 0.955)
+    # solo reaches 0.95 at its first epoch end (eval 0.95), DDP and cadence only at the last
+    assert (solo["time_to_target_s"], ddp["time_to_target_s"]) == (1.0, 4.0)
     assert cadence["time_to_target_s"] == 2.5
+
+
+def test_headline_rows_report_the_spread_over_seeds(rows: list[dict[str, Any]]) -> None:
+    solo, ddp, cadence = rows
+    assert solo["seeds"] is None  # not a headline system
+    assert ddp["seeds"]["seeds"] == [0, 1, 2]
+    assert [r["final_eval"] for r in ddp["seeds"]["runs"]] == [0.96, 0.93, 0.99]
+    assert ddp["seeds"]["final_eval"] == pytest.approx(
+        {"n": 3, "min": 0.93, "max": 0.99, "mean": 0.96, "range": 0.06}
+    )
+    # seed 1's cadence (final 0.92) never reaches 0.95; seed 2's does at its first epoch
+    assert [r["time_to_target_s"] for r in cadence["seeds"]["runs"]] == [2.5, None, 2.5]
+    assert cadence["seeds"]["wall_s"]["max"] == 5.0
+    text = render(
+        {
+            "suite": "fake", "date": "d", "command": "c", "total_s": 1.0, "repeats": 3,
+            "machine": {"description": "m"}, "rows": rows,
+        }
+    )  # fmt: skip
+    assert "| cadence | 0, 1, 2 | 2.500 – 5.000 (4.167, n=3) |" in text
 
 
 def test_acceptance_and_report_render(rows: list[dict[str, Any]]) -> None:

@@ -6,5 +6,8 @@ workload, with the same speed injection (``elche.runtime.pacing``).
 Modules:
 
 - ``ddp`` — torch ``DistributedDataParallel`` on gloo, one spawned process
-  per rank (``run_ddp``; ``python -m elche.baselines.ddp``).
+  per rank (``run_ddp``; ``python -m elche.baselines.ddp``);
+- ``torchft_peers`` — torchft's ``LocalSGD`` and ``DiLoCo`` under the same
+  rules, its lighthouse in the calling process (``run_torchft``; needs
+  ``elche[peers]``).
 """

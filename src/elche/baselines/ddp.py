@@ -47,7 +47,10 @@ Clocks and the reported numbers
 - ``per_epoch``: per epoch, ``t`` — rank 0's ``wall_s`` clock when its last
   step of the epoch (and its injected wait) finished; lock-step DDP keeps the
   ranks within one step of each other — and ``loss``, the sample-weighted
-  mean training loss of that epoch over every rank.
+  mean training loss of that epoch over every rank — and ``eval``, rank 0's
+  ``eval_fn`` on its model as it was at that epoch end (a copy of the weights
+  taken inside the clock, evaluated after it, so time to a target eval costs
+  the baseline nothing).
 
 Workloads come from the registry (``elche.workloads.get``), by name.
 
@@ -72,6 +75,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -101,6 +105,7 @@ GRACE_S = 1.0  # after a rank fails, the others get this long before SIGTERM: th
 # usually blocked in a collective that will never complete, so waiting longer buys nothing
 
 JsonDict = dict[str, object]
+P = TypeVar("P")  # what a spawned rank receives
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +149,7 @@ def run_ddp(
     Returns:
         ``{"system", "workload", "speeds", "world_size", "epochs",
         "batch_size", "wall_s", "startup_s", "samples_per_s", "final_loss",
-        "eval", "metric", "eval_accuracy", "per_epoch": [{"epoch", "t", "loss"}],
+        "eval", "metric", "eval_accuracy", "per_epoch": [{"epoch", "t", "loss", "eval"}],
         "per_rank": [{"rank", "speed", "samples", "steps", "base_step_s",
         "injected_s", "idle_s"}]}``; the module docstring defines each clock.
 
@@ -186,7 +191,7 @@ def _check_args(
 
 
 def _spawn_ranks(
-    fn: Callable[[int, _Plan], None], plan: _Plan, *, nprocs: int, timeout_s: float
+    fn: Callable[[int, P], None], plan: P, *, nprocs: int, timeout_s: float, system: str = SYSTEM
 ) -> None:
     """Run ``fn(rank, plan)`` in ``nprocs`` spawned processes; wait for all.
 
@@ -204,9 +209,9 @@ def _spawn_ranks(
             timeout=max(deadline_s - time.monotonic(), 0.0), grace_period=GRACE_S
         ):
             if time.monotonic() >= deadline_s:
-                raise RuntimeError(f"{SYSTEM}: the run exceeded its {timeout_s:g} s timeout")
+                raise RuntimeError(f"{system}: the run exceeded its {timeout_s:g} s timeout")
     except ProcessException as exc:
-        raise RuntimeError(f"{SYSTEM}: rank {exc.error_index} failed: {exc}") from exc
+        raise RuntimeError(f"{system}: rank {exc.error_index} failed: {exc}") from exc
     finally:
         _stop_all(context.processes)
 
@@ -276,6 +281,7 @@ def _train(rank: int, plan: _Plan) -> JsonDict:
     samples = steps = 0
     loss_sum = 0.0  # of the current epoch, weighted by batch size
     epochs: list[tuple[float, float, int]] = []  # (t since start, loss sum, samples)
+    snapshots: list[dict[str, torch.Tensor]] = []  # rank 0's model at each epoch end
     for epoch in range(plan.epochs):
         sampler.set_epoch(epoch)
         loss_sum, epoch_samples = 0.0, 0
@@ -291,10 +297,13 @@ def _train(rank: int, plan: _Plan) -> JsonDict:
             steps += 1
         samples += epoch_samples
         epochs.append((time.perf_counter() - start_s, loss_sum, epoch_samples))
+        if rank == 0:
+            snapshots.append(snapshot(model))
     dist.barrier()
     wall_s = time.perf_counter() - start_s
 
     accuracy = work.eval_fn(model, test_set) if rank == 0 else None
+    epoch_evals = eval_snapshots(plan.workload, snapshots, test_set)  # after the clock
     return {
         "rank": rank,
         "speed": plan.speeds[rank],
@@ -309,16 +318,35 @@ def _train(rank: int, plan: _Plan) -> JsonDict:
         "last_epoch_samples": epoch_samples,
         "eval_accuracy": accuracy,
         "epochs": epochs,
+        "epoch_evals": epoch_evals,
     }
 
 
-def _read_report(run_dir: Path, rank: int) -> JsonDict:
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of ``model``'s weights, to evaluate once the clock has stopped."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def eval_snapshots(
+    workload: str, snapshots: Sequence[dict[str, torch.Tensor]], test_set: TensorDataset
+) -> list[float]:
+    """``eval_fn`` of each snapshot, in order, on a fresh model of ``workload``."""
+    work = get_workload(workload)
+    model = work.make_model("cpu")
+    out: list[float] = []
+    for state in snapshots:
+        model.load_state_dict(state)
+        out.append(float(work.eval_fn(model, test_set)))
+    return out
+
+
+def _read_report(run_dir: Path, rank: int, system: str = SYSTEM) -> JsonDict:
     """Load ``rank<r>.json``, or say that the rank left none."""
     path = run_dir / f"rank{rank}.json"
     try:
         report: JsonDict = json.loads(path.read_text())
     except FileNotFoundError as exc:
-        raise RuntimeError(f"{SYSTEM}: rank {rank} exited without a report") from exc
+        raise RuntimeError(f"{system}: rank {rank} exited without a report") from exc
     return report
 
 
@@ -363,8 +391,24 @@ def _per_epoch(reports: Sequence[JsonDict]) -> list[JsonDict]:
         loss_sum = sum(row[1] for row in rows)
         count = sum(row[2] for row in rows)
         t_s = _triple(lead)[0]
-        out.append({"epoch": epoch, "t": t_s, "loss": loss_sum / count if count else None})
+        out.append(
+            {
+                "epoch": epoch,
+                "t": t_s,
+                "loss": loss_sum / count if count else None,
+                "eval": _epoch_eval(reports[0], epoch),
+            }
+        )
     return out
+
+
+def _epoch_eval(report: JsonDict, epoch: int) -> float | None:
+    """Rank 0's eval of its model after ``epoch`` (None if it recorded none)."""
+    evals: Any = report.get("epoch_evals")
+    if not isinstance(evals, list) or epoch >= len(evals):
+        return None
+    value = evals[epoch]
+    return float(value) if isinstance(value, int | float) else None
 
 
 def _triple(value: object) -> tuple[float, float, float]:

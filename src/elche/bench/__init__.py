@@ -1,4 +1,4 @@
-"""``elche bench``: elche's modes, torch DDP and solo side by side, with ratios.
+"""``elche bench``: elche's modes, torch DDP, torchft and solo side by side, with ratios.
 
 Every speed claim elche makes comes from here (design §1.4): the competitor
 runs in the same invocation, on the same workload, split, seed, epochs,
@@ -22,11 +22,12 @@ import datetime as dt
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from elche.bench.suites import SUITES, Suite
+from elche.bench.suites import EVAL_TARGETS, SUITES, Suite
 
 __all__ = ["SUITES", "Suite", "default_out_dir", "machine", "run_bench"]
 
@@ -79,9 +80,10 @@ def run_bench(
     from elche.bench.charts import write_charts
     from elche.bench.report import acceptance, dashboard_cost, render
     from elche.bench.rows import build_rows
-    from elche.bench.runner import run_suite
+    from elche.bench.runner import available_suite, run_suite
 
     started = time.perf_counter()
+    suite = available_suite(suite, say=lambda text: print(text, file=sys.stderr))
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     runs = run_suite(suite, progress=progress)
     rows = build_rows(suite, runs)
@@ -95,9 +97,16 @@ def run_bench(
         "repeats": suite.repeats,
         "seed": suite.seed,
         "workloads": [
-            {"name": p.name, "epochs": p.epochs, "batch_size": p.batch_size}
+            {
+                "name": p.name,
+                "epochs": p.epochs,
+                "batch_size": p.batch_size,
+                "target_eval": EVAL_TARGETS.get(p.name),
+            }
             for p in suite.workloads
         ],
+        "extra_seeds": list(suite.extra_seeds),
+        "headline_workload": suite.headline_workload,
         "rigs": [list(rig) for rig in suite.rigs],
         "systems": ["solo", *suite.systems],
         "rows": rows,

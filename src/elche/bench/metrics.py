@@ -15,6 +15,10 @@ Definitions (the report and ``docs/benchmarks.md`` use exactly these):
 - **target loss** of a workload × rig: the highest final training loss among
   its systems, so every system reaches it; **time to target**: the first
   epoch-end time (from the first batch) whose epoch loss is at or below it;
+- **target eval** of a workload: a fixed value of its eval metric
+  (``suites.EVAL_TARGETS``); **time to target eval**: the first epoch-end time
+  whose model's eval reaches it (≥ when higher is better, ≤ otherwise);
+- **spread** over seeds: min, max, mean and max − min of a value;
 - **idle %** of a rank: 100 × (wall − the rank's training-step time) ÷ wall.
 
 Nothing here reads a clock or runs a model, so the unit tests feed fake
@@ -34,8 +38,10 @@ __all__ = [
     "lockstep_ratio",
     "median_index",
     "ratio",
+    "spread",
     "target_loss",
     "time_to_target",
+    "time_to_target_eval",
 ]
 
 
@@ -145,6 +151,49 @@ def time_to_target(
         if loss is not None and math.isfinite(loss) and loss <= target:
             return t_s
     return None
+
+
+def time_to_target_eval(
+    epochs: Iterable[tuple[float, float | None]], target: float | None, *, higher_is_better: bool
+) -> float | None:
+    """The first epoch-end time whose eval reaches ``target``.
+
+    Args:
+        epochs: ``(t_s, eval)`` per epoch in order, ``t_s`` from the first
+            batch; an eval of None (not evaluated) never qualifies.
+        target: the eval to reach, or None (no target for the workload).
+        higher_is_better: reach means ``eval >= target`` if True, else ``<=``.
+
+    Returns:
+        Seconds from the first batch, or None if never reached (or no target).
+    """
+    if target is None:
+        return None
+    for t_s, value in epochs:
+        if value is None or not math.isfinite(value):
+            continue
+        if (value >= target) if higher_is_better else (value <= target):
+            return t_s
+    return None
+
+
+def spread(values: Iterable[float | None]) -> dict[str, float | int] | None:
+    """``{n, min, max, mean, range}`` of the finite values; None if there are none.
+
+    Args:
+        values: e.g. one cell's final eval on each seed.
+    """
+    finite = [float(v) for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return None
+    low, high = min(finite), max(finite)
+    return {
+        "n": len(finite),
+        "min": low,
+        "max": high,
+        "mean": statistics.fmean(finite),
+        "range": high - low,
+    }
 
 
 def idle_pct(wall_s: float | None, busy_s: float | None) -> float | None:

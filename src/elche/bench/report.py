@@ -2,9 +2,10 @@
 
 One section per workload, one table per rig: every system with its wall
 time, the ratio to torch DDP's (same invocation), throughput, efficiency,
-time to the cell's target loss, final loss, eval metric and its difference
-to DDP's, averaging rounds, per-rank idle % and lost samples. A closing
-section checks the issue's acceptance on the ``[1, 0.5, 0.25]`` rig.
+time to the workload's target eval, final loss, final eval and its
+difference to DDP's, averaging rounds, per-rank idle % and lost samples;
+the headline cell's spread over seeds. A closing section checks the issue's
+acceptance on the ``[1, 0.5, 0.25]`` rig.
 """
 
 from __future__ import annotations
@@ -87,9 +88,10 @@ def render(doc: Mapping[str, Any]) -> str:
         "training, start-up excluded); *× DDP* is wall ÷ torch DDP's wall on the same "
         "rig in this invocation; *efficiency* is samples/s ÷ Σ per-rank solo throughput "
         "(solo = one rank alone at speed 1, one thread); *to target* is the first "
-        "epoch end whose training loss is ≤ the cell's target (the highest final loss "
-        "of its systems); *idle %* per rank is the share of wall time outside training "
-        "steps; DDP's *syncs* are gradient all-reduces (one per step).",
+        "epoch end whose model reached the workload's target eval (— if never, or no "
+        "target); *eval* is the final eval; *idle %* per rank is the share of wall time "
+        "outside training steps; DDP's *syncs* are gradient all-reduces (one per step), "
+        "torchft's its averaging rounds (one per 10 steps a rank).",
         "",
     ]
     for name in dict.fromkeys(row["workload"] for row in rows):
@@ -128,12 +130,12 @@ def _workload_section(name: str, rows: Sequence[Row], doc: Mapping[str, Any]) ->
 
 
 def _table(rig: tuple[float, ...], cell: Sequence[Row]) -> list[str]:
-    target = cell[0].get("target_loss")
+    target = cell[0].get("target_eval")
     bound = metrics.lockstep_ratio(rig)
     lines = [
         f"### speeds {_rig(rig)}",
         "",
-        f"Target loss {_f(target, 4)}; lock-step bound on × DDP: {bound:.3f}.",
+        f"Target eval {_f(target, 4)}; lock-step bound on × DDP: {bound:.3f}.",
         "",
         "| system | wall s | × DDP | samples/s | efficiency | to target s | final loss "
         "| eval | Δ eval vs DDP | syncs | idle % per rank | lost |",
@@ -152,7 +154,39 @@ def _table(rig: tuple[float, ...], cell: Sequence[Row]) -> list[str]:
             f"| {row['lost_samples']} |"
         )
     lines.append("")
+    lines += _seeds_table(cell)
     return lines
+
+
+def _seeds_table(cell: Sequence[Row]) -> list[str]:
+    """The spread over seeds of the rows that ran on several."""
+    spread = [row for row in cell if row.get("seeds")]
+    if not spread:
+        return []
+    lines = [
+        "Over seeds (each seed's own split and shuffle; min – max, mean):",
+        "",
+        "| system | seeds | wall s | final eval | to target s |",
+        "|---|---|---|---|---|",
+    ]
+    for row in spread:
+        seeds = row["seeds"]
+        cells = " | ".join(_span(seeds.get(key), 3) for key in ("wall_s", "final_eval"))
+        lines.append(
+            f"| {_system(row)} | {', '.join(str(x) for x in seeds['seeds'])} | {cells} "
+            f"| {_span(seeds.get('time_to_target_s'), 2)} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _span(spread: Mapping[str, Any] | None, digits: int) -> str:
+    if not spread:
+        return "—"
+    return (
+        f"{spread['min']:.{digits}f} – {spread['max']:.{digits}f} "
+        f"({spread['mean']:.{digits}f}, n={spread['n']})"
+    )
 
 
 def dashboard_cost(rows: Sequence[Row]) -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
 """From run records to the rows of ``elche bench``'s JSON (design §6).
 
-One row per workload × rig × system. With several repeats, the row reports
+One row per workload × rig × system, from the runs on the suite's seed.
+With several repeats, the row reports
 the run with the median wall time (the lower median of an even count) and
 lists every repeat's wall time in ``wall_s_runs``; ratios against torch DDP
 pair the two medians of the same workload and rig, measured in the same
@@ -11,10 +12,24 @@ is each rig's efficiency denominator.
 Row keys: ``workload, system, speeds, wall_s, samples_per_s, efficiency,
 final_loss, eval, syncs, idle_pct, lost_samples`` (the contract) plus
 ``metric, higher_is_better, ranks, epochs, batch_size, samples, startup_s,
-total_s, repeats, wall_s_runs, speed_base_s, target_loss, time_to_target_s,
-wall_ratio_vs_ddp, eval_delta_vs_ddp, per_rank[{rank, speed, samples,
-share, busy_s, idle_s, idle_pct}], per_epoch[{epoch, t, loss}], error``.
+total_s, repeats, wall_s_runs, speed_base_s, final_eval, target_eval,
+time_to_target_s, target_loss, time_to_target_loss_s, wall_ratio_vs_ddp,
+eval_delta_vs_ddp, per_rank[{rank, speed, samples, share, busy_s, idle_s,
+idle_pct}], per_epoch[{epoch, t, loss, eval}], seeds, error``.
 ``idle_pct`` is the per-rank list, in rank order.
+
+Quality: ``final_eval`` is the eval after the last epoch (``eval``, under
+the name the quality columns use); ``time_to_target_s`` is the first epoch
+end whose model reached the workload's ``target_eval``
+(``suites.EVAL_TARGETS``; None when the workload has no target or the run
+never reached it); ``time_to_target_loss_s`` is the same for the cell's
+``target_loss`` (the highest final training loss among its systems).
+
+Seeds: the headline cell's rows (``Suite.headline_workload`` ×
+``HEADLINE_SYSTEMS``) carry ``seeds = {"seeds", "runs": [{seed, wall_s,
+final_eval, time_to_target_s}], "wall_s", "final_eval", "time_to_target_s"}``,
+the last three ``metrics.spread`` over the seeds (the suite's seed counted by
+its reported median run); every other row has ``seeds = None``.
 """
 
 from __future__ import annotations
@@ -24,7 +39,7 @@ from typing import Any
 
 from elche.bench import metrics
 from elche.bench.runner import Run
-from elche.bench.suites import DDP, SOLO, Suite
+from elche.bench.suites import DDP, EVAL_TARGETS, SOLO, Suite
 
 __all__ = ["build_rows"]
 
@@ -41,6 +56,8 @@ def build_rows(suite: Suite, runs: Sequence[Run]) -> list[Row]:
     Returns:
         Rows ordered by workload, rig, then system (solo first, DDP next).
     """
+    extra = [r for r in runs if r.get("seed", suite.seed) != suite.seed]
+    runs = [r for r in runs if r.get("seed", suite.seed) == suite.seed]
     rows: list[Row] = []
     for plan in suite.workloads:
         solo = _median_run([r for r in runs if r["workload"] == plan.name and r["system"] == SOLO])
@@ -64,8 +81,58 @@ def build_rows(suite: Suite, runs: Sequence[Run]) -> list[Row]:
                 if chosen is not None:
                     cell.append(_row(chosen, rig, solo_sps))
             _compare_in_cell(cell)
+            for row in cell:
+                row["seeds"] = _seed_spread(row, extra, suite.seed)
             rows.extend(cell)
     return rows
+
+
+def _seed_spread(row: Row, extra: Sequence[Run], seed: int) -> dict[str, Any] | None:
+    """The row's spread over seeds, when other seeds ran its cell; else None."""
+    others = [
+        r
+        for r in extra
+        if r["workload"] == row["workload"]
+        and r["system"] == row["system"]
+        and list(r["speeds"]) == row["speeds"]
+    ]
+    if not others:
+        return None
+    entries = [
+        {
+            "seed": seed,
+            "wall_s": row["wall_s"],
+            "final_eval": row["final_eval"],
+            "time_to_target_s": row["time_to_target_s"],
+        }
+    ]
+    target = row["target_eval"]
+    for run in others:
+        entries.append(
+            {
+                "seed": run.get("seed"),
+                "wall_s": _num(run.get("wall_s")),
+                "final_eval": _num(run.get("eval")),
+                "time_to_target_s": _time_to_eval(run, target),
+                "error": run.get("error"),
+            }
+        )
+    return {
+        "seeds": [e["seed"] for e in entries],
+        "runs": entries,
+        **{key: metrics.spread(e[key] for e in entries) for key in _SPREAD_KEYS},
+    }
+
+
+_SPREAD_KEYS = ("wall_s", "final_eval", "time_to_target_s")
+
+
+def _time_to_eval(run: Run, target: float | None) -> float | None:
+    """A run's time to ``target`` eval, from its per-epoch evals."""
+    points = [(float(e["t"]), _num(e.get("eval"))) for e in run.get("per_epoch") or []]
+    return metrics.time_to_target_eval(
+        points, target, higher_is_better=bool(run.get("higher_is_better", True))
+    )
 
 
 def _median_run(candidates: Sequence[Run]) -> Run | None:
@@ -107,6 +174,8 @@ def _row(run: Run, rig: tuple[float, ...], solo_sps: float | None) -> Row:
         "efficiency": metrics.efficiency(sps, rig, solo_sps),
         "final_loss": _num(run.get("final_loss")),
         "eval": _num(run.get("eval")),
+        "final_eval": _num(run.get("eval")),
+        "target_eval": EVAL_TARGETS.get(str(run["workload"])),
         "syncs": run.get("syncs"),
         "idle_pct": [r["idle_pct"] for r in per_rank],
         "lost_samples": run.get("lost_samples"),
@@ -128,13 +197,14 @@ def _row(run: Run, rig: tuple[float, ...], solo_sps: float | None) -> Row:
 
 
 def _compare_in_cell(cell: list[Row]) -> None:
-    """Target loss, time to target and the ratios against DDP, in place."""
+    """Target loss, the times to target and the ratios against DDP, in place."""
     target = metrics.target_loss(row["final_loss"] for row in cell)
     ddp = next((row for row in cell if row["system"] == DDP), None)
     for row in cell:
         points = [(float(e["t"]), _num(e.get("loss"))) for e in row["per_epoch"]]
         row["target_loss"] = target
-        row["time_to_target_s"] = metrics.time_to_target(points, target)
+        row["time_to_target_loss_s"] = metrics.time_to_target(points, target)
+        row["time_to_target_s"] = _time_to_eval(row, row["target_eval"])
         row["wall_ratio_vs_ddp"] = metrics.ratio(row["wall_s"], ddp["wall_s"] if ddp else None)
         row["eval_delta_vs_ddp"] = (
             row["eval"] - ddp["eval"]

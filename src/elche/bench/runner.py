@@ -3,10 +3,17 @@
 Theory of operation. ``run_suite`` loads each workload's split once, then
 for every repeat and workload trains ``solo`` (``elche.train(ranks=1)`` at
 speed 1, one thread: the fastest rank alone, the efficiency denominator),
-then for every rig every system in turn — torch DDP through ``run_ddp`` and
-each elche mode through ``elche.train`` — with the same workload, split,
-seed, epochs, per-rank batch size and speed injection. Odd repeats reverse
-the system order.
+then for every rig every system in turn — torch DDP through ``run_ddp``,
+torchft's LocalSGD and DiLoCo through ``run_torchft`` and each elche mode
+through ``elche.train`` — with the same workload, split, seed, epochs,
+per-rank batch size and speed injection. Odd repeats reverse the system
+order. After the repeats, the headline cell (``Suite.seed_jobs``) runs once
+on each extra seed, with that seed's split and shuffle.
+
+Every system evaluates after every epoch, for the time to a target eval:
+elche and solo through ``eval_fn`` with ``eval_every=1`` (on elche's eval
+role, inside its clock, as a user would run it); the baselines copy rank 0's
+weights at each epoch end and evaluate the copies after their clock.
 
 Speed injection is shared, not just alike: the solo step time ``base`` that
 a paced rank's wait is made of is measured once per workload, here, before
@@ -18,9 +25,9 @@ rank once timed 9.1 ms for a 4.9 ms step and ran at half its speed, which
 made that cell's ratio a measure of the accident. Every record carries the
 value as ``speed_base_s``. Each run becomes one JSON-ready ``Run`` record:
 
-``workload, system, speeds, repeat, ranks, epochs, batch_size,
+``workload, system, speeds, repeat, seed, ranks, epochs, batch_size,
 speed_base_s, wall_s, startup_s, total_s, samples, samples_per_s,
-final_loss, eval, syncs, lost_samples, per_epoch[{epoch, t, loss}],
+final_loss, eval, syncs, lost_samples, per_epoch[{epoch, t, loss, eval}],
 per_rank[{rank, speed, samples, busy_s}], error``
 
 Clocks. ``wall_s`` is each system's own training clock (first batch to the
@@ -42,6 +49,7 @@ goes on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import tempfile
 import time
@@ -50,14 +58,28 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from elche.bench.suites import DDP, SOLO, Suite, WorkloadPlan, split_system
+from elche.bench.suites import (
+    DDP,
+    SOLO,
+    TORCHFT_SYSTEMS,
+    Suite,
+    WorkloadPlan,
+    split_system,
+)
 from elche.core import timeline as tl
 from elche.monitor.summary import rank_report_file
 from elche.monitor.timeline import read_timeline
 from elche.workloads import Workload
 from elche.workloads import get as get_workload
 
-__all__ = ["DDP_TIMEOUT_S", "Run", "measure_speed_base_s", "run_one", "run_suite"]
+__all__ = [
+    "DDP_TIMEOUT_S",
+    "Run",
+    "available_suite",
+    "measure_speed_base_s",
+    "run_one",
+    "run_suite",
+]
 
 Run = dict[str, Any]  # one JSON-ready run record (see the module docstring)
 DDP_TIMEOUT_S = 900.0  # a hung baseline must not hang the suite; ~10× a full-suite run
@@ -104,7 +126,38 @@ def run_suite(
                     runs.append(run)
                     if on_run is not None:
                         on_run(run)
+        for seed, plan, system, speeds in suite.seed_jobs():
+            show(f"{plan.name} [{_rig(speeds)}] {system} (seed {seed})")
+            run = run_one(
+                system, plan, speeds, seed=seed, split=get_workload(plan.name).load_split(seed),
+                speed_base_s=bases[plan.name],
+            )  # fmt: skip
+            run["repeat"] = 0
+            runs.append(run)
+            if on_run is not None:
+                on_run(run)
     return runs
+
+
+def available_suite(suite: Suite, say: Callable[[str], None]) -> Suite:
+    """``suite`` without the systems this machine cannot run, each said with its reason.
+
+    torchft's systems need ``elche[peers]``; without it they are dropped, the
+    reason goes to ``say`` and into the suite's notes.
+    """
+    from elche.baselines.torchft_peers import available
+
+    ok, reason = available()
+    missing = [s for s in suite.systems if s in TORCHFT_SYSTEMS]
+    if ok or not missing:
+        return suite
+    note = f"{', '.join(missing)} skipped: {reason}"
+    say(f"elche bench: {note}")
+    return dataclasses.replace(
+        suite,
+        systems=tuple(s for s in suite.systems if s not in TORCHFT_SYSTEMS),
+        notes=(*suite.notes, note),
+    )
 
 
 def run_one(
@@ -142,12 +195,15 @@ def run_one(
         "metric": workload.metric,
         "higher_is_better": workload.higher_is_better,
         "speed_base_s": speed_base_s,
+        "seed": seed,
         "error": None,
     }
     started = time.perf_counter()
     try:
         if system == DDP:
             record.update(_torch_ddp(plan, speeds, seed, speed_base_s))
+        elif system in TORCHFT_SYSTEMS:
+            record.update(_torchft(system, plan, speeds, seed, speed_base_s))
         elif system == SOLO:
             record.update(_solo(workload, plan, seed, data))
         else:
@@ -195,6 +251,23 @@ def _torch_ddp(
         speeds=list(speeds), epochs=plan.epochs, batch_size=plan.batch_size, seed=seed,
         workload=plan.name, timeout_s=DDP_TIMEOUT_S, base_step_s=speed_base_s,
     )  # fmt: skip
+    return _baseline_record(result)
+
+
+def _torchft(
+    system: str, plan: WorkloadPlan, speeds: Sequence[float], seed: int, speed_base_s: float | None
+) -> Run:
+    from elche.baselines.torchft_peers import run_torchft
+
+    result = run_torchft(
+        system, speeds=list(speeds), epochs=plan.epochs, batch_size=plan.batch_size, seed=seed,
+        workload=plan.name, timeout_s=DDP_TIMEOUT_S, base_step_s=speed_base_s,
+    )  # fmt: skip
+    return _baseline_record(result)
+
+
+def _baseline_record(result: dict[str, Any]) -> Run:
+    """A run record from ``run_ddp``'s (or ``run_torchft``'s) result."""
     ranks = result["per_rank"]
     assert isinstance(ranks, list)
     per_rank = [
@@ -213,7 +286,7 @@ def _torch_ddp(
         "samples_per_s": result["samples_per_s"],
         "final_loss": result["final_loss"],
         "eval": result["eval"],
-        "syncs": ranks[0]["steps"],
+        "syncs": result.get("syncs", ranks[0]["steps"]),
         "lost_samples": 0,
         "per_epoch": result["per_epoch"],
         "per_rank": per_rank,
@@ -227,7 +300,7 @@ def _solo(workload: Workload, plan: WorkloadPlan, seed: int, split: Split) -> Ru
     from elche.api import train
 
     first_step: list[float] = []
-    epoch_ends: list[tuple[float, object]] = []
+    epoch_ends: list[tuple[float, object, object]] = []
 
     def step(model: Any, batch: Any) -> Any:
         if not first_step:
@@ -235,7 +308,7 @@ def _solo(workload: Workload, plan: WorkloadPlan, seed: int, split: Split) -> Ru
         return workload.step_fn(model, batch)
 
     def on_epoch(record: dict[str, object]) -> None:
-        epoch_ends.append((time.perf_counter(), record.get("loss")))
+        epoch_ends.append((time.perf_counter(), record.get("loss"), record.get("eval")))
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank process runs (honest efficiency denominator)
@@ -243,6 +316,7 @@ def _solo(workload: Workload, plan: WorkloadPlan, seed: int, split: Split) -> Ru
         result = train(
             workload.make_model, workload.make_optimizer, step, split[0],
             batch_size=plan.batch_size, epochs=plan.epochs, ranks=1, speeds=[1.0], seed=seed,
+            eval_fn=workload.eval_fn, eval_dataset=split[1], eval_every=1,
             metrics_fn=on_epoch, progress=False,
         )  # fmt: skip
         model = workload.make_model("cpu")
@@ -263,8 +337,8 @@ def _solo(workload: Workload, plan: WorkloadPlan, seed: int, split: Split) -> Ru
         "syncs": 0,
         "lost_samples": 0,
         "per_epoch": [
-            {"epoch": e, "t": round(t - t0, 4), "loss": loss}
-            for e, (t, loss) in enumerate(epoch_ends)
+            {"epoch": e, "t": round(t - t0, 4), "loss": loss, "eval": metric}
+            for e, (t, loss, metric) in enumerate(epoch_ends)
         ],
         "per_rank": [{"rank": 0, "speed": 1.0, "samples": samples, "busy_s": summary["wall_s"]}],
     }
@@ -290,7 +364,7 @@ def _elche(
             workload.make_model, workload.make_optimizer, workload.step_fn, split[0],
             batch_size=plan.batch_size, epochs=plan.epochs, mode=mode, speeds=list(speeds),
             speed_base_s=speed_base_s, eval_fn=workload.eval_fn, eval_dataset=split[1],
-            eval_every=plan.epochs,
+            eval_every=1,
             seed=seed, progress=False, run_dir=tmp,
             dashboard=watch.address if isinstance(watch, Watch) else None,
         )  # fmt: skip
@@ -326,10 +400,15 @@ def _elche(
 
 
 def _epochs_from_timeline(events: Sequence[tl.TimelineEvent]) -> list[dict[str, Any]]:
-    """``EpochEnd`` times relative to ``RunStart`` (the first dispatch)."""
+    """``EpochEnd`` times relative to ``RunStart`` (the first dispatch), with their evals.
+
+    An ``Eval`` record's ``epoch`` counts the epochs done, so it belongs to the
+    ``EpochEnd`` one before it; its time is the epoch end's.
+    """
     t0 = next((e.t for e in events if isinstance(e, tl.RunStart)), 0.0)
+    evals = {e.epoch - 1: e.metric for e in events if isinstance(e, tl.Eval)}
     return [
-        {"epoch": e.epoch, "t": round(e.t - t0, 4), "loss": e.loss}
+        {"epoch": e.epoch, "t": round(e.t - t0, 4), "loss": e.loss, "eval": evals.get(e.epoch)}
         for e in events
         if isinstance(e, tl.EpochEnd)
     ]

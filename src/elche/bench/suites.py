@@ -18,13 +18,17 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "ALL_SYSTEMS",
+    "BASELINES",
     "DASHBOARD_SUFFIX",
     "DDP",
     "ELCHE_MODES",
+    "EVAL_TARGETS",
     "FULL",
+    "HEADLINE_SYSTEMS",
     "QUICK",
     "SOLO",
     "SUITES",
+    "TORCHFT_SYSTEMS",
     "Suite",
     "WorkloadPlan",
     "split_system",
@@ -33,8 +37,25 @@ __all__ = [
 
 DDP = "torch-ddp"
 SOLO = "solo"
+# torchft's two algorithms (``elche.baselines.torchft_peers``; ``elche[peers]``).
+TORCHFT_SYSTEMS = ("torchft-localsgd", "torchft-diloco")
+BASELINES = (DDP, *TORCHFT_SYSTEMS)  # the peers, run by elche.baselines
 ELCHE_MODES = ("sync", "cadence", "cpu-sync", "cpu-cadence", "cpu-async")
-ALL_SYSTEMS = (DDP, *ELCHE_MODES)  # per rig; SOLO runs once per workload
+ALL_SYSTEMS = (*BASELINES, *ELCHE_MODES)  # per rig; SOLO runs once per workload
+# The eval every system must reach for ``time_to_target_s``, per workload, in
+# its ``metric`` (accuracy for the digits and text workloads, reconstruction MSE
+# for digits-ae): about what the slowest-converging system of the quick suite
+# reaches within its epochs, so the time says who gets there first.
+EVAL_TARGETS: dict[str, float] = {
+    "digits-logreg": 0.90,
+    "digits-mlp": 0.93,
+    "digits-cnn": 0.95,
+    "digits-ae": 0.03,
+    "text-gru": 0.45,
+}
+# The quick suite's headline: these systems on this workload also run on
+# every seed of ``Suite.extra_seeds``, and their rows report the spread.
+HEADLINE_SYSTEMS = ("cadence", DDP)
 # ``cadence+dashboard``: cadence, its dashboard served and read (``elche bench --dashboard``).
 DASHBOARD_SUFFIX = "+dashboard"
 
@@ -65,11 +86,28 @@ class Suite:
     repeats: int = 1
     seed: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # The headline cell also runs once on each of these seeds (split and
+    # shuffle), after the repeats: its rows report the spread over seeds.
+    extra_seeds: tuple[int, ...] = ()
+    headline_workload: str | None = None
 
     def num_runs(self) -> int:
         """How many training runs the suite makes (solo included)."""
         per_workload = 1 + len(self.rigs) * len(self.systems)
-        return self.repeats * len(self.workloads) * per_workload
+        return self.repeats * len(self.workloads) * per_workload + len(self.seed_jobs())
+
+    def seed_jobs(self) -> list[tuple[int, WorkloadPlan, str, tuple[float, ...]]]:
+        """``(seed, plan, system, rig)`` of every extra-seed run, in running order."""
+        plans = [p for p in self.workloads if p.name == self.headline_workload]
+        systems = [s for s in self.systems if split_system(s)[0] in HEADLINE_SYSTEMS]
+        return [
+            (seed, plan, system, rig)
+            for seed in self.extra_seeds
+            for plan in plans
+            for rig in self.rigs
+            for system in systems
+            if not split_system(system)[1]
+        ]
 
 
 # The quick suite covers both ends of the spectrum on the issue's rig:
@@ -92,6 +130,8 @@ QUICK = Suite(
     workloads=(WorkloadPlan("digits-cnn", epochs=15), WorkloadPlan("digits-mlp", epochs=20)),
     rigs=((1.0, 0.5, 0.25),),
     repeats=3,
+    extra_seeds=(1, 2),
+    headline_workload="digits-cnn",
 )
 
 FULL = Suite(
