@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from elche.runtime.handoff import Handoff
+from elche.runtime.handoff import Handoff, is_handoff
 
 JOIN_S = 10.0
 
@@ -107,3 +107,9 @@ def test_a_batch_needs_exactly_one_loss() -> None:
     handoff.next_batch()
     handoff.give_loss(2)
     assert handoff.wait_ended() == ("result", 3)
+
+
+def test_a_sessions_step_fn_is_known_by_its_handoff() -> None:
+    assert is_handoff(Handoff().step_fn)
+    assert not is_handoff(lambda model, batch: 0.0)
+    assert not is_handoff(loop)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import queue
 from typing import Any
 
-__all__ = ["Handoff"]
+__all__ = ["Handoff", "is_handoff"]
 
 
 class Handoff:
@@ -113,3 +113,8 @@ class Handoff:
             if kind != "batch":
                 self.ended = (kind, value)
         return self.ended
+
+
+def is_handoff(step_fn: Any) -> bool:
+    """``step_fn`` hands its batches to a loop in this process (``elche.Session``)."""
+    return isinstance(getattr(step_fn, "__self__", None), Handoff)
