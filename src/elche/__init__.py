@@ -41,6 +41,10 @@ def __getattr__(name: str) -> object:
         from elche import api
 
         return getattr(api, name)
+    if name == "Session":
+        from elche.session import Session
+
+        return Session
     if name == "progress":
         from elche.runtime.current import progress
 
@@ -70,6 +74,7 @@ __all__ = [
     "RemoteProtocolError",
     "SaveReason",
     "SchedulerConfig",
+    "Session",
     "SimConfig",
     "SimError",
     "SimResult",

@@ -55,6 +55,7 @@ from elche.monitor.summary import rank_report_file
 from elche.monitor.timeline import read_timeline
 from elche.runtime.addresses import BIND_ENV, EVERY_INTERFACE, advertised_host
 from elche.runtime.frames import new_secret, secret_from_env
+from elche.runtime.handoff import is_handoff
 from elche.runtime.launch import (
     Supervised,
     _rank_process,
@@ -348,10 +349,11 @@ def _supervises(fns: UserFns) -> bool:
     exit 0: the worker starts the rank as its child, waits for it, and
     returns whatever became of it. On one host or several alike: the child's
     groups form through the coordinator's store (``elche.runtime.groups``).
-    With functions that cannot be sent to another process, the rank trains
-    in the worker itself.
+    With functions that cannot be sent to another process, or an
+    ``elche.Session`` (whose loop is this process's), the rank trains in the
+    worker itself.
     """
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    if "TORCHELASTIC_RUN_ID" not in os.environ or is_handoff(fns.step_fn):
         return False
     try:
         check_picklable(fns)

@@ -1,0 +1,59 @@
+"""The ``elche.Session`` example on 3 real ranks under ``elche run``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SCRIPT = """
+import json, os
+import torch
+import elche
+from elche.workloads import digits
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    model = digits.make_model("cpu")
+    optimizer = digits.make_optimizer(model.parameters())
+    batches = 0
+    with elche.Session(
+        model, optimizer, train_set, batch_size=32, epochs=2, speeds=[1.0, 0.5, 0.25],
+        speed_base_s=0.004, progress=False,
+    ) as session:
+        for batch in session:
+            x, y = batch
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            session.step(loss)
+            batches += 1
+    print("RANK", os.environ["RANK"], batches)
+    print("SUMMARY " + json.dumps(session.result.summary, sort_keys=True))
+"""
+
+
+def test_the_session_example_trains_three_ranks_by_speed_under_elche_run(tmp_path: Path) -> None:
+    script = tmp_path / "loop.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "elche.cli", "run", "--nproc", "3", str(script)],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("SUMMARY ")]
+    assert len(lines) == 3 and len(set(lines)) == 1, done.stdout  # every rank, alike
+    summary = json.loads(lines[0].removeprefix("SUMMARY "))
+    assert summary["outcome"] == "completed"
+    assert summary["epochs_completed"] == 2 and summary["lost_samples"] == 0
+    samples = [r["samples"] for r in summary["per_rank"]]
+    assert samples[0] > samples[1] > samples[2]
+    # Each rank's loop stepped every batch its rank trained (past its warm-up batches).
+    counts = {int(w[1]): int(w[2]) for w in (ln.split() for ln in done.stdout.splitlines())
+              if w and w[0] == "RANK"}  # fmt: skip
+    assert sorted(counts) == [0, 1, 2]
+    for rank, trained in enumerate(samples):
+        assert counts[rank] >= -(-trained // 32)
