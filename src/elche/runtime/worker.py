@@ -522,8 +522,9 @@ class Worker:
             self._send(self.proto.uploaded(), [msgspec.msgpack.encode(layout), *frames])
             return
         if self.group is None:  # a world of one
-            self._send(self.proto.averaged())
-            self._record_spans()
+            ack = self.proto.averaged()
+            self._record_spans()  # the average is in the model: before the coordinator hears
+            self._send(ack)
             return
         started = time.perf_counter()
         try:
@@ -538,8 +539,9 @@ class Worker:
             return
         self.busy_s += time.perf_counter() - started
         self.consensus.keep(self.model)
-        self._send(self.proto.averaged(divergence=div, pre_norm=pre, post_norm=post))
+        ack = self.proto.averaged(divergence=div, pre_norm=pre, post_norm=post)
         self._record_spans()
+        self._send(ack)
 
     def _apply_update(self, action: r.Load) -> None:
         snapshot, self.snapshot = self.snapshot, None
@@ -552,8 +554,9 @@ class Worker:
                 self.model, list(payload[1:]), layout, alpha=action.alpha, sent=snapshot[1]
             )
             self.consensus.keep(self.model)
-        self._send(self.proto.loaded(divergence=div, pre_norm=pre, post_norm=post))
+        ack = self.proto.loaded(divergence=div, pre_norm=pre, post_norm=post)
         self._record_spans()
+        self._send(ack)
 
     def _record_spans(self) -> None:
         """Append what the round just applied took from this rank to its own record
