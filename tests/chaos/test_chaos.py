@@ -64,6 +64,7 @@ def test_a_failing_schedule_replays_in_the_simulator(
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_a_process_a_run_leaves_behind_is_found_and_ended() -> None:
     script = (
         "import subprocess, sys\n"
