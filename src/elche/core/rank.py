@@ -393,6 +393,11 @@ class RankProtocol:
         )
         return m.Hello(rank=self.rank, world_size=world_size, host=host, pid=pid, held=held)
 
+    @property
+    def averaged_batches(self) -> tuple[tuple[int, int, int], ...]:
+        """This rank's ``(epoch, offset, size)`` batches that round ``last_round`` averaged."""
+        return tuple(self._averaged)
+
     def _applied(self, number: int, steps: int) -> None:
         """Round ``number`` averaged this rank's first ``steps`` batches since the last."""
         self.last_round = number

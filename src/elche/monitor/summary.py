@@ -28,6 +28,7 @@ __all__ = [
     "RunStats",
     "coordinator_summary",
     "rank_report_file",
+    "rank_spans_file",
     "read_run",
     "run_summary",
 ]
@@ -38,6 +39,16 @@ SUMMARY_FILE = "summary.json"
 def rank_report_file(run_dir: Path, rank: int) -> Path:
     """Where rank ``rank`` writes its own report at the end of the run."""
     return run_dir / f"rank{rank}.json"
+
+
+def rank_spans_file(run_dir: Path, rank: int) -> Path:
+    """Rank ``rank``'s own record of what each averaging round took from it.
+
+    JSON lines, one per round the rank applied: ``{"round": N, "spans":
+    [[epoch, offset, size], ...]}``, the batches this rank trained that the
+    round averaged (written by the rank once the average is in its model).
+    """
+    return run_dir / f"rank{rank}.spans.jsonl"
 
 
 @dataclass(slots=True)

@@ -59,7 +59,7 @@ from elche.core.faults import (
 )
 from elche.core.progress import Progress
 from elche.core.rank import RankProtocol
-from elche.monitor.summary import rank_report_file
+from elche.monitor.summary import rank_report_file, rank_spans_file
 from elche.runtime import bundle, groups
 from elche.runtime.averaging import collective_average, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
@@ -520,7 +520,9 @@ class Worker:
             self._send(self.proto.uploaded(), [msgspec.msgpack.encode(layout), *frames])
             return
         if self.group is None:  # a world of one
-            self._send(self.proto.averaged())
+            ack = self.proto.averaged()
+            self._record_spans()  # the average is in the model: before the coordinator hears
+            self._send(ack)
             return
         started = time.perf_counter()
         try:
@@ -535,7 +537,9 @@ class Worker:
             return
         self.busy_s += time.perf_counter() - started
         self.consensus.keep(self.model)
-        self._send(self.proto.averaged(divergence=div, pre_norm=pre, post_norm=post))
+        ack = self.proto.averaged(divergence=div, pre_norm=pre, post_norm=post)
+        self._record_spans()
+        self._send(ack)
 
     def _apply_update(self, action: r.Load) -> None:
         snapshot, self.snapshot = self.snapshot, None
@@ -548,7 +552,17 @@ class Worker:
                 self.model, list(payload[1:]), layout, alpha=action.alpha, sent=snapshot[1]
             )
             self.consensus.keep(self.model)
-        self._send(self.proto.loaded(divergence=div, pre_norm=pre, post_norm=post))
+        ack = self.proto.loaded(divergence=div, pre_norm=pre, post_norm=post)
+        self._record_spans()
+        self._send(ack)
+
+    def _record_spans(self) -> None:
+        """Append what the round just applied took from this rank to its own record
+        (``rank_spans_file``: the chaos runner audits samples lost or trained twice from it)."""
+        spans = [list(batch) for batch in self.proto.averaged_batches]
+        line = json.dumps({"round": self.proto.last_round, "spans": spans})
+        with rank_spans_file(Path(self.spec.run_dir), self.spec.rank).open("a") as f:
+            f.write(line + "\n")
 
     # -- callbacks and saving -----------------------------------------------------
 

@@ -1,0 +1,335 @@
+"""``elche chaos``: short real training runs under random fault schedules, audited.
+
+Each run is one ``elche.train`` of ``digits-logreg`` (3 ranks, 2 epochs) in a
+child process, under a ``FaultPlan`` drawn from the run's seed: ranks
+SIGKILLed or stalled, slowed down, a failing ``checkpoint_fn``, the
+coordinator killed, at random progress points including the start-up (epoch
+0.0) and the last batch before the final save. After each run it checks:
+
+- ``bounded``: the run ended within ``bound_s`` (else it is killed);
+- ``outcome``: ``completed``, or ``saved_and_shutdown`` with a bundle that
+  a resumed run (no faults) takes to ``completed``;
+- ``audit``: from the ranks' own records (``rank<R>.spans.jsonl``, what each
+  averaging round took from each rank), every sample of every epoch is in
+  exactly one average: 0 lost, 0 trained twice;
+- ``no_leftovers``: no process the run started outlives it (the runner is
+  the subreaper of everything the run starts, so orphans come back to it).
+
+``--seed`` reproduces every run's schedule exactly; a failing run's plan is
+written next to the runs, with the ``elche sim --faults`` command that replays
+it in the simulator (one fault vocabulary: ``elche.core.faults``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elche.core.errors import ConfigError
+from elche.core.faults import FaultPlan
+
+__all__ = [
+    "WORKLOAD",
+    "ChaosRun",
+    "audit_spans",
+    "draw_plan",
+    "print_table",
+    "rows_json",
+    "run_chaos",
+    "sim_command",
+]
+
+WORLD_SIZE = 3
+EPOCHS = 2
+BATCH_SIZE = 32
+NUM_SAMPLES = 1437  # digits' training split
+HEARTBEAT_TIMEOUT_S = 2.0
+WORKLOAD = "digits-logreg"
+RESULT_TAG = "CHAOS-RESULT "
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+@dataclass(slots=True)
+class ChaosRun:
+    """One run: its schedule, what happened and which invariants broke."""
+
+    index: int
+    seed: str  # the plan's seed: ``S:index``
+    plan: str  # FaultPlan.to_json
+    outcome: str = ""
+    resumed: bool = False
+    wall_s: float = 0.0
+    lost_samples: int = -1
+    twice_samples: int = -1
+    left_behind: int = 0
+    failures: list[str] = field(default_factory=list)
+    plan_file: str = ""
+    replay: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def draw_plan(
+    rng: random.Random, *, world_size: int = WORLD_SIZE, epochs: int = EPOCHS
+) -> FaultPlan:
+    """A random schedule of 1 to 3 faults at progress points (``at_epoch``).
+
+    Points are the start-up (0.0), anywhere in the run, or the last batch
+    before the final save. At most ``world_size - 1`` ranks are killed or
+    stalled (a run with no rank left has nothing to save) and the coordinator
+    is killed at most twice (within the default ``max_coordinator_restarts``).
+    """
+    plan = FaultPlan()
+    gone: set[int] = set()
+    coordinator_kills = 0
+    last = epochs - 1 / NUM_SAMPLES
+    for _ in range(rng.randint(1, 3)):
+        rank = rng.randrange(world_size)
+        at = rng.choice((0.0, last, rng.uniform(0.0, epochs), rng.uniform(0.0, epochs)))
+        kind = rng.choice(("kill", "stall", "slow", "fail_checkpoint", "kill_coordinator"))
+        if kind in ("kill", "stall") and (rank in gone or len(gone) == world_size - 1):
+            kind = "slow"
+        if kind == "kill_coordinator" and coordinator_kills == 2:
+            kind = "slow"
+        if kind in ("kill", "stall"):
+            gone.add(rank)
+        if kind == "kill":
+            plan = plan.kill(rank=rank, at_epoch=at)
+        elif kind == "stall":
+            plan = plan.stall(rank=rank, at_epoch=at)
+        elif kind == "slow":
+            plan = plan.slow(rank=rank, at_epoch=at, speed=round(rng.uniform(0.2, 1.0), 2))
+        elif kind == "fail_checkpoint":
+            plan = plan.fail_checkpoint(rank=rank, at_epoch=at)
+        else:
+            coordinator_kills += 1
+            plan = plan.kill_coordinator(rank=rank, at_epoch=at)
+    return plan
+
+
+def audit_spans(run_dirs: Iterable[Path], *, epochs: int, num_samples: int) -> tuple[int, int]:
+    """Samples lost and samples trained twice, from the ranks' own span records.
+
+    Returns:
+        ``(lost, twice)``: positions of the ``epochs`` epochs that no
+        recorded average holds, and those that more than one holds.
+    """
+    counts = [[0] * num_samples for _ in range(epochs)]
+    for run_dir in run_dirs:
+        for record in sorted(run_dir.glob("rank*.spans.jsonl")):
+            for line in record.read_text(encoding="utf-8").splitlines():
+                for epoch, offset, size in json.loads(line)["spans"]:
+                    row = counts[epoch]
+                    for position in range(offset, offset + size):
+                        row[position] += 1
+    lost = sum(row.count(0) for row in counts)
+    twice = sum(1 for row in counts for c in row if c > 1)
+    return lost, twice
+
+
+def sim_command(plan_file: Path, mode: str) -> str:
+    """The ``elche sim`` line that replays ``plan_file`` on the same run's shape."""
+    return (
+        f"elche sim --ranks {WORLD_SIZE} --speeds 1,1,1 --samples {NUM_SAMPLES} "
+        f"--batch-size {BATCH_SIZE} --epochs {EPOCHS} --mode {mode} "
+        f"--heartbeat-timeout {HEARTBEAT_TIMEOUT_S:g} --faults {plan_file}"
+    )
+
+
+def run_chaos(
+    *, runs: int, seed: int, mode: str, workdir: Path, bound_s: float = 90.0
+) -> list[ChaosRun]:
+    """Run ``runs`` audited runs; returns one row each (see the module docstring).
+
+    Raises:
+        ConfigError: ``runs`` below 1 (field ``runs``).
+    """
+    if runs < 1:
+        raise ConfigError("runs", f"must be an integer >= 1, got {runs!r}")
+    _become_subreaper()
+    workdir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for index in range(runs):
+        plan_seed = f"{seed}:{index}"
+        plan = draw_plan(random.Random(plan_seed))
+        row = ChaosRun(index=index, seed=plan_seed, plan=plan.to_json())
+        _one(row, mode, workdir / f"run{index}", bound_s)
+        if not row.ok:
+            plan_file = workdir / f"run{index}.faults.json"
+            plan_file.write_text(row.plan, encoding="utf-8")
+            row.plan_file, row.replay = str(plan_file), sim_command(plan_file, mode)
+        rows.append(row)
+    return rows
+
+
+def _one(row: ChaosRun, mode: str, where: Path, bound_s: float) -> None:
+    started = time.monotonic()
+    first, why = _child(where / "a", mode, row.plan, None, bound_s)
+    run_dirs = [where / "a" / "run"]
+    row.outcome = str(first.get("outcome", "no result"))
+    if why:
+        row.failures.append(why)
+    if row.outcome == "saved_and_shutdown":
+        bundle = first.get("bundle")
+        if not bundle:
+            row.failures.append("saved_and_shutdown without a bundle")
+        else:
+            row.resumed = True
+            left = bound_s - (time.monotonic() - started)
+            resumed, why = _child(where / "b", mode, None, str(bundle), max(left, 1.0))
+            run_dirs.append(where / "b" / "run")
+            if why:
+                row.failures.append(f"resume: {why}")
+            elif resumed.get("outcome") != "completed":
+                row.failures.append(
+                    f"resume ended {resumed.get('outcome')}: {resumed.get('reason')}"
+                )
+    elif row.outcome != "completed" and not why:
+        row.failures.append(f"outcome {row.outcome}: {first.get('reason')}")
+    row.wall_s = round(time.monotonic() - started, 2)
+    if row.outcome in ("completed", "saved_and_shutdown"):
+        row.lost_samples, row.twice_samples = audit_spans(
+            run_dirs, epochs=EPOCHS, num_samples=NUM_SAMPLES
+        )
+        if row.lost_samples or row.twice_samples:
+            row.failures.append(
+                f"audit: {row.lost_samples} sample(s) lost, {row.twice_samples} trained twice"
+            )
+    row.left_behind = _reap_leftovers()
+    if row.left_behind:
+        row.failures.append(f"{row.left_behind} process(es) left behind")
+
+
+def _child(
+    where: Path, mode: str, plan: str | None, resume: str | None, bound_s: float
+) -> tuple[dict[str, Any], str]:
+    """One ``elche.train`` in a child process; returns its summary and what went wrong."""
+    where.mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, "-m", "elche.chaos", str(where), mode, plan or "", resume or ""]
+    with (where / "stderr.txt").open("w") as err:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            out, _ = proc.communicate(timeout=bound_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return {}, f"did not end within {bound_s:.0f} s (killed)"
+    for line in out.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG) :]), ""
+    return {}, f"exited {proc.returncode} without a result (see {where / 'stderr.txt'})"
+
+
+def _become_subreaper() -> None:
+    """Orphans of the runs (a launcher's children) are re-parented to this process."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _children() -> list[int]:
+    """This process's live children (zombies reaped)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return []
+        if pid == 0:
+            break
+    me = os.getpid()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields_ = stat.rsplit(")", 1)[1].split()
+        if int(fields_[1]) == me and fields_[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _reap_leftovers(grace_s: float = 5.0) -> int:
+    """Wait up to ``grace_s`` for a run's processes to end; kill and count the rest."""
+    deadline = time.monotonic() + grace_s
+    while (left := _children()) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling /proc: a condition with a deadline
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    return len(left)
+
+
+def rows_json(rows: Sequence[ChaosRun]) -> list[dict[str, Any]]:
+    """The rows as ``--json`` prints them."""
+    return [{**asdict(row), "ok": row.ok} for row in rows]
+
+
+def print_table(rows: Sequence[ChaosRun], workdir: Path) -> None:
+    """The runs as a table, then each failing run's failures and replay line."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"elche chaos: {len(rows)} run(s) in {workdir}")
+    for column in ("run", "seed", "faults", "outcome", "resumed", "wall s", "lost", "twice", "ok"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        faults = ", ".join(
+            f"{f['kind']}@r{f['rank']}:{f.get('at_epoch', 0):.2f}"
+            for f in json.loads(row.plan)["faults"]
+        )
+        table.add_row(
+            str(row.index), row.seed, faults, row.outcome, "yes" if row.resumed else "",
+            f"{row.wall_s:.1f}", str(row.lost_samples), str(row.twice_samples),
+            "ok" if row.ok else "[bold red]FAILED[/bold red]",
+        )  # fmt: skip
+    console = Console(width=max(Console().width, 132))
+    console.print(table)
+    failed = [row for row in rows if not row.ok]
+    for row in failed:
+        console.print(f"run {row.index} (seed {row.seed}): " + "; ".join(row.failures))
+        console.print(f"  replay in the simulator: {row.replay}")
+    console.print(f"{len(rows) - len(failed)}/{len(rows)} run(s) held every invariant")
+
+
+def _checkpoint(version: int, model: Any) -> None:
+    """The runs' ``checkpoint_fn``: nothing to keep (``FailCheckpoint`` makes it fail)."""
+
+
+def _train(where: Path, mode: str, plan: str, resume: str) -> dict[str, Any]:
+    from elche.api import train  # the child only: the api and torch
+    from elche.workloads import digits_logreg as workload
+
+    train_set, test_set = workload.load_split(seed=0)
+    result = train(
+        workload.make_model, workload.make_optimizer, workload.step_fn, train_set,
+        batch_size=BATCH_SIZE, epochs=EPOCHS, ranks=WORLD_SIZE, mode=mode,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, progress=False,
+        run_dir=str(where / "run"), save_path=str(where / "bundle" / "run"),
+        checkpoint_fn=_checkpoint, checkpoint_every=1,
+        faults=FaultPlan.from_json(plan) if plan else None, resume_from=resume or None,
+        eval_fn=workload.eval_fn, eval_dataset=test_set,
+    )  # fmt: skip
+    return dict(result.summary or {})
+
+
+if __name__ == "__main__":
+    summary = _train(Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])
+    print(RESULT_TAG + json.dumps(summary, default=str), flush=True)

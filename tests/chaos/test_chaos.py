@@ -1,0 +1,101 @@
+"""``elche chaos`` (issue 13 item 3): schedules drawn from a seed, the audit, leftovers, and
+three real runs under faults that hold every invariant."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elche import chaos
+from elche.cli import main
+from elche.core.faults import FaultPlan, Kill, KillCoordinator, Stall
+
+
+def test_a_seed_draws_the_same_schedules_and_never_kills_every_rank() -> None:
+    plans = [chaos.draw_plan(random.Random(f"7:{i}")) for i in range(300)]
+    assert plans == [chaos.draw_plan(random.Random(f"7:{i}")) for i in range(300)]
+    assert len({plan.to_json() for plan in plans}) > 250  # seeds differ
+    for plan in plans:
+        assert 1 <= len(plan.faults) <= 3
+        gone = [f.rank for f in plan.faults if isinstance(f, Kill | Stall)]
+        assert len(gone) == len(set(gone)) < chaos.WORLD_SIZE
+        assert sum(isinstance(f, KillCoordinator) for f in plan.faults) <= 2
+        assert FaultPlan.from_json(plan.to_json()) == plan
+    points = {f.at_epoch for plan in plans for f in plan.faults}
+    assert 0.0 in points and chaos.EPOCHS - 1 / chaos.NUM_SAMPLES in points  # start-up, final
+
+
+def _record(run_dir: Path, rank: int, *rounds: list[list[int]]) -> None:
+    lines = [json.dumps({"round": n, "spans": spans}) for n, spans in enumerate(rounds, 1)]
+    chaos_file = run_dir / f"rank{rank}.spans.jsonl"
+    chaos_file.write_text("".join(line + "\n" for line in lines))
+
+
+def test_the_audit_counts_samples_no_average_holds_and_those_two_hold(tmp_path: Path) -> None:
+    first, resumed = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    resumed.mkdir()
+    _record(first, 0, [[0, 0, 4]], [[1, 0, 3]])
+    _record(first, 1, [[0, 4, 6]])
+    _record(resumed, 0, [[1, 3, 7]])
+    assert chaos.audit_spans([first, resumed], epochs=2, num_samples=10) == (0, 0)
+    _record(resumed, 1, [[1, 8, 1]])  # trained again after the resume
+    assert chaos.audit_spans([first, resumed], epochs=2, num_samples=10) == (0, 1)
+    assert chaos.audit_spans([first], epochs=2, num_samples=10) == (7, 0)  # no resume: lost
+
+
+def test_a_failing_schedule_replays_in_the_simulator(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan_file = tmp_path / "run0.faults.json"
+    plan = FaultPlan().kill(rank=1, at_epoch=0.5).kill_coordinator(rank=0, at_epoch=1.2)
+    plan_file.write_text(plan.to_json())
+    command = chaos.sim_command(plan_file, "cadence").split()
+    assert command[:2] == ["elche", "sim"]
+    assert main([*command[1:], "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["lost_samples"] == 0 and result["dead_ranks"] == [1]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_process_a_run_leaves_behind_is_found_and_ended() -> None:
+    script = (
+        "import subprocess, sys\n"
+        "from elche.chaos import _become_subreaper, _reap_leftovers\n"
+        "_become_subreaper()\n"
+        "subprocess.Popen([sys.executable, '-c', "
+        '\'import subprocess,sys; subprocess.Popen(["sleep", "60"])\']).wait()\n'
+        "print(_reap_leftovers(grace_s=0.2), _reap_leftovers(grace_s=0.2))\n"
+    )  # the orphaned sleep comes back to the runner, which kills it
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.split() == ["1", "0"]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_issue13_chaos_runs_hold_every_invariant(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "elche.cli", "chaos", "--runs", "3", "--seed", "1", "--json",
+         "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=280, check=False, env=dict(os.environ),
+    )  # fmt: skip
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [row["seed"] for row in rows] == ["1:0", "1:1", "1:2"], done.stderr[-3000:]
+    for index, row in enumerate(rows):
+        assert row["plan"] == chaos.draw_plan(random.Random(f"1:{index}")).to_json()
+        assert row["failures"] == [], row
+        assert row["outcome"] in ("completed", "saved_and_shutdown")
+        assert row["lost_samples"] == 0 and row["twice_samples"] == 0
+        assert row["left_behind"] == 0
+        assert (tmp_path / f"run{index}" / "a" / "run" / "rank0.spans.jsonl").exists()
+    assert any(json.loads(row["plan"])["faults"] for row in rows)
+    assert done.returncode == 0
