@@ -69,6 +69,19 @@ def test_formation_timeout_names_how_many_joined() -> None:
     assert h.feed(TimerFired(), at=20.0) == []
 
 
+def test_ranks_that_joined_hear_the_coordinator_while_the_others_are_awaited() -> None:
+    # A rank gives a silent coordinator up: while the run forms (or a restarted
+    # coordinator waits for a stalled rank to rejoin), those in it get heartbeats.
+    h = Harness(world_size=3, formation_timeout_s=60.0)
+    h.feed(Started(), at=0.0)
+    h.feed(RankJoined(rank=0))
+    h.feed(RankJoined(rank=2))
+    out = h.feed(TimerFired(), at=1.0)
+    assert Broadcast(ranks=(0, 2), message=m.CoordHeartbeat()) in out
+    assert of(out, ArmTimer)
+    assert h.core.state is RunState.FORMING
+
+
 def test_event_for_a_rank_outside_the_world_raises_and_changes_nothing() -> None:
     h = Harness()
     h.form()

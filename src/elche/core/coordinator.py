@@ -700,6 +700,8 @@ class Coordinator:
                     f"within {self.config.formation_timeout_s:g} s",
                 )
                 return
+            # The ranks that joined wait for the rest: tell them this coordinator is up.
+            self._broadcast(m.CoordHeartbeat())
             self._arm()
             return
         late = self.saves.overdue(now, self.live)

@@ -352,6 +352,7 @@ class Worker:
     def _rejoin(self) -> None:
         """A coordinator restarted from the journal: say Hello again with what the model holds."""
         self.unreported.clear()  # the Hello's ``held`` says it all
+        self._groups = None  # the lost coordinator's group store went with it: reconnect
         hello = self.proto.rejoin(
             world_size=self.spec.world_size, host=os.uname().nodename, pid=os.getpid()
         )
