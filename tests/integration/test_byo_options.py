@@ -26,7 +26,7 @@ def test_three_ranks_train_variable_length_items_with_every_option(tmp_path: Pat
     data, epochs = fx.Sequences(600), 2
     result = elche.train(
         fx.seq_model, fx.seq_optimizer, functools.partial(fx.seq_step, str(tmp_path)), data,
-        batch_size=8, epochs=epochs, speeds=[1.0, 0.5, 0.25], progress=False,
+        batch_size=8, epochs=epochs, speeds=[1.0, 0.5, 0.25], speed_base_s=0.02, progress=False,
         collate_fn=fx.pad_collate, num_workers=2, accumulate=2, precision="bf16",
         batch_sampler=fx.by_parity,
     )  # fmt: skip
