@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from elche.core import timeline as tl
 from elche.core.checkpoint import CheckpointMeta
 from elche.core.config import CoordinatorConfig
-from elche.core.errors import ConfigError, TrainingError
+from elche.core.errors import TrainingError
 from elche.monitor.progress import Progress
 from elche.monitor.summary import SUMMARY_FILE, read_run, run_summary
 from elche.monitor.timeline import TimelineReader
@@ -66,6 +66,7 @@ from elche.runtime.lifetimes import (
     watch_launcher,
 )
 from elche.runtime.options import check_picklable as check_options_picklable
+from elche.runtime.options import check_sendable
 from elche.runtime.plan import Hooks, Plan, TrainResult
 
 if TYPE_CHECKING:
@@ -412,19 +413,8 @@ def check_picklable(fns: UserFns) -> None:
     Raises:
         ConfigError: naming the function that cannot be pickled.
     """
-    for name in ("model_fn", "optimizer_fn", "step_fn", "eval_fn", "epoch_fn",
-                 "checkpoint_fn", "collate_fn"):  # fmt: skip
-        fn = getattr(fns, name)
-        if fn is None:
-            continue
-        try:
-            pickle.dumps(fn)
-        except (pickle.PicklingError, AttributeError, TypeError) as exc:
-            raise ConfigError(
-                name,
-                f"{fn!r} cannot be sent to the rank processes ({exc}); define it with def at "
-                "the top level of a module (not a lambda or a nested function)",
-            ) from None
+    check_sendable(fns, ("model_fn", "optimizer_fn", "step_fn", "eval_fn", "epoch_fn",
+                         "checkpoint_fn", "collate_fn"))  # fmt: skip
     check_options_picklable(fns.options)  # lr_schedule, batch_sampler, collate_fn
 
 

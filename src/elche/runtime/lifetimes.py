@@ -197,7 +197,7 @@ def _wait_gone(pid: int) -> None:
     except ProcessLookupError:
         return
     except (AttributeError, OSError):  # not Linux >= 5.3: poll
-        while _alive(pid):
+        while pid_alive(pid):
             time.sleep(WATCH_EVERY_S)
         return
     try:
@@ -206,7 +206,8 @@ def _wait_gone(pid: int) -> None:
         os.close(fd)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie counts until it is reaped)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

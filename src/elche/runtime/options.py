@@ -104,8 +104,17 @@ def check_picklable(options: TrainOptions) -> None:
     Raises:
         ConfigError: naming the function that cannot be pickled.
     """
-    for name in ("lr_schedule", "batch_sampler", "collate_fn"):
-        fn = getattr(options, name)
+    check_sendable(options, ("lr_schedule", "batch_sampler", "collate_fn"))
+
+
+def check_sendable(holder: object, names: Sequence[str]) -> None:
+    """The functions ``holder.<name>`` (those set) can be sent to rank processes.
+
+    Raises:
+        ConfigError: naming the first function that cannot be pickled.
+    """
+    for name in names:
+        fn = getattr(holder, name)
         if fn is None:
             continue
         try:

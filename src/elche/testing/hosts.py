@@ -46,6 +46,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from elche.runtime.lifetimes import pid_alive
+
 __all__ = ["RIG_PREFIX", "HostSpec", "Rig", "missing", "sweep_stale"]
 
 RIG_PREFIX = "elche-rig"  # every namespace and directory of a rig starts with it
@@ -287,32 +289,22 @@ class Rig:
         self.close()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale() -> list[str]:
     """Remove the rigs whose creating process is gone; the namespaces removed."""
     if missing() is not None:
         return []
     out = _ip("netns", "list", check=False).stdout
     names = [line.split()[0] for line in out.splitlines() if line.startswith(RIG_PREFIX + "-")]
-    stale = [n for n in names if (pid := _rig_pid(n)) is not None and not _alive(pid)]
+    stale = [n for n in names if (pid := _rig_pid(n)) is not None and not pid_alive(pid)]
     for netns in sorted(stale, key=lambda n: n.endswith("-sw")):  # hosts first, then switches
         _delete_netns(netns)
     for etc in NETNS_ETC.glob(RIG_PREFIX + "-*") if NETNS_ETC.exists() else []:
         pid = _rig_pid(etc.name)
-        if pid is not None and not _alive(pid):
+        if pid is not None and not pid_alive(pid):
             shutil.rmtree(etc, ignore_errors=True)
     for path in Path(tempfile.gettempdir()).glob(RIG_PREFIX + "-*"):
         pid = _rig_pid(path.name)
-        if pid is not None and not _alive(pid):
+        if pid is not None and not pid_alive(pid):
             shutil.rmtree(path, ignore_errors=True)
     return stale
 
