@@ -155,6 +155,7 @@ class Rig:
             raise RuntimeError(f"no host rig here: {reason}")
         self.name = f"{RIG_PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
         self.rate_mbit = rate_mbit
+        self.kept = kept_under_tmp()  # what a host's private /tmp still shows of the machine's
         self.switch = f"{self.name}-sw"
         self.root = Path(tempfile.gettempdir()) / self.name
         a, b = secrets.randbelow(256), secrets.randbelow(256)
@@ -202,7 +203,12 @@ class Rig:
     def command(self, host: int, argv: Sequence[str]) -> list[str]:
         """The argv that runs ``argv`` on host ``host`` (its network, its /tmp)."""
         spec = self.hosts[host]
-        enter = f'mount --bind "$0" /tmp && hostname {spec.name} && exec "$@"'
+        # The folders of /tmp this Python and elche run from (a venv or a clone there)
+        # are bound into the host's own /tmp first, then that goes over /tmp whole.
+        keep = "".join(
+            f'mkdir -p "$0/{n}" && mount --bind "/tmp/{n}" "$0/{n}" && ' for n in self.kept
+        )
+        enter = f'{keep}mount --rbind "$0" /tmp && hostname {spec.name} && exec "$@"'
         return ["ip", "netns", "exec", spec.netns,
                 "unshare", "--mount", "--uts", "--propagation", "private",
                 "sh", "-c", enter, str(spec.tmp), *argv]  # fmt: skip
@@ -287,6 +293,23 @@ class Rig:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def kept_under_tmp() -> list[str]:
+    """The top-level folders of ``/tmp`` the running Python, elche and the working
+    directory live in: a host's private ``/tmp`` must still show them (a CI clone
+    and its venv under ``/tmp`` would otherwise vanish inside every host)."""
+    paths = [Path(sys.prefix), Path(sys.executable), Path(__file__), Path.cwd()]
+    paths += [Path(p) for p in sys.path if p]
+    kept = set()
+    for path in paths:
+        try:
+            parts = path.resolve().relative_to("/tmp").parts
+        except (ValueError, OSError):
+            continue
+        if parts and not parts[0].startswith(RIG_PREFIX):
+            kept.add(parts[0])
+    return sorted(kept)
 
 
 def sweep_stale() -> list[str]:
