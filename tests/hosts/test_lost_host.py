@@ -90,7 +90,7 @@ def test_a_lost_host_is_survived_under_torchrun_c10d_with_no_shared_storage() ->
     assert summary["dead_ranks"] == [joined[f"h{victim}"]]
     assert summary["lost_samples"] == 0
     assert summary["epochs_completed"] == EPOCHS
-    assert summary["eval_accuracy"] >= 0.85  # a clean run of this script reaches ~0.9
+    assert summary["eval_accuracy"] >= 0.8  # a clean run reaches ~0.9, chance 0.1
     # No shared storage: the other survivor's run directory is its own (its
     # rank's report there), and no rendezvous happened through files.
     assert f"rank{joined[f'h{other}']}.json" in other_files, other_files
