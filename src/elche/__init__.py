@@ -45,6 +45,10 @@ def __getattr__(name: str) -> object:
         from elche.session import Session
 
         return Session
+    if name == "Shards":
+        from elche.runtime.shards import Shards
+
+        return Shards
     if name == "progress":
         from elche.runtime.current import progress
 
@@ -75,6 +79,7 @@ __all__ = [
     "SaveReason",
     "SchedulerConfig",
     "Session",
+    "Shards",
     "SimConfig",
     "SimError",
     "SimResult",

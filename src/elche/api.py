@@ -38,6 +38,7 @@ from elche.core.progress import Progress
 from elche.runtime.bundle import meta_path
 from elche.runtime.options import check_options
 from elche.runtime.plan import Hooks, Plan, TrainResult, hold_save_path
+from elche.runtime.shards import Shards, check_dataset
 
 __all__ = ["TrainResult", "train"]
 
@@ -105,7 +106,9 @@ def train(
         optimizer_fn: ``optimizer_fn(params) -> torch.optim.Optimizer``.
         step_fn: ``step_fn(model, batch) -> loss`` (a scalar tensor); the
             batch is ``default_collate`` of dataset items, moved to the device.
-        dataset: any map-style ``torch.utils.data.Dataset``.
+        dataset: any map-style ``torch.utils.data.Dataset``, or an
+            ``elche.Shards`` of streams (files, URLs, sub-datasets): its
+            epochs shuffle the shards, items in order (``docs/training.md``).
         batch_size: samples per optimizer step (per rank).
         epochs: passes over the dataset.
         mode: ``sync``, ``cadence`` (default), ``cpu-sync``, ``cpu-cadence``
@@ -300,10 +303,13 @@ def _plan(
     outer_momentum: float,
     nonfinite: str,
 ) -> Plan:
+    check_dataset(dataset)  # a stream without shards
     try:
         num_samples = len(dataset)
     except TypeError:
-        raise ConfigError("dataset", "must be a map-style Dataset with __len__") from None
+        raise ConfigError(
+            "dataset", "must be a map-style Dataset with __len__, or an elche.Shards of streams"
+        ) from None
     if num_samples == 0:
         raise ConfigError("dataset", "is empty: there is nothing to train on")
     env_world = os.environ.get("WORLD_SIZE")
@@ -529,6 +535,8 @@ def _train_cluster(
     from elche.runtime.launch import check_picklable, launch_local
 
     check_picklable(fns)  # before anything starts: nothing to clean up
+    if isinstance(fns.dataset, Shards):
+        fns.dataset.check_sendable()
     directory = Path(run_dir or tempfile.mkdtemp(prefix="elche-run-"))
     result = launch_local(
         plan, fns, hooks, directory, max_grad_norm=max_grad_norm, progress=progress,

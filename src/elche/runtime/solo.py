@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from elche.core import messages as m
-from elche.core.dispatch import epoch_permutation
 from elche.core.errors import TrainingError
 from elche.core.progress import ProgressTracker
 from elche.runtime.current import providing
@@ -28,6 +27,7 @@ from elche.runtime.loading import Loader, StepPlan
 from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.resume import load_bundle
+from elche.runtime.shards import epoch_order
 from elche.runtime.stepping import MicroBatch, Stepper
 from elche.runtime.user_errors import describe
 from elche.runtime.worker import UserFns, _with_collate
@@ -225,12 +225,12 @@ def _solo(
         model, optimizer, fns.step_fn, device=device, max_grad_norm=max_grad_norm,
         options=options, progress=tracker.now,
     )  # fmt: skip
-    perms: dict[int, list[int]] = {}
+    perms: dict[int, Sequence[int]] = {}
 
-    def perm(epoch: int) -> list[int]:
+    def perm(epoch: int) -> Sequence[int]:
         if epoch not in perms:
             perms.clear()
-            perms[epoch] = epoch_permutation(cfg.num_samples, seed=cfg.seed, epoch=epoch)
+            perms[epoch] = epoch_order(fns.dataset, seed=cfg.seed, epoch=epoch)
         return perms[epoch]
 
     loader = Loader(

@@ -47,7 +47,6 @@ from elche.core import messages as m
 from elche.core import rank as r
 from elche.core.checkpoint import SaveReason
 from elche.core.config import Backend, Mode
-from elche.core.dispatch import epoch_permutation
 from elche.core.faults import (
     FailCheckpoint,
     Fault,
@@ -70,6 +69,7 @@ from elche.runtime.loading import Loader, StepPlan
 from elche.runtime.options import TrainOptions
 from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.resume import load_bundle
+from elche.runtime.shards import epoch_order
 from elche.runtime.snapshots import Layout
 from elche.runtime.stepping import MicroBatch, Stepper
 from elche.runtime.transport import RankEndpoint
@@ -182,7 +182,7 @@ class Worker:
         self.samples = 0
         self.started_s = time.monotonic()
         self.last_loss: float | None = None
-        self._perms: dict[int, list[int]] = {}
+        self._perms: dict[int, Sequence[int]] = {}
         self.bridge: Bridge | None = None
         self.owns_group = True
         self._groups: Store | None = None  # the client of the group store, once formed
@@ -371,11 +371,9 @@ class Worker:
 
     # -- training --------------------------------------------------------------
 
-    def _perm(self, epoch: int) -> list[int]:
+    def _perm(self, epoch: int) -> Sequence[int]:
         if epoch not in self._perms:
-            self._perms = {
-                epoch: epoch_permutation(len(self.fns.dataset), seed=self.spec.seed, epoch=epoch)
-            }
+            self._perms = {epoch: epoch_order(self.fns.dataset, seed=self.spec.seed, epoch=epoch)}
         return self._perms[epoch]
 
     def batch_at(self, epoch: int, offset: int, size: int) -> list[MicroBatch]:
