@@ -73,12 +73,14 @@ def test_any_span_cut_trains_every_item_of_every_shard_once(
     weights=st.lists(st.floats(0.1, 4), min_size=3, max_size=3),
     sizes=st.lists(st.integers(1, 9), min_size=1, max_size=40),
     dead=st.integers(0, 2),
+    resume_at=st.integers(1, 60),
 )
-def test_the_pool_s_spans_with_a_death_cover_each_item_once(
-    lengths: list[int], weights: list[float], sizes: list[int], dead: int
+def test_the_pool_s_spans_with_a_death_and_a_resume_cover_each_item_once(
+    lengths: list[int], weights: list[float], sizes: list[int], dead: int, resume_at: int
 ) -> None:
     """The coordinator's own bookkeeping over the sharded order: served spans,
-    a rank dying with its work re-issued, every item committed exactly once."""
+    a rank dying with its work re-issued, a resume from the coverage (what no
+    average holds is served again), every item committed exactly once."""
     order = ShardOrder(lengths, seed=3, epoch=1)
     starts = shard_starts(lengths)
     pool = ChunkPool.by_weights(len(order), weights, batch_size=4)
@@ -90,6 +92,9 @@ def test_the_pool_s_spans_with_a_death_cover_each_item_once(
         rank = live[step % len(live)]
         size = sizes[step % len(sizes)]
         step += 1
+        if step == resume_at:  # a new run from the coverage: held work is not averaged
+            pool = ChunkPool.from_uncovered(len(order), pool.uncovered(), batch_size=4, num_ranks=3)
+            held = {0: [], 1: [], 2: []}
         if step == len(sizes) and dead in live and len(live) > 1:
             pool.forfeit(dead)  # its held spans are trained again by the others
             held[dead].clear()

@@ -261,9 +261,9 @@ def _is_iterable_dataset(obj: Any) -> bool:
 def _changed(shard: int, what: str, length: int) -> ConfigError:
     return ConfigError(
         "dataset",
-        f"shard {shard} {what}, but its length is {length}: a shard must yield the same "
-        "items on every pass (give Shards its lengths, or keep the shards fixed while "
-        "training)",
+        f"shard {shard} {what}, but its length is {length}: a shard must yield its length's "
+        "items, the same on every pass (check Shards' lengths=, and keep the shards fixed "
+        "while training)",
     )
 
 
