@@ -62,6 +62,13 @@ def test_a_span_behind_the_open_iterator_reopens_its_shard_and_skips() -> None:
     assert OPENED == [0, 0]  # item 5 ended the first pass; item 1 started a second
 
 
+def test_a_batch_out_of_order_reads_its_stream_once() -> None:
+    shards = streamed([6])
+    OPENED.clear()
+    assert shards.__getitems__([3, 1, 2, 1]) == [(0, 3), (0, 1), (0, 2), (0, 1)]
+    assert OPENED == [0]
+
+
 def test_a_shard_that_ends_early_or_runs_long_is_a_config_error() -> None:
     short = Shards([functools.partial(numbers, 0, 3)], lengths=[4])
     with pytest.raises(elche.ConfigError, match="shard 0 ended after 3 items, but its length is 4"):

@@ -80,11 +80,12 @@ class Shards:
         self._kinds = [_kind(i, shard) for i, shard in enumerate(self.shards)]
         self.lengths = self._lengths(lengths)
         self._starts = shard_starts(self.lengths)
+        self._total = sum(self.lengths)
         self._open: dict[int, tuple[Iterator[Any], int]] = {}  # shard -> (iterator, next item)
         self._pid = os.getpid()  # whose iterators ``_open`` holds (a fork starts afresh)
 
     def __len__(self) -> int:
-        return sum(self.lengths)
+        return self._total
 
     def __repr__(self) -> str:
         return f"Shards({len(self.shards)} shards, {len(self)} items)"
@@ -105,6 +106,12 @@ class Shards:
             except IndexError:
                 raise _changed(shard, f"has no item {item}", self.lengths[shard]) from None
         return self._read(shard, item)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """The items at ``indices`` (a batch), read in index order so that a
+        batch in another order (a ``batch_sampler``'s) reads each stream once."""
+        by_index = {index: self[index] for index in sorted(set(indices))}
+        return [by_index[index] for index in indices]
 
     def check_sendable(self) -> None:
         """The streamed shards can be sent to rank processes (they are pickled).
