@@ -40,7 +40,7 @@ def test_a_negative_length_or_epoch_is_refused() -> None:
         ShardOrder([2], seed=0, epoch=-1)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(
     lengths=lengths_st,
     seed=st.integers(0, 1000),
@@ -67,7 +67,7 @@ def test_any_span_cut_trains_every_item_of_every_shard_once(
     assert seen == {(s, k): 1 for s, n in enumerate(lengths) for k in range(n)}
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     lengths=lengths_st,
     weights=st.lists(st.floats(0.1, 4), min_size=3, max_size=3),
