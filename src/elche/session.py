@@ -49,7 +49,7 @@ class Session:
     Args:
         model: the rank's model (built the same on every rank: seed before).
         optimizer: its optimizer.
-        dataset: a map-style dataset, as for ``elche.train``.
+        dataset: a map-style dataset or an ``elche.Shards``, as for ``elche.train``.
         batch_size: samples per micro-batch (per rank), as for ``elche.train``.
         epochs: passes over the dataset.
         **options: any other keyword of ``elche.train`` (``mode``,
