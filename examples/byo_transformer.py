@@ -106,20 +106,13 @@ def plain(train, test):
     model = make_model("cpu")
     optimizer = make_optimizer(model.parameters())
     loader = torch.utils.data.DataLoader(
-        train,
-        batch_size=BATCH * ACCUMULATE,
-        shuffle=True,
-        collate_fn=pad,
+        train, batch_size=BATCH * ACCUMULATE, shuffle=True, collate_fn=pad,
         generator=torch.Generator().manual_seed(42),
     )
     total = EPOCHS * len(loader)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: (
-            s / (WARMUP * total)
-            if s < WARMUP * total
-            else 0.5 * (1 + math.cos(math.pi * (s / total - WARMUP) / (1 - WARMUP)))
-        ),
+        optimizer, lambda s: s / (WARMUP * total) if s < WARMUP * total
+        else 0.5 * (1 + math.cos(math.pi * (s / total - WARMUP) / (1 - WARMUP))),
     )
     for _ in range(EPOCHS):
         for batch in loader:
@@ -141,33 +134,15 @@ if __name__ == "__main__":
         print(json.dumps({"plain_eval": plain(train, test)}))
         sys.exit(0)
     result = elche.train(
-        make_model,
-        make_optimizer,
-        step,
-        train,
-        batch_size=BATCH,
-        epochs=EPOCHS,
-        ranks=3,
-        speeds=[1.0, 0.5, 0.25],
-        lr_schedule=warmup_cosine,
-        collate_fn=pad,
-        num_workers=2,
-        accumulate=ACCUMULATE,
-        precision="bf16",
-        eval_fn=accuracy,
-        eval_dataset=test,
-        progress=False,
+        make_model, make_optimizer, step, train, batch_size=BATCH, epochs=EPOCHS,
+        ranks=3, speeds=[1.0, 0.5, 0.25], lr_schedule=warmup_cosine, collate_fn=pad,
+        num_workers=2, accumulate=ACCUMULATE, precision="bf16",
+        eval_fn=accuracy, eval_dataset=test, progress=False,
     )
     summary = result.summary
-    print(
-        json.dumps(
-            {
-                "rank": os.environ.get("RANK", "-"),
-                "outcome": summary["outcome"],
-                "eval": summary["eval"],
-                "wall_s": summary["wall_s"],
-                "samples": [r["samples"] for r in summary["per_rank"]],
-                "lr": [r["lr"] for r in summary["per_rank"]],
-            }
-        )
-    )
+    print(json.dumps({
+        "rank": os.environ.get("RANK", "-"), "outcome": summary["outcome"],
+        "eval": summary["eval"], "wall_s": summary["wall_s"],
+        "samples": [r["samples"] for r in summary["per_rank"]],
+        "lr": [r["lr"] for r in summary["per_rank"]],
+    }))
