@@ -1,0 +1,150 @@
+"""``Trainer(strategy="elche")``: a Lightning loop training one elche rank per process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from elche import ConfigError
+
+pl = pytest.importorskip("lightning.pytorch", reason="the elche[lightning] extra is not installed")
+elche_lightning = pytest.importorskip("elche.lightning")
+
+NUM_SAMPLES = 48
+BATCH = 8
+
+
+class Recorder(pl.LightningModule):  # type: ignore[misc]  # Lightning is untyped here
+    """A linear model that records the sample ids each Lightning epoch trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = nn.Linear(4, 2)
+        self.seen: dict[int, list[int]] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        del batch_idx
+        ids, x, y = batch
+        self.seen.setdefault(self.current_epoch, []).extend(ids.tolist())
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader() -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(NUM_SAMPLES, 4, generator=g)
+    data = TensorDataset(torch.arange(NUM_SAMPLES), x, (x.sum(1) > 0).long())
+    return DataLoader(data, batch_size=BATCH, shuffle=True)
+
+
+def trainer(strategy: Any = "elche", **settings: Any) -> Any:
+    settings = {"max_epochs": 2, **settings}
+    return pl.Trainer(
+        strategy=strategy, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **settings,
+    )  # fmt: skip
+
+
+def test_a_trainer_with_strategy_elche_trains_each_sample_once_per_epoch() -> None:
+    module = Recorder()
+    fit = trainer()
+    fit.fit(module, loader())
+    assert sorted(module.seen) == [0, 1]  # Lightning's epochs are elche's
+    assert sorted(module.seen[1]) == list(range(NUM_SAMPLES))
+    # The first epoch opens with the rank's two warm-up batches (timed, then undone).
+    assert sorted(set(module.seen[0])) == list(range(NUM_SAMPLES))
+    assert len(module.seen[0]) == NUM_SAMPLES + 2 * BATCH
+    result = fit.strategy.result
+    assert result.summary["outcome"] == "completed"
+    assert result.summary["epochs_completed"] == 2
+    assert result.summary["lost_samples"] == 0
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"accumulate_grad_batches": 2}, "accumulate_grad_batches"),
+        ({"max_steps": 3}, "max_epochs"),
+        ({"precision": "64-true"}, "precision"),
+        ({"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}, "gradient_clip_algorithm"),
+    ],
+)
+def test_settings_elche_cannot_honour_are_refused_by_name(
+    settings: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(ConfigError, match=field):
+        trainer(**settings).fit(Recorder(), loader())
+
+
+SCRIPT = """
+import json, os
+import torch
+import lightning.pytorch as pl
+import elche.lightning
+from elche.workloads import digits
+
+
+class Digits(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = digits.make_model("cpu")
+        self.batches = {}
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.batches[self.current_epoch] = self.batches.get(self.current_epoch, 0) + 1
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return digits.make_optimizer(self.net.parameters())
+
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    strategy = elche.lightning.ElcheStrategy(speeds=[1.0, 0.5, 0.25], speed_base_s=0.004)
+    trainer = pl.Trainer(
+        strategy=strategy, max_epochs=2, accelerator="cpu", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    module = Digits()
+    trainer.fit(module, torch.utils.data.DataLoader(train_set, batch_size=32, shuffle=True))
+    lines = ["RANK " + json.dumps([int(os.environ["RANK"]), module.batches]),
+             "SUMMARY " + json.dumps(strategy.result.summary, sort_keys=True)]
+    os.write(1, ("\\n".join(lines) + "\\n").encode())  # one write: three ranks share the pipe
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_trainer_script_trains_three_ranks_by_speed_under_elche_run(tmp_path: Path) -> None:
+    script = tmp_path / "fit.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "elche.cli", "run", "--nproc", "3", str(script)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("SUMMARY ")]
+    assert len(lines) == 3 and len(set(lines)) == 1, done.stdout  # every rank, alike
+    summary = json.loads(lines[0].removeprefix("SUMMARY "))
+    assert summary["outcome"] == "completed"
+    assert summary["epochs_completed"] == 2 and summary["lost_samples"] == 0
+    samples = [r["samples"] for r in summary["per_rank"]]
+    assert samples[0] > samples[1] > samples[2]
+    ranks = [json.loads(ln.removeprefix("RANK ")) for ln in done.stdout.splitlines()
+             if ln.startswith("RANK ")]  # fmt: skip
+    assert sorted(rank for rank, _ in ranks) == [0, 1, 2]
+    for rank, batches in ranks:
+        assert sorted(batches) == ["0", "1"]  # both of elche's epochs, as Lightning's
+        assert sum(batches.values()) >= -(-samples[rank] // 32)
