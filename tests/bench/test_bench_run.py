@@ -29,6 +29,7 @@ TINY = Suite(
     workloads=(WorkloadPlan("digits-logreg", epochs=1),),
     rigs=((1.0, 0.5),),
     systems=("torch-ddp", "cadence"),
+    capacity_s=0.5,
 )
 
 
@@ -57,10 +58,15 @@ def test_tiny_bench_writes_json_report_and_charts(
         assert row["lost_samples"] == 0
         assert len(row["per_epoch"]) == 1
         assert row["speed_base_s"] == rows[0]["speed_base_s"] > 0  # one value, every system
+        assert row["capacity_samples_per_s"] == rows[0]["capacity_samples_per_s"] > 0
+        assert row["of_capacity"] > 0
         assert all(x is None or 0.0 <= x <= 100.0 for x in row["idle_pct"])
     ddp = rows[1]
     assert ddp["wall_ratio_vs_ddp"] == pytest.approx(1.0)
     assert ddp["syncs"] == len(ddp["per_epoch"]) * 23  # 1,437 samples / (2 ranks × 32)
+    capacity = doc["runs"][1]["capacity"]  # the rig's, measured before its runs
+    assert capacity["samples_per_s"] == rows[0]["capacity_samples_per_s"]
+    assert len(capacity["step_ms"]) == 2 and capacity["fraction"] > 0
     report = (out / "report.md").read_text()
     assert "Speed injection: every system's paced ranks wait by one solo step of" in report
     assert "| **torch-ddp** |" in report and "| cadence |" in report

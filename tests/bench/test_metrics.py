@@ -148,6 +148,7 @@ def fake_run(
         "samples": sum(samples), "samples_per_s": sum(samples) / wall_s,
         "final_loss": final_loss, "eval": eval_, "syncs": 3, "lost_samples": 0,
         "seed": seed,
+        "capacity": None if system == "solo" else {"samples_per_s": 240.0, "fraction": 0.8},
         "per_epoch": [
             {"epoch": 0, "t": wall_s / 2, "loss": 1.0, "eval": eval_ - 0.02},
             {"epoch": 1, "t": wall_s, "loss": final_loss, "eval": eval_},
@@ -198,6 +199,10 @@ def test_rows_report_the_median_run_and_ratios_against_ddp(rows: list[dict[str, 
     assert solo["efficiency"] == pytest.approx(1 / 1.5)
     assert cadence["efficiency"] == pytest.approx((300 / 2.5) / 150.0)
     assert cadence["idle_pct"] == pytest.approx([25.0, 25.0])
+    # Every row of the rig, solo's too, is measured against the rig's capacity.
+    assert [r["capacity_samples_per_s"] for r in rows] == [240.0] * 3
+    assert cadence["of_capacity"] == pytest.approx((300 / 2.5) / 240.0)
+    assert solo["of_capacity"] == pytest.approx(100 / 240.0)
     assert cadence["per_rank"][0]["share"] == pytest.approx(2 / 3)
 
 

@@ -87,7 +87,10 @@ def render(doc: Mapping[str, Any]) -> str:
         "Columns: *wall* is each system's training clock (first batch to the end of "
         "training, start-up excluded); *× DDP* is wall ÷ torch DDP's wall on the same "
         "rig in this invocation; *efficiency* is samples/s ÷ Σ per-rank solo throughput "
-        "(solo = one rank alone at speed 1, one thread); *to target* is the first "
+        "(solo = one rank alone at speed 1, one thread); *of cap.* is samples/s ÷ what "
+        "this machine delivers to the rig's paced ranks training alone at once, measured "
+        "in this invocation (the ceiling no data-parallel system passes here); "
+        "*to target* is the first "
         "epoch end whose model reached the workload's target eval (— if never, or no "
         "target); *eval* is the final eval; *idle %* per rank is the share of wall time "
         "outside training steps; DDP's *syncs* are gradient all-reduces (one per step), "
@@ -135,27 +138,36 @@ def _table(rig: tuple[float, ...], cell: Sequence[Row]) -> list[str]:
     lines = [
         f"### speeds {_rig(rig)}",
         "",
-        f"Target eval {_f(target, 4)}; lock-step bound on × DDP: {bound:.3f}.",
+        f"Target eval {_f(target, 4)}; lock-step bound on × DDP: {bound:.3f}.{_capacity(cell)}",
         "",
-        "| system | wall s | × DDP | samples/s | efficiency | to target s | final loss "
-        "| eval | Δ eval vs DDP | syncs | idle % per rank | lost |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| system | wall s | × DDP | samples/s | efficiency | of cap. | to target s "
+        "| final loss | eval | Δ eval vs DDP | syncs | idle % per rank | lost |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in cell:
         if row.get("error"):
-            lines.append(f"| {row['system']} | failed: {row['error']} |||||||||||")
+            lines.append(f"| {row['system']} | failed: {row['error']} ||||||||||||")
             continue
         idle = " / ".join(_f(x, 0) for x in row["idle_pct"])
         lines.append(
             f"| {_system(row)} | {_f(row['wall_s'], 2)} | {_f(row['wall_ratio_vs_ddp'], 3)} "
             f"| {_f(row['samples_per_s'], 0)} | {_f(row['efficiency'], 3)} "
-            f"| {_f(row['time_to_target_s'], 2)} | {_f(row['final_loss'], 4)} "
+            f"| {_f(row.get('of_capacity'), 3)} | {_f(row['time_to_target_s'], 2)} "
+            f"| {_f(row['final_loss'], 4)} "
             f"| {_f(row['eval'], 4)} | {_delta(row)} | {row['syncs']} | {idle} "
             f"| {row['lost_samples']} |"
         )
     lines.append("")
     lines += _seeds_table(cell)
     return lines
+
+
+def _capacity(cell: Sequence[Row]) -> str:
+    """The rig's measured capacity, as a sentence for the table's heading."""
+    capacity = cell[0].get("capacity_samples_per_s")
+    if capacity is None:
+        return ""
+    return f" This machine delivers {capacity:.0f} samples/s to the rig's ranks alone at once."
 
 
 def _seeds_table(cell: Sequence[Row]) -> list[str]:

@@ -12,11 +12,18 @@ is each rig's efficiency denominator.
 Row keys: ``workload, system, speeds, wall_s, samples_per_s, efficiency,
 final_loss, eval, syncs, idle_pct, lost_samples`` (the contract) plus
 ``metric, higher_is_better, ranks, epochs, batch_size, samples, startup_s,
+capacity_samples_per_s, of_capacity,
 total_s, repeats, wall_s_runs, speed_base_s, final_eval, target_eval,
 time_to_target_s, target_loss, time_to_target_loss_s, wall_ratio_vs_ddp,
 eval_delta_vs_ddp, per_rank[{rank, speed, samples, share, busy_s, idle_s,
 idle_pct}], per_epoch[{epoch, t, loss, eval}], seeds, error``.
 ``idle_pct`` is the per-rank list, in rank order.
+
+Capacity: ``capacity_samples_per_s`` is what the machine delivers to the
+rig's paced ranks training alone at once (``bench.capacity``, measured in
+the same invocation); ``of_capacity`` is the row's samples/s over it, the
+share of the machine's own ceiling the system reaches (None when the suite
+skipped the measurement).
 
 Quality: ``final_eval`` is the eval after the last epoch (``eval``, under
 the name the quality columns use); ``time_to_target_s`` is the first epoch
@@ -63,6 +70,7 @@ def build_rows(suite: Suite, runs: Sequence[Run]) -> list[Row]:
         solo = _median_run([r for r in runs if r["workload"] == plan.name and r["system"] == SOLO])
         solo_sps = _num(solo.get("samples_per_s")) if solo else None
         for rig in suite.rigs:
+            capacity = _capacity(runs, plan.name, rig)
             cell: list[Row] = []
             for system in (SOLO, *suite.systems):
                 chosen = (
@@ -79,7 +87,7 @@ def build_rows(suite: Suite, runs: Sequence[Run]) -> list[Row]:
                     )
                 )
                 if chosen is not None:
-                    cell.append(_row(chosen, rig, solo_sps))
+                    cell.append(_row(chosen, rig, solo_sps, capacity))
             _compare_in_cell(cell)
             for row in cell:
                 row["seeds"] = _seed_spread(row, extra, suite.seed)
@@ -146,7 +154,16 @@ def _median_run(candidates: Sequence[Run]) -> Run | None:
     return chosen
 
 
-def _row(run: Run, rig: tuple[float, ...], solo_sps: float | None) -> Row:
+def _capacity(runs: Sequence[Run], workload: str, rig: tuple[float, ...]) -> float | None:
+    """The rig's measured capacity in samples/s (``bench.capacity``), if measured."""
+    for run in runs:
+        record = run.get("capacity")
+        if run["workload"] == workload and tuple(run["speeds"]) == rig and record:
+            return _num(record.get("samples_per_s"))
+    return None
+
+
+def _row(run: Run, rig: tuple[float, ...], solo_sps: float | None, capacity: float | None) -> Row:
     wall_s = _num(run.get("wall_s"))
     sps = _num(run.get("samples_per_s"))
     per_rank = []
@@ -172,6 +189,8 @@ def _row(run: Run, rig: tuple[float, ...], solo_sps: float | None) -> Row:
         "wall_s": wall_s,
         "samples_per_s": sps,
         "efficiency": metrics.efficiency(sps, rig, solo_sps),
+        "capacity_samples_per_s": capacity,
+        "of_capacity": metrics.ratio(sps, capacity),
         "final_loss": _num(run.get("final_loss")),
         "eval": _num(run.get("eval")),
         "final_eval": _num(run.get("eval")),

@@ -28,7 +28,12 @@ value as ``speed_base_s``. Each run becomes one JSON-ready ``Run`` record:
 ``workload, system, speeds, repeat, seed, ranks, epochs, batch_size,
 speed_base_s, wall_s, startup_s, total_s, samples, samples_per_s,
 final_loss, eval, syncs, lost_samples, per_epoch[{epoch, t, loss, eval}],
-per_rank[{rank, speed, samples, busy_s}], error``
+per_rank[{rank, speed, samples, busy_s}], capacity, error``
+
+``capacity`` is the rig's record from ``bench.capacity`` (what the machine
+delivers to the rig's paced ranks training alone at once, measured once per
+workload and rig before its first run; the solo run, of no rig, carries None),
+or None when the suite skips it (``capacity_s`` 0).
 
 Clocks. ``wall_s`` is each system's own training clock (first batch to the
 end of training: elche's final average, DDP's closing barrier); ``total_s``
@@ -58,6 +63,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from elche.bench.capacity import measure_capacity
 from elche.bench.suites import (
     DDP,
     SOLO,
@@ -105,6 +111,7 @@ def run_suite(
     runs: list[Run] = []
     splits: dict[str, Split] = {}
     bases: dict[str, float] = {}
+    capacities: dict[tuple[str, tuple[float, ...]], dict[str, Any] | None] = {}
     with _display(suite.num_runs(), enabled=progress) as show:
         for repeat in range(suite.repeats):
             order = suite.systems if repeat % 2 == 0 else tuple(reversed(suite.systems))
@@ -115,6 +122,9 @@ def run_suite(
                     bases[plan.name] = measure_speed_base_s(
                         workload, splits[plan.name], plan.batch_size
                     )
+                    for rig in suite.rigs:
+                        show(f"{plan.name} [{_rig(rig)}] capacity ({suite.capacity_s:g} s)")
+                        capacities[plan.name, rig] = _capacity(suite, plan, rig, bases[plan.name])
                 jobs = [(SOLO, (1.0,))] + [(s, rig) for rig in suite.rigs for s in order]
                 for system, speeds in jobs:
                     show(f"{plan.name} [{_rig(speeds)}] {system} (repeat {repeat + 1})")
@@ -123,6 +133,7 @@ def run_suite(
                         speed_base_s=bases[plan.name],
                     )  # fmt: skip
                     run["repeat"] = repeat
+                    run["capacity"] = capacities.get((plan.name, tuple(speeds)))  # solo: None
                     runs.append(run)
                     if on_run is not None:
                         on_run(run)
@@ -133,10 +144,26 @@ def run_suite(
                 speed_base_s=bases[plan.name],
             )  # fmt: skip
             run["repeat"] = 0
+            run["capacity"] = capacities.get((plan.name, tuple(speeds)))  # solo: None
             runs.append(run)
             if on_run is not None:
                 on_run(run)
     return runs
+
+
+def _capacity(
+    suite: Suite, plan: WorkloadPlan, rig: tuple[float, ...], speed_base_s: float
+) -> dict[str, Any] | None:
+    """The rig's capacity record on this machine, or None when skipped or failed."""
+    if suite.capacity_s <= 0:
+        return None
+    try:
+        return measure_capacity(
+            plan.name, rig, speed_base_s=speed_base_s, batch_size=plan.batch_size,
+            seconds=suite.capacity_s,
+        ).to_json()  # fmt: skip
+    except Exception as exc:  # the bench goes on; its rows say there is no capacity
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def available_suite(suite: Suite, say: Callable[[str], None]) -> Suite:

@@ -90,6 +90,9 @@ class Suite:
     # shuffle), after the repeats: its rows report the spread over seeds.
     extra_seeds: tuple[int, ...] = ()
     headline_workload: str | None = None
+    # Seconds the rig's paced ranks train at once, alone, to measure what
+    # the machine delivers to them (``bench.capacity``); 0 skips it.
+    capacity_s: float = 3.0
 
     def num_runs(self) -> int:
         """How many training runs the suite makes (solo included)."""

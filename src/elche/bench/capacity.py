@@ -1,0 +1,128 @@
+"""What this machine delivers to a rig's paced ranks at once: the bench's capacity.
+
+Every rank trains its own copy of the workload's model on one fixed batch,
+paced by elche's speed injection with the suite's shared solo step, with no
+communication and no coordinator, all started together and stopped after
+the same seconds. Their summed samples per second is the *capacity*: the
+most any data-parallel system (elche or a peer) could train on this machine
+with this rig, since every system's ranks compete for the same cores. Each
+row of ``elche bench`` divides its samples/s by it (``of_capacity``); the
+nominal rig (Σ speed × batch ÷ solo step) is what the capacity would be on
+cores that did not slow each other.
+
+``elche bench`` measures it once per workload and rig, before the rig's
+runs, in the same invocation; ``scripts/concurrent_capacity.py`` prints it
+on its own.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from multiprocessing.synchronize import Barrier
+from typing import Any
+
+__all__ = ["Capacity", "measure_capacity"]
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """One rig's measured capacity on this machine.
+
+    Attributes:
+        samples_per_s: the ranks' summed samples per second, all at once.
+        nominal_samples_per_s: Σ speed × batch ÷ solo step (cores that never
+            slow each other).
+        fraction: ``samples_per_s / nominal_samples_per_s``.
+        step_ms: each rank's measured step (its injected wait included), in
+            rig order.
+        seconds: how long every rank trained.
+    """
+
+    samples_per_s: float
+    nominal_samples_per_s: float
+    fraction: float
+    step_ms: tuple[float, ...]
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON-ready record."""
+        record = asdict(self)
+        record["step_ms"] = list(self.step_ms)
+        return record
+
+
+def measure_capacity(
+    workload: str,
+    speeds: Sequence[float],
+    *,
+    speed_base_s: float,
+    batch_size: int,
+    seconds: float = 3.0,
+) -> Capacity:
+    """Train ``speeds``' paced ranks at once for ``seconds``; see the module docstring.
+
+    Args:
+        workload: the workload's name (``elche.workloads``).
+        speeds: the rig.
+        speed_base_s: the solo step every paced rank waits by.
+        batch_size: samples per step.
+        seconds: how long every rank trains, after its warm-up.
+    """
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Barrier(len(speeds)), ctx.Queue()
+    ranks = [
+        ctx.Process(
+            target=_rank, args=((workload, index, s, speed_base_s, batch_size, seconds), start, out)
+        )
+        for index, s in enumerate(speeds)
+    ]
+    for rank in ranks:
+        rank.start()
+    try:
+        results = sorted(out.get(timeout=120 + 4 * seconds) for _ in ranks)
+    finally:
+        for rank in ranks:
+            rank.join(timeout=10)
+            if rank.is_alive():
+                rank.kill()
+    per_step_s = [wall_s / steps for _, steps, wall_s in results]
+    delivered = sum(batch_size / s for s in per_step_s)
+    nominal = sum(speeds) * batch_size / speed_base_s
+    return Capacity(
+        samples_per_s=round(delivered, 2),
+        nominal_samples_per_s=round(nominal, 2),
+        fraction=round(delivered / nominal, 4),
+        step_ms=tuple(round(1000 * s, 3) for s in per_step_s),
+        seconds=seconds,
+    )
+
+
+def _rank(job: tuple[str, int, float, float, int, float], start: Barrier, out: Any) -> None:
+    """One paced rank training alone, in a process of its own."""
+    import torch
+
+    from elche.runtime.data import fetch
+    from elche.runtime.pacing import Pacer, warm_up
+    from elche.workloads import get as get_workload
+
+    name, index, speed, base_s, batch_size, seconds = job
+    torch.set_num_threads(1)  # as every rank process runs
+    workload = get_workload(name)
+    train_set, _ = workload.load_split(0)
+    model = workload.make_model("cpu")
+    optimizer = workload.make_optimizer(model.parameters())
+    batch = fetch(train_set, range(min(batch_size, len(train_set))))
+    warm_up(model, workload.step_fn, batch)
+    pacer = Pacer(speed, base_s)
+    start.wait()
+    began, steps = time.perf_counter(), 0
+    while time.perf_counter() - began < seconds:
+        optimizer.zero_grad(set_to_none=True)
+        workload.step_fn(model, batch).backward()  # type: ignore[no-untyped-call]  # torch stub
+        optimizer.step()
+        pacer.after_step()
+        steps += 1
+    out.put((index, steps, time.perf_counter() - began))
