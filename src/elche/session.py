@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from elche.core.errors import ConfigError
 from elche.runtime.handoff import Handoff
+from elche.runtime.lifetimes import relay_stop_signals
 from elche.runtime.plan import TrainResult
 
 __all__ = ["Session"]
@@ -75,6 +76,7 @@ class Session:
         self._thread: threading.Thread | None = None
         self._autocast: Any = None  # the loop's torch.autocast, from a batch to its step
         self._result: TrainResult | None = None
+        self._relay: Any = None  # the main thread's stop signals, for the rank (launched)
 
     @property
     def result(self) -> TrainResult:
@@ -90,6 +92,9 @@ class Session:
     def __enter__(self) -> Session:
         if self._thread is not None:
             raise RuntimeError("a Session trains once; make a new one for another run")
+        if _launched():  # the launched rank stops on SIGINT/SIGTERM as elche.train does
+            self._relay = relay_stop_signals()
+            self._relay.__enter__()
         self._thread = threading.Thread(target=self._train, name="elche-session", daemon=True)
         self._thread.start()
         return self
@@ -121,6 +126,14 @@ class Session:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> Literal[False]:
+        try:
+            return self._end(exc)
+        finally:
+            if self._relay is not None:
+                relay, self._relay = self._relay, None
+                relay.__exit__(None, None, None)
+
+    def _end(self, exc: BaseException | None) -> Literal[False]:
         self._leave_autocast()
         handoff = self._handoff
         if handoff.ended is not None and handoff.ended[1] is exc:
@@ -203,9 +216,14 @@ def _check_options(options: dict[str, Any]) -> None:
     _check_one_rank(options)
 
 
+def _launched() -> bool:
+    """Whether a launcher started this process as one rank (``elche run``, ``torchrun``)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def _check_one_rank(options: dict[str, Any]) -> None:
     """Without a launcher a session trains one rank (``train`` checks the rest)."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if _launched():
         return
     sizes = {
         "ranks": options.get("ranks"),

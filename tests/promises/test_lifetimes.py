@@ -75,6 +75,24 @@ if __name__ == "__main__":
     )
 """
 
+SESSION_RUN_SCRIPT = """
+import os, sys
+import torch
+import elche
+from elche.workloads import digits
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    model = digits.make_model("cpu")
+    optimizer = digits.make_optimizer(model.parameters())
+    with elche.Session(
+        model, optimizer, train_set, batch_size=32, epochs=8, speeds=[0.05, 0.02],
+        progress=False, save_path=sys.argv[1],
+    ) as session:
+        for x, y in session:
+            session.step(torch.nn.functional.cross_entropy(model(x), y))
+"""
+
 
 def _session_of(pid: int) -> int | None:
     try:
@@ -254,11 +272,12 @@ def test_issue12_item12_a_run_that_finished_before_ctrl_c_is_returned(tmp_path: 
 
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143)])
+@pytest.mark.parametrize("loop", ["train", "session"])
 def test_issue12_item12_a_signal_to_elche_runs_group_saves_a_bundle_and_exits_quietly(
-    tmp_path: Path, sig: signal.Signals, code: int
+    tmp_path: Path, sig: signal.Signals, code: int, loop: str
 ) -> None:
     script = tmp_path / "train.py"
-    script.write_text(RUN_SCRIPT)
+    script.write_text(RUN_SCRIPT if loop == "train" else SESSION_RUN_SCRIPT)
     save = tmp_path / "bundle"
     args = [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", str(script), str(save)]
     with session(args, tmp_path) as proc:

@@ -6,10 +6,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
-from elche.runtime.lifetimes import Interrupted, StopSignals
+from elche.runtime.lifetimes import Interrupted, StopSignals, relay_stop_signals
 
 
 def test_interrupted_is_a_keyboard_interrupt_and_a_quiet_exit_status() -> None:
@@ -48,3 +49,31 @@ def test_stop_signals_can_ignore_repeats() -> None:
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
     assert signals.received == signal.SIGINT
+
+
+def _enter_on_a_thread(
+    signals: StopSignals, entered: threading.Event, done: threading.Event
+) -> None:
+    with signals:
+        entered.set()
+        done.wait(timeout=30)
+
+
+def test_relayed_stop_signals_reach_a_stop_signals_on_another_thread() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    seen: list[int] = []
+    late = StopSignals(on_signal=seen.append, force_on_repeat=False)
+    entered, done = threading.Event(), threading.Event()
+    with relay_stop_signals():
+        os.kill(os.getpid(), signal.SIGTERM)  # before the thread's handler exists: kept
+        thread = threading.Thread(target=_enter_on_a_thread, args=(late, entered, done))
+        thread.start()
+        assert entered.wait(timeout=30)
+        assert late.received == signal.SIGTERM  # handed over as it was entered
+        os.kill(os.getpid(), signal.SIGINT)  # a repeat, ignored as this taker asks
+        done.set()
+        thread.join(timeout=30)
+        with pytest.raises(KeyboardInterrupt):  # no taker now: the second signal forces
+            os.kill(os.getpid(), signal.SIGINT)
+    assert seen == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -40,7 +40,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from types import FrameType, TracebackType
 from typing import Any
@@ -53,6 +53,7 @@ __all__ = [
     "StopSignals",
     "announce",
     "ignore_stop_signals",
+    "relay_stop_signals",
     "watch_launcher",
 ]
 
@@ -117,7 +118,12 @@ def announce(stop: Interrupted) -> None:
 
 
 class StopSignals:
-    """While entered (main thread only), SIGINT and SIGTERM stop the run cleanly.
+    """While entered, SIGINT and SIGTERM stop the run cleanly.
+
+    Only the main thread may set signal handlers: entered on another thread,
+    it takes the signals ``relay_stop_signals`` catches on the main thread
+    (``elche.Session`` trains on a thread of its own), and without a relay
+    the signals act as before.
 
     The first signal is recorded in ``received`` (and passed to
     ``on_signal``, run in the signal handler: keep it short); a later one
@@ -140,7 +146,9 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
-            return self  # only the main thread may set handlers; signals act as before
+            if _RELAYS:
+                _RELAYS[-1].attach(self)
+            return self
         for sig in STOP_SIGNALS:
             if signal.getsignal(sig) is not signal.SIG_IGN:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -152,6 +160,8 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        for relay in _RELAYS:
+            relay.detach(self)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
@@ -161,6 +171,65 @@ class StopSignals:
         self.received = signum
         if self._on_signal is not None:
             self._on_signal(signum)
+
+
+class _Relay:
+    """The main thread's stop signals, for ``StopSignals`` entered on other threads."""
+
+    def __init__(self) -> None:
+        self._takers: list[StopSignals] = []
+        self._first: int | None = None  # the first signal caught
+        self._kept = False  # it came before any taker, which has not had it yet
+
+    def attach(self, taker: StopSignals) -> None:
+        self._takers.append(taker)
+        if self._kept and self._first is not None:
+            self._kept = False
+            taker._handle(self._first, None)
+
+    def detach(self, taker: StopSignals) -> None:
+        if taker in self._takers:
+            self._takers.remove(taker)
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._takers:
+            self._first = signum if self._first is None else self._first
+            for taker in list(self._takers):
+                taker._handle(signum, frame)
+        elif self._first is None:
+            self._first, self._kept = signum, True
+        else:
+            raise KeyboardInterrupt  # another signal, and no run to stop cleanly
+
+
+_RELAYS: list[_Relay] = []
+
+
+@contextlib.contextmanager
+def relay_stop_signals() -> Iterator[None]:
+    """On the main thread: SIGINT and SIGTERM go to a ``StopSignals`` on another thread.
+
+    While entered, a stop signal is handed to every ``StopSignals`` entered on
+    another thread (``elche.Session``'s training thread), which stops the run
+    cleanly as on the main thread; one that comes before any is entered is
+    kept for the first. Elsewhere than the main thread it does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    relay = _Relay()
+    previous = {
+        sig: signal.signal(sig, relay.handle)
+        for sig in STOP_SIGNALS
+        if signal.getsignal(sig) is not signal.SIG_IGN
+    }
+    _RELAYS.append(relay)
+    try:
+        yield
+    finally:
+        _RELAYS.remove(relay)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def ignore_stop_signals() -> None:
