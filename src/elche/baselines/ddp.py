@@ -302,21 +302,47 @@ def _train(rank: int, plan: _Plan) -> JsonDict:
     dist.barrier()
     wall_s = time.perf_counter() - start_s
 
-    accuracy = work.eval_fn(model, test_set) if rank == 0 else None
-    epoch_evals = eval_snapshots(plan.workload, snapshots, test_set)  # after the clock
+    return rank_report(
+        rank, plan.speeds[rank], pacer, steps=steps, samples=samples, wall_s=wall_s,
+        started_at=started_at, last_epoch=(loss_sum, epoch_samples), epochs=epochs,
+        eval_accuracy=work.eval_fn(model, test_set) if rank == 0 else None,
+        epoch_evals=eval_snapshots(plan.workload, snapshots, test_set),  # after the clock
+    )  # fmt: skip
+
+
+def rank_report(
+    rank: int,
+    speed: float,
+    pacer: Pacer,
+    *,
+    steps: int,
+    samples: int,
+    wall_s: float,
+    started_at: float,
+    last_epoch: tuple[float, int],
+    epochs: list[tuple[float, float, int]],
+    eval_accuracy: float | None,
+    epoch_evals: list[float],
+) -> JsonDict:
+    """One baseline rank's report: its work, its clock, its pacing and its evals.
+
+    ``idle_s`` is the wall outside steps: the wall less the steps at the solo
+    step time and the injected wait (the gradient all-reduce or averaging
+    runs inside, so it counts as busy for DDP).
+    """
     return {
         "rank": rank,
-        "speed": plan.speeds[rank],
+        "speed": speed,
         "samples": samples,
         "steps": steps,
-        "base_step_s": base_s,
+        "base_step_s": pacer.base_s,
         "injected_s": pacer.injected_s,
-        "idle_s": max(wall_s - steps * base_s - pacer.injected_s, 0.0),
+        "idle_s": max(wall_s - steps * pacer.base_s - pacer.injected_s, 0.0),
         "wall_s": wall_s,
         "started_at": started_at,
-        "last_epoch_loss_sum": loss_sum,
-        "last_epoch_samples": epoch_samples,
-        "eval_accuracy": accuracy,
+        "last_epoch_loss_sum": last_epoch[0],
+        "last_epoch_samples": last_epoch[1],
+        "eval_accuracy": eval_accuracy,
         "epochs": epochs,
         "epoch_evals": epoch_evals,
     }

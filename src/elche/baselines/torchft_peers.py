@@ -287,20 +287,10 @@ def _train(
         syncs += 1
     if rank == 0:
         snapshots[-1] = ddp.snapshot(model)  # after the last average
-    return {
-        "rank": rank,
-        "speed": base.speeds[rank],
-        "samples": samples,
-        "steps": steps,
-        "syncs": syncs,
-        "base_step_s": base_s,
-        "injected_s": pacer.injected_s,
-        "idle_s": max(wall_s - steps * base_s - pacer.injected_s, 0.0),
-        "wall_s": wall_s,
-        "started_at": started_at,
-        "last_epoch_loss_sum": loss_sum,
-        "last_epoch_samples": epoch_samples,
-        "eval_accuracy": work.eval_fn(model, base.test_set) if rank == 0 else None,
-        "epochs": epochs,
-        "epoch_evals": ddp.eval_snapshots(base.workload, snapshots, base.test_set),
-    }
+    report = ddp.rank_report(
+        rank, base.speeds[rank], pacer, steps=steps, samples=samples, wall_s=wall_s,
+        started_at=started_at, last_epoch=(loss_sum, epoch_samples), epochs=epochs,
+        eval_accuracy=work.eval_fn(model, base.test_set) if rank == 0 else None,
+        epoch_evals=ddp.eval_snapshots(base.workload, snapshots, base.test_set),
+    )  # fmt: skip
+    return {**report, "syncs": syncs}
