@@ -193,15 +193,22 @@ def _check_args(
 def _spawn_ranks(
     fn: Callable[[int, P], None], plan: P, *, nprocs: int, timeout_s: float, system: str = SYSTEM
 ) -> None:
-    """Run ``fn(rank, plan)`` in ``nprocs`` spawned processes; wait for all.
+    """Run ``fn(rank, plan)`` in ``nprocs`` processes; wait for all.
+
+    The ranks fork from elche's fork server (``runtime.launch.rank_context``:
+    torch preloaded), as elche's own local ranks do, so neither system pays
+    for importing torch in every rank of every run.
 
     Raises:
         RuntimeError: a process raised or died (the others are terminated
             after ``GRACE_S``), or they were not all done within
             ``timeout_s`` (all are terminated).
     """
+    from elche.runtime.launch import rank_context  # the launcher's side only
+
+    method = rank_context().get_start_method()  # elche's warm fork server, where there is one
     context: ProcessContext = start_processes(  # type: ignore[no-untyped-call]  # untyped in torch
-        fn, args=(plan,), nprocs=nprocs, join=False, start_method="spawn"
+        fn, args=(plan,), nprocs=nprocs, join=False, start_method=method
     )
     deadline_s = time.monotonic() + timeout_s
     try:

@@ -84,6 +84,7 @@ __all__ = [
     "keep_report",
     "launch_local",
     "on_record",
+    "rank_context",
     "rank_spec",
     "start_coordinator",
     "start_watching",
@@ -398,8 +399,12 @@ def _start_tensorboard(run_dir: Path, tensorboard_dir: str | None) -> TensorBoar
     return log
 
 
-def _rank_context() -> ForkServerContext | SpawnContext:
-    """The multiprocessing context rank processes start from (see the module doc)."""
+def rank_context() -> ForkServerContext | SpawnContext:
+    """The multiprocessing context rank processes start from (see the module doc).
+
+    The fork server is one per process: the benchmark's baselines start their
+    ranks from it too, so every system's ranks fork with torch loaded.
+    """
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -472,7 +477,7 @@ def _supervise(
         *start_coordinator(cfg, run_dir, secret, plan.resume_from), cfg, run_dir, secret
     )
     board = start_watching(plan, run_dir, dashboard, tensorboard_dir)
-    ctx = _rank_context()
+    ctx = rank_context()
     procs: list[Any] = []
     timeline = TimelineReader(run_dir)
     epochs = epoch_log(plan)
