@@ -51,6 +51,7 @@ from elche.core.dispatch import epoch_permutation
 from elche.core.faults import (
     FailCheckpoint,
     Fault,
+    Join,
     Kill,
     KillCoordinator,
     SlowDown,
@@ -423,6 +424,8 @@ class Worker:
                 self._fail_checkpoint = True
             case KillCoordinator():
                 self._kill_coordinator(at)
+            case Join():  # no rank's fault in a real run (FaultPlan.check): elche join
+                pass
             case _:
                 assert_never(fault)
 
