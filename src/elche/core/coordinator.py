@@ -458,7 +458,7 @@ class Coordinator:
     def _finish_round(self) -> None:
         rnd = self.round
         rnd.close()
-        self.joins.averaged(rnd.members)
+        self.joins.averaged(rnd)  # a joiner's first round: its model is no replica's yet
         sync_ms = (self._now - rnd.started_s) * 1000.0
         k_used, commands = self.tuner.close_round(rnd, sync_ms, self.live, set(self.dead_ranks))
         self._out.extend(commands)

@@ -49,6 +49,7 @@ from elche.core.commands import Broadcast, Emit, Notice, Send
 
 if TYPE_CHECKING:
     from elche.core.coordinator import Coordinator
+    from elche.core.rounds import Round
 
 __all__ = ["Joins"]
 
@@ -157,9 +158,17 @@ class Joins:
             if state is RankState.VACANT:
                 core.roles.on_death(rank, core.workers, core.elche.smoothed_ms_per_batch)
 
-    def averaged(self, members: Iterable[int]) -> None:
-        """A round with ``members`` completed: its fresh members hold the consensus."""
-        self.fresh.difference_update(members)
+    def averaged(self, rnd: Round) -> None:
+        """Round ``rnd`` completed: its fresh members hold the consensus now.
+
+        What they reported of their models before it (divergence, norm) is
+        of a model no replica shared: the guard does not judge it.
+        """
+        newcomers = self.fresh & rnd.members
+        for rank in newcomers:
+            rnd.divergence.pop(rank, None)
+            rnd.pre_norms[rank] = 0.0
+        self.fresh -= newcomers
 
     def forget(self, rank: int) -> None:
         """``rank`` was lost."""
