@@ -47,7 +47,7 @@ def train_joined(
     speed = float(os.environ.get(JOIN_SPEED_ENV, "1"))
     if not 0 < speed <= 1:
         raise ConfigError("speed", f"must be in (0, 1], got {speed}")
-    timeout_s = max(plan.config.heartbeat_timeout_s, 10.0)
+    timeout_s = max(2 * plan.config.heartbeat_timeout_s, 60.0)  # the store may still be starting
     store = groups.connect(address, port, timeout_s)
     world = int(store.get(KEY + "world_size"))
     slots = int(store.get(KEY + "join_slots"))
