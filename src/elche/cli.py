@@ -474,61 +474,22 @@ def _run_script(args: argparse.Namespace) -> int:
 
 
 def _join_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    join = sub.add_parser(
-        "join",
-        formatter_class=_Help,
-        help="start a training script as one new rank of a running run",
-        description=(
-            "Start SCRIPT as one more rank of the collective run whose coordinator is at "
-            "ADDRESS (the run prints this command when it starts). ELCHE_SECRET must hold "
-            "the run's secret. The script is the run's own, unchanged: its elche.train call "
-            "joins the run (its ranks= and speeds= are ignored), takes the consensus model "
-            "at the next averaging round, with a fresh optimizer state, and trains a share "
-            "in proportion to its measured speed."
-        ),
-    )
+    join = sub.add_parser("join", formatter_class=_Help, help="add a rank to a running run",
+        description="Start SCRIPT (the run's own, unchanged: its ranks= and speeds= are "
+        "ignored) as one more rank of the collective run at ADDRESS, as the run's join line "
+        "says; ELCHE_SECRET holds the run's secret. See docs/launching.md.")  # fmt: skip
     join.add_argument("address", help="the coordinator's tcp://HOST:PORT")
-    join.add_argument(
-        "--store-port", type=int, required=True, help="the run's group store port (join line)"
-    )
-    join.add_argument(
-        "--speed", type=float, default=1.0,
-        help="testing: run at this fraction of the machine's speed, in (0, 1]",
-    )  # fmt: skip
+    join.add_argument("--store-port", type=int, required=True, help="the run's group store port")
+    join.add_argument("--speed", type=float, default=1.0, help="testing: pace, in (0, 1]")
     join.add_argument("script", help="the Python script that calls elche.train")
     join.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for SCRIPT")
     join.set_defaults(run=_run_join)
 
 
 def _run_join(args: argparse.Namespace) -> int:
-    import os
-    import subprocess
+    from elche.runtime.joining import run_join
 
-    from elche.runtime.frames import SECRET_ENV
-    from elche.runtime.joining import JOIN_ENV, JOIN_SPEED_ENV, JOIN_STORE_ENV
-    from elche.runtime.lifetimes import StopSignals
-
-    if not args.address.startswith("tcp://"):
-        raise ConfigError("address", f"must be tcp://HOST:PORT, got {args.address!r}")
-    if not 0 < args.speed <= 1:
-        raise ConfigError("speed", f"must be in (0, 1], got {args.speed}")
-    if not os.environ.get(SECRET_ENV):
-        raise ConfigError(SECRET_ENV, "must hold the run's secret (the run's join line says how)")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update({
-        JOIN_ENV: args.address, JOIN_STORE_ENV: str(args.store_port),
-        JOIN_SPEED_ENV: str(args.speed),
-    })  # fmt: skip
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def forward(signum: int) -> None:  # the rank saves nothing: it stops, the run goes on
-        for proc in procs:
-            proc.send_signal(signum)
-
-    with StopSignals(on_signal=forward):
-        procs.append(subprocess.Popen([sys.executable, args.script, *args.script_args], env=env))
-        return procs[0].wait()
+    return run_join(args.address, args.store_port, args.speed, [args.script, *args.script_args])
 
 
 def _chaos_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

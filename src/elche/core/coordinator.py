@@ -789,17 +789,13 @@ class Coordinator:
                 dead_ranks=tuple(sorted(self.dead_ranks)),
                 rejected_frames=self.rejected_frames,
                 anchor=self.elche.anchor,
-                samples_per_rank=tuple(self.work.samples_committed[: self._ranks_used()]),
+                samples_per_rank=tuple(self.work.samples_committed[: self.joins.ranks_used()]),
                 user_error=user_error or self.failures.nonfinite,
                 coordinator_restarts=self.coordinator_restarts,
                 joined_ranks=tuple(self.joins.joined),
             )
         )
         self._out.append(Finish(outcome=outcome, reason=reason))
-
-    def _ranks_used(self) -> int:
-        """Rank ids up to the last one that took part (join slots left empty are not)."""
-        return max([self.config.world_size, *(r + 1 for r in self.joins.joined)])
 
 
 def _balancer_state(resume: CheckpointMeta | None, world_size: int) -> ElCheState | None:

@@ -170,6 +170,10 @@ class Joins:
             rnd.pre_norms[rank] = 0.0
         self.fresh -= newcomers
 
+    def ranks_used(self) -> int:
+        """Rank ids up to the last one that took part (join slots left empty are not)."""
+        return max([self.core.config.world_size, *(r + 1 for r in self.joined)])
+
     def forget(self, rank: int) -> None:
         """``rank`` was lost."""
         self.fresh.discard(rank)

@@ -29,10 +29,13 @@ from __future__ import annotations
 
 import os
 import shlex
+import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from elche.core.config import CoordinatorConfig
+from elche.core.errors import ConfigError
 from elche.runtime.frames import SECRET_ENV
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "JOIN_SPEED_ENV",
     "JOIN_STORE_ENV",
     "announce_join",
+    "run_join",
     "store_info",
 ]
 
@@ -87,3 +91,40 @@ def announce_join(
         file=sys.stderr,
         flush=True,
     )
+
+
+def run_join(address: str, store_port: int, speed: float, script: Sequence[str]) -> int:
+    """``elche join``: run ``script`` (path and arguments) as a rank joining ``address``.
+
+    Returns:
+        The script's exit code.
+
+    Raises:
+        ConfigError: a bad address or speed, or no ``ELCHE_SECRET``.
+    """
+    from elche.runtime.lifetimes import StopSignals
+
+    if not address.startswith("tcp://"):
+        raise ConfigError("address", f"must be tcp://HOST:PORT, got {address!r}")
+    if not 0 < speed <= 1:
+        raise ConfigError("speed", f"must be in (0, 1], got {speed}")
+    if not os.environ.get(SECRET_ENV):
+        raise ConfigError(SECRET_ENV, "must hold the run's secret (the run's join line says how)")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update({JOIN_ENV: address, JOIN_STORE_ENV: str(store_port), JOIN_SPEED_ENV: str(speed)})
+    if _on_loopback(address):  # gloo on this kind of machine needs the interface named
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int) -> None:  # the rank stops; the run goes on without it
+        for proc in procs:
+            proc.send_signal(signum)
+
+    with StopSignals(on_signal=forward):
+        procs.append(subprocess.Popen([sys.executable, *script], env=env))
+        return procs[0].wait()
+
+
+def _on_loopback(address: str) -> bool:
+    host = address.partition("://")[2].rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
