@@ -19,7 +19,7 @@ from elche.workloads import digits
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SCRIPT = Path(__file__).with_name("join_script.py")
-EPOCHS = 12  # about 10 s of training: time for a fourth process to start and join
+EPOCHS = 6  # the ranks wait at epoch 2's start until rank 3 joined (join_script.py)
 JOIN_LINE = re.compile(
     r"elche: join with ELCHE_SECRET=\$\(cat (?P<secret>\S+)\) elche join (?P<address>tcp://\S+) "
     r"--store-port (?P<port>\d+) "
@@ -38,7 +38,8 @@ def _result(output: str) -> dict[str, object]:
 
 
 def test_a_rank_joins_a_running_run_and_trains_a_share(tmp_path: Path) -> None:
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", ELCHE_RUN_DIR=str(tmp_path))
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", JOIN_SCRIPT_RUN_DIR=str(run_dir))
     env.pop("ELCHE_SECRET", None)  # the run generates its secret: the join line says where
     run = subprocess.Popen(
         [sys.executable, str(SCRIPT), str(EPOCHS)], env=env, cwd=tmp_path,
@@ -80,7 +81,7 @@ def test_a_rank_joins_a_running_run_and_trains_a_share(tmp_path: Path) -> None:
     assert summary["joined_ranks"] == [3]
     rows = {row["rank"]: row for row in summary["per_rank"]}  # type: ignore[attr-defined]
     assert sorted(rows) == [0, 1, 2, 3]
-    # The joiner came in mid-run at the others' speed: it trained a share, smaller
+    # The joiner came in at epoch 2 at the others' speed: it trained a share, smaller
     # than a rank that trained from the start, and every sample once (lost 0 above).
     assert 0 < rows[3]["samples"] < max(rows[r]["samples"] for r in (0, 1, 2))
     train_set, _ = digits.load_digits_split(seed=0)
