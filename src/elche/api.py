@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from elche.core.config import CallbackPolicy, CoordinatorConfig, Mode, SchedulerConfig
+from elche.core.config import Backend, CallbackPolicy, CoordinatorConfig, Mode, SchedulerConfig
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
 from elche.core.progress import Progress
@@ -46,6 +46,9 @@ __all__ = ["TrainResult", "train"]
 COORDINATOR_TIMEOUT_S = 30.0
 # Where ``elche run`` passes --tensorboard to its ranks (rank 0 writes the log).
 TENSORBOARD_ENV = "ELCHE_TENSORBOARD"
+# Ranks that may join a running collective run (``elche join``): a few machines
+# coming and going; each slot costs the coordinator a few numbers per collaborator.
+JOIN_SLOTS = 8
 
 
 def train(
@@ -252,6 +255,12 @@ def train(
         from elche.runtime.resume import check_resume
 
         check_resume(plan.resume_from, plan.config, model_fn)  # before anything starts
+    from elche.runtime.joining import JOIN_ENV
+
+    if JOIN_ENV in os.environ:  # elche join: one new rank of a running run
+        from elche.runtime.joined import train_joined
+
+        return train_joined(plan, fns, hooks, max_grad_norm=max_grad_norm)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     # One run writes at a save path at a time: the process that starts the run holds it.
     owner = not launched or os.environ["RANK"] == "0"
@@ -341,6 +350,7 @@ def _plan(
         save_path=save_path, easgd_alpha=easgd_alpha, outer_lr=outer_lr,
         outer_momentum=outer_momentum, nonfinite=nonfinite,
         max_coordinator_restarts=max_coordinator_restarts,
+        join_slots=_join_slots(Mode.parse(mode), world),
     )  # fmt: skip
     return Plan(
         config=config, speeds=speeds_t, speed_base_s=_speed_base(speed_base_s),
@@ -438,6 +448,12 @@ def _speed_base(base_s: float | None) -> float | None:
     from elche.runtime.pacing import check_speed_base_s  # torch: only when asked for
 
     return check_speed_base_s(base_s)
+
+
+def _join_slots(mode: Mode, world: int) -> int:
+    """Rank ids kept for ranks that join the run (``elche join``): collective runs of
+    two ranks or more (a coordinator and a group store)."""
+    return JOIN_SLOTS if mode.backend is Backend.COLLECTIVE and world >= 2 else 0
 
 
 def _world_size(

@@ -236,6 +236,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the Python script that calls elche.train")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for SCRIPT")
     run.set_defaults(run=_run_script)
+    _join_parser(sub)
     for add_parser in (_timeline_parser, _bench_parser, _chaos_parser):
         add_parser(sub)
     return parser
@@ -470,6 +471,25 @@ def _run_script(args: argparse.Namespace) -> int:
     if failed:
         return failed[0][1]
     return stopped if stopped in codes else 0
+
+
+def _join_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    join = sub.add_parser("join", formatter_class=_Help, help="add a rank to a running run",
+        description="Start SCRIPT (the run's own, unchanged: its ranks= and speeds= are "
+        "ignored) as one more rank of the collective run at ADDRESS, as the run's join line "
+        "says; ELCHE_SECRET holds the run's secret. See docs/launching.md.")  # fmt: skip
+    join.add_argument("address", help="the coordinator's tcp://HOST:PORT")
+    join.add_argument("--store-port", type=int, required=True, help="the run's group store port")
+    join.add_argument("--speed", type=float, default=1.0, help="testing: pace, in (0, 1]")
+    join.add_argument("script", help="the Python script that calls elche.train")
+    join.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for SCRIPT")
+    join.set_defaults(run=_run_join)
+
+
+def _run_join(args: argparse.Namespace) -> int:
+    from elche.runtime.joining import run_join
+
+    return run_join(args.address, args.store_port, args.speed, [args.script, *args.script_args])
 
 
 def _chaos_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

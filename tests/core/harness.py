@@ -35,11 +35,11 @@ class Harness:
         self.core = Coordinator(self.cfg)
         self.now = 0.0
         self.log: list[Command] = []
-        self.inbox: list[list[m.CoordMessage]] = [[] for _ in range(self.cfg.world_size)]
-        self.chunks: list[deque[list[int]]] = [deque() for _ in range(self.cfg.world_size)]
+        ws = self.cfg.num_slots  # the join slots' ranks too
+        self.inbox: list[list[m.CoordMessage]] = [[] for _ in range(ws)]
+        self.chunks: list[deque[list[int]]] = [deque() for _ in range(ws)]
         # What each rank's model holds, as a real rank keeps it (``m.Held``),
         # and every batch an applied average took, by rank: the ranks' own books.
-        ws = self.cfg.world_size
         self.last_round = [0] * ws
         self.averaged: list[list[tuple[int, int, int]]] = [[] for _ in range(ws)]
         self.since: list[list[tuple[int, int, int]]] = [[] for _ in range(ws)]

@@ -55,6 +55,7 @@ def test_stats_follow_the_records_and_keep_the_latest_eval() -> None:
         "syncs": 9,
         "lost_samples": 0,
         "dead_ranks": [2],
+        "joined_ranks": [],
         "outcome": "completed",
         "reason": "",
         "rejected_frames": 1,

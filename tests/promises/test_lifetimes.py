@@ -172,8 +172,8 @@ def only_line(err: str) -> str:
 
 def elche_lines(err: str) -> list[str]:
     """What was printed on stderr, but for where the run's files are (its directory at
-    the start, its report at the end)."""
-    where = ("elche: run directory ", "elche: report at ")
+    the start, its report at the end) and how to join it (at the start)."""
+    where = ("elche: run directory ", "elche: report at ", "elche: join with ")
     return [line for line in err.splitlines() if line.strip() and not line.startswith(where)]
 
 

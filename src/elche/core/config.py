@@ -8,6 +8,7 @@ Defaults carry their reason; most come from the reference balancer (floDl
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -208,6 +209,11 @@ class CoordinatorConfig:
     # A lost coordinator is restarted from the journal this many times at most
     # (by the process that started it); past that the run stops.
     max_coordinator_restarts: int = 3
+    # Rank ids a running run keeps for ranks that join it (``elche join``):
+    # ranks ``world_size .. world_size + join_slots - 1``. Each costs a few
+    # numbers per collaborator; collective modes only (the joiner takes the
+    # consensus in its first average, at weight 0).
+    join_slots: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
@@ -223,6 +229,13 @@ class CoordinatorConfig:
         _check_int("seed", self.seed, minimum=0)
         _check_int("max_failures", self.max_failures, minimum=1, optional=True)
         _check_int("max_coordinator_restarts", self.max_coordinator_restarts, minimum=0)
+        _check_int("join_slots", self.join_slots, minimum=0)
+        if self.join_slots and self.mode.backend is not Backend.COLLECTIVE:
+            raise ConfigError(
+                "join_slots",
+                "ranks join collective runs only (sync, cadence), not "
+                f"{self.mode.value}; got join_slots={self.join_slots}",
+            )
         _check_int("eval_every", self.eval_every, minimum=1)
         _check_int("checkpoint_every", self.checkpoint_every, minimum=1, optional=True)
         _check_int("callback_rank", self.callback_rank, minimum=0)
@@ -258,6 +271,20 @@ class CoordinatorConfig:
                 )
         if not (_is_number(self.outer_momentum) and 0 <= self.outer_momentum < 1):
             raise ConfigError("outer_momentum", f"must be in [0, 1), got {self.outer_momentum!r}")
+
+    @property
+    def num_slots(self) -> int:
+        """Rank ids of the run: the ranks it starts with and the slots for joiners."""
+        return self.world_size + self.join_slots
+
+    def slotted(self) -> CoordinatorConfig:
+        """This config over every rank id (``num_slots`` ranks, no slots left).
+
+        The coordinator's collaborators size their per-rank state with it.
+        """
+        if not self.join_slots:
+            return self
+        return dataclasses.replace(self, world_size=self.num_slots, join_slots=0)
 
     @property
     def policy(self) -> Policy:

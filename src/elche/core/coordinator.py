@@ -9,7 +9,9 @@ Rules:
 - Run states move forward only: ``FORMING -> TRAINING -> (FINISHING) ->
   CLOSING -> DONE`` (the run is complete once its final model is on disk),
   or ``-> SAVING -> DONE`` when the run cannot go on.
-- A rank is ``JOINING``, ``LIVE``, ``DEAD`` or ``ERRORED``. A rank that sends
+- A rank is ``JOINING``, ``LIVE``, ``DEAD`` or ``ERRORED``; a join slot
+  (``config.join_slots``) is ``VACANT`` until a rank joins the running run
+  in it (``elche.core.joins``). A rank that sends
   something illegal is latched ``ERRORED`` and treated as lost; the run goes on
   with the others. An illegal *event* from the shell raises
   ``LocalProtocolError`` and leaves the state unchanged.
@@ -44,7 +46,7 @@ import math
 from collections.abc import Iterator
 from typing import assert_never
 
-from elche.core import failures, journal
+from elche.core import failures, joins, journal
 from elche.core import messages as m
 from elche.core import timeline as tl
 from elche.core.callbacks import Callbacks
@@ -92,6 +94,7 @@ STALL_FLOOR_S = 300.0
 
 
 class RankState(enum.Enum):
+    VACANT = "vacant"  # a join slot no rank took yet
     JOINING = "joining"
     LIVE = "live"
     DEAD = "dead"
@@ -114,8 +117,8 @@ class RankStates:
     the coordinator asks for it on every batch report.
     """
 
-    def __init__(self, world_size: int) -> None:
-        self._states = [RankState.JOINING] * world_size
+    def __init__(self, world_size: int, slots: int = 0) -> None:
+        self._states = [RankState.JOINING] * world_size + [RankState.VACANT] * slots
         self._live: list[int] | None = None
 
     def __getitem__(self, rank: int) -> RankState:
@@ -161,24 +164,26 @@ class Coordinator:
         if resume is not None:
             resume.check_fits(config)
         self.config = config
-        ws = config.world_size
-        self.elche = ElChe.for_run(config)
+        every = config.slotted()  # the collaborators keep state for every rank id
+        ws = every.world_size
+        self.elche = ElChe.for_run(every)
         self.roles = CallbackRoles(config.callback_policy, ws, config.callback_rank)
         self.work = WorkBook(ws, config.num_samples, config.batch_size, config.epochs)
-        self.planner = Planner(config, self.elche, self.work)
+        self.planner = Planner(every, self.elche, self.work)
         self.ledger = WindowLedger(ws)
-        self.callbacks = Callbacks(config, self.roles, self.ledger)
+        self.callbacks = Callbacks(every, self.roles, self.ledger)
         self.tuner = Tuner(
-            config, self.elche, self.callbacks, self.planner, self.work,
+            every, self.elche, self.callbacks, self.planner, self.work,
             ledger=self.ledger, saved=_balancer_state(resume, config.world_size),
         )  # fmt: skip
         self.saves = Saves(config, max(last_save, resume.save_seq if resume else 0))
         self.failures = failures.UserFailures()
-        self.round = Round(config, self.work)
-        self.telemetry = Telemetry(config, self.roles)
+        self.round = Round(every, self.work)
+        self.telemetry = Telemetry(every, self.roles)
         self.stall = StallWatch(config.stall_dump_s)
         self.state = RunState.FORMING
-        self.rank_state = RankStates(ws)
+        self.rank_state = RankStates(config.world_size, config.join_slots)
+        self.joins = joins.Joins(self, range(config.world_size, ws))
         self.hosts = [""] * ws
         self.last_seen_s = [0.0] * ws
         self.dead_ranks: list[int] = []
@@ -209,6 +214,12 @@ class Coordinator:
     @property
     def live(self) -> list[int]:
         return self.rank_state.live()
+
+    @property
+    def workers(self) -> list[int]:
+        """Live ranks that may be given work (all but joiners not yet averaged)."""
+        fresh = self.joins.fresh
+        return [r for r in self.rank_state.live() if r not in fresh] if fresh else self.live
 
     @property
     def unsatisfied(self) -> frozenset[int]:
@@ -257,6 +268,8 @@ class Coordinator:
                 self._stop(reason)
             case _:
                 assert_never(event)
+        if self.state is RunState.TRAINING and not self.round.in_flight:
+            self.joins.admit_pending()
         if self.state is RunState.TRAINING:
             self._progress()
         out, self._out = self._out, []  # the commands are the shell's now, not state
@@ -265,17 +278,23 @@ class Coordinator:
     # -- formation -----------------------------------------------------------
 
     def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.config.world_size:
+        if not 0 <= rank < self.config.num_slots:
             raise LocalProtocolError(
-                f"event names rank {rank}; world size is {self.config.world_size}"
+                f"event names rank {rank}; world size is {self.config.world_size} "
+                f"with {self.config.join_slots} join slot(s)"
             )
 
     @classmethod
     def restore(cls, config: CoordinatorConfig, record: journal.JournalRecord) -> Coordinator:
         """A coordinator that goes on from the journal's ``record`` (``journal.restore``)."""
-        return journal.restore(config, record)
+        core = journal.restore(config, record)
+        core.joins.expect_rejoins()
+        return core
 
     def _on_join(self, rank: int, host: str, held: m.Held | None = None) -> None:
+        if self.rank_state[rank] is RankState.VACANT:
+            self.joins.request(rank, host, held)
+            return
         if self.state is not RunState.FORMING or self.rank_state[rank] is not RankState.JOINING:
             self._evict(rank, RemoteProtocolError("joined twice", rank=rank))
             return
@@ -388,7 +407,7 @@ class Coordinator:
         trained them.
         """
         for rank in self.planner.reserve_takers():
-            if rank != asker:
+            if rank != asker and rank not in self.joins.fresh:
                 self._dispatch(rank)
                 if not self.planner.satisfied(rank):
                     self._unsatisfied.add(rank)
@@ -439,6 +458,7 @@ class Coordinator:
     def _finish_round(self) -> None:
         rnd = self.round
         rnd.close()
+        self.joins.averaged(rnd)  # a joiner's first round: its model is no replica's yet
         sync_ms = (self._now - rnd.started_s) * 1000.0
         k_used, commands = self.tuner.close_round(rnd, sync_ms, self.live, set(self.dead_ranks))
         self._out.extend(commands)
@@ -484,7 +504,7 @@ class Coordinator:
         self._plan_window()
 
     def _plan_window(self, *, continuing: bool = False) -> None:
-        live = self.live
+        live = self.workers
         plan = self.planner.open_window(live, continuing=continuing, now_s=self._now)
         for rank, update in zip(live, plan, strict=True):
             if update is not None:
@@ -492,10 +512,10 @@ class Coordinator:
         self._send_progress(self.round.number)  # again: the shares of the budgets just planned
         for rank in live:
             self._dispatch(rank)
-        self._unsatisfied = {r for r in self.live if not self.planner.satisfied(r)}
+        self._unsatisfied = {r for r in self.workers if not self.planner.satisfied(r)}
 
     def _open_epoch(self, epoch: int) -> None:
-        self.planner.open_epoch(epoch, set(self.live))
+        self.planner.open_epoch(epoch, set(self.workers))
         role = self.roles.take_dirty_epoch_role()
         if role is not None:
             self._broadcast(m.SetEpochCallbackRole(rank=role))
@@ -506,9 +526,11 @@ class Coordinator:
         """Give ``rank`` its next chunk if it is idle and may take one."""
         if self.rank_state[rank] is not RankState.LIVE or self.state is not RunState.TRAINING:
             return
+        if rank in self.joins.fresh:  # it takes the consensus in the next round first
+            return
         if self.planner.needs_next_epoch(rank):
             self._stream_ahead()
-        chunk = self.planner.next_chunk(rank, len(self.live), self._now)
+        chunk = self.planner.next_chunk(rank, len(self.workers), self._now)
         if chunk is not None:
             self._out.append(Send(rank=rank, message=chunk))
 
@@ -526,18 +548,18 @@ class Coordinator:
         self._emit(end)
         self._broadcast(m.EpochDone(epoch=epoch, loss=loss))
         done = epoch + 1
-        self._out += self.callbacks.at_epoch_end(done, self.live)
+        self._out += self.callbacks.at_epoch_end(done, self.workers)
         if self.callbacks.checkpoint_due(done) and self.config.save_path is not None:
             # A newer bundle supersedes one still being written.
             meta = self._meta(SaveReason.CHECKPOINT)
-            self._out += self.saves.start(SaveKind.CHECKPOINT, self.live, self._now, meta=meta)
+            self._out += self.saves.start(SaveKind.CHECKPOINT, self.workers, self._now, meta=meta)
 
     def _end_of_training(self) -> None:
         if self.callbacks.pending or SaveKind.CHECKPOINT in self.saves:
             self.state = RunState.FINISHING
             return
         self.state = RunState.CLOSING
-        self._out += self.saves.start(SaveKind.FINAL, self.live, self._now)
+        self._out += self.saves.start(SaveKind.FINAL, self.workers, self._now)
         self._settle()  # with no rank left nobody can write it
 
     def _maybe_close(self) -> None:
@@ -553,6 +575,9 @@ class Coordinator:
 
     def _lose(self, rank: int, reason: str, *, errored: bool = False) -> None:
         state = self.rank_state[rank]
+        self.joins.forget(rank)
+        if state is RankState.VACANT:  # a join not admitted yet: its slot stays free
+            return
         if state is RankState.DEAD or state is RankState.ERRORED or self.outcome is not None:
             return
         self.rank_state[rank] = RankState.ERRORED if errored else RankState.DEAD
@@ -562,14 +587,14 @@ class Coordinator:
             failures.lost_forming(self, rank, reason)
             return
         if self.state in (RunState.SAVING, RunState.CLOSING):
-            self._out += self.saves.lost(rank, self.live)
+            self._out += self.saves.lost(rank, self.workers)
             self._settle()
             return
         self.round.leave(rank)  # what an average already holds stays committed
         reissued = self.work.forfeit(rank)
         self.elche.retire(rank)
         self.planner.note_rank_lost(rank)
-        live = self.live
+        live = self.workers  # the survivors holding the consensus (a fresh joiner does not)
         self._notice(
             "warning",
             f"rank {rank} lost ({reason}); {reissued} samples go back to the "
@@ -583,7 +608,7 @@ class Coordinator:
             return
         self._out += self.saves.lost(rank, live)
         self._settle()
-        self._out += self.callbacks.on_death(rank, self.live)
+        self._out += self.callbacks.on_death(rank, self.workers)
         self._after_death()
         self._maybe_close()  # what the dead rank owed may have been all that was left
 
@@ -606,7 +631,7 @@ class Coordinator:
                 for rank in sorted(live):
                     self.planner.note_work_returned(rank)
                     self._dispatch(rank)
-            self._unsatisfied = {r for r in live if not self.planner.satisfied(r)}
+            self._unsatisfied = {r for r in self.workers if not self.planner.satisfied(r)}
 
     def _save(self, reason: SaveReason) -> None:
         """Ask the survivors to save and stop; the meta follows their answers."""
@@ -619,7 +644,7 @@ class Coordinator:
             self._notice(
                 "error", f"run cannot continue ({reason.value}); saving state and stopping"
             )
-        self._out += self.saves.start(SaveKind.SHUTDOWN, self.live, self._now, reason=reason)
+        self._out += self.saves.start(SaveKind.SHUTDOWN, self.workers, self._now, reason=reason)
         self._settle()
 
     def _settle(self) -> None:
@@ -675,7 +700,7 @@ class Coordinator:
         )
 
     def _on_state_saved(self, rank: int, msg: m.StateSaved) -> None:
-        out = self.saves.answered(rank, msg, self.live)
+        out = self.saves.answered(rank, msg, self.workers)
         if out is None:
             self.stale_messages += 1
             return
@@ -704,7 +729,7 @@ class Coordinator:
             self._broadcast(m.CoordHeartbeat())
             self._arm()
             return
-        late = self.saves.overdue(now, self.live)
+        late = self.saves.overdue(now, self.workers)
         if late:
             self._out += late
             self._settle()
@@ -733,7 +758,7 @@ class Coordinator:
     def _send_progress(self, round_number: int) -> None:
         """Tell each live rank the exact global progress and its share of the next window."""
         samples = self.work.samples_averaged()
-        for rank, share in self.planner.shares(self.live).items():
+        for rank, share in self.planner.shares(self.workers).items():
             message = m.GlobalProgress(round=round_number, samples=samples, share=share)
             self._out.append(Send(rank=rank, message=message))
 
@@ -764,9 +789,10 @@ class Coordinator:
                 dead_ranks=tuple(sorted(self.dead_ranks)),
                 rejected_frames=self.rejected_frames,
                 anchor=self.elche.anchor,
-                samples_per_rank=tuple(self.work.samples_committed),
+                samples_per_rank=tuple(self.work.samples_committed[: self.joins.ranks_used()]),
                 user_error=user_error or self.failures.nonfinite,
                 coordinator_restarts=self.coordinator_restarts,
+                joined_ranks=tuple(self.joins.joined),
             )
         )
         self._out.append(Finish(outcome=outcome, reason=reason))

@@ -236,11 +236,15 @@ def maybe_form(core: Coordinator) -> None:
     if any(s is RankState.JOINING for s in core.rank_state):
         return
     # A restored coordinator's ranks kept their group: it re-forms only without
-    # ranks lost since.
+    # ranks lost since, or without the ranks that had joined the run (the
+    # journal keeps no joins: elche.core.joins).
     lost = set(core.dead_ranks) - set(core.restored_dead)
-    if lost and core.config.backend is Backend.COLLECTIVE:
+    joinable = core.restored_round is not None and core.config.join_slots > 0
+    if (lost or joinable) and core.config.backend is Backend.COLLECTIVE:
         core.generation += 1
         core._broadcast(m.Regroup(generation=core.generation, members=core.live))
+    if joinable:
+        core.joins.release_roles()
     core._begin_training()
 
 

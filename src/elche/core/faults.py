@@ -25,7 +25,9 @@ base speed from then on) and ``FailCheckpoint`` (its checkpoint callbacks
 report an error from then on; without a trigger, from the start), and
 ``KillCoordinator`` (the coordinator process is SIGKILLed when ``rank``
 reaches the trigger: it is restarted from its journal, see
-``elche.core.journal``). A new kind
+``elche.core.journal``), and ``Join`` (a new process joins the running run
+as rank ``rank``, a join slot past the run's ranks, at ``speed``: in the
+simulator only; a real rank joins with ``elche join``). A new kind
 goes here, into ``Fault`` and ``_KINDS``; then each driver's ``match`` over
 ``Fault`` (``assert_never``) says where it still needs handling.
 
@@ -46,6 +48,7 @@ __all__ = [
     "FailCheckpoint",
     "Fault",
     "FaultPlan",
+    "Join",
     "Kill",
     "KillCoordinator",
     "SlowDown",
@@ -134,7 +137,27 @@ class KillCoordinator(_Triggered):
     """SIGKILL the run's coordinator once ``rank`` reaches the trigger."""
 
 
-Fault = Kill | Stall | SlowDown | FailCheckpoint | KillCoordinator
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Join(_Triggered):
+    """A new rank joins the running run as rank ``rank`` (a join slot) at ``at_s``.
+
+    ``speed`` is its speed (fraction of the base speed, in (0, 1]). Its
+    trigger is a time only: the rank has no progress before it joins.
+    """
+
+    speed: float = 1.0
+
+    def __post_init__(self) -> None:
+        _Triggered.__post_init__(self)
+        if self.at_epoch is not None or self.at_s is None:
+            raise ConfigError("at_s", f"a Join fires at a time (at_s) only, got {self}")
+        speed = self.speed
+        if isinstance(speed, bool) or not isinstance(speed, int | float) or not 0 < speed <= 1:
+            raise ConfigError("speed", f"must be in (0, 1], got {speed!r}")
+        object.__setattr__(self, "speed", float(speed))
+
+
+Fault = Kill | Stall | SlowDown | FailCheckpoint | KillCoordinator | Join
 
 # The JSON name of each kind (the builder method's name).
 _KINDS: dict[str, type[Fault]] = {
@@ -143,6 +166,7 @@ _KINDS: dict[str, type[Fault]] = {
     "slow": SlowDown,
     "fail_checkpoint": FailCheckpoint,
     "kill_coordinator": KillCoordinator,
+    "join": Join,
 }
 
 
@@ -187,18 +211,47 @@ class FaultPlan:
         """Add a ``KillCoordinator``. Raises ConfigError on a bad field (this plan unchanged)."""
         return self._with(KillCoordinator(rank=rank, at_s=at_s, at_epoch=at_epoch))
 
+    def join(self, *, rank: int, at_s: float, speed: float = 1.0) -> FaultPlan:
+        """Add a ``Join``. Raises ConfigError on a bad field (this plan unchanged)."""
+        return self._with(Join(rank=rank, at_s=at_s, speed=speed))
+
+    def join_slots(self, world_size: int) -> int:
+        """The join slots a run of ``world_size`` ranks needs for this plan's joins."""
+        joined = [f.rank for f in self.faults if isinstance(f, Join)]
+        return max(joined) + 1 - world_size if joined else 0
+
     def for_rank(self, rank: int) -> tuple[Fault, ...]:
         """The faults of ``rank``, in plan order."""
         return tuple(fault for fault in self.faults if fault.rank == rank)
 
-    def check(self, world_size: int) -> None:
+    def check(self, world_size: int, *, joins: bool = False) -> None:
         """Check every fault names a rank of a world of ``world_size``.
+
+        Args:
+            world_size: the ranks the run starts with.
+            joins: whether the driver runs ``Join`` faults (the simulator):
+                each must name a rank past the world; other faults may name
+                a joining rank too (they fire once it has joined).
 
         Raises:
             ConfigError: (field ``"faults"``) a fault names a rank outside
-                ``0..world_size - 1``.
+                ``0..world_size - 1`` (a ``Join``: one inside it, or any
+                ``Join`` where ``joins`` is false, or two joins of one rank).
         """
+        joined = [f.rank for f in self.faults if isinstance(f, Join)]
+        if len(set(joined)) != len(joined):
+            raise ConfigError("faults", f"two joins of one rank in {joined}")
         for fault in self.faults:
+            if isinstance(fault, Join):
+                if not joins or fault.rank < world_size:
+                    raise ConfigError(
+                        "faults",
+                        f"{fault}: a rank joins as a rank past 0..{world_size - 1}, in a "
+                        "simulation only (a real rank joins with elche join)",
+                    )
+                continue
+            if fault.rank in joined:
+                continue
             if not 0 <= fault.rank < world_size:
                 raise ConfigError(
                     "faults", f"{fault} names rank {fault.rank}; ranks are 0..{world_size - 1}"
@@ -244,20 +297,33 @@ class FaultPlan:
 
     @classmethod
     def random(
-        cls, rng: random.Random, *, world_size: int, horizon_s: float, max_faults: int = 3
+        cls,
+        rng: random.Random,
+        *,
+        world_size: int,
+        horizon_s: float,
+        max_faults: int = 3,
+        joins: bool = False,
     ) -> FaultPlan:
         """A random plan: up to ``max_faults`` kills, stalls, slow-downs, failing checkpoints
-        and coordinator kills.
+        and coordinator kills, and with ``joins`` ranks that join (ranks
+        ``world_size``, ``world_size + 1``, ... in the order they are drawn).
 
         Every trigger is ``at_s`` in ``[0, horizon_s]`` (a failing checkpoint
-        has none: it fails from the start).
+        has none: it fails from the start). Without ``joins`` the plans are
+        those of earlier versions, seed for seed.
         """
         plan = cls()
+        kinds = ("kill", "stall", "slow", "fail", "coordinator") + (("join",) if joins else ())
+        next_join = world_size
         for _ in range(rng.randint(0, max_faults)):
             rank = rng.randrange(world_size)
             at_s = rng.uniform(0.0, horizon_s)
-            kind = rng.choice(("kill", "stall", "slow", "fail", "coordinator"))
-            if kind == "coordinator":
+            kind = rng.choice(kinds)
+            if kind == "join":
+                plan = plan.join(rank=next_join, at_s=at_s, speed=rng.uniform(0.1, 1.0))
+                next_join += 1
+            elif kind == "coordinator":
                 plan = plan.kill_coordinator(rank=rank, at_s=at_s)
             elif kind == "kill":
                 plan = plan.kill(rank=rank, at_s=at_s)

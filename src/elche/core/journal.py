@@ -104,7 +104,7 @@ def restore(config: CoordinatorConfig, record: JournalRecord) -> Coordinator:
     from elche.core.coordinator import Coordinator, RankState
     from elche.core.roles import Role
 
-    ws = config.world_size
+    ws = config.num_slots  # every rank id, the join slots' too
     if len(record.samples_committed) != ws:
         raise ConfigError(
             "journal", f"is for {len(record.samples_committed)} ranks; this run has {ws}"
@@ -116,7 +116,7 @@ def restore(config: CoordinatorConfig, record: JournalRecord) -> Coordinator:
         epoch=open_epochs[0] if open_epochs else record.epochs_completed,
         global_step=record.global_step,
         rounds_done=record.rounds_done,
-        world_size=ws,
+        world_size=config.world_size,
         reason=SaveReason.CHECKPOINT,
         seed=config.seed,
         batch_size=config.batch_size,

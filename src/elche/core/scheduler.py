@@ -460,6 +460,22 @@ class ElChe:
             self._anchor_rank = None
             self._proposal = None
 
+    def readmit(self, rank: int) -> None:
+        """Take a retired ``rank`` back (elche addition: a rank joined in its slot).
+
+        It starts without timing, at the anchor's count, until its first
+        window's timing calibrates it like any other rank.
+
+        Raises:
+            ValueError: ``rank`` is out of range; nothing changes.
+        """
+        if not 0 <= rank < self._ws:
+            raise ValueError(f"rank must be in [0, {self._ws}), got {rank}")
+        self._retired.discard(rank)
+        self._windows[rank].clear()
+        self._means = None
+        self._counts[rank] = self._anchor
+
     def restore_from_state(self, state: ElCheState) -> None:
         """Resume a saved trajectory; knobs and transient state are kept.
 

@@ -237,6 +237,7 @@ class RunEnd(_Record, frozen=True):
     samples_per_rank: tuple[int, ...]  # samples each rank put into the consensus
     user_error: UserError | None = None  # outcome "failed" on the user's own code
     coordinator_restarts: int = 0  # coordinators lost and restarted from the journal
+    joined_ranks: tuple[int, ...] = ()  # ranks that joined the running run (``elche join``)
 
 
 class OuterMomentumRestored(_Record, frozen=True):

@@ -85,6 +85,8 @@ class Tuner:
             elche.restore_from_state(saved)
         self.meta = LrEventMeta() if sched.meta_controller else None
         self._lr: list[float | None] = [None] * config.world_size
+        # Slots no rank has joined (the coordinator keeps it): they hold no norms.
+        self.vacant: set[int] = set()
 
     def saved_state(self) -> ElCheState:
         """The balancer's trajectory and the guard's history, for a checkpoint meta."""
@@ -156,7 +158,7 @@ class Tuner:
 
     def _divergence(self, rnd: Round) -> DivergenceReport:
         ws = self.config.world_size
-        pre = [rnd.pre_norms.get(r) for r in range(ws)]
+        pre = [rnd.pre_norms.get(r, 0.0 if r in self.vacant else None) for r in range(ws)]
         return DivergenceReport(
             deltas=tuple(rnd.divergence.get(r, 0.0) for r in range(ws)),
             pre_norms=None if any(p is None for p in pre) else tuple(p or 0.0 for p in pre),

@@ -105,6 +105,7 @@ def coordinator_summary(stats: RunStats, *, mode: str, world_size: int) -> dict[
         "syncs": report.rounds_done,
         "lost_samples": report.lost_samples,
         "dead_ranks": list(report.dead_ranks),
+        "joined_ranks": list(report.joined_ranks),
         "outcome": outcome,
         "reason": reason,
         "rejected_frames": report.rejected_frames,
@@ -127,7 +128,7 @@ def read_run(run_dir: Path, world_size: int) -> tuple[dict[str, Any], dict[int, 
         raise RuntimeError(f"the coordinator exited without a summary; see {run_dir}")
     host = json.loads(summary_file.read_text(encoding="utf-8"))
     ranks = {}
-    for rank in range(world_size):
+    for rank in [*range(world_size), *host.get("joined_ranks", [])]:
         report = rank_report_file(run_dir, rank)
         if report.exists():
             ranks[rank] = json.loads(report.read_text(encoding="utf-8"))
@@ -169,6 +170,7 @@ def run_summary(
         "syncs": host["syncs"],
         "lost_samples": host["lost_samples"],
         "dead_ranks": host["dead_ranks"],
+        "joined_ranks": host.get("joined_ranks", []),  # ranks that joined (elche join)
         "outcome": host["outcome"],
         "reason": host["reason"],
         "bundle": save_path if host["outcome"] == "saved_and_shutdown" else None,
@@ -178,11 +180,12 @@ def run_summary(
         "per_rank": [
             {
                 "rank": rank,
-                "speed": speeds[rank],
+                # A joined rank's speed is its own (its report; None without one).
+                "speed": speeds[rank] if rank < world else ranks.get(rank, {}).get("speed"),
                 "samples": host["samples_per_rank"][rank],
                 "idle_s": ranks.get(rank, {}).get("idle_s"),
                 "lr": ranks.get(rank, {}).get("lr"),  # the rank's learning rate at the end
             }
-            for rank in range(world)
+            for rank in [*range(world), *host.get("joined_ranks", [])]
         ],
     }

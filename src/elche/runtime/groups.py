@@ -74,10 +74,22 @@ def listen(bind: str, port: int = 0) -> socket.socket:
 
 
 class GroupStoreServer:
-    """Serves the run's store on a socket from ``listen`` (torch imported in a thread)."""
+    """Serves the run's store on a socket from ``listen`` (torch imported in a thread).
 
-    def __init__(self, sock: socket.socket) -> None:
+    ``info``: keys the store holds from the start (what a joining rank reads,
+    ``elche.runtime.joining``); ``counters``: counters it starts at these values.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        info: dict[str, str] | None = None,
+        counters: dict[str, int] | None = None,
+    ) -> None:
         self.sock = sock
+        self._info = dict(info or {})
+        self._counters = dict(counters or {})
         self.port: int = sock.getsockname()[1]
         self.error: BaseException | None = None
         self._store: object = None  # the TCPStore, kept alive while the run lasts
@@ -95,6 +107,10 @@ class GroupStoreServer:
                 "0.0.0.0", self.port, None, True, timedelta(seconds=SERVER_TIMEOUT_S),
                 wait_for_workers=False, master_listen_fd=self.sock.fileno(),
             )  # fmt: skip
+            for key, value in self._info.items():
+                self._store.set(key, value)
+            for key, start in self._counters.items():
+                self._store.add(key, start)
         except Exception as exc:  # the ranks' group formation then times out, saying so
             self.error = exc
             print(f"elche coordinator: the group store did not start: {exc}", file=sys.stderr)

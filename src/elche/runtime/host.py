@@ -75,7 +75,7 @@ from elche.core.guards import GuardKind
 from elche.core.journal import JournalRecord
 from elche.monitor.summary import SUMMARY_FILE, RunStats, coordinator_summary
 from elche.monitor.timeline import TimelineWriter, read_timeline
-from elche.runtime import bundle
+from elche.runtime import bundle, joining
 from elche.runtime.addresses import BIND_ENV
 from elche.runtime.frames import SECRET_ENV, secret_from_env
 from elche.runtime.groups import GROUPS_FIELD, GROUPS_PORT_ENV, GroupStoreServer, listen
@@ -576,13 +576,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         secret=secret_from_env(os.environ),
         bind=bind,
         restarts=0 if restore is None else restore.coordinator_restarts + 1,
+        join_slots=config.join_slots,
     )
     if SECRET_ENV not in os.environ:
         print("elche coordinator: no ELCHE_SECRET given; generated one", file=sys.stderr)
     (run_dir / "coordinator.pid").write_text(str(os.getpid()))
     collective = config.backend is Backend.COLLECTIVE and config.world_size >= 2
     port = int(os.environ.get(GROUPS_PORT_ENV, "0"))  # a successor's: its predecessor's
-    groups = GroupStoreServer(listen(bind, port)) if collective else None
+    groups = None
+    if collective:
+        info = joining.store_info(config, run_dir, config_to_json(config))
+        counters = {joining.JOINED_KEY: _slots_used(config, restore)}
+        groups = GroupStoreServer(listen(bind, port), info=info, counters=counters)
     said = f" {GROUPS_FIELD}{groups.port}" if groups is not None else ""
     print(f"{ADDRESS_LINE} {endpoint.address}{said}", flush=True)
     if groups is not None:
@@ -596,6 +601,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             host.watch(sys.stdin, on_eof=_exit_after_grace)
         finish = host.run()
     return {"completed": 0, "failed": FAILED_EXIT}.get(finish.outcome, 3)
+
+
+def _slots_used(config: CoordinatorConfig, restore: JournalRecord | None) -> int:
+    """Join slots a restored run's journal shows taken (a successor's store counts on)."""
+    if restore is None:
+        return 0
+    used = [r - config.world_size + 1 for r, n in enumerate(restore.samples_committed) if n]
+    return max([0, *used])
 
 
 def _exit_after_grace() -> None:

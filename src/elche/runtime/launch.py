@@ -57,6 +57,7 @@ from elche.runtime.epochs import EpochLog, with_bundles
 from elche.runtime.frames import SECRET_ENV, new_secret, secret_from_env
 from elche.runtime.groups import GROUPS_PORT_ENV, parse_address_line
 from elche.runtime.host import ADDRESS_LINE, FAILED_EXIT, RESUME_OUTER, config_to_json
+from elche.runtime.joining import announce_join
 from elche.runtime.journal_file import JOURNAL_FILE
 from elche.runtime.lifetimes import (
     Interrupted,
@@ -476,6 +477,7 @@ def _supervise(
     coordinator = Supervised(
         *start_coordinator(cfg, run_dir, secret, plan.resume_from), cfg, run_dir, secret
     )
+    announce_join(coordinator.address, coordinator.group_port, run_dir, secret, cfg)
     board = start_watching(plan, run_dir, dashboard, tensorboard_dir)
     ctx = rank_context()
     procs: list[Any] = []

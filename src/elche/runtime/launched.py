@@ -56,6 +56,7 @@ from elche.monitor.timeline import read_timeline
 from elche.runtime.addresses import BIND_ENV, EVERY_INTERFACE, advertised_host
 from elche.runtime.frames import new_secret, secret_from_env
 from elche.runtime.handoff import is_handoff
+from elche.runtime.joining import announce_join
 from elche.runtime.launch import (
     Supervised,
     _rank_process,
@@ -243,6 +244,7 @@ def _start_on_rank0(
         tell_coordinator(host, f"stop {signal.Signals(signals.received).name}")
     if advertise is not None:
         address = f"tcp://{advertise}:{address.rsplit(':', 1)[1]}"
+    announce_join(address, group_port, directory, secret, bundled.config)
     results = ResultBoard.serve()
     board = start_watching(bundled, directory, dashboard, tensorboard_dir)
     shared: list[object] = [address, secret.hex(), str(directory), results.port, group_port]

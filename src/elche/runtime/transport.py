@@ -197,6 +197,8 @@ class CoordinatorEndpoint(_Endpoint):
 
     Args:
         world_size: the number of ranks (1 to 65534).
+        join_slots: rank ids past ``world_size`` that may say Hello (ranks that
+            join the running run).
         secret: the run's secret; None generates one, allowed on loopback only.
         bind: a ZeroMQ endpoint; port 0 picks a free port (see ``address``).
         max_frame_bytes: frames larger than this are refused both ways.
@@ -217,8 +219,9 @@ class CoordinatorEndpoint(_Endpoint):
         bind: str = "tcp://127.0.0.1:0",
         max_frame_bytes: int = MAX_FRAME_BYTES,
         restarts: int = 0,
+        join_slots: int = 0,
     ) -> None:
-        check_limits(world_size, max_frame_bytes)
+        check_limits(world_size + join_slots, max_frame_bytes)
         # A coordinator restarted on the run's address numbers its frames above
         # every one its predecessors sent, so a rank's replay check still holds.
         self._seq_out = restarts << SEQ_SHIFT_PER_RESTART
@@ -236,6 +239,7 @@ class CoordinatorEndpoint(_Endpoint):
         check_secret(secret)
         self.secret = secret
         self.world_size = world_size
+        self.join_slots = join_slots  # ranks past world_size that may join the running run
         self.max_frame_bytes = max_frame_bytes
         self.rejected = 0
         self._peers: dict[bytes, _Peer] = {}
@@ -365,7 +369,8 @@ class CoordinatorEndpoint(_Endpoint):
             raise RemoteProtocolError(
                 f"Hello for world_size {hello.world_size}, this run has {self.world_size}"
             )
-        if not 0 <= hello.rank < self.world_size or opened.sender != hello.rank:
+        slots = self.world_size + self.join_slots
+        if not 0 <= hello.rank < slots or opened.sender != hello.rank:
             raise RemoteProtocolError(f"Hello for rank {hello.rank} from sender {opened.sender}")
         if hello.rank in self._by_rank:
             raise RemoteProtocolError(f"rank {hello.rank} already joined on another connection")
@@ -425,6 +430,7 @@ class RankEndpoint(_Endpoint):
         address: the coordinator's ``CoordinatorEndpoint.address``.
         rank: this rank, in ``[0, world_size)``.
         world_size: the number of ranks, as the coordinator knows it.
+        join_slots: the run's join slots (``rank`` may lie past ``world_size``).
         secret: the run's secret (``CoordinatorEndpoint.secret``).
         host: a name for logs, sent in ``Hello``.
         max_frame_bytes: must match the coordinator's.
@@ -444,10 +450,11 @@ class RankEndpoint(_Endpoint):
         secret: bytes,
         host: str = "",
         max_frame_bytes: int = MAX_FRAME_BYTES,
+        join_slots: int = 0,
     ) -> None:
-        check_limits(world_size, max_frame_bytes)
-        if not 0 <= rank < world_size:
-            raise ConfigError("rank", f"must be in [0, {world_size}), got {rank}")
+        check_limits(world_size + join_slots, max_frame_bytes)
+        if not 0 <= rank < world_size + join_slots:
+            raise ConfigError("rank", f"must be in [0, {world_size + join_slots}), got {rank}")
         check_secret(secret)
         self.rank = rank
         self._secret = secret

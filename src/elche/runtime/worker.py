@@ -50,6 +50,7 @@ from elche.core.config import Backend, Mode
 from elche.core.faults import (
     FailCheckpoint,
     Fault,
+    Join,
     Kill,
     KillCoordinator,
     SlowDown,
@@ -126,6 +127,12 @@ class RankSpec:
     collective_timeout_s: float = 120.0
     faults: tuple[Fault, ...] = ()  # testing: this rank's faults (elche.core.faults)
     group_port: int | None = None  # the coordinator's group store (elche.runtime.groups)
+    join_slots: int = 0  # the run's join slots: a joining rank's id lies past world_size
+
+    @property
+    def joining(self) -> bool:
+        """This rank joins a running run (``elche join``, ``elche.runtime.joining``)."""
+        return self.rank >= self.world_size
 
     @property
     def slows_later(self) -> bool:
@@ -138,6 +145,7 @@ class RankSpec:
             address=self.address,
             rank=self.rank,
             world_size=self.world_size,
+            join_slots=self.join_slots,
             secret=bytes.fromhex(self.secret_hex),
             host=os.uname().nodename,
         )
@@ -421,6 +429,8 @@ class Worker:
                 self._fail_checkpoint = True
             case KillCoordinator():
                 self._kill_coordinator(at)
+            case Join():  # no rank's fault in a real run (FaultPlan.check): elche join
+                pass
             case _:
                 assert_never(fault)
 
@@ -689,16 +699,19 @@ def train_rank(
             spec.resume_from, worker.model, worker.optimizer, rank=spec.rank,
             world_size=spec.world_size, device=worker.device,
         )  # fmt: skip
-    worker.join_group()  # collective modes: the rendezvous, so every peer has started
-    fingerprint = start_from_rank0(worker.model, worker.group)  # (collective) rank 0's weights
-    worker.wait_peers_started()  # the same, for coordinator modes
+    fingerprint = None
+    if not spec.joining:  # a joiner forms the group of its first Regroup, at the next round
+        worker.join_group()  # collective modes: the rendezvous, so every peer has started
+        fingerprint = start_from_rank0(worker.model, worker.group)  # (collective) rank 0's
+        worker.wait_peers_started()  # the same, for coordinator modes
     first = min(batch_size, len(fns.dataset))  # the dataset, collate and step_fn:
     with providing(worker.progress):  # the user's code may ask for it (and lr_schedule does)
         guarded(spec, worker.stepper.apply_schedule)
         guarded(spec, lambda: worker.warm_up(worker.batch_at(0, 0, first)))
     worker.consensus.keep(worker.model)  # the run's start is its first consensus
     worker.connect()
-    worker._send(m.InitialState(fingerprint=fingerprint))
+    if fingerprint is not None:  # a joiner takes the consensus in its first round instead
+        worker._send(m.InitialState(fingerprint=fingerprint))
     try:
         worker.run()
     finally:

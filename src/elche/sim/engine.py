@@ -23,6 +23,12 @@ the heartbeat timeout. A fault (``elche.core.faults``) fires at its virtual
 ``at_s``, or when its rank is about to train the batch at ``at_epoch``,
 whichever comes first, and once.
 
+A ``Join`` fault starts a new rank in its join slot at its ``at_s``: it says
+``Hello`` (``RankJoined``), heartbeats, and from then on runs the rank rules
+like the others. A coordinator restarted from its journal keeps no joined
+ranks: it refuses a joined rank's rejoin, and the rank stops (its held work
+goes back to the pools, as a lost rank's).
+
 A ``KillCoordinator`` fault loses the coordinator: whatever it had not sent
 yet and whatever is on its way to it is gone; after ``exit_detect_ms`` the
 shell restores a new one from the journal it kept (``Coordinator.restore``),
@@ -80,6 +86,7 @@ from elche.core.events import (
 from elche.core.faults import (
     FailCheckpoint,
     FaultPlan,
+    Join,
     Kill,
     KillCoordinator,
     SlowDown,
@@ -167,7 +174,7 @@ class SimConfig:
             raise ConfigError("base_ms", f"must be > 0, got {self.base_ms}")
         if not 0 <= self.jitter < 1:
             raise ConfigError("jitter", f"must be in [0, 1), got {self.jitter}")
-        self.faults.check(len(self.speeds))
+        self.faults.check(len(self.speeds), joins=True)
         if self.callback_rank != "fastest" and not isinstance(self.callback_rank, int):
             raise ConfigError(
                 "callback_rank", f"must be 'fastest' or a rank, got {self.callback_rank!r}"
@@ -192,6 +199,7 @@ class SimConfig:
             save_path=self.save_path,
             callback_policy=CallbackPolicy.FASTEST if pinned is None else CallbackPolicy.PINNED,
             callback_rank=pinned or 0,
+            join_slots=self.faults.join_slots(len(self.speeds)),
         )
 
 
@@ -217,10 +225,12 @@ class _Rank:
     uncommitted: deque[Batch] = field(default_factory=deque)
     busy_s: float = 0.0
     stopped_at_s: float | None = None
+    joined: bool = True  # a join slot's rank: False until its Join fires
+    started_s: float | None = None  # when it joined (a joined rank)
 
     @property
     def active(self) -> bool:
-        return self.alive and not self.stalled and not self.finished
+        return self.alive and not self.stalled and not self.finished and self.joined
 
 
 class Simulation:
@@ -247,6 +257,11 @@ class Simulation:
             )
             for r, s in enumerate(config.speeds)
         ]
+        world = len(config.speeds)
+        joins = {f.rank: f.speed for f in config.faults.faults if isinstance(f, Join)}
+        for r in range(world, world + config.faults.join_slots(world)):
+            proto = RankProtocol(r, mode=config.mode, batch_size=config.batch_size)
+            self.ranks.append(_Rank(rank=r, speed=joins.get(r, 1.0), proto=proto, joined=False))
         self.rng = random.Random(config.seed)
         self.notices: list[tuple[float, str, str]] = []
         self.timeline: list[tl.TimelineEvent] = []  # stamped with virtual time
@@ -261,7 +276,7 @@ class Simulation:
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
         self._timer_token = 0
-        self._group = set(range(len(self.ranks)))
+        self._group = set(range(world))
         self._collective: dict[int, int] | None = None  # rank -> steps entered with
         self._collective_round = -1
         self._averaging: dict[int, list[Batch]] = {}
@@ -285,7 +300,7 @@ class Simulation:
                 ``max_virtual_s``).
         """
         self._to_core(Started())
-        for rank in range(len(self.ranks)):
+        for rank in range(len(self.config.speeds)):
             self._to_core(RankJoined(rank=rank, host="sim"))
             self._at(self.config.heartbeat_interval_s, functools.partial(self._heartbeat, rank))
         for index, fault in enumerate(self.config.faults.faults):
@@ -396,9 +411,13 @@ class Simulation:
         self._fired.add(index)
         fault = self.config.faults.faults[index]
         rank = self.ranks[fault.rank]
+        if isinstance(fault, Join) and not rank.joined and self.finish is None:
+            self._join(rank)
         if not rank.active:
             return
         match fault:
+            case Join():
+                pass  # joined above
             case KillCoordinator():
                 self._lose_coordinator()
             case Kill():
@@ -418,6 +437,14 @@ class Simulation:
                 self._fail_checkpoint.add(fault.rank)
             case _:
                 assert_never(fault)
+
+    def _join(self, r: _Rank) -> None:
+        """A new process says Hello in join slot ``r.rank`` and starts heartbeating."""
+        r.joined = True
+        r.started_s = self.now
+        self._joined_gen[r.rank] = self._core_gen
+        self._to_core(RankJoined(rank=r.rank, host="sim"))
+        self._at(self.now + self.config.heartbeat_interval_s, lambda: self._heartbeat(r.rank))
 
     def _lose_coordinator(self) -> None:
         if not self.journal or self.finish is not None:
@@ -625,12 +652,14 @@ class Simulation:
         ideal = sum(cfg.speeds) * cfg.batch_size * 1000.0 / cfg.base_ms
         per_rank = []
         for r in self.ranks:
+            if not r.joined:
+                continue  # its Join never fired
             end = r.stopped_at_s if r.stopped_at_s is not None else self.now
-            active_s = max(end - started, 0.0)
+            active_s = max(end - max(started, r.started_s or 0.0), 0.0)
             per_rank.append(
                 RankResult(
                     rank=r.rank,
-                    speed=cfg.speeds[r.rank],
+                    speed=cfg.speeds[r.rank] if r.rank < len(cfg.speeds) else r.speed,
                     samples=self.committed_by_rank[r.rank],
                     busy_s=round(r.busy_s, 6),
                     idle_s=round(max(active_s - r.busy_s, 0.0), 6),
@@ -639,7 +668,7 @@ class Simulation:
         throughput = trained / wall_s
         return SimResult(
             mode=cfg.mode.value,
-            world_size=len(self.ranks),
+            world_size=len(cfg.speeds),
             epochs_completed=account.epochs_completed,
             samples_trained=trained,
             virtual_wall_s=round(wall_s, 6),
@@ -656,6 +685,7 @@ class Simulation:
             rejected_frames=account.rejected_frames,
             anchor=account.anchor,
             saved_meta=saved,
+            joined_ranks=list(account.joined_ranks),
         )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from elche.core.checkpoint import CheckpointMeta
 
@@ -50,6 +50,7 @@ class SimResult:
     rejected_frames: int
     anchor: int
     saved_meta: CheckpointMeta | None = None
+    joined_ranks: list[int] = field(default_factory=list)  # ranks that joined the running run
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -65,6 +66,7 @@ class SimResult:
             "lost_samples": self.lost_samples,
             "duplicated_samples": self.duplicated_samples,
             "dead_ranks": self.dead_ranks,
+            "joined_ranks": self.joined_ranks,
             "outcome": self.outcome,
             "reason": self.reason,
             "anchor": self.anchor,

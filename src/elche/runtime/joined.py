@@ -1,0 +1,94 @@
+"""The joining rank's side of ``elche join`` (see ``elche.runtime.joining``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from elche.core.config import CoordinatorConfig
+from elche.core.errors import ConfigError
+from elche.runtime.frames import SECRET_ENV
+from elche.runtime.joining import JOIN_ENV, JOIN_SPEED_ENV, JOIN_STORE_ENV, JOINED_KEY, KEY
+
+if TYPE_CHECKING:
+    from elche.runtime.plan import Hooks, Plan, TrainResult
+    from elche.runtime.worker import UserFns
+
+__all__ = ["train_joined"]
+
+# Fields of the coordinator config a joiner's script must agree on.
+_MATCHING = ("mode", "num_samples", "batch_size", "epochs", "seed")
+
+
+def train_joined(
+    plan: Plan, fns: UserFns, hooks: Hooks, *, max_grad_norm: float | None
+) -> TrainResult:
+    """Train this process as a rank that joins the run at ``$ELCHE_JOIN``.
+
+    Raises:
+        ConfigError: no secret, no store port, no slot left, or the script
+            trains something else than the run (the field named).
+    """
+    from elche.runtime import groups
+    from elche.runtime.launch import rank_spec
+    from elche.runtime.plan import TrainResult
+    from elche.runtime.worker import train_rank
+
+    del hooks  # the run's hooks run on rank 0
+    address = os.environ[JOIN_ENV]
+    secret = os.environ.get(SECRET_ENV)
+    if not secret:
+        raise ConfigError(SECRET_ENV, "joining a run needs the run's secret (see the join line)")
+    port = _int_env(JOIN_STORE_ENV)
+    speed = float(os.environ.get(JOIN_SPEED_ENV, "1"))
+    if not 0 < speed <= 1:
+        raise ConfigError("speed", f"must be in (0, 1], got {speed}")
+    timeout_s = max(2 * plan.config.heartbeat_timeout_s, 60.0)  # the store may still be starting
+    store = groups.connect(address, port, timeout_s)
+    world = int(store.get(KEY + "world_size"))
+    slots = int(store.get(KEY + "join_slots"))
+    _check_same_run(plan.config, json.loads(store.get(KEY + "config")))
+    taken = int(store.add(JOINED_KEY, 1))
+    if taken > slots:
+        raise ConfigError("join", f"the run has no join slot left (it keeps {slots})")
+    rank = world + taken - 1
+    run_dir = Path(store.get(KEY + "run_dir").decode())
+    run_dir.mkdir(parents=True, exist_ok=True)  # on another host: this host's own
+    config = replace(plan.config, world_size=world, join_slots=slots)
+    spec = rank_spec(  # rank 0's spec of this script, then this rank's own
+        replace(plan, config=config), 0, address, bytes.fromhex(secret), run_dir,
+        max_grad_norm=max_grad_norm, group_port=port,
+    )  # fmt: skip
+    spec = replace(spec, rank=rank, speed=speed, join_slots=slots, resume_from=None, faults=())
+    print(f"elche: joining the run at {address} as rank {rank}", file=sys.stderr, flush=True)
+    report, state = train_rank(spec, fns, config.batch_size)
+    summary: dict[str, object] = {
+        "joined_as": rank,
+        "stopped": report.get("stopped"),
+        "samples": report.get("samples_trained"),
+        "speed": speed,
+    }
+    return TrainResult(state_dict=state, summary=summary, epochs=[], run_dir=str(run_dir))
+
+
+def _int_env(name: str) -> int:
+    text = os.environ.get(name, "")
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(name, f"must be the run's group store port, got {text!r}") from None
+
+
+def _check_same_run(mine: CoordinatorConfig, theirs: dict[str, object]) -> None:
+    """The joiner's script must train what the run trains."""
+    for name in _MATCHING:
+        value = getattr(mine, name)
+        value = value.value if name == "mode" else value
+        if theirs.get(name) != value:
+            raise ConfigError(
+                name, f"the run trains with {name}={theirs.get(name)!r}; this script has {value!r}"
+            )

@@ -1,0 +1,130 @@
+"""A new rank joins a running run: ``elche join ADDRESS script.py``.
+
+Theory of operation. A collective run keeps join slots (rank ids past its
+ranks, ``CoordinatorConfig.join_slots``; ``elche.core.joins`` says how the
+coordinator takes a joiner in). Its coordinator's group store
+(``elche.runtime.groups``) holds what a joiner needs besides the secret: the
+run's world size, its join slots, its coordinator config and its run
+directory (``store_info``). When the run starts, the launcher prints the
+exact join command (``announce_join``).
+
+``elche join`` starts the script with ``ELCHE_JOIN`` (the coordinator's
+address) and ``ELCHE_JOIN_STORE_PORT`` in the environment; its
+``elche.train`` call lands in ``elche.runtime.joined.train_joined``: it takes the next free slot
+from the store (a counter there), checks that the script trains what the
+run trains, and trains as that rank with the speed ``ELCHE_JOIN_SPEED`` (the
+script's ``ranks=`` and ``speeds=`` are ignored). The rank waits for its
+first ``Regroup``, forms the group with the others, takes the consensus in
+its first round (at weight 0) and trains from then on. Its optimizer state
+is fresh. It writes its report to the run directory's path on its own host
+(on the run's host, the run's directory itself, so the run's summary lists
+it in ``per_rank``). It returns its own model, the consensus at the end,
+with a summary of its own rank: the run's summary is rank 0's.
+
+No torch at import: the coordinator process imports ``store_info`` (and
+nothing of the launcher: the joiner's side is ``elche.runtime.joined``).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from elche.core.config import CoordinatorConfig
+from elche.core.errors import ConfigError
+from elche.runtime.frames import SECRET_ENV
+
+__all__ = [
+    "JOIN_ENV",
+    "JOIN_SPEED_ENV",
+    "JOIN_STORE_ENV",
+    "announce_join",
+    "run_join",
+    "store_info",
+]
+
+JOIN_ENV = "ELCHE_JOIN"  # the coordinator's address: this process joins that run
+JOIN_STORE_ENV = "ELCHE_JOIN_STORE_PORT"  # its group store's port
+JOIN_SPEED_ENV = "ELCHE_JOIN_SPEED"  # the joiner's testing speed (elche join --speed)
+SECRET_FILE = "join.secret"  # in the run dir, owner-only: the secret of a generated run
+
+KEY = "elche/"  # the store's keys for joiners
+JOINED_KEY = KEY + "joined"  # a counter: slots taken so far
+
+
+def store_info(config: CoordinatorConfig, run_dir: Path, config_json: str) -> dict[str, str]:
+    """What the group store holds for joiners (keys and values)."""
+    return {
+        KEY + "world_size": str(config.world_size),
+        KEY + "join_slots": str(config.join_slots),
+        KEY + "config": config_json,
+        KEY + "run_dir": str(run_dir),
+    }
+
+
+def announce_join(
+    address: str, group_port: int | None, run_dir: Path, secret: bytes, config: CoordinatorConfig
+) -> None:
+    """Print the command that joins a rank to this run (collective runs with join slots).
+
+    The secret is not printed: a secret the user set is named by its
+    variable; a generated one is written, owner-only, to ``RUN_DIR/join.secret``.
+    """
+    if not config.join_slots or group_port is None:
+        return
+    if os.environ.get(SECRET_ENV):
+        secret_text = f"${SECRET_ENV}"
+    else:
+        path = run_dir / SECRET_FILE
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret.hex())
+        secret_text = f"$(cat {shlex.quote(str(path))})"
+    script = " ".join(shlex.quote(arg) for arg in sys.argv) if sys.argv[0] else "SCRIPT"
+    print(
+        f"elche: join with {SECRET_ENV}={secret_text} elche join {address} "
+        f"--store-port {group_port} {script}  ({config.join_slots} join slot(s))",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def run_join(address: str, store_port: int, speed: float, script: Sequence[str]) -> int:
+    """``elche join``: run ``script`` (path and arguments) as a rank joining ``address``.
+
+    Returns:
+        The script's exit code.
+
+    Raises:
+        ConfigError: a bad address or speed, or no ``ELCHE_SECRET``.
+    """
+    from elche.runtime.lifetimes import StopSignals
+
+    if not address.startswith("tcp://"):
+        raise ConfigError("address", f"must be tcp://HOST:PORT, got {address!r}")
+    if not 0 < speed <= 1:
+        raise ConfigError("speed", f"must be in (0, 1], got {speed}")
+    if not os.environ.get(SECRET_ENV):
+        raise ConfigError(SECRET_ENV, "must hold the run's secret (the run's join line says how)")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update({JOIN_ENV: address, JOIN_STORE_ENV: str(store_port), JOIN_SPEED_ENV: str(speed)})
+    if _on_loopback(address):  # gloo on this kind of machine needs the interface named
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int) -> None:  # the rank stops; the run goes on without it
+        for proc in procs:
+            proc.send_signal(signum)
+
+    with StopSignals(on_signal=forward):
+        procs.append(subprocess.Popen([sys.executable, *script], env=env))
+        return procs[0].wait()
+
+
+def _on_loopback(address: str) -> bool:
+    host = address.partition("://")[2].rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")

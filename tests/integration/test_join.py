@@ -1,0 +1,91 @@
+"""``elche join``: a fourth process joins a running three-rank run of the same script."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from elche.workloads import digits
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SCRIPT = Path(__file__).with_name("join_script.py")
+EPOCHS = 6  # the ranks wait at epoch 2's start until rank 3 joined (join_script.py)
+JOIN_LINE = re.compile(
+    r"elche: join with ELCHE_SECRET=\$\(cat (?P<secret>\S+)\) elche join (?P<address>tcp://\S+) "
+    r"--store-port (?P<port>\d+) "
+)
+
+
+def _lines(stream: object, into: queue.Queue[str]) -> None:
+    for line in stream:  # type: ignore[attr-defined]  # a text pipe
+        into.put(line)
+
+
+def _result(output: str) -> dict[str, object]:
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, output
+    return json.loads(lines[0].removeprefix("RESULT "))  # type: ignore[no-any-return]  # JSON
+
+
+def test_a_rank_joins_a_running_run_and_trains_a_share(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", JOIN_SCRIPT_RUN_DIR=str(run_dir))
+    env.pop("ELCHE_SECRET", None)  # the run generates its secret: the join line says where
+    run = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(EPOCHS)], env=env, cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    joiner: subprocess.Popen[str] | None = None
+    try:
+        errors: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=_lines, args=(run.stderr, errors), daemon=True).start()
+        seen: list[str] = []
+        deadline = time.monotonic() + 120
+        match = None
+        while match is None and time.monotonic() < deadline:  # the run's join line
+            line = errors.get(timeout=max(deadline - time.monotonic(), 0.1))
+            seen.append(line)
+            match = JOIN_LINE.search(line)
+        assert match is not None, "".join(seen)
+        secret = Path(match["secret"]).read_text(encoding="utf-8")
+        assert oct(Path(match["secret"]).stat().st_mode & 0o777) == "0o600"
+        joiner = subprocess.Popen(
+            [sys.executable, "-m", "elche.cli", "join", match["address"], "--store-port",
+             match["port"], "--speed", "0.1", str(SCRIPT), str(EPOCHS)],
+            env=dict(env, ELCHE_SECRET=secret), cwd=tmp_path,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        joined_out, joined_err = joiner.communicate(timeout=240)
+        run_out, _ = run.communicate(timeout=60)
+    finally:
+        for proc in (run, joiner):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert joiner.returncode == 0, joined_err
+    assert run.returncode == 0, "".join(seen)
+    summary = _result(run_out)
+    assert summary["outcome"] == "completed", summary
+    assert summary["lost_samples"] == 0
+    assert summary["epochs_completed"] == EPOCHS
+    assert summary["joined_ranks"] == [3]
+    rows = {row["rank"]: row for row in summary["per_rank"]}  # type: ignore[attr-defined]
+    assert sorted(rows) == [0, 1, 2, 3]
+    # The joiner came in at epoch 2 at the others' speed: it trained a share, smaller
+    # than a rank that trained from the start, and every sample once (lost 0 above).
+    assert 0 < rows[3]["samples"] < max(rows[r]["samples"] for r in (0, 1, 2))
+    train_set, _ = digits.load_digits_split(seed=0)
+    assert sum(row["samples"] for row in rows.values()) == EPOCHS * len(train_set)
+    own = _result(joined_out)
+    assert own["joined_as"] == 3 and own["stopped"] == "completed"
+    assert "as rank 3" in joined_err
