@@ -26,9 +26,16 @@ made that cell's ratio a measure of the accident. Every record carries the
 value as ``speed_base_s``. Each run becomes one JSON-ready ``Run`` record:
 
 ``workload, system, speeds, repeat, seed, ranks, epochs, batch_size,
-speed_base_s, wall_s, startup_s, total_s, samples, samples_per_s,
+speed_base_s, link_mbit, wall_s, startup_s, total_s, samples, samples_per_s,
 final_loss, eval, syncs, lost_samples, per_epoch[{epoch, t, loss, eval}],
 per_rank[{rank, speed, samples, busy_s}], capacity, error``
+
+Across hosts. A suite with ``link_mbit`` rates builds one ``Rig`` of
+namespace hosts per rig size and rate before its first run and keeps it to
+the end; every multi-rank run of that rate trains across it
+(``bench.hosts``: torchrun on every host), and its record's ``link_mbit``
+is the rate. ``solo`` trains here, on the machine itself (``link_mbit``
+None), as do all runs of a suite without rates.
 
 ``capacity`` is the rig's record from ``bench.capacity`` (what the machine
 delivers to the rig's paced ranks training alone at once, measured once per
