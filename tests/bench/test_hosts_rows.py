@@ -128,3 +128,13 @@ def test_without_a_host_rig_the_hosts_suite_is_refused_with_the_reason(
     assert code == 2
     assert "--suite hosts refused: needs root (network namespaces)" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # nothing ran, nothing written
+
+
+def test_a_system_the_hosts_cannot_run_is_refused_by_name() -> None:
+    from elche.bench.hosts import run_on_hosts
+
+    with pytest.raises(ValueError, match=r"torch-ddp, sync, cadence.*not 'cadence\+dashboard'"):
+        run_on_hosts(
+            "cadence+dashboard", WorkloadPlan("digits-mlp", epochs=1), (1.0, 0.5), seed=0,
+            speed_base_s=0.001, rig=None,  # type: ignore[arg-type]  # refused before any rig use
+        )  # fmt: skip

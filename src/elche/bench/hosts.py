@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elche.bench.on_host import REPORT_PREFIX, SUMMARY_PREFIX, HostRun
-from elche.bench.suites import DDP, WorkloadPlan
+from elche.bench.suites import DDP, ELCHE_MODES, WorkloadPlan
 
 if TYPE_CHECKING:
     from elche.testing.hosts import Rig
@@ -66,6 +66,9 @@ def run_on_hosts(
     from elche.bench.runner import _baseline_record, elche_record
     from elche.workloads import get
 
+    if system not in (DDP, *ELCHE_MODES):
+        accepted = ", ".join((DDP, *ELCHE_MODES))
+        raise ValueError(f"across hosts the bench runs {accepted}; not {system!r}")
     if len(rig.hosts) != len(speeds):
         raise ValueError(f"a rig of {len(rig.hosts)} hosts for {len(speeds)} ranks")
     run_dir = f"/tmp/elche-bench-{secrets.token_hex(4)}"  # every host's own /tmp

@@ -164,10 +164,11 @@ FULL = Suite(
 
 # Several hosts at limited bandwidth (issue 14 item 6): three namespace hosts,
 # one rank each, links shaped to 1000 and 100 Mbit/s, and digits-wide, a
-# 1.1 M-parameter MLP (4.5 MB a copy) stepping in ~10 ms: at 100 Mbit/s one
+# 1.1 M-parameter MLP (4.5 MB a copy) stepping in ~17 ms: at 100 Mbit/s one
 # gradient all-reduce of it takes ~0.5 s, so DDP, which all-reduces every
 # step, is bound by the link, and elche, which averages about once an epoch,
-# is not. Every run starts torchrun on each host (~5-10 s of start-up).
+# is not. Every run starts torchrun on each host (25-60 s of start-up measured
+# on the loaded 2-core machine); 5 epochs keep the training ~3 minutes in all.
 HOSTS = Suite(
     name="hosts",
     workloads=(WorkloadPlan("digits-wide", epochs=5),),
