@@ -2,8 +2,8 @@
 
 One real invocation (torch DDP and cadence, each under torchrun on both
 hosts, on a link shaped to 100 Mbit/s) shared by every assertion. Four
-torchrun agents and their ranks start, two at a time: 166 s measured on the
-2-core machine at a load of 11, hence the generous timeout.
+torchrun agents and their ranks start, two at a time: 98 s measured on the
+2-core machine at a load of 5, 166 s at 11, hence the generous timeout.
 """
 
 from __future__ import annotations
