@@ -567,11 +567,14 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     bench.add_argument(
         "--suite",
-        choices=("quick", "full"),
+        choices=("quick", "full", "hosts"),
         default="quick",
         help="quick: digits-cnn (compute-bound) and digits-mlp (communication-bound) on "
         "speeds 1,0.5,0.25, 3 repeats, cadence and DDP on digits-cnn also on seeds 1 and 2; "
-        "full: 5 workloads x 4 rigs (default: quick)",
+        "full: 5 workloads x 4 rigs; hosts: digits-wide (1.1 M parameters) on three "
+        "network-namespace hosts at speeds 1,0.5,0.25, links shaped to 1000 and 100 Mbit/s, "
+        "torch DDP against cadence, cpu-cadence and cpu-async (needs root, ip and unshare) "
+        "(default: quick)",
     )
     bench.add_argument("--out", default=None, help="output dir (default: results/bench-<time>)")
     bench.add_argument("--repeats", type=int, default=None, help="override the suite's repeats")
@@ -594,6 +597,13 @@ def _run_bench(args: argparse.Namespace) -> int:
     from elche.bench.suites import with_dashboard
 
     suite = SUITES[args.suite]
+    if suite.link_mbit:
+        from elche.bench.hosts import refusal
+
+        reason = refusal()
+        if reason is not None:
+            print(f"elche bench: --suite {args.suite} refused: {reason}", file=sys.stderr)
+            return 2
     if args.repeats is not None:
         if args.repeats < 1:
             raise ConfigError("repeats", f"must be >= 1, got {args.repeats}")

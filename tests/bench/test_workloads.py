@@ -30,7 +30,7 @@ def loaded(
 
 def test_registry_names_and_alias() -> None:
     assert workloads.names() == (
-        "digits-logreg", "digits-mlp", "digits-cnn", "digits-ae", "text-gru",
+        "digits-logreg", "digits-mlp", "digits-cnn", "digits-ae", "text-gru", "digits-wide",
     )  # fmt: skip
     assert workloads.get("digits").name == "digits-mlp"
 

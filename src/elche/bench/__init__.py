@@ -6,8 +6,11 @@ per-rank batch size and speed injection, interleaved when repeated.
 
 Modules:
 
-- ``suites`` — the ``quick`` and ``full`` suites (workloads, rigs, systems);
+- ``suites`` — the ``quick``, ``full`` and ``hosts`` suites (workloads, rigs,
+  systems, link rates);
 - ``runner`` — runs one training per workload × rig × system × repeat;
+- ``hosts``, ``on_host`` — runs across namespace hosts at limited bandwidth
+  (the ``hosts`` suite); ``hosts_report`` — its ratios and bar;
 - ``metrics`` — efficiency, ratios, time to target, idle % (pure functions);
 - ``rows`` — the JSON rows of design §6 from the run records;
 - ``report`` — ``report.md``; ``charts`` — the PNG charts.
@@ -78,7 +81,7 @@ def run_bench(
         The results document (``results.json``'s content).
     """
     from elche.bench.charts import write_charts
-    from elche.bench.report import acceptance, dashboard_cost, render
+    from elche.bench.report import acceptance, dashboard_cost, hosts_acceptance, render
     from elche.bench.rows import build_rows
     from elche.bench.runner import available_suite, run_suite
 
@@ -111,6 +114,8 @@ def run_bench(
         "systems": ["solo", *suite.systems],
         "rows": rows,
         "acceptance": acceptance(rows),
+        "hosts_acceptance": hosts_acceptance(rows),
+        "link_mbit": list(suite.link_mbit),
         "dashboard_cost": dashboard_cost(rows),
         "charts": charts,
         "notes": list(suite.notes),

@@ -1,6 +1,7 @@
 """PNG charts of an ``elche bench`` run (matplotlib, headless ``Agg`` backend).
 
-Per workload, three figures with one panel per rig:
+Per workload, three figures with one panel per rig (per rig and link rate
+in a suite across hosts):
 
 - ``<workload>-loss.png`` — training loss per epoch against wall time since
   the first batch, one line per system (DDP dashed);
@@ -43,7 +44,7 @@ def write_charts(rows: Sequence[Row], out_dir: Path) -> dict[str, dict[str, str]
     written: dict[str, dict[str, str]] = {}
     for name in dict.fromkeys(row["workload"] for row in rows):
         mine = [r for r in rows if r["workload"] == name and not r.get("error")]
-        rigs = list(dict.fromkeys(tuple(r["speeds"]) for r in mine))
+        rigs = list(dict.fromkeys((tuple(r["speeds"]), r.get("link_mbit")) for r in mine))
         if not rigs:
             continue
         files = {}
@@ -59,7 +60,7 @@ def _figure(
     name: str,
     *,
     kind: str,
-    rigs: Sequence[tuple[float, ...]],
+    rigs: Sequence[tuple[tuple[float, ...], float | None]],
     rows: Sequence[Row],
     draw: Any,
     path: Path,
@@ -72,10 +73,11 @@ def _figure(
     )
     titles = {"loss": "training loss vs wall time", "share": "share of samples per rank"}
     fig.suptitle(f"{name}: {titles.get(kind, 'idle % per rank')}", fontsize=10)
-    for ax, rig in zip(axes[0], rigs, strict=True):
-        cell = [r for r in rows if tuple(r["speeds"]) == rig]
+    for ax, (rig, link) in zip(axes[0], rigs, strict=True):
+        cell = [r for r in rows if tuple(r["speeds"]) == rig and r.get("link_mbit") == link]
         draw(ax, rig, cell)
-        ax.set_title("speeds " + ", ".join(f"{s:g}" for s in rig), fontsize=9)
+        across = "" if link is None else f", links {link:g} Mbit/s"
+        ax.set_title("speeds " + ", ".join(f"{s:g}" for s in rig) + across, fontsize=9)
         ax.tick_params(labelsize=7)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)

@@ -5,7 +5,9 @@ time, the ratio to torch DDP's (same invocation), throughput, efficiency,
 time to the workload's target eval, final loss, final eval and its
 difference to DDP's, averaging rounds, per-rank idle % and lost samples;
 the headline cell's spread over seeds. A closing section checks the issue's
-acceptance on the ``[1, 0.5, 0.25]`` rig.
+acceptance on the ``[1, 0.5, 0.25]`` rig, and for a suite across hosts
+(``link_mbit``) the ratios per link rate and issue 14's bar
+(``bench.hosts_report``).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from elche.bench import metrics
+from elche.bench.hosts_report import hosts_acceptance, hosts_section
 from elche.bench.suites import DDP, split_system
 
-__all__ = ["ACCEPT_RATIO", "ACCEPT_RIG", "acceptance", "render"]
+__all__ = ["ACCEPT_RATIO", "ACCEPT_RIG", "acceptance", "hosts_acceptance", "render"]
 
 ACCEPT_RIG = (1.0, 0.5, 0.25)  # the issue's rig
 ACCEPT_RATIO = 0.4  # cadence wall ≤ 0.4 × DDP's ...
@@ -42,6 +45,8 @@ def acceptance(rows: Sequence[Row]) -> list[dict[str, Any]]:
     for row in rows:
         if row["system"] != "cadence" or tuple(row["speeds"]) != ACCEPT_RIG:
             continue
+        if row.get("link_mbit") is not None:
+            continue  # across hosts: ``hosts_acceptance``
         ratio = row.get("wall_ratio_vs_ddp")
         delta = row.get("eval_delta_vs_ddp")
         points = 100.0 * delta if delta is not None and row["higher_is_better"] else None
@@ -100,6 +105,7 @@ def render(doc: Mapping[str, Any]) -> str:
     for name in dict.fromkeys(row["workload"] for row in rows):
         lines += _workload_section(name, [r for r in rows if r["workload"] == name], doc)
     lines += _acceptance_section(doc.get("acceptance") or [])
+    lines += hosts_section(rows, doc.get("hosts_acceptance") or [])
     lines += _dashboard_section(doc.get("dashboard_cost") or [])
     for note in doc.get("notes") or []:
         lines.append(f"- {note}")
@@ -123,8 +129,8 @@ def _workload_section(name: str, rows: Sequence[Row], doc: Mapping[str, Any]) ->
         f"eval = {first['metric']} ({better}).{pacing}",
         "",
     ]
-    for rig in dict.fromkeys(tuple(r["speeds"]) for r in rows):
-        cell = [r for r in rows if tuple(r["speeds"]) == rig]
+    for rig, link in dict.fromkeys((tuple(r["speeds"]), r.get("link_mbit")) for r in rows):
+        cell = [r for r in rows if tuple(r["speeds"]) == rig and r.get("link_mbit") == link]
         lines += _table(rig, cell)
     for kind, chart in (doc.get("charts") or {}).get(name, {}).items():
         lines.append(f"![{name}: {kind}]({chart})")
@@ -135,8 +141,10 @@ def _workload_section(name: str, rows: Sequence[Row], doc: Mapping[str, Any]) ->
 def _table(rig: tuple[float, ...], cell: Sequence[Row]) -> list[str]:
     target = cell[0].get("target_eval")
     bound = metrics.lockstep_ratio(rig)
+    link = cell[0].get("link_mbit")
+    across = "" if link is None else f", one host per rank, links {link:g} Mbit/s"
     lines = [
-        f"### speeds {_rig(rig)}",
+        f"### speeds {_rig(rig)}{across}",
         "",
         f"Target eval {_f(target, 4)}; lock-step bound on × DDP: {bound:.3f}.{_capacity(cell)}",
         "",

@@ -11,13 +11,18 @@ is each rig's efficiency denominator.
 
 Row keys: ``workload, system, speeds, wall_s, samples_per_s, efficiency,
 final_loss, eval, syncs, idle_pct, lost_samples`` (the contract) plus
-``metric, higher_is_better, ranks, epochs, batch_size, samples, startup_s,
+``link_mbit, metric, higher_is_better, ranks, epochs, batch_size, samples, startup_s,
 capacity_samples_per_s, of_capacity,
 total_s, repeats, wall_s_runs, speed_base_s, final_eval, target_eval,
 time_to_target_s, target_loss, time_to_target_loss_s, wall_ratio_vs_ddp,
 eval_delta_vs_ddp, per_rank[{rank, speed, samples, share, busy_s, idle_s,
 idle_pct}], per_epoch[{epoch, t, loss, eval}], seeds, error``.
 ``idle_pct`` is the per-rank list, in rank order.
+
+Links: in a suite with ``link_mbit`` rates (``--suite hosts``) a cell is a
+workload × rig × link rate, ``link_mbit`` the rate of the rig's shaped links
+(the solo row, trained on the machine itself, is repeated in every cell with
+the cell's rate); elsewhere ``link_mbit`` is None (one host, loopback).
 
 Capacity: ``capacity_samples_per_s`` is what the machine delivers to the
 rig's paced ranks training alone at once (``bench.capacity``, measured in
@@ -69,7 +74,7 @@ def build_rows(suite: Suite, runs: Sequence[Run]) -> list[Row]:
     for plan in suite.workloads:
         solo = _median_run([r for r in runs if r["workload"] == plan.name and r["system"] == SOLO])
         solo_sps = _num(solo.get("samples_per_s")) if solo else None
-        for rig in suite.rigs:
+        for rig, link in ((rig, link) for rig in suite.rigs for link in suite.links()):
             capacity = _capacity(runs, plan.name, rig)
             cell: list[Row] = []
             for system in (SOLO, *suite.systems):
@@ -83,11 +88,12 @@ def build_rows(suite: Suite, runs: Sequence[Run]) -> list[Row]:
                             if r["workload"] == plan.name
                             and r["system"] == system
                             and tuple(r["speeds"]) == rig
+                            and r.get("link_mbit") == link
                         ]
                     )
                 )
                 if chosen is not None:
-                    cell.append(_row(chosen, rig, solo_sps, capacity))
+                    cell.append(_row(chosen, rig, solo_sps, capacity) | {"link_mbit": link})
             _compare_in_cell(cell)
             for row in cell:
                 row["seeds"] = _seed_spread(row, extra, suite.seed)

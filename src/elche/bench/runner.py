@@ -26,9 +26,16 @@ made that cell's ratio a measure of the accident. Every record carries the
 value as ``speed_base_s``. Each run becomes one JSON-ready ``Run`` record:
 
 ``workload, system, speeds, repeat, seed, ranks, epochs, batch_size,
-speed_base_s, wall_s, startup_s, total_s, samples, samples_per_s,
+speed_base_s, link_mbit, wall_s, startup_s, total_s, samples, samples_per_s,
 final_loss, eval, syncs, lost_samples, per_epoch[{epoch, t, loss, eval}],
 per_rank[{rank, speed, samples, busy_s}], capacity, error``
+
+Across hosts. A suite with ``link_mbit`` rates builds one ``Rig`` of
+namespace hosts per rig size and rate before its first run and keeps it to
+the end; every multi-rank run of that rate trains across it
+(``bench.hosts``: torchrun on every host), and its record's ``link_mbit``
+is the rate. ``solo`` trains here, on the machine itself (``link_mbit``
+None), as do all runs of a suite without rates.
 
 ``capacity`` is the rig's record from ``bench.capacity`` (what the machine
 delivers to the rig's paced ranks training alone at once, measured once per
@@ -61,7 +68,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elche.bench.capacity import measure_capacity
 from elche.bench.suites import (
@@ -78,10 +85,14 @@ from elche.monitor.timeline import read_timeline
 from elche.workloads import Workload
 from elche.workloads import get as get_workload
 
+if TYPE_CHECKING:
+    from elche.testing.hosts import Rig
+
 __all__ = [
     "DDP_TIMEOUT_S",
     "Run",
     "available_suite",
+    "elche_record",
     "measure_speed_base_s",
     "run_one",
     "run_suite",
@@ -112,7 +123,8 @@ def run_suite(
     splits: dict[str, Split] = {}
     bases: dict[str, float] = {}
     capacities: dict[tuple[str, tuple[float, ...]], dict[str, Any] | None] = {}
-    with _display(suite.num_runs(), enabled=progress) as show:
+    with _display(suite.num_runs(), enabled=progress) as show, contextlib.ExitStack() as stack:
+        rigs = _host_rigs(suite, stack)
         for repeat in range(suite.repeats):
             order = suite.systems if repeat % 2 == 0 else tuple(reversed(suite.systems))
             for plan in suite.workloads:
@@ -125,12 +137,17 @@ def run_suite(
                     for rig in suite.rigs:
                         show(f"{plan.name} [{_rig(rig)}] capacity ({suite.capacity_s:g} s)")
                         capacities[plan.name, rig] = _capacity(suite, plan, rig, bases[plan.name])
-                jobs = [(SOLO, (1.0,))] + [(s, rig) for rig in suite.rigs for s in order]
-                for system, speeds in jobs:
-                    show(f"{plan.name} [{_rig(speeds)}] {system} (repeat {repeat + 1})")
+                jobs = [(SOLO, (1.0,), None)] + [
+                    (s, rig, link) for rig in suite.rigs for link in suite.links() for s in order
+                ]
+                for system, speeds, link in jobs:
+                    hosts = rigs.get((len(speeds), link)) if link is not None else None
+                    show(
+                        f"{plan.name} [{_rig(speeds)}]{_link(link)} {system} (repeat {repeat + 1})"
+                    )
                     run = run_one(
                         system, plan, speeds, seed=suite.seed, split=splits[plan.name],
-                        speed_base_s=bases[plan.name],
+                        speed_base_s=bases[plan.name], hosts=hosts,
                     )  # fmt: skip
                     run["repeat"] = repeat
                     run["capacity"] = capacities.get((plan.name, tuple(speeds)))  # solo: None
@@ -149,6 +166,17 @@ def run_suite(
             if on_run is not None:
                 on_run(run)
     return runs
+
+
+def _host_rigs(suite: Suite, stack: contextlib.ExitStack) -> dict[tuple[int, float], Rig]:
+    """One ``Rig`` per rig size and link rate of a hosts suite, closed with ``stack``."""
+    from elche.testing.hosts import Rig
+
+    rigs: dict[tuple[int, float], Rig] = {}
+    for size in dict.fromkeys(len(rig) for rig in suite.rigs):
+        for link in suite.link_mbit:
+            rigs[size, link] = stack.enter_context(Rig(size, rate_mbit=link))
+    return rigs
 
 
 def _capacity(
@@ -195,6 +223,7 @@ def run_one(
     seed: int,
     split: Split | None = None,
     speed_base_s: float | None = None,
+    hosts: Rig | None = None,
 ) -> Run:
     """Train ``plan`` once with ``system`` on the rig ``speeds``.
 
@@ -206,6 +235,8 @@ def run_one(
         split: the workload's ``(train, test)`` for ``seed``; loaded if None.
         speed_base_s: the solo step time every paced rank waits by; None:
             each paced rank measures its own.
+        hosts: a rig of one namespace host per rank: the run trains across
+            its hosts (``bench.hosts``; not ``solo``); None: on this host.
 
     Returns:
         The run record; ``error`` holds the message if the run failed.
@@ -223,11 +254,16 @@ def run_one(
         "higher_is_better": workload.higher_is_better,
         "speed_base_s": speed_base_s,
         "seed": seed,
+        "link_mbit": hosts.rate_mbit if hosts is not None and system != SOLO else None,
         "error": None,
     }
     started = time.perf_counter()
     try:
-        if system == DDP:
+        if hosts is not None and system != SOLO:
+            record.update(
+                _on_hosts(system, plan, speeds, seed=seed, speed_base_s=speed_base_s, rig=hosts)
+            )
+        elif system == DDP:
             record.update(_torch_ddp(plan, speeds, seed, speed_base_s))
         elif system in TORCHFT_SYSTEMS:
             record.update(_torchft(system, plan, speeds, seed, speed_base_s))
@@ -279,6 +315,17 @@ def _torch_ddp(
         workload=plan.name, timeout_s=DDP_TIMEOUT_S, base_step_s=speed_base_s,
     )  # fmt: skip
     return _baseline_record(result)
+
+
+def _on_hosts(
+    system: str, plan: WorkloadPlan, speeds: Sequence[float], *, seed: int,
+    speed_base_s: float | None, rig: Rig,
+) -> Run:  # fmt: skip
+    from elche.bench.hosts import run_on_hosts
+
+    if speed_base_s is None:
+        raise ValueError("a run across hosts paces by one shared solo step: give speed_base_s")
+    return run_on_hosts(system, plan, speeds, seed=seed, speed_base_s=speed_base_s, rig=rig)
 
 
 def _torchft(
@@ -398,10 +445,21 @@ def _elche(
         run_dir = Path(tmp)
         timeline = read_timeline(run_dir)
         reports = [_read_json(rank_report_file(run_dir, r)) for r in range(len(speeds))]
-    summary = result.summary
+    record = elche_record(mode, dict(result.summary), timeline, reports)
+    record["dashboard_polls"] = watch.polls if isinstance(watch, Watch) else None
+    return record
+
+
+def elche_record(
+    mode: str,
+    summary: dict[str, Any],
+    timeline: Sequence[tl.TimelineEvent],
+    reports: Sequence[dict[str, Any]],
+) -> Run:
+    """A run record's numbers from an elche run's summary, timeline and rank reports."""
     if summary.get("outcome") != "completed":
         raise RuntimeError(f"elche {mode}: {summary.get('outcome')} ({summary.get('reason')})")
-    ranks: list[dict[str, Any]] = summary["per_rank"]  # type: ignore[assignment]  # JSON-shaped
+    ranks: list[dict[str, Any]] = summary["per_rank"]
     per_rank = [
         {
             "rank": r["rank"],
@@ -422,7 +480,6 @@ def _elche(
         "lost_samples": summary["lost_samples"],
         "per_epoch": _epochs_from_timeline(timeline),
         "per_rank": per_rank,
-        "dashboard_polls": watch.polls if isinstance(watch, Watch) else None,
     }
 
 
@@ -450,6 +507,10 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _rig(speeds: Sequence[float]) -> str:
     return ",".join(f"{s:g}" for s in speeds)
+
+
+def _link(link_mbit: float | None) -> str:
+    return "" if link_mbit is None else f" {link_mbit:g} Mbit/s"
 
 
 @contextmanager

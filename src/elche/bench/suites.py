@@ -25,6 +25,7 @@ __all__ = [
     "EVAL_TARGETS",
     "FULL",
     "HEADLINE_SYSTEMS",
+    "HOSTS",
     "QUICK",
     "SOLO",
     "SUITES",
@@ -52,6 +53,7 @@ EVAL_TARGETS: dict[str, float] = {
     "digits-cnn": 0.95,
     "digits-ae": 0.03,
     "text-gru": 0.45,
+    "digits-wide": 0.93,
 }
 # The quick suite's headline: these systems on this workload also run on
 # every seed of ``Suite.extra_seeds``, and their rows report the spread.
@@ -93,10 +95,17 @@ class Suite:
     # Seconds the rig's paced ranks train at once, alone, to measure what
     # the machine delivers to them (``bench.capacity``); 0 skips it.
     capacity_s: float = 3.0
+    # Link rates in Mbit/s: non-empty, every multi-rank run trains across
+    # namespace hosts (``bench.hosts``), one rig per rate; empty, on this host.
+    link_mbit: tuple[float, ...] = ()
+
+    def links(self) -> tuple[float | None, ...]:
+        """The link rates the rigs run at; ``(None,)`` for a suite on this host."""
+        return self.link_mbit or (None,)
 
     def num_runs(self) -> int:
         """How many training runs the suite makes (solo included)."""
-        per_workload = 1 + len(self.rigs) * len(self.systems)
+        per_workload = 1 + len(self.rigs) * len(self.links()) * len(self.systems)
         return self.repeats * len(self.workloads) * per_workload + len(self.seed_jobs())
 
     def seed_jobs(self) -> list[tuple[int, WorkloadPlan, str, tuple[float, ...]]]:
@@ -153,6 +162,26 @@ FULL = Suite(
     ),
 )
 
+# Several hosts at limited bandwidth (issue 14 item 6): three namespace hosts,
+# one rank each, links shaped to 1000 and 100 Mbit/s, and digits-wide, a
+# 1.1 M-parameter MLP (4.5 MB a copy) stepping in ~17 ms: at 100 Mbit/s one
+# gradient all-reduce of it takes ~0.5 s, so DDP, which all-reduces every
+# step, is bound by the link, and elche, which averages about once an epoch,
+# is not. Every run starts torchrun on each host (25-60 s of start-up measured
+# on the loaded 2-core machine); 5 epochs keep the training ~3 minutes in all.
+HOSTS = Suite(
+    name="hosts",
+    workloads=(WorkloadPlan("digits-wide", epochs=5),),
+    rigs=((1.0, 0.5, 0.25),),
+    systems=(DDP, "cadence", "cpu-cadence", "cpu-async"),
+    link_mbit=(1000.0, 100.0),
+    notes=(
+        "Every multi-rank run: one network-namespace host per rank on one machine, "
+        "links shaped both ways with tc tbf, one torchrun agent per host; solo runs "
+        "on the machine itself.",
+    ),
+)
+
 
 def with_dashboard(suite: Suite) -> Suite:
     """``suite`` with each elche mode's twin that serves and is watched by its dashboard.
@@ -179,4 +208,4 @@ def split_system(system: str) -> tuple[str, bool]:
     return system, False
 
 
-SUITES = {suite.name: suite for suite in (QUICK, FULL)}
+SUITES = {suite.name: suite for suite in (QUICK, FULL, HOSTS)}

@@ -22,7 +22,9 @@ torch DDP baseline find them by name:
 - ``digits-cnn`` — a small convolutional classifier on the digits;
 - ``digits-ae`` — a small convolutional autoencoder (metric: reconstruction
   MSE, lower is better);
-- ``text-gru`` — a character-level GRU on Python standard-library sources.
+- ``text-gru`` — a character-level GRU on Python standard-library sources;
+- ``digits-wide`` — a 1.1 M-parameter MLP on the digits (the several-hosts
+  benchmark's model: large enough that links cost, small enough to step fast).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ _MODULES = {
     "digits-cnn": "digits_cnn",
     "digits-ae": "digits_ae",
     "text-gru": "text_gru",
+    "digits-wide": "digits_wide",
 }
 ALIASES = {"digits": "digits-mlp"}  # the name the demo and the DDP CLI always used
 
