@@ -138,12 +138,12 @@ def _table(rig: tuple[float, ...], cell: Sequence[Row]) -> list[str]:
         f"Target eval {_f(target, 4)}; lock-step bound on × DDP: {bound:.3f}.",
         "",
         "| system | wall s | × DDP | samples/s | efficiency | to target s | final loss "
-        "| eval | Δ eval vs DDP | syncs | idle % per rank | lost |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| eval | Δ eval vs DDP | syncs | idle % per rank | lost | wire B/round |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in cell:
         if row.get("error"):
-            lines.append(f"| {row['system']} | failed: {row['error']} |||||||||||")
+            lines.append(f"| {row['system']} | failed: {row['error']} ||||||||||||")
             continue
         idle = " / ".join(_f(x, 0) for x in row["idle_pct"])
         lines.append(
@@ -151,7 +151,7 @@ def _table(rig: tuple[float, ...], cell: Sequence[Row]) -> list[str]:
             f"| {_f(row['samples_per_s'], 0)} | {_f(row['efficiency'], 3)} "
             f"| {_f(row['time_to_target_s'], 2)} | {_f(row['final_loss'], 4)} "
             f"| {_f(row['eval'], 4)} | {_delta(row)} | {row['syncs']} | {idle} "
-            f"| {row['lost_samples']} |"
+            f"| {row['lost_samples']} | {_f(row.get('wire_bytes_per_round'), 0)} |"
         )
     lines.append("")
     lines += _seeds_table(cell)

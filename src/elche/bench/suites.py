@@ -24,14 +24,17 @@ __all__ = [
     "ELCHE_MODES",
     "EVAL_TARGETS",
     "FULL",
+    "GPT",
     "HEADLINE_SYSTEMS",
     "QUICK",
     "SOLO",
     "SUITES",
     "TORCHFT_SYSTEMS",
+    "WIRE_SUFFIX",
     "Suite",
     "WorkloadPlan",
     "split_system",
+    "split_wire",
     "with_dashboard",
 ]
 
@@ -58,6 +61,8 @@ EVAL_TARGETS: dict[str, float] = {
 HEADLINE_SYSTEMS = ("cadence", DDP)
 # ``cadence+dashboard``: cadence, its dashboard served and read (``elche bench --dashboard``).
 DASHBOARD_SUFFIX = "+dashboard"
+# ``cadence+bf16``: cadence with ``wire="bf16"`` whatever the suite's wire (an A/B in one suite).
+WIRE_SUFFIX = "+bf16"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,9 @@ class Suite:
     # shuffle), after the repeats: its rows report the spread over seeds.
     extra_seeds: tuple[int, ...] = ()
     headline_workload: str | None = None
+    wire: str = (
+        "fp32"  # every elche mode's averaging wire, but MODE+bf16's (``elche bench --wire``)
+    )
 
     def num_runs(self) -> int:
         """How many training runs the suite makes (solo included)."""
@@ -151,6 +159,20 @@ FULL = Suite(
 )
 
 
+# The gpt suite: tiny-gpt, a 1 M-parameter transformer whose step is ~50 ms on
+# one core, too slow for the quick suite's five minutes beside the digits
+# (every system × 3 repeats would be ~15 minutes). One epoch (4,096 windows of
+# 64 characters), one repeat; cadence and cpu-cadence each on the fp32 and the
+# bf16 wire, interleaved, so the wire's effect on held-out bits per character
+# and on the wall is measured in the same invocation. ~5 minutes on 2 cores.
+GPT = Suite(
+    name="gpt",
+    workloads=(WorkloadPlan("tiny-gpt", epochs=1, batch_size=8),),
+    rigs=((1.0, 0.5, 0.25),),
+    systems=(DDP, "cadence", "cadence" + WIRE_SUFFIX, "cpu-cadence", "cpu-cadence" + WIRE_SUFFIX),
+)
+
+
 def with_dashboard(suite: Suite) -> Suite:
     """``suite`` with each elche mode's twin that serves and is watched by its dashboard.
 
@@ -169,6 +191,13 @@ def with_dashboard(suite: Suite) -> Suite:
     return dataclasses.replace(suite, systems=tuple(systems), notes=(*suite.notes, note))
 
 
+def split_wire(system: str, default: str) -> tuple[str, str]:
+    """A system's name as (the system without its ``+bf16``, the wire its elche mode uses)."""
+    if system.endswith(WIRE_SUFFIX):
+        return system.removesuffix(WIRE_SUFFIX), "bf16"
+    return system, default
+
+
 def split_system(system: str) -> tuple[str, bool]:
     """A system's name as (the system without its dashboard suffix, whether it had it)."""
     if system.endswith(DASHBOARD_SUFFIX):
@@ -176,4 +205,4 @@ def split_system(system: str) -> tuple[str, bool]:
     return system, False
 
 
-SUITES = {suite.name: suite for suite in (QUICK, FULL)}
+SUITES = {suite.name: suite for suite in (QUICK, FULL, GPT)}

@@ -29,7 +29,14 @@ from typing import Any
 from elche.core.errors import ConfigError
 from elche.core.progress import Progress
 
-__all__ = ["PRECISIONS", "WIRES", "TrainOptions", "check_options", "check_picklable"]
+__all__ = [
+    "PRECISIONS",
+    "WIRES",
+    "TrainOptions",
+    "check_options",
+    "check_picklable",
+    "check_wire",
+]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 WIRES = ("fp32", "bf16")
@@ -84,9 +91,7 @@ def check_options(
         raise ConfigError(
             "precision", "'fp16' needs CUDA devices (its loss scaling); use 'bf16' on CPU"
         )
-    if wire not in WIRES:
-        accepted = ", ".join(repr(w) for w in WIRES)
-        raise ConfigError("wire", f"must be one of {accepted}, got {wire!r}")
+    check_wire(wire)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ConfigError("num_workers", f"must be an integer >= 0, got {num_workers!r}")
     for name, value in (("pin_memory", pin_memory), ("drop_last", drop_last)):
@@ -104,6 +109,17 @@ def check_options(
         collate_fn=collate_fn, num_workers=num_workers, pin_memory=pin_memory,
         drop_last=drop_last, batch_sampler=batch_sampler, planned_samples=max(planned_samples, 1),
     )  # fmt: skip
+
+
+def check_wire(wire: Any) -> None:
+    """Refuse a ``wire`` that is not one of ``WIRES``.
+
+    Raises:
+        ConfigError: naming the field and the accepted values.
+    """
+    if wire not in WIRES:
+        accepted = ", ".join(repr(w) for w in WIRES)
+        raise ConfigError("wire", f"must be one of {accepted}, got {wire!r}")
 
 
 def check_picklable(options: TrainOptions) -> None:

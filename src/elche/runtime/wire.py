@@ -26,8 +26,8 @@ weights). The masses travel beside it in a 48-byte float64 all-reduce,
 issued asynchronously before the payload, so the two overlap.
 
 The delta is only right if every member's ``ref`` is the same. Each rank
-hashes its ``ref`` (an exact integer sum of its bits, mod 2²⁰) and the masses'
-all-reduce carries ``h`` and ``h²``: the members agree exactly when
+hashes its ``ref`` (20 bits of a digest of each tensor's exact integer sum of
+its bits) and the masses' all-reduce carries ``h`` and ``h²``: the members agree exactly when
 ``n·Σh² = (Σh)²``, a test every member evaluates on the same sums, so all
 take the same branch. A rank with no ``ref`` (the first round, a process that
 rejoined, a group formed anew after a failure) reports it in the same
@@ -49,6 +49,7 @@ the average it received), ``Wire.rounds`` the rounds: the bench's
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -85,13 +86,14 @@ def from_wire(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _ref_hash(tensors: Sequence[torch.Tensor]) -> int:
-    """An exact, order-free function of the tensors' bits (integer sums), mod 2²⁰."""
-    total = 0
-    for i, t in enumerate(tensors):
-        if t.numel():
-            bits = t.detach().contiguous().view(_INT_VIEW[t.element_size()])
-            total += (i + 1) * int(bits.sum(dtype=torch.int64))
-    return total % _HASH_MOD
+    """20 bits of a digest of each tensor's bit sum (an exact integer sum: the same
+    on every rank for the same values, whatever order the sum runs in)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        bits = t.detach().contiguous().view(_INT_VIEW[t.element_size()])
+        total = int(bits.sum(dtype=torch.int64)) if t.numel() else 0
+        digest.update(total.to_bytes(8, "little", signed=True))
+    return int.from_bytes(digest.digest(), "little") % _HASH_MOD
 
 
 class Wire:

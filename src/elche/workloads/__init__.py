@@ -22,7 +22,10 @@ torch DDP baseline find them by name:
 - ``digits-cnn`` — a small convolutional classifier on the digits;
 - ``digits-ae`` — a small convolutional autoencoder (metric: reconstruction
   MSE, lower is better);
-- ``text-gru`` — a character-level GRU on Python standard-library sources.
+- ``text-gru`` — a character-level GRU on Python standard-library sources;
+- ``tiny-gpt`` — a 1 M-parameter decoder-only transformer, character-level on
+  standard-library sources (metric: held-out bits per character, lower is
+  better).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ _MODULES = {
     "digits-cnn": "digits_cnn",
     "digits-ae": "digits_ae",
     "text-gru": "text_gru",
+    "tiny-gpt": "tiny_gpt",
 }
 ALIASES = {"digits": "digits-mlp"}  # the name the demo and the DDP CLI always used
 
