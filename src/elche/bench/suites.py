@@ -161,12 +161,13 @@ FULL = Suite(
 )
 
 
-# The gpt suite: tiny-gpt, a 1 M-parameter transformer whose step is ~50 ms on
-# one core, too slow for the quick suite's five minutes beside the digits
-# (every system × 3 repeats would be ~15 minutes). One epoch (4,096 windows of
-# 64 characters), one repeat; cadence and cpu-cadence each on the fp32 and the
-# bf16 wire, interleaved, so the wire's effect on held-out bits per character
-# and on the wall is measured in the same invocation. ~5 minutes on 2 cores.
+# The gpt suite: tiny-gpt, a 1 M-parameter transformer whose step is 140-170
+# ms on one core of the busy 2-core machine, too slow for the quick suite's
+# five minutes beside the digits (every system x 3 repeats would be ~45
+# minutes). One epoch (4,096 windows of 64 characters), one repeat; cadence
+# and cpu-cadence each on the fp32 and the bf16 wire, so the wire's effect on
+# held-out bits per character is measured in the same invocation: 15.5
+# minutes at a load of 7-12 on 2 cores.
 GPT = Suite(
     name="gpt",
     workloads=(WorkloadPlan("tiny-gpt", epochs=1, batch_size=8),),

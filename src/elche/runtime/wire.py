@@ -16,7 +16,7 @@ Collective modes (``sync``, ``cadence``): a rank all-reduces the bf16 *delta*
 of each tensor from the last consensus (``ref``, the fp32 state every member
 loaded after the previous round), scaled by its mass, not the bf16 weights.
 Rounding full weights to bf16 keeps 8 bits of the weight, so a window's
-update smaller than half a bf16 step of the weight (~0.2 % of it) would be
+update smaller than half a bf16 step of the weight (0.2-0.4 % of it) would be
 rounded away on every rank alike, and the consensus would snap to the bf16
 grid; rounding the delta keeps 8 bits of the *update*, and the consensus
 (``ref + Σ mass·delta / Σ mass``, summed back in fp32) keeps fp32 precision
