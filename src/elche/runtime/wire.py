@@ -26,10 +26,11 @@ weights). The masses travel beside it in a 48-byte float64 all-reduce,
 issued asynchronously before the payload, so the two overlap.
 
 The delta is only right if every member's ``ref`` is the same. Each rank
-hashes its ``ref`` (20 bits of a digest of each tensor's exact integer sum of
-its bits) and the masses' all-reduce carries ``h`` and ``h²``: the members agree exactly when
-``n·Σh² = (Σh)²``, a test every member evaluates on the same sums, so all
-take the same branch. A rank with no ``ref`` (the first round, a process that
+hashes its ``ref`` (20 bits of a digest of each tensor's exact integer sum
+of its bits) and the masses' all-reduce carries ``h`` and ``h²``: the hashes
+agree exactly when ``n·Σh² = (Σh)²``, a test every member evaluates on the
+same sums, so all take the same branch (two different refs pass it with a
+chance of 2⁻²⁰ per round). A rank with no ``ref`` (the first round, a process that
 rejoined, a group formed anew after a failure) reports it in the same
 buffer. Then the round is redone as a plain fp32 average (its bytes counted)
 and every member's ``ref`` is that consensus again.
