@@ -703,6 +703,9 @@ def _demo_summary(
 
 def _run_demo(args: argparse.Namespace) -> int:
     from elche.runtime.lifetimes import RESUME_HINT, Interrupted
+    from elche.runtime.options import check_wire
+
+    check_wire(args.wire)  # before the digits load
 
     speeds = args.speeds
     if speeds is None:
