@@ -161,7 +161,7 @@ FULL = Suite(
 )
 
 
-# The gpt suite: tiny-gpt, a 1 M-parameter transformer whose step is 140-170
+# The gpt suite: tiny-gpt, a 1 M-parameter transformer whose step is 106-168
 # ms on one core of the busy 2-core machine, too slow for the quick suite's
 # five minutes beside the digits (every system x 3 repeats would be ~45
 # minutes). One epoch (4,096 windows of 64 characters), one repeat; cadence

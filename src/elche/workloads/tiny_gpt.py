@@ -18,7 +18,7 @@ The model: token and position embeddings (``WIDTH`` 128), ``LAYERS`` 5
 pre-LayerNorm blocks of causal self-attention (``HEADS`` 4, through
 ``scaled_dot_product_attention``) and a GELU MLP (4 × width), a final
 LayerNorm and a linear read-out: 1,024,737 parameters. A training step at
-``BATCH`` 8 windows of 64 took 140–170 ms on one core of the busy 2-core
+``BATCH`` 8 windows of 64 took 106–168 ms on one core of the busy 2-core
 development machine (``docs/benchmarks.md``). The metric is the held-out
 loss in bits per character (lower is better).
 """
