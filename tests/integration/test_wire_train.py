@@ -1,10 +1,11 @@
 """A real run on the bf16 wire: it completes, stays light, and lands where fp32 does.
 
-Two one-epoch cadence runs on the digits (fp32, then bf16), real coordinator
-and rank processes on gloo. Which rank trains which batch depends on timing,
-so two fp32 runs differ too (~0.1 relative distance between their final
-models after two epochs of sync on 2 ranks); the tolerance is set by that,
-and the exact arithmetic is tested in ``tests/runtime/test_wire.py``.
+Two two-epoch sync runs on the digits (fp32, then bf16; sync averages every
+few steps, ~40 rounds, so every round but the first must stay light), real
+coordinator and rank processes on gloo. Which rank trains which batch
+depends on timing, so two fp32 runs differ too (~0.1 relative distance
+between their final models, 0.025 in accuracy); the tolerances are set by
+that, and the exact arithmetic is tested in ``tests/runtime/test_wire.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def _run(wire: str, tmp_path: Path) -> elche.TrainResult:
     train_set, test_set = digits.load_digits_split(seed=0)
     return elche.train(
         digits.make_model, digits.make_optimizer, digits.step_fn, train_set, batch_size=32,
-        epochs=1, mode="cadence", speeds=[1.0, 0.5], eval_fn=digits.eval_fn,
+        epochs=2, mode="sync", speeds=[1.0, 1.0], eval_fn=digits.eval_fn,
         eval_dataset=test_set, progress=False, run_dir=str(tmp_path / wire), wire=wire,
     )  # fmt: skip
 
@@ -46,7 +47,7 @@ def test_a_bf16_wire_run_completes_light_and_near_the_fp32_one(tmp_path: Path) -
         assert rank["wire"] == "fp32"
         assert rank["wire_bytes"] == rank["wire_rounds"] * (params * 4 + 16)
     for rank in light.summary["per_rank"]:  # type: ignore[attr-defined]  # JSON-shaped
-        assert rank["wire"] == "bf16" and rank["wire_rounds"] > 1
+        assert rank["wire"] == "bf16" and rank["wire_rounds"] > 10
         # every round light but the first (the ranks agreed on their last consensus)
         assert rank["wire_bytes"] == rank["wire_rounds"] * (params * 2 + 48) + params * 4 + 16
     assert abs(light.summary["eval"] - full.summary["eval"]) <= 0.05  # type: ignore[operator]
