@@ -25,7 +25,7 @@ from elche.core.errors import ConfigError
 from elche.runtime.averaging import load_average, snapshot_frames
 from elche.runtime.options import TrainOptions, check_options
 from elche.runtime.snapshots import Layout, SnapshotAverager
-from elche.runtime.wire import Wire, average_over, from_wire, to_wire
+from elche.runtime.wire import Wire, average_over, wire_dtype
 
 BF16_REL = 2.0**-8  # bfloat16 keeps 8 significant bits: its unit roundoff
 
@@ -39,20 +39,27 @@ def bn_model(seed: int) -> nn.Sequential:
     return model
 
 
-def test_to_wire_casts_floats_and_leaves_integers_alone() -> None:
-    ints = torch.tensor([2**24 + 1, -7], dtype=torch.int64)
-    flags = torch.tensor([True, False])
-    half = torch.tensor([1.5], dtype=torch.float16)
-    assert torch.equal(to_wire(ints, "bf16"), ints) and to_wire(ints, "bf16").dtype == torch.int64
-    assert to_wire(flags, "bf16").dtype == torch.bool
-    assert to_wire(half, "bf16").dtype == torch.float16  # already two bytes: as is
-    x = torch.randn(1000, dtype=torch.float64)
-    assert to_wire(x, "fp32").dtype == torch.float64
-    light = to_wire(x, "bf16")
-    assert light.dtype == torch.bfloat16
-    back = from_wire(light, torch.float64)
-    assert back.dtype == torch.float64
-    assert float(((back - x).abs() / x.abs()).max()) <= BF16_REL
+def test_the_bf16_wire_casts_fp32_and_fp64_only() -> None:
+    assert wire_dtype(torch.float32, "bf16") == torch.bfloat16
+    assert wire_dtype(torch.float64, "bf16") == torch.bfloat16
+    assert wire_dtype(torch.float16, "bf16") == torch.float16  # already two bytes: as is
+    for dtype in (torch.int64, torch.int32, torch.bool, torch.uint8):
+        assert wire_dtype(dtype, "bf16") == dtype  # never cast (never averaged either)
+    assert wire_dtype(torch.float64, "fp32") == torch.float64
+
+
+def test_a_bf16_round_trip_is_within_bf16s_unit_roundoff() -> None:
+    source, target = (
+        nn.Linear(1000, 1, dtype=torch.float64),
+        nn.Linear(1000, 1, dtype=torch.float64),
+    )
+    layout, frames = snapshot_frames(source, "bf16")
+    assert [s.dtype for s in layout.tensors] == ["bfloat16", "bfloat16"]
+    load_average(target, frames, layout, alpha=None, wire="bf16")
+    got, want = target.weight.detach(), source.weight.detach()
+    assert got.dtype == torch.float64
+    assert float(((got - want).abs() / want.abs()).max()) <= BF16_REL
+    assert not torch.equal(got, want)  # it did travel as bf16
 
 
 def test_check_options_names_the_wire_and_what_it_accepts() -> None:

@@ -66,24 +66,11 @@ from elche.runtime.averaging import (
 )
 from elche.runtime.snapshots import buffer_mass, param_mass
 
-__all__ = ["Wire", "average_over", "from_wire", "to_wire", "wire_dtype"]
+__all__ = ["Wire", "average_over", "wire_dtype"]
 
 _LIGHT = torch.bfloat16
 _HASH_MOD = 2**20  # h² summed over 8k ranks stays exact in float64
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def to_wire(tensor: torch.Tensor, wire: str) -> torch.Tensor:
-    """A copy of ``tensor`` for ``wire``: fp32/fp64 cast to bf16 on ``"bf16"``, else as is.
-
-    Integer and bool tensors come back unchanged (a copy), whatever the wire.
-    """
-    return tensor.detach().to(dtype=wire_dtype(tensor.dtype, wire), copy=True)
-
-
-def from_wire(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor`` as received, back in the model's ``dtype``."""
-    return tensor.to(dtype=dtype)
 
 
 def _ref_hash(tensors: Sequence[torch.Tensor]) -> int:
