@@ -184,3 +184,13 @@ def test_every_subcommand_reports_bad_input_in_one_format(
 def test_elche_run_takes_torchruns_spelling_of_nproc() -> None:
     args = _parser().parse_args(["run", "--nproc-per-node", "3", "train.py", "--lr", "1"])
     assert (args.nproc, args.script, args.script_args) == (3, "train.py", ["--lr", "1"])
+
+
+@pytest.mark.parametrize("command", ["bench", "demo"])
+def test_a_bad_wire_exits_2_naming_the_field_and_the_wires(
+    capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    assert main([command, "--wire", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"elche {command}: error: wire:")
+    assert "'fp32', 'bf16'" in err

@@ -95,6 +95,7 @@ def train(
     lr_schedule: Callable[[Progress], float] | None = None,
     accumulate: int = 1,
     precision: str = "fp32",
+    wire: str = "fp32",
     collate_fn: Callable[[list[Any]], Any] | None = None,
     num_workers: int = 0,
     pin_memory: bool = False,
@@ -184,6 +185,11 @@ def train(
             loss of each is weighted by its share of the step's samples.
         precision: ``"fp32"`` (default), ``"bf16"`` (autocast around
             ``step_fn``) or ``"fp16"`` (autocast and loss scaling; CUDA only).
+        wire: what the averaging payloads travel as: ``"fp32"`` (default)
+            or ``"bf16"`` (half the bytes; the collective modes send each
+            rank's bf16 update since the last consensus, the ``cpu-*`` modes
+            bf16 weights). The model's parameters stay fp32. See
+            ``docs/training.md``.
         collate_fn: builds a batch from a list of items (default:
             ``default_collate``), as in ``DataLoader``.
         num_workers: loader processes (persistent) that prefetch the rank's
@@ -225,7 +231,7 @@ def train(
     dashboard = _dashboard(dashboard)
     tensorboard_dir = _tensorboard_dir(tensorboard_dir)
     options = check_options(
-        accumulate=accumulate, precision=precision, lr_schedule=lr_schedule,
+        accumulate=accumulate, precision=precision, lr_schedule=lr_schedule, wire=wire,
         collate_fn=collate_fn, num_workers=num_workers, pin_memory=pin_memory,
         drop_last=drop_last, batch_sampler=batch_sampler, devices=devices or ("cpu",),
         planned_samples=_planned(dataset, epochs),

@@ -252,6 +252,16 @@ def _add_run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=20, help="epochs to train")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per step")
     parser.add_argument("--seed", type=int, default=42, help="seeds the models and the shuffle")
+    _add_wire_arg(parser)
+
+
+def _add_wire_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--wire",
+        default="fp32",
+        help="what elche's averaging payloads travel as: fp32 or bf16 (half the bytes; "
+        "the model stays fp32)",
+    )
 
 
 def _speeds(text: str) -> tuple[float, ...]:
@@ -567,15 +577,17 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     bench.add_argument(
         "--suite",
-        choices=("quick", "full", "hosts"),
+        choices=("quick", "full", "gpt", "hosts"),
         default="quick",
         help="quick: digits-cnn (compute-bound) and digits-mlp (communication-bound) on "
         "speeds 1,0.5,0.25, 3 repeats, cadence and DDP on digits-cnn also on seeds 1 and 2; "
-        "full: 5 workloads x 4 rigs; hosts: digits-wide (1.1 M parameters) on three "
-        "network-namespace hosts at speeds 1,0.5,0.25, links shaped to 1000 and 100 Mbit/s, "
-        "torch DDP against cadence, cpu-cadence and cpu-async (needs root, ip and unshare) "
-        "(default: quick)",
+        "full: 5 workloads x 4 rigs; gpt: tiny-gpt (a 1M-parameter transformer) one epoch, "
+        "DDP, cadence and cpu-cadence each on the fp32 and bf16 wire; hosts: digits-wide "
+        "(1.1 M parameters) on three network-namespace hosts at speeds 1,0.5,0.25, links "
+        "shaped to 1000 and 100 Mbit/s, torch DDP against cadence, cpu-cadence and cpu-async "
+        "(needs root, ip and unshare) (default: quick)",
     )
+    _add_wire_arg(bench)
     bench.add_argument("--out", default=None, help="output dir (default: results/bench-<time>)")
     bench.add_argument("--repeats", type=int, default=None, help="override the suite's repeats")
     bench.add_argument(
@@ -595,6 +607,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     from elche.bench import SUITES, default_out_dir, run_bench
     from elche.bench.suites import with_dashboard
+    from elche.runtime.options import check_wire
 
     suite = SUITES[args.suite]
     if suite.link_mbit:
@@ -610,11 +623,14 @@ def _run_bench(args: argparse.Namespace) -> int:
         suite = dataclasses.replace(suite, repeats=args.repeats)
     if args.dashboard:
         suite = with_dashboard(suite)
+    check_wire(args.wire)
+    suite = dataclasses.replace(suite, wire=args.wire)
     out_dir = Path(args.out) if args.out else default_out_dir()
     command = f"elche bench --suite {args.suite}"
     if args.repeats is not None:
         command += f" --repeats {args.repeats}"
     command += " --dashboard" if args.dashboard else ""
+    command += f" --wire {args.wire}" if args.wire != "fp32" else ""
     command += " --json" if args.json else ""
     doc = run_bench(suite, out_dir, command=command, progress=not args.no_progress)
     if args.json:
@@ -639,7 +655,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     )  # fmt: skip
     ours = _demo_summary(
         speeds=speeds, mode=args.mode, epochs=args.epochs, batch_size=args.batch_size,
-        seed=args.seed, progress=False, speed_base_s=base_s,
+        seed=args.seed, progress=False, speed_base_s=base_s, wire=args.wire,
     )  # fmt: skip
     ratio = float(ours["wall_s"]) / float(ddp["wall_s"])  # type: ignore[arg-type]  # JSON numbers
     doc = {
@@ -681,7 +697,7 @@ def _demo_summary(
     crash: dict[int, float] | None = None, stall: dict[int, float] | None = None,
     faults: FaultPlan | None = None, heartbeat_timeout_s: float = 10.0,
     speed_base_s: float | None = None, dashboard: str | None = None,
-    tensorboard_dir: str | None = None,
+    tensorboard_dir: str | None = None, wire: str = "fp32",
 ) -> dict[str, object]:  # fmt: skip
     from elche.api import train
     from elche.workloads import digits
@@ -710,12 +726,16 @@ def _demo_summary(
         heartbeat_timeout_s=heartbeat_timeout_s,
         dashboard=dashboard,
         tensorboard_dir=tensorboard_dir,
+        wire=wire,
     )
     return result.summary
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from elche.runtime.lifetimes import RESUME_HINT, Interrupted
+    from elche.runtime.options import check_wire
+
+    check_wire(args.wire)  # before the digits load
 
     speeds = args.speeds
     if speeds is None:
@@ -726,7 +746,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     resume = (
         f"elche demo --speeds {','.join(f'{s:g}' for s in speeds)} --mode {args.mode} "
         f"--epochs {args.epochs} --batch-size {args.batch_size} --seed {args.seed} "
-        "--resume-from "
+        + (f"--wire {args.wire} " if args.wire != "fp32" else "")
+        + "--resume-from "
     )
     hint = RESUME_HINT.set(lambda stem: resume + shlex.quote(stem))
     try:
@@ -737,7 +758,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             crash=dict(_at(text, "crash") for text in args.crash),
             stall=dict(_at(text, "stall") for text in args.stall),
             faults=_read_faults(args.faults), heartbeat_timeout_s=args.heartbeat_timeout,
-            dashboard=args.dashboard, tensorboard_dir=args.tensorboard,
+            dashboard=args.dashboard, tensorboard_dir=args.tensorboard, wire=args.wire,
         )  # fmt: skip
     except Interrupted as stop:  # the bundle is saved and the one line said where
         return int(stop.code)  # type: ignore[arg-type]  # Interrupted's code is an int

@@ -149,12 +149,12 @@ def _table(rig: tuple[float, ...], cell: Sequence[Row]) -> list[str]:
         f"Target eval {_f(target, 4)}; lock-step bound on × DDP: {bound:.3f}.{_capacity(cell)}",
         "",
         "| system | wall s | × DDP | samples/s | efficiency | of cap. | to target s "
-        "| final loss | eval | Δ eval vs DDP | syncs | idle % per rank | lost |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| final loss | eval | Δ eval vs DDP | syncs | idle % per rank | lost | wire B/round |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in cell:
         if row.get("error"):
-            lines.append(f"| {row['system']} | failed: {row['error']} ||||||||||||")
+            lines.append(f"| {row['system']} | failed: {row['error']} |||||||||||||")
             continue
         idle = " / ".join(_f(x, 0) for x in row["idle_pct"])
         lines.append(
@@ -163,7 +163,7 @@ def _table(rig: tuple[float, ...], cell: Sequence[Row]) -> list[str]:
             f"| {_f(row.get('of_capacity'), 3)} | {_f(row['time_to_target_s'], 2)} "
             f"| {_f(row['final_loss'], 4)} "
             f"| {_f(row['eval'], 4)} | {_delta(row)} | {row['syncs']} | {idle} "
-            f"| {row['lost_samples']} |"
+            f"| {row['lost_samples']} | {_f(row.get('wire_bytes_per_round'), 0)} |"
         )
     lines.append("")
     lines += _seeds_table(cell)

@@ -11,9 +11,9 @@ is each rig's efficiency denominator.
 
 Row keys: ``workload, system, speeds, wall_s, samples_per_s, efficiency,
 final_loss, eval, syncs, idle_pct, lost_samples`` (the contract) plus
-``link_mbit, metric, higher_is_better, ranks, epochs, batch_size, samples, startup_s,
-capacity_samples_per_s, of_capacity,
-total_s, repeats, wall_s_runs, speed_base_s, final_eval, target_eval,
+``link_mbit, metric, higher_is_better, ranks, epochs, batch_size, samples,
+startup_s, capacity_samples_per_s, of_capacity, total_s, repeats, wall_s_runs,
+speed_base_s, wire, wire_bytes_per_round, final_eval, target_eval,
 time_to_target_s, target_loss, time_to_target_loss_s, wall_ratio_vs_ddp,
 eval_delta_vs_ddp, per_rank[{rank, speed, samples, share, busy_s, idle_s,
 idle_pct}], per_epoch[{epoch, t, loss, eval}], seeds, error``.
@@ -215,6 +215,8 @@ def _row(run: Run, rig: tuple[float, ...], solo_sps: float | None, capacity: flo
         "repeats": run.get("repeats", 1),
         "wall_s_runs": run.get("wall_s_runs", [wall_s]),
         "speed_base_s": run.get("speed_base_s"),
+        "wire": run.get("wire"),
+        "wire_bytes_per_round": run.get("wire_bytes_per_round"),
         "per_rank": per_rank,
         "per_epoch": run.get("per_epoch") or [],
         "error": run.get("error"),

@@ -27,8 +27,9 @@ value as ``speed_base_s``. Each run becomes one JSON-ready ``Run`` record:
 
 ``workload, system, speeds, repeat, seed, ranks, epochs, batch_size,
 speed_base_s, link_mbit, wall_s, startup_s, total_s, samples, samples_per_s,
-final_loss, eval, syncs, lost_samples, per_epoch[{epoch, t, loss, eval}],
-per_rank[{rank, speed, samples, busy_s}], capacity, error``
+final_loss, eval, syncs, lost_samples, wire, wire_bytes_per_round,
+per_epoch[{epoch, t, loss, eval}], per_rank[{rank, speed, samples, busy_s}],
+capacity, error``
 
 Across hosts. A suite with ``link_mbit`` rates builds one ``Rig`` of
 namespace hosts per rig size and rate before its first run and keeps it to
@@ -78,6 +79,7 @@ from elche.bench.suites import (
     Suite,
     WorkloadPlan,
     split_system,
+    split_wire,
 )
 from elche.core import timeline as tl
 from elche.monitor.summary import rank_report_file
@@ -147,7 +149,7 @@ def run_suite(
                     )
                     run = run_one(
                         system, plan, speeds, seed=suite.seed, split=splits[plan.name],
-                        speed_base_s=bases[plan.name], hosts=hosts,
+                        speed_base_s=bases[plan.name], hosts=hosts, wire=suite.wire,
                     )  # fmt: skip
                     run["repeat"] = repeat
                     run["capacity"] = capacities.get((plan.name, tuple(speeds)))  # solo: None
@@ -158,7 +160,7 @@ def run_suite(
             show(f"{plan.name} [{_rig(speeds)}] {system} (seed {seed})")
             run = run_one(
                 system, plan, speeds, seed=seed, split=get_workload(plan.name).load_split(seed),
-                speed_base_s=bases[plan.name],
+                speed_base_s=bases[plan.name], wire=suite.wire,
             )  # fmt: skip
             run["repeat"] = 0
             run["capacity"] = capacities.get((plan.name, tuple(speeds)))  # solo: None
@@ -224,6 +226,7 @@ def run_one(
     split: Split | None = None,
     speed_base_s: float | None = None,
     hosts: Rig | None = None,
+    wire: str = "fp32",
 ) -> Run:
     """Train ``plan`` once with ``system`` on the rig ``speeds``.
 
@@ -237,6 +240,7 @@ def run_one(
             each paced rank measures its own.
         hosts: a rig of one namespace host per rank: the run trains across
             its hosts (``bench.hosts``; not ``solo``); None: on this host.
+        wire: an elche mode's averaging wire (``MODE+bf16`` is bf16 whatever it says).
 
     Returns:
         The run record; ``error`` holds the message if the run failed.
@@ -270,11 +274,12 @@ def run_one(
         elif system == SOLO:
             record.update(_solo(workload, plan, seed, data))
         else:
-            mode, dashboard = split_system(system)
+            named, dashboard = split_system(system)
+            mode, record["wire"] = split_wire(named, wire)
             record.update(
                 _elche(
                     workload, plan=plan, mode=mode, speeds=speeds, seed=seed, split=data,
-                    speed_base_s=speed_base_s, dashboard=dashboard,
+                    speed_base_s=speed_base_s, dashboard=dashboard, wire=record["wire"],
                 )
             )  # fmt: skip
     except Exception as exc:  # a failed cell is reported, the suite goes on
@@ -428,6 +433,7 @@ def _elche(
     split: Split,
     speed_base_s: float | None,
     dashboard: bool = False,
+    wire: str = "fp32",
 ) -> Run:
     from elche.api import train
     from elche.bench.watch import Watch, watched_dashboard
@@ -439,7 +445,7 @@ def _elche(
             batch_size=plan.batch_size, epochs=plan.epochs, mode=mode, speeds=list(speeds),
             speed_base_s=speed_base_s, eval_fn=workload.eval_fn, eval_dataset=split[1],
             eval_every=1,
-            seed=seed, progress=False, run_dir=tmp,
+            seed=seed, progress=False, run_dir=tmp, wire=wire,
             dashboard=watch.address if isinstance(watch, Watch) else None,
         )  # fmt: skip
         run_dir = Path(tmp)
@@ -480,7 +486,14 @@ def elche_record(
         "lost_samples": summary["lost_samples"],
         "per_epoch": _epochs_from_timeline(timeline),
         "per_rank": per_rank,
+        "wire_bytes_per_round": _wire_bytes_per_round(reports),
     }
+
+
+def _wire_bytes_per_round(reports: Sequence[dict[str, Any]]) -> float | None:
+    """The ranks' mean averaging bytes per round (``elche.runtime.wire``); None without rounds."""
+    per_rank = [r["wire_bytes"] / r["wire_rounds"] for r in reports if r.get("wire_rounds")]
+    return round(sum(per_rank) / len(per_rank), 1) if per_rank else None
 
 
 def _epochs_from_timeline(events: Sequence[tl.TimelineEvent]) -> list[dict[str, Any]]:

@@ -24,15 +24,18 @@ __all__ = [
     "ELCHE_MODES",
     "EVAL_TARGETS",
     "FULL",
+    "GPT",
     "HEADLINE_SYSTEMS",
     "HOSTS",
     "QUICK",
     "SOLO",
     "SUITES",
     "TORCHFT_SYSTEMS",
+    "WIRE_SUFFIX",
     "Suite",
     "WorkloadPlan",
     "split_system",
+    "split_wire",
     "with_dashboard",
 ]
 
@@ -44,9 +47,10 @@ BASELINES = (DDP, *TORCHFT_SYSTEMS)  # the peers, run by elche.baselines
 ELCHE_MODES = ("sync", "cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 ALL_SYSTEMS = (*BASELINES, *ELCHE_MODES)  # per rig; SOLO runs once per workload
 # The eval every system must reach for ``time_to_target_s``, per workload, in
-# its ``metric`` (accuracy for the digits and text workloads, reconstruction MSE
-# for digits-ae): about what the slowest-converging system of the quick suite
-# reaches within its epochs, so the time says who gets there first.
+# its ``metric`` (accuracy for the digits and text-gru, reconstruction MSE
+# for digits-ae, held-out bits per character for tiny-gpt): about what the
+# slowest-converging system of its suite reaches within its epochs, so the
+# time says who gets there first.
 EVAL_TARGETS: dict[str, float] = {
     "digits-logreg": 0.90,
     "digits-mlp": 0.93,
@@ -54,12 +58,15 @@ EVAL_TARGETS: dict[str, float] = {
     "digits-ae": 0.03,
     "text-gru": 0.45,
     "digits-wide": 0.93,
+    "tiny-gpt": 3.5,  # held-out bits per character (lower is better); one solo epoch: ~3.2
 }
 # The quick suite's headline: these systems on this workload also run on
 # every seed of ``Suite.extra_seeds``, and their rows report the spread.
 HEADLINE_SYSTEMS = ("cadence", DDP)
 # ``cadence+dashboard``: cadence, its dashboard served and read (``elche bench --dashboard``).
 DASHBOARD_SUFFIX = "+dashboard"
+# ``cadence+bf16``: cadence with ``wire="bf16"`` whatever the suite's wire (an A/B in one suite).
+WIRE_SUFFIX = "+bf16"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +105,8 @@ class Suite:
     # Link rates in Mbit/s: non-empty, every multi-rank run trains across
     # namespace hosts (``bench.hosts``), one rig per rate; empty, on this host.
     link_mbit: tuple[float, ...] = ()
+    # Every elche mode's averaging wire, but MODE+bf16's (``elche bench --wire``).
+    wire: str = "fp32"
 
     def links(self) -> tuple[float | None, ...]:
         """The link rates the rigs run at; ``(None,)`` for a suite on this host."""
@@ -183,6 +192,21 @@ HOSTS = Suite(
 )
 
 
+# The gpt suite: tiny-gpt, a 1 M-parameter transformer whose step is 106-168
+# ms on one core of the busy 2-core machine, too slow for the quick suite's
+# five minutes beside the digits (every system x 3 repeats would be ~45
+# minutes). One epoch (4,096 windows of 64 characters), one repeat; cadence
+# and cpu-cadence each on the fp32 and the bf16 wire, so the wire's effect on
+# held-out bits per character is measured in the same invocation: 15.5
+# minutes at a load of 7-12 on 2 cores.
+GPT = Suite(
+    name="gpt",
+    workloads=(WorkloadPlan("tiny-gpt", epochs=1, batch_size=8),),
+    rigs=((1.0, 0.5, 0.25),),
+    systems=(DDP, "cadence", "cadence" + WIRE_SUFFIX, "cpu-cadence", "cpu-cadence" + WIRE_SUFFIX),
+)
+
+
 def with_dashboard(suite: Suite) -> Suite:
     """``suite`` with each elche mode's twin that serves and is watched by its dashboard.
 
@@ -201,6 +225,13 @@ def with_dashboard(suite: Suite) -> Suite:
     return dataclasses.replace(suite, systems=tuple(systems), notes=(*suite.notes, note))
 
 
+def split_wire(system: str, default: str) -> tuple[str, str]:
+    """A system's name as (the system without its ``+bf16``, the wire its elche mode uses)."""
+    if system.endswith(WIRE_SUFFIX):
+        return system.removesuffix(WIRE_SUFFIX), "bf16"
+    return system, default
+
+
 def split_system(system: str) -> tuple[str, bool]:
     """A system's name as (the system without its dashboard suffix, whether it had it)."""
     if system.endswith(DASHBOARD_SUFFIX):
@@ -208,4 +239,4 @@ def split_system(system: str) -> tuple[str, bool]:
     return system, False
 
 
-SUITES = {suite.name: suite for suite in (QUICK, FULL, HOSTS)}
+SUITES = {suite.name: suite for suite in (QUICK, FULL, GPT, HOSTS)}

@@ -185,6 +185,9 @@ def run_summary(
                 "samples": host["samples_per_rank"][rank],
                 "idle_s": ranks.get(rank, {}).get("idle_s"),
                 "lr": ranks.get(rank, {}).get("lr"),  # the rank's learning rate at the end
+                "wire": ranks.get(rank, {}).get("wire"),  # what its averaging payloads were
+                "wire_bytes": ranks.get(rank, {}).get("wire_bytes"),
+                "wire_rounds": ranks.get(rank, {}).get("wire_rounds"),
             }
             for rank in [*range(world), *host.get("joined_ranks", [])]
         ],

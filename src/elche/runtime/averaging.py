@@ -66,6 +66,7 @@ __all__ = [
     "load_average",
     "param_mass",
     "snapshot_frames",
+    "wire_dtype",
 ]
 
 # (divergence, pre_norm, post_norm), as reported in SyncAck.
@@ -243,19 +244,31 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _layout_of(named: list[tuple[str, torch.Tensor]], num_params: int) -> Layout:
+def wire_dtype(dtype: torch.dtype, wire: str) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` travels as on ``wire`` (``"fp32"`` or ``"bf16"``).
+
+    The bf16 wire (``elche.runtime.wire``) casts fp32/fp64 tensors; 2-byte
+    floats travel as they are, and integer tensors are never averaged.
+    """
+    light = wire == "bf16" and dtype in (torch.float32, torch.float64)
+    return torch.bfloat16 if light else dtype
+
+
+def _layout_of(named: list[tuple[str, torch.Tensor]], num_params: int, wire: str) -> Layout:
     specs = tuple(
-        TensorSpec(name=n, dtype=_dtype_name(t.dtype), shape=tuple(t.shape)) for n, t in named
+        TensorSpec(name=n, dtype=_dtype_name(wire_dtype(t.dtype, wire)), shape=tuple(t.shape))
+        for n, t in named
     )
     return Layout(tensors=specs, num_params=num_params)
 
 
-def snapshot_frames(model: nn.Module) -> tuple[Layout, list[memoryview]]:
+def snapshot_frames(model: nn.Module, wire: str = "fp32") -> tuple[Layout, list[memoryview]]:
     """Copy the model's float parameters, then float buffers, to CPU frames.
 
     Each frame is a byte ``memoryview`` over a private contiguous CPU copy
     (it keeps the copy alive), ready for a zero-copy send; training may go on
-    while it is in flight.
+    while it is in flight. On the ``"bf16"`` wire, fp32/fp64 tensors are
+    copied as bfloat16 (the layout says so); the model is untouched.
 
     Returns:
         The ``Layout`` describing the frames, and the frames.
@@ -265,10 +278,12 @@ def snapshot_frames(model: nn.Module) -> tuple[Layout, list[memoryview]]:
             (float16, bfloat16, float32, float64).
     """
     params, buffers = _named_float_params(model), _named_float_buffers(model)
-    layout = _layout_of(params + buffers, len(params))
+    layout = _layout_of(params + buffers, len(params), wire)
     frames = []
     for _, t in params + buffers:
-        host = t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+        host = t.detach().to(
+            "cpu", wire_dtype(t.dtype, wire), copy=True, memory_format=torch.contiguous_format
+        )
         frames.append(host.reshape(-1).view(torch.uint8).numpy().data)
     return layout, frames
 
@@ -294,6 +309,7 @@ def load_average(
     alpha: float | None,
     buffers_alpha: float | None = None,
     sent: Sequence[Frame] | None = None,
+    wire: str = "fp32",
 ) -> Divergence:
     """Load the coordinator's average into the model.
 
@@ -315,6 +331,8 @@ def load_average(
         alpha: EASGD blend weight for parameters, or None to overwrite.
         buffers_alpha: Blend weight for float buffers, or None to overwrite.
         sent: The frames this rank uploaded for this round.
+        wire: The wire the frames travelled on (``"fp32"`` or ``"bf16"``);
+            bf16 frames are loaded into the model's own dtypes.
 
     Returns:
         The divergence triple ``(‖P − Q‖ / ‖Q‖, ‖P‖, ‖Q‖)``.
@@ -327,7 +345,7 @@ def load_average(
     _check_alpha("alpha", alpha)
     _check_alpha("buffers_alpha", buffers_alpha)
     params, buffers = _named_float_params(model), _named_float_buffers(model)
-    mine = _layout_of(params + buffers, len(params))
+    mine = _layout_of(params + buffers, len(params), wire)
     if mine != layout:
         raise ValueError(f"layout does not describe this model: {_first_difference(mine, layout)}")
     layout.check(frames)
@@ -343,7 +361,7 @@ def load_average(
     with torch.no_grad():
         for i, ((_, t), avg) in enumerate(zip(params + buffers, average, strict=True)):
             rate = alpha if i < n else buffers_alpha
-            src = avg.to(t.device)
+            src = avg.to(t.device, t.dtype)  # a bf16 wire's frames into fp32
             if rate is None:
                 t.copy_(src)
             else:

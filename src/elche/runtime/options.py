@@ -10,6 +10,8 @@ imports torch.
   accumulate`` samples.
 - ``precision``: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (CUDA only:
   its gradients are scaled).
+- ``wire``: ``"fp32"`` (default) or ``"bf16"``: what the averaging payloads
+  travel as (``elche.runtime.wire``); the model's parameters stay as they are.
 - ``lr_schedule``: ``lr_schedule(progress) -> factor`` of each param group's
   base learning rate, before every optimizer step (``elche.runtime.stepping``).
 - ``collate_fn``, ``num_workers``, ``pin_memory``, ``drop_last`` and
@@ -27,9 +29,17 @@ from typing import Any
 from elche.core.errors import ConfigError
 from elche.core.progress import Progress
 
-__all__ = ["PRECISIONS", "TrainOptions", "check_options", "check_picklable"]
+__all__ = [
+    "PRECISIONS",
+    "WIRES",
+    "TrainOptions",
+    "check_options",
+    "check_picklable",
+    "check_wire",
+]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+WIRES = ("fp32", "bf16")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,6 +48,7 @@ class TrainOptions:
 
     accumulate: int = 1
     precision: str = "fp32"
+    wire: str = "fp32"
     lr_schedule: Callable[[Progress], float] | None = None
     collate_fn: Callable[[list[Any]], Any] | None = None
     num_workers: int = 0
@@ -57,6 +68,7 @@ def check_options(
     accumulate: Any,
     precision: Any,
     lr_schedule: Any,
+    wire: Any = "fp32",
     collate_fn: Any,
     num_workers: Any,
     pin_memory: Any,
@@ -79,6 +91,7 @@ def check_options(
         raise ConfigError(
             "precision", "'fp16' needs CUDA devices (its loss scaling); use 'bf16' on CPU"
         )
+    check_wire(wire)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ConfigError("num_workers", f"must be an integer >= 0, got {num_workers!r}")
     for name, value in (("pin_memory", pin_memory), ("drop_last", drop_last)):
@@ -92,10 +105,21 @@ def check_options(
         if fn is not None and not callable(fn):
             raise ConfigError(name, f"must be a function or None, got {fn!r}")
     return TrainOptions(
-        accumulate=accumulate, precision=precision, lr_schedule=lr_schedule,
+        accumulate=accumulate, precision=precision, wire=wire, lr_schedule=lr_schedule,
         collate_fn=collate_fn, num_workers=num_workers, pin_memory=pin_memory,
         drop_last=drop_last, batch_sampler=batch_sampler, planned_samples=max(planned_samples, 1),
     )  # fmt: skip
+
+
+def check_wire(wire: Any) -> None:
+    """Refuse a ``wire`` that is not one of ``WIRES``.
+
+    Raises:
+        ConfigError: naming the field and the accepted values.
+    """
+    if wire not in WIRES:
+        accepted = ", ".join(repr(w) for w in WIRES)
+        raise ConfigError("wire", f"must be one of {accepted}, got {wire!r}")
 
 
 def check_picklable(options: TrainOptions) -> None:

@@ -61,7 +61,7 @@ from elche.core.progress import Progress
 from elche.core.rank import RankProtocol
 from elche.monitor.summary import rank_report_file, rank_spans_file
 from elche.runtime import bundle, groups
-from elche.runtime.averaging import collective_average, load_average, snapshot_frames
+from elche.runtime.averaging import load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
 from elche.runtime.consensus import Consensus, start_from_rank0
 from elche.runtime.current import providing
@@ -75,6 +75,7 @@ from elche.runtime.snapshots import Layout
 from elche.runtime.stepping import MicroBatch, Stepper
 from elche.runtime.transport import RankEndpoint
 from elche.runtime.user_errors import failed_report, guarded, training_error, wait_answer
+from elche.runtime.wire import Wire, average_over
 
 __all__ = ["RankSpec", "UserFns", "Worker", "to_device", "train_rank"]
 
@@ -179,6 +180,7 @@ class Worker:
         )  # fmt: skip
         self.unreported: list[m.BatchDone] = []
         self.consensus = Consensus()  # restored before a save for a non-finite value
+        self.wire = Wire(options.wire)  # what the averaging payloads travel as, and weigh
         self.reported_s = time.monotonic()
         self._update_payload: Sequence[bytes | memoryview] = ()
         self.snapshot: tuple[Layout, list[memoryview]] | None = None  # the upload in flight
@@ -524,7 +526,7 @@ class Worker:
 
     def _serve_round(self, action: r.Average | r.Upload) -> None:
         if isinstance(action, r.Upload):
-            layout, frames = snapshot_frames(self.model)
+            layout, frames = snapshot_frames(self.model, self.wire.name)
             self.snapshot = (layout, frames)
             self._send(self.proto.uploaded(), [msgspec.msgpack.encode(layout), *frames])
             return
@@ -535,8 +537,8 @@ class Worker:
             return
         started = time.perf_counter()
         try:
-            div, pre, post = collective_average(
-                self.model, action.steps, gamma=self.spec.gamma, group=self.group
+            div, pre, post = average_over(
+                self.wire, self.model, action.steps, gamma=self.spec.gamma, group=self.group
             )
         except RuntimeError as exc:
             # A peer vanished mid-collective. The model is unchanged; the
@@ -558,8 +560,10 @@ class Worker:
         if payload and snapshot is not None:
             layout = msgspec.msgpack.decode(bytes(payload[0]), type=Layout)
             div, pre, post = load_average(
-                self.model, list(payload[1:]), layout, alpha=action.alpha, sent=snapshot[1]
-            )
+                self.model, list(payload[1:]), layout, alpha=action.alpha, sent=snapshot[1],
+                wire=self.wire.name,
+            )  # fmt: skip
+            self.wire.count(sum(memoryview(f).nbytes for f in (*snapshot[1], *payload[1:])))
             self.consensus.keep(self.model)
         ack = self.proto.loaded(divergence=div, pre_norm=pre, post_norm=post)
         self._record_spans()
@@ -677,6 +681,9 @@ class Worker:
             "lr": self.stepper.lr,
             "progress": msgspec.to_builtins(self.progress()),
             "dropped_samples": self.loader.num_dropped,
+            "wire": self.wire.name,
+            "wire_bytes": self.wire.bytes,
+            "wire_rounds": self.wire.rounds,
         }
 
 

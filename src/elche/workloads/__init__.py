@@ -25,6 +25,9 @@ torch DDP baseline find them by name:
 - ``text-gru`` — a character-level GRU on Python standard-library sources;
 - ``digits-wide`` — a 1.1 M-parameter MLP on the digits (the several-hosts
   benchmark's model: large enough that links cost, small enough to step fast).
+- ``tiny-gpt`` — a 1 M-parameter decoder-only transformer, character-level on
+  standard-library sources (metric: held-out bits per character, lower is
+  better).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ _MODULES = {
     "digits-ae": "digits_ae",
     "text-gru": "text_gru",
     "digits-wide": "digits_wide",
+    "tiny-gpt": "tiny_gpt",
 }
 ALIASES = {"digits": "digits-mlp"}  # the name the demo and the DDP CLI always used
 

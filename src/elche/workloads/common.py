@@ -7,6 +7,7 @@
 - ``summed_over_batches`` runs a per-batch score in eval mode without
   gradients and puts the model back in train mode; ``accuracy`` is the
   classification score built on it (labels ``[b]`` or per-position ``[b, T]``).
+- ``char_codes(text)`` maps bytes to the text workloads' ``VOCAB`` symbols.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from torch.utils.data import TensorDataset
 __all__ = [
     "EVAL_BATCH",
     "INIT_SEED",
+    "VOCAB",
     "accuracy",
     "adam",
+    "char_codes",
     "device_of",
     "seeded",
     "summed_over_batches",
@@ -30,6 +33,7 @@ __all__ = [
 
 INIT_SEED = 0  # every rank must start from the same weights
 EVAL_BATCH = 512  # evaluation batch (the digits test split is 360 samples)
+VOCAB = 97  # text workloads: 0 other, 1 newline, 2..96 printable ASCII 32..126
 
 
 def seeded(build: Callable[[], nn.Module], device: torch.device | str) -> nn.Module:
@@ -87,3 +91,13 @@ def accuracy(model: nn.Module, dataset: TensorDataset) -> float:
     """
     inputs, targets = dataset.tensors
     return summed_over_batches(model, (inputs, targets), _correct) / max(targets.numel(), 1)
+
+
+def char_codes(text: bytes) -> Tensor:
+    """Bytes to ``VOCAB`` indices, int64: newline 1, printable ASCII 2..96, all else 0."""
+    raw = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64)
+    codes = torch.zeros_like(raw)  # 0: anything else
+    printable = (raw >= 32) & (raw <= 126)
+    codes[printable] = raw[printable] - 30  # 32..126 -> 2..96
+    codes[raw == 10] = 1  # newline
+    return codes

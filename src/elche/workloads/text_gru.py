@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
-from elche.workloads.common import accuracy, adam, device_of, seeded
+from elche.workloads.common import VOCAB, accuracy, adam, char_codes, device_of, seeded
 
 __all__ = [
     "HIGHER_IS_BETTER",
@@ -51,7 +51,6 @@ TEXT_BYTES = 256 * 1024  # ~4,000 windows: an epoch is ~110 steps at batch 32
 MIN_TEXT_BYTES = 64 * 1024  # refuse to train on a stub of a standard library
 SEQ_LEN = 64  # characters of context per window
 TEST_FRACTION = 0.1
-VOCAB = 97  # 0: other, 1: newline, 2..96: printable ASCII 32..126
 EMBED, HIDDEN = 32, 64  # HIDDEN 128 doubles the step time for little accuracy here
 LEARNING_RATE = 3e-3
 
@@ -87,7 +86,7 @@ def load_split(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
         ``(train, test)``, each a ``TensorDataset`` of inputs ``int64 [n, 64]``
         and next-character targets ``int64 [n, 64]``.
     """
-    codes = _encode(load_text())  # int64 [TEXT_BYTES]
+    codes = char_codes(load_text())  # int64 [TEXT_BYTES]
     count = (len(codes) - 1) // (SEQ_LEN + 1)
     windows = codes[: count * (SEQ_LEN + 1)].view(count, SEQ_LEN + 1)  # [n, 65]
     order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
@@ -143,16 +142,6 @@ class _CharGru(nn.Module):
         states, _ = self.gru(self.embed(x))  # [b, T, HIDDEN]
         out: Tensor = self.head(states)  # [b, T, VOCAB]
         return out
-
-
-def _encode(text: bytes) -> Tensor:
-    """Bytes to vocabulary indices (see ``VOCAB``)."""
-    raw = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64)
-    codes = torch.zeros_like(raw)  # 0: anything else
-    printable = (raw >= 32) & (raw <= 126)
-    codes[printable] = raw[printable] - 30  # 32..126 -> 2..96
-    codes[raw == 10] = 1  # newline
-    return codes
 
 
 def _pairs(windows: Tensor) -> TensorDataset:

@@ -1,0 +1,233 @@
+"""The bf16 averaging wire: casts, frames, and the collective delta average.
+
+The unit tests of the collective path run a world of one gloo rank in this
+process (a ``FileStore``, no ports), destroyed even on failure; one
+integration test spawns three gloo ranks: they agree on one consensus, within
+bf16 of the fp32 one, and a stale reference on one rank makes every rank redo
+the round in fp32.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elche.core.errors import ConfigError
+from elche.runtime.averaging import load_average, snapshot_frames
+from elche.runtime.options import TrainOptions, check_options
+from elche.runtime.snapshots import Layout, SnapshotAverager
+from elche.runtime.wire import Wire, average_over, wire_dtype
+
+BF16_REL = 2.0**-8  # bfloat16 keeps 8 significant bits: its unit roundoff
+
+
+def bn_model(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    with torch.no_grad():
+        model[1].running_mean.copy_(torch.randn(3))
+        model[1].num_batches_tracked.fill_(41)
+    return model
+
+
+def test_the_bf16_wire_casts_fp32_and_fp64_only() -> None:
+    assert wire_dtype(torch.float32, "bf16") == torch.bfloat16
+    assert wire_dtype(torch.float64, "bf16") == torch.bfloat16
+    assert wire_dtype(torch.float16, "bf16") == torch.float16  # already two bytes: as is
+    for dtype in (torch.int64, torch.int32, torch.bool, torch.uint8):
+        assert wire_dtype(dtype, "bf16") == dtype  # never cast (never averaged either)
+    assert wire_dtype(torch.float64, "fp32") == torch.float64
+
+
+def test_a_bf16_round_trip_is_within_bf16s_unit_roundoff() -> None:
+    source, target = (
+        nn.Linear(1000, 1, dtype=torch.float64),
+        nn.Linear(1000, 1, dtype=torch.float64),
+    )
+    layout, frames = snapshot_frames(source, "bf16")
+    assert [s.dtype for s in layout.tensors] == ["bfloat16", "bfloat16"]
+    load_average(target, frames, layout, alpha=None, wire="bf16")
+    got, want = target.weight.detach(), source.weight.detach()
+    assert got.dtype == torch.float64
+    assert float(((got - want).abs() / want.abs()).max()) <= BF16_REL
+    assert not torch.equal(got, want)  # it did travel as bf16
+
+
+def test_check_options_names_the_wire_and_what_it_accepts() -> None:
+    common = dict(
+        accumulate=1, precision="fp32", lr_schedule=None, collate_fn=None, num_workers=0,
+        pin_memory=False, drop_last=False, batch_sampler=None, devices=("cpu",),
+        planned_samples=1,
+    )  # fmt: skip
+    assert check_options(wire="bf16", **common).wire == "bf16"
+    assert TrainOptions().wire == "fp32"
+    with pytest.raises(ConfigError, match=r"wire.*'fp32', 'bf16'.*'fp8'"):
+        check_options(wire="fp8", **common)
+
+
+def test_bf16_frames_round_trip_within_bf16_and_keep_integer_buffers() -> None:
+    source, target = bn_model(1), bn_model(2)
+    layout, frames = snapshot_frames(source, "bf16")
+    assert {s.dtype for s in layout.tensors} == {"bfloat16"}
+    assert "1.num_batches_tracked" not in [s.name for s in layout.tensors]
+    _, full = snapshot_frames(source)
+    assert sum(f.nbytes for f in frames) * 2 == sum(f.nbytes for f in full)
+    received = msgspec.msgpack.decode(msgspec.msgpack.encode(layout), type=Layout)
+    with torch.no_grad():
+        target[1].num_batches_tracked.fill_(5)
+    load_average(target, frames, received, alpha=None, wire="bf16")
+    for (name, got), want in zip(
+        target.state_dict().items(), source.state_dict().values(), strict=True
+    ):
+        if name.endswith("num_batches_tracked"):
+            assert int(got) == 5  # integer buffers never travel
+            continue
+        assert got.dtype == torch.float32  # the model stays fp32
+        assert torch.allclose(got, want, rtol=BF16_REL, atol=0)
+    with pytest.raises(ValueError, match="layout does not describe"):
+        load_average(target, frames, received, alpha=None)  # fp32 expected: refused
+    blended = bn_model(3)
+    load_average(blended, frames, received, alpha=0.5, wire="bf16")  # lerp across dtypes
+
+
+def test_coordinator_averages_bf16_frames_in_float64() -> None:
+    a, b = bn_model(1), bn_model(2)
+    layout, fa = snapshot_frames(a, "bf16")
+    _, fb = snapshot_frames(b, "bf16")
+    averager = SnapshotAverager(layout)
+    averager.add(3.0, fa)
+    averager.add(1.0, fb)
+    out = averager.result()
+    assert out is not None
+    target = bn_model(4)
+    load_average(target, out, layout, alpha=None, wire="bf16")
+    want = (3 * a[0].weight.detach() + b[0].weight.detach()) / 4
+    assert torch.allclose(target[0].weight.detach(), want, rtol=2 * BF16_REL, atol=1e-6)
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_delta_average_keeps_updates_finer_than_bf16_weights(world_of_one: None) -> None:
+    model = nn.Linear(64, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)  # bf16's step at 1 is 2**-7: rounded weights lose the update
+    wire = Wire("bf16")
+    average_over(wire, model, 4)  # no consensus yet: a full fp32 average, then the ref
+    assert wire.rounds == 1 and wire.bytes == 64 * 2 + 48 + 64 * 4 + 16
+    update = torch.linspace(-1e-3, 1e-3, 64).view(1, 64)
+    with torch.no_grad():
+        model.weight.add_(update)
+    div, _, _ = average_over(wire, model, 4)
+    assert wire.rounds == 2 and wire.bytes == 2 * (64 * 2 + 48) + 64 * 4 + 16
+    got = model.weight.detach() - 1.0
+    assert torch.allclose(got, update, rtol=BF16_REL, atol=1e-7)  # bf16 weights: all 0
+    assert div < 1e-5  # P − Q: the update's bf16 rounding, ~1e-6 of the weights
+    assert wire.ref is not None and torch.equal(wire.ref[0], model.weight.detach())
+
+
+def test_delta_average_of_an_idle_rank_changes_nothing(world_of_one: None) -> None:
+    model = bn_model(1)
+    wire = Wire("bf16")
+    average_over(wire, model, 1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    div, pre, post = average_over(wire, model, 0)
+    assert div == 0.0 and pre == post
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name])
+
+
+def test_fp32_wire_counts_the_full_payload(world_of_one: None) -> None:
+    model = bn_model(1)  # 21 parameters, 6 float buffer values
+    wire = Wire()
+    average_over(wire, model, 2)
+    assert (wire.rounds, wire.bytes) == (1, 27 * 4 + 16)
+
+
+# --- real collectives: three gloo ranks ----------------------------------------
+
+UPDATE = 1e-3  # each rank's update, far below bf16's step at the weights (2**-7 at 1)
+FP32_AT_1 = 4e-7  # a few fp32 steps at 1.0 (2**-23 each): the fp32 rounding of 1 + update
+
+
+def _wire_rank(rank: int, store: str, out: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, 3), rank=rank, world_size=3)
+    try:
+        results = {}
+        for name in ("fp32", "bf16", "bf16-stale"):
+            model, wire = _start(), Wire("fp32" if name == "fp32" else "bf16")
+            average_over(wire, model, 1)  # the first consensus (and the bf16 ref)
+            if name == "bf16-stale" and rank == 2:  # its ref is no longer the consensus
+                assert wire.ref is not None
+                wire.keep([wire.ref[0] + 1.0])
+            with torch.no_grad():
+                model.weight.add_(_update(rank))
+            average_over(wire, model, rank + 1)  # masses 1, 2, 3
+            results[name] = (model.weight.detach().clone(), wire.bytes, wire.rounds)
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _start() -> nn.Linear:
+    model = nn.Linear(256, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    return model
+
+
+def _update(rank: int) -> torch.Tensor:
+    return torch.randn(1, 256, generator=torch.Generator().manual_seed(rank)) * UPDATE
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_three_ranks_agree_on_the_bf16_delta_consensus(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    args = (str(tmp_path / "store"), str(tmp_path))
+    procs = [ctx.Process(target=_wire_rank, args=(r, *args)) for r in range(3)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 60
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(3)]
+    want = sum((r + 1) * _update(r).double() for r in range(3)) / 6  # the mean update
+    # each mass·update is rounded to bf16, and so is each partial sum on gloo's way
+    bound = (
+        3 * BF16_REL * sum((r + 1) * _update(r).double().abs() for r in range(3)) / 6 + FP32_AT_1
+    )
+    for name in ("fp32", "bf16", "bf16-stale"):
+        weights = [res[name][0] for res in results]
+        assert all(torch.equal(w, weights[0]) for w in weights), name  # one consensus for all
+        error = (weights[0].double() - 1.0 - want).abs()
+        assert bool((error <= (FP32_AT_1 if name == "fp32" else bound)).all()), name
+    fp32_bytes, bf16_bytes = results[0]["fp32"][1], results[0]["bf16"][1]
+    assert fp32_bytes == 2 * (256 * 4 + 16)
+    assert bf16_bytes == (256 * 2 + 48) * 2 + 256 * 4 + 16  # the first round is a full one
+    stale = results[0]["bf16-stale"][1]
+    assert stale == bf16_bytes + 256 * 4 + 16  # the stale ref was found: a full round again
