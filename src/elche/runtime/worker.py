@@ -60,7 +60,7 @@ from elche.core.faults import (
 from elche.core.progress import Progress
 from elche.core.rank import RankProtocol
 from elche.monitor.summary import rank_report_file, rank_spans_file
-from elche.runtime import bundle, groups
+from elche.runtime import bundle, groups, salvage
 from elche.runtime.averaging import collective_average, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
 from elche.runtime.consensus import Consensus, start_from_rank0
@@ -198,6 +198,7 @@ class Worker:
             spec.endpoint(),
             heartbeat_interval_s=spec.heartbeat_interval_s,
             coordinator_timeout_s=spec.coordinator_timeout_s,
+            gone_file=Path(spec.run_dir) / salvage.GONE_FILE,
         )
 
     def join_group(self) -> None:
@@ -537,7 +538,7 @@ class Worker:
             self.proto.average_failed()
             return
         self.busy_s += time.perf_counter() - started
-        self.consensus.keep(self.model)
+        self.consensus.keep(self.model, action.round)
         ack = self.proto.averaged(divergence=div, pre_norm=pre, post_norm=post)
         self._record_spans()
         self._send(ack)
@@ -552,7 +553,7 @@ class Worker:
             div, pre, post = load_average(
                 self.model, list(payload[1:]), layout, alpha=action.alpha, sent=snapshot[1]
             )
-            self.consensus.keep(self.model)
+            self.consensus.keep(self.model, action.round)
         ack = self.proto.loaded(divergence=div, pre_norm=pre, post_norm=post)
         self._record_spans()
         self._send(ack)
@@ -595,23 +596,20 @@ class Worker:
             self._send(self.proto.checkpointed(elapsed_ms=elapsed_ms, error=error))
 
     def _coordinator_lost(self, reason: str) -> None:
-        """No coordinator: keep this rank's work on disk, then stop cleanly."""
+        """No coordinator: keep this rank's consensus and state on disk, then stop
+        (``elche.runtime.salvage``: the launcher may commit them as a bundle)."""
         where = None
         if self.spec.save_path is not None:
-            stem = f"{self.spec.save_path}.rank{self.spec.rank}.local"
-            optim = Path(f"{stem}.rank{self.spec.rank}.optim.pt")
-            try:
-                optim.parent.mkdir(parents=True, exist_ok=True)
-                bundle.write_file(
-                    Path(f"{stem}.model.pt"), self._torch_save(self.model), kind="model"
-                )
-                bundle.write_file(optim, self._torch_save(self.optimizer), kind="optim")
-                where = stem
-            except (OSError, RuntimeError):  # torch.save: RuntimeError on ENOSPC
-                pass
+            kept = self.consensus.state
+            where = salvage.keep_local_state(
+                Path(self.spec.run_dir), self.spec.save_path, self.spec.rank,
+                consensus_round=self.consensus.round, held=self.proto.held(),
+                write_model=None if kept is None else (lambda f: torch.save(kept, f)),
+                write_optim=self._torch_save(self.optimizer),
+            )  # fmt: skip
         print(
             f"elche rank {self.spec.rank}: lost the coordinator ({reason}); "
-            + (f"local state saved as {where}.model.pt; " if where else "")
+            + (f"local state saved as {where}; " if where else "")
             + "stopping",
             file=sys.stderr,
             flush=True,
