@@ -25,7 +25,11 @@ base speed from then on) and ``FailCheckpoint`` (its checkpoint callbacks
 report an error from then on; without a trigger, from the start), and
 ``KillCoordinator`` (the coordinator process is SIGKILLed when ``rank``
 reaches the trigger: it is restarted from its journal, see
-``elche.core.journal``). A new kind
+``elche.core.journal``), ``StopLauncher`` (SIGTERM to the run's launching
+process when ``rank`` reaches the trigger: the run saves a bundle and stops,
+as for Ctrl-C) and ``FillSavePath`` (the save path's file system is filled
+up when ``rank`` reaches the trigger; a real rank fills only a small tmpfs,
+see ``elche.runtime.worker``). A new kind
 goes here, into ``Fault`` and ``_KINDS``; then each driver's ``match`` over
 ``Fault`` (``assert_never``) says where it still needs handling.
 
@@ -46,10 +50,12 @@ __all__ = [
     "FailCheckpoint",
     "Fault",
     "FaultPlan",
+    "FillSavePath",
     "Kill",
     "KillCoordinator",
     "SlowDown",
     "Stall",
+    "StopLauncher",
     "position",
 ]
 
@@ -134,7 +140,17 @@ class KillCoordinator(_Triggered):
     """SIGKILL the run's coordinator once ``rank`` reaches the trigger."""
 
 
-Fault = Kill | Stall | SlowDown | FailCheckpoint | KillCoordinator
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopLauncher(_Triggered):
+    """SIGTERM the run's launching process once ``rank`` reaches the trigger."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FillSavePath(_Triggered):
+    """Fill the save path's file system once ``rank`` reaches the trigger."""
+
+
+Fault = Kill | Stall | SlowDown | FailCheckpoint | KillCoordinator | StopLauncher | FillSavePath
 
 # The JSON name of each kind (the builder method's name).
 _KINDS: dict[str, type[Fault]] = {
@@ -143,6 +159,8 @@ _KINDS: dict[str, type[Fault]] = {
     "slow": SlowDown,
     "fail_checkpoint": FailCheckpoint,
     "kill_coordinator": KillCoordinator,
+    "stop_launcher": StopLauncher,
+    "fill_save_path": FillSavePath,
 }
 
 
@@ -187,6 +205,18 @@ class FaultPlan:
         """Add a ``KillCoordinator``. Raises ConfigError on a bad field (this plan unchanged)."""
         return self._with(KillCoordinator(rank=rank, at_s=at_s, at_epoch=at_epoch))
 
+    def stop_launcher(
+        self, *, rank: int = 0, at_s: float | None = None, at_epoch: float | None = None
+    ) -> FaultPlan:
+        """Add a ``StopLauncher``. Raises ConfigError on a bad field (this plan unchanged)."""
+        return self._with(StopLauncher(rank=rank, at_s=at_s, at_epoch=at_epoch))
+
+    def fill_save_path(
+        self, *, rank: int = 0, at_s: float | None = None, at_epoch: float | None = None
+    ) -> FaultPlan:
+        """Add a ``FillSavePath``. Raises ConfigError on a bad field (this plan unchanged)."""
+        return self._with(FillSavePath(rank=rank, at_s=at_s, at_epoch=at_epoch))
+
     def for_rank(self, rank: int) -> tuple[Fault, ...]:
         """The faults of ``rank``, in plan order."""
         return tuple(fault for fault in self.faults if fault.rank == rank)
@@ -222,8 +252,9 @@ class FaultPlan:
 
         Args:
             text: ``{"faults": [{"kind": "kill", "rank": 1, "at_epoch": 0.5}, ...]}``;
-                kinds are ``kill``, ``stall``, ``slow`` (with ``speed``) and
-                ``fail_checkpoint``.
+                kinds are ``kill``, ``stall``, ``slow`` (with ``speed``),
+                ``fail_checkpoint``, ``kill_coordinator``, ``stop_launcher``
+                and ``fill_save_path``.
 
         Raises:
             ConfigError: (field ``"faults"``) not JSON of that shape, an

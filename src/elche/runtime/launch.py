@@ -192,7 +192,7 @@ def rank_spec(
         save_path=cfg.save_path, resume_from=plan.resume_from,
         coordinator_timeout_s=max(cfg.heartbeat_timeout_s, 10.0),
         collective_timeout_s=max(2 * cfg.heartbeat_timeout_s, 60.0),
-        faults=plan.faults.for_rank(rank), group_port=group_port,
+        faults=plan.faults.for_rank(rank), group_port=group_port, launcher_pid=os.getpid(),
     )  # fmt: skip
 
 

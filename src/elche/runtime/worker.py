@@ -51,10 +51,12 @@ from elche.core.dispatch import epoch_permutation
 from elche.core.faults import (
     FailCheckpoint,
     Fault,
+    FillSavePath,
     Kill,
     KillCoordinator,
     SlowDown,
     Stall,
+    StopLauncher,
     position,
 )
 from elche.core.progress import Progress
@@ -66,6 +68,7 @@ from elche.runtime.bridge import Bridge, CoordinatorLost
 from elche.runtime.consensus import Consensus, start_from_rank0
 from elche.runtime.current import providing
 from elche.runtime.data import to_device
+from elche.runtime.filling import fill_file_system
 from elche.runtime.loading import Loader, StepPlan
 from elche.runtime.options import TrainOptions
 from elche.runtime.pacing import Pacer, pacer_for
@@ -126,6 +129,7 @@ class RankSpec:
     collective_timeout_s: float = 120.0
     faults: tuple[Fault, ...] = ()  # testing: this rank's faults (elche.core.faults)
     group_port: int | None = None  # the coordinator's group store (elche.runtime.groups)
+    launcher_pid: int | None = None  # the process that launched the run (StopLauncher)
 
     @property
     def slows_later(self) -> bool:
@@ -424,6 +428,13 @@ class Worker:
                 self._fail_checkpoint = True
             case KillCoordinator():
                 self._kill_coordinator(at)
+            case StopLauncher():
+                print(f"elche rank {rank}: SIGTERM to the launcher at {at:.2f}", file=sys.stderr)
+                if self.spec.launcher_pid is not None:
+                    os.kill(self.spec.launcher_pid, signal.SIGTERM)
+            case FillSavePath():
+                folder = Path(self.spec.save_path or self.spec.run_dir).parent
+                print(f"elche rank {rank}: {fill_file_system(folder)} at {at:.2f}", file=sys.stderr)
             case _:
                 assert_never(fault)
 
@@ -558,11 +569,16 @@ class Worker:
         self._record_spans()
         self._send(ack)
 
-    def _record_spans(self) -> None:
+    def _record_spans(
+        self, batches: Sequence[tuple[int, int, int]] | None = None, what: int | str | None = None
+    ) -> None:
         """Append what the round just applied took from this rank to its own record
-        (``rank_spans_file``: the chaos runner audits samples lost or trained twice from it)."""
-        spans = [list(batch) for batch in self.proto.averaged_batches]
-        line = json.dumps({"round": self.proto.last_round, "spans": spans})
+        (``rank_spans_file``: the chaos runner audits samples lost or trained twice from it);
+        or ``batches``, the unaveraged steps a stop's bundle holds, as ``what``."""
+        taken = self.proto.averaged_batches if batches is None else batches
+        spans = [list(batch) for batch in taken]
+        label = self.proto.last_round if what is None else what
+        line = json.dumps({"round": label, "spans": spans})
         with rank_spans_file(Path(self.spec.run_dir), self.spec.rank).open("a") as f:
             f.write(line + "\n")
 
@@ -627,6 +643,9 @@ class Worker:
             files = self._write_save(order)
         except (OSError, RuntimeError) as exc:  # torch.save raises RuntimeError on ENOSPC
             error = f"{type(exc).__name__}: {exc}"
+        stop = order.kind is r.SaveKind.SHUTDOWN and order.reason != SaveReason.NONFINITE.value
+        if stop and any(f.kind == "model" for f in files):  # the bundle's model holds them:
+            self._record_spans(self.proto.held().since, f"save {order.seq}")  # (coordinator too)
         self._send(self.proto.saved(files=files, error=error))
 
     def _write_save(self, order: r.Save) -> list[m.SavedFile]:
