@@ -169,9 +169,18 @@ def sim_command(plan_file: Path, mode: str) -> str:
 
 
 def run_chaos(
-    *, runs: int, seed: int, mode: str, workdir: Path, bound_s: float = 90.0
+    *,
+    runs: int,
+    seed: int,
+    mode: str,
+    workdir: Path,
+    bound_s: float = 90.0,
+    on_row: Callable[[ChaosRun], None] | None = None,
 ) -> list[ChaosRun]:
     """Run ``runs`` audited runs; returns one row each (see the module docstring).
+
+    ``on_row`` is given each row as its run ends (a long series shows its
+    progress, and what it found survives an interruption).
 
     Raises:
         ConfigError: ``runs`` below 1 (field ``runs``).
@@ -191,6 +200,8 @@ def run_chaos(
             plan_file.write_text(row.plan, encoding="utf-8")
             row.plan_file, row.replay = str(plan_file), sim_command(plan_file, mode)
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
     return rows
 
 
