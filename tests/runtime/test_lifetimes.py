@@ -6,10 +6,11 @@ import os
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-from elche.runtime.lifetimes import Interrupted, StopSignals
+from elche.runtime.lifetimes import Interrupted, StopSignals, announce
 
 
 def test_interrupted_is_a_keyboard_interrupt_and_a_quiet_exit_status() -> None:
@@ -48,3 +49,16 @@ def test_stop_signals_can_ignore_repeats() -> None:
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
     assert signals.received == signal.SIGINT
+
+
+def test_an_interrupted_run_whose_bundle_did_not_fit_says_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    reason = "graceful_shutdown: the bundle could not be written (rank 0: OSError: [Errno 28] …)"
+    result = SimpleNamespace(summary={"outcome": "failed", "reason": reason})
+    announce(Interrupted(signal.SIGTERM, None, result))
+    assert capsys.readouterr().err == (
+        f"elche: interrupted by SIGTERM; nothing could be saved: {reason}\n"
+    )
+    announce(Interrupted(signal.SIGINT, None, None))
+    assert "SIGINT before the run formed; nothing was saved" in capsys.readouterr().err
