@@ -9,7 +9,8 @@ batch before the final save. A run that fills its save path gets a tmpfs of
 its own for it, in a private mount namespace (``_child``; root only, else the
 run is skipped with the reason). After each run it checks:
 
-- ``bounded``: the run ended within ``bound_s`` (else it is killed);
+- ``bounded``: the run, and the run that resumes its bundle, each ended within
+  ``bound_s`` (else it is killed);
 - ``outcome``: ``completed``, or ``saved_and_shutdown`` with a bundle that
   a resumed run (no faults) takes to ``completed``; or, where the save path
   filled up, ``failed`` with a reason that says what could not be written;
@@ -224,9 +225,8 @@ def _one(row: ChaosRun, mode: str, where: Path, bound_s: float) -> None:
         if not bundle:
             row.failures.append("saved_and_shutdown without a bundle")
         else:
-            row.resumed = True
-            left = bound_s - (time.monotonic() - started)
-            resumed, why = _child(where / "b", mode, None, str(bundle), max(left, 1.0))
+            row.resumed = True  # a run of its own: it gets a bound of its own
+            resumed, why = _child(where / "b", mode, None, str(bundle), bound_s)
             run_dirs.append(where / "b" / "run")
             if why:
                 row.failures.append(f"resume: {why}")
