@@ -3,12 +3,17 @@
 Each run is one ``elche.train`` of ``digits-logreg`` (3 ranks, 2 epochs) in a
 child process, under a ``FaultPlan`` drawn from the run's seed: ranks
 SIGKILLed or stalled, slowed down, a failing ``checkpoint_fn``, the
-coordinator killed, at random progress points including the start-up (epoch
-0.0) and the last batch before the final save. After each run it checks:
+coordinator killed, SIGTERM to the launcher (the child), the save path filled
+up, at random progress points including the start-up (epoch 0.0) and the last
+batch before the final save. A run that fills its save path gets a tmpfs of
+its own for it, in a private mount namespace (``_child``; root only, else the
+run is skipped with the reason). After each run it checks:
 
-- ``bounded``: the run ended within ``bound_s`` (else it is killed);
+- ``bounded``: the run, and the run that resumes its bundle, each ended within
+  ``bound_s`` (else it is killed);
 - ``outcome``: ``completed``, or ``saved_and_shutdown`` with a bundle that
-  a resumed run (no faults) takes to ``completed``;
+  a resumed run (no faults) takes to ``completed``; or, where the save path
+  filled up, ``failed`` with a reason that says what could not be written;
 - ``audit``: from the ranks' own records (``rank<R>.spans.jsonl``, what each
   averaging round took from each rank), every sample of every epoch is in
   exactly one average: 0 lost, 0 trained twice;
@@ -26,17 +31,19 @@ import ctypes
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
+from elche.runtime.filling import FILL_FILE
 
 __all__ = [
     "WORKLOAD",
@@ -56,6 +63,14 @@ NUM_SAMPLES = 1437  # digits' training split
 HEARTBEAT_TIMEOUT_S = 2.0
 WORKLOAD = "digits-logreg"
 RESULT_TAG = "CHAOS-RESULT "
+KINDS = (
+    "kill", "stall", "slow", "fail_checkpoint", "kill_coordinator", "stop_launcher",
+    "fill_save_path",
+)  # fmt: skip
+# The coordinator at most twice (within the default max_coordinator_restarts);
+# one SIGTERM ends the run; one full disk is full.
+_MAX_OF = {"kill_coordinator": 2, "stop_launcher": 1, "fill_save_path": 1}
+TMPFS_SIZE = "1m"  # a run's bundle is ~10 KiB: room for it, filled in a moment
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -66,6 +81,7 @@ class ChaosRun:
     index: int
     seed: str  # the plan's seed: ``S:index``
     plan: str  # FaultPlan.to_json
+    skipped: str = ""  # why the run was not made (a full disk needs root to mount a tmpfs)
     outcome: str = ""
     resumed: bool = False
     wall_s: float = 0.0
@@ -84,28 +100,34 @@ class ChaosRun:
 def draw_plan(
     rng: random.Random, *, world_size: int = WORLD_SIZE, epochs: int = EPOCHS
 ) -> FaultPlan:
-    """A random schedule of 1 to 3 faults at progress points (``at_epoch``).
+    """A random schedule of 1 to 3 faults (``KINDS``) at progress points (``at_epoch``).
 
     Points are the start-up (0.0), anywhere in the run, or the last batch
     before the final save. At most ``world_size - 1`` ranks are killed or
-    stalled (a run with no rank left has nothing to save) and the coordinator
-    is killed at most twice (within the default ``max_coordinator_restarts``).
+    stalled (a run with no rank left has nothing to save), the coordinator
+    is killed at most twice (within the default ``max_coordinator_restarts``),
+    the launcher is sent SIGTERM and the save path filled at most once.
     """
     plan = FaultPlan()
     gone: set[int] = set()
-    coordinator_kills = 0
+    drawn: list[str] = []
     last = epochs - 1 / NUM_SAMPLES
     for _ in range(rng.randint(1, 3)):
         rank = rng.randrange(world_size)
         at = rng.choice((0.0, last, rng.uniform(0.0, epochs), rng.uniform(0.0, epochs)))
-        kind = rng.choice(("kill", "stall", "slow", "fail_checkpoint", "kill_coordinator"))
+        kind = rng.choice(KINDS)
         if kind in ("kill", "stall") and (rank in gone or len(gone) == world_size - 1):
             kind = "slow"
-        if kind == "kill_coordinator" and coordinator_kills == 2:
+        if drawn.count(kind) == _MAX_OF.get(kind, world_size):
             kind = "slow"
+        drawn.append(kind)
         if kind in ("kill", "stall"):
             gone.add(rank)
-        if kind == "kill":
+        if kind == "stop_launcher":
+            plan = plan.stop_launcher(rank=rank, at_epoch=at)
+        elif kind == "fill_save_path":
+            plan = plan.fill_save_path(rank=rank, at_epoch=at)
+        elif kind == "kill":
             plan = plan.kill(rank=rank, at_epoch=at)
         elif kind == "stall":
             plan = plan.stall(rank=rank, at_epoch=at)
@@ -114,7 +136,6 @@ def draw_plan(
         elif kind == "fail_checkpoint":
             plan = plan.fail_checkpoint(rank=rank, at_epoch=at)
         else:
-            coordinator_kills += 1
             plan = plan.kill_coordinator(rank=rank, at_epoch=at)
     return plan
 
@@ -149,9 +170,18 @@ def sim_command(plan_file: Path, mode: str) -> str:
 
 
 def run_chaos(
-    *, runs: int, seed: int, mode: str, workdir: Path, bound_s: float = 90.0
+    *,
+    runs: int,
+    seed: int,
+    mode: str,
+    workdir: Path,
+    bound_s: float = 90.0,
+    on_row: Callable[[ChaosRun], None] | None = None,
 ) -> list[ChaosRun]:
     """Run ``runs`` audited runs; returns one row each (see the module docstring).
+
+    ``on_row`` is given each row as its run ends (a long series shows its
+    progress, and what it found survives an interruption).
 
     Raises:
         ConfigError: ``runs`` below 1 (field ``runs``).
@@ -171,24 +201,32 @@ def run_chaos(
             plan_file.write_text(row.plan, encoding="utf-8")
             row.plan_file, row.replay = str(plan_file), sim_command(plan_file, mode)
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
     return rows
 
 
 def _one(row: ChaosRun, mode: str, where: Path, bound_s: float) -> None:
+    fills = '"fill_save_path"' in row.plan
+    row.skipped = _cannot_mount() if fills else ""
+    if row.skipped:
+        print(f"elche chaos: run {row.index} skipped: {row.skipped}", file=sys.stderr, flush=True)
+        return
     started = time.monotonic()
-    first, why = _child(where / "a", mode, row.plan, None, bound_s)
+    first, why = _child(where / "a", mode, row.plan, None, bound_s, tmpfs=fills)
     run_dirs = [where / "a" / "run"]
     row.outcome = str(first.get("outcome", "no result"))
     if why:
         row.failures.append(why)
-    if row.outcome == "saved_and_shutdown":
+    if row.outcome == "failed" and fills and not why and _says_unwritten(first):
+        pass  # the full disk: a clear report of what could not be written
+    elif row.outcome == "saved_and_shutdown":
         bundle = first.get("bundle")
         if not bundle:
             row.failures.append("saved_and_shutdown without a bundle")
         else:
-            row.resumed = True
-            left = bound_s - (time.monotonic() - started)
-            resumed, why = _child(where / "b", mode, None, str(bundle), max(left, 1.0))
+            row.resumed = True  # a run of its own: it gets a bound of its own
+            resumed, why = _child(where / "b", mode, None, str(bundle), bound_s)
             run_dirs.append(where / "b" / "run")
             if why:
                 row.failures.append(f"resume: {why}")
@@ -212,12 +250,40 @@ def _one(row: ChaosRun, mode: str, where: Path, bound_s: float) -> None:
         row.failures.append(f"{row.left_behind} process(es) left behind")
 
 
+def _cannot_mount() -> str:
+    """Why this process cannot give a run a tmpfs of its own ('' when it can)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "filling the save path needs root (to mount a tmpfs for it)"
+    if shutil.which("unshare") is None:
+        return "filling the save path needs unshare (util-linux) for a private tmpfs"
+    return ""
+
+
+def _says_unwritten(summary: dict[str, Any]) -> bool:
+    """A failed run's reason says that its bundle could not be written."""
+    reason = str(summary.get("reason", ""))
+    return any(word in reason for word in ("could not be written", "No space left", "resumable"))
+
+
 def _child(
-    where: Path, mode: str, plan: str | None, resume: str | None, bound_s: float
+    where: Path,
+    mode: str,
+    plan: str | None,
+    resume: str | None,
+    bound_s: float,
+    *,
+    tmpfs: bool = False,
 ) -> tuple[dict[str, Any], str]:
-    """One ``elche.train`` in a child process; returns its summary and what went wrong."""
+    """One ``elche.train`` in a child process; returns its summary and what went wrong.
+
+    With ``tmpfs`` the child runs in a mount namespace of its own (``unshare``)
+    and mounts a ``TMPFS_SIZE`` tmpfs on its save path's folder: the mount
+    ends with the namespace's last process, whatever happens to the runner.
+    """
     where.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, "-m", "elche.chaos", str(where), mode, plan or "", resume or ""]
+    if tmpfs:
+        args = ["unshare", "--mount", "--propagation", "private", *args, "tmpfs"]
     with (where / "stderr.txt").open("w") as err:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
         try:
@@ -296,7 +362,8 @@ def print_table(rows: Sequence[ChaosRun], workdir: Path) -> None:
             for f in json.loads(row.plan)["faults"]
         )
         table.add_row(
-            str(row.index), row.seed, faults, row.outcome, "yes" if row.resumed else "",
+            str(row.index), row.seed, faults, row.outcome or ("skipped" if row.skipped else ""),
+            "yes" if row.resumed else "",
             f"{row.wall_s:.1f}", str(row.lost_samples), str(row.twice_samples),
             "ok" if row.ok else "[bold red]FAILED[/bold red]",
         )  # fmt: skip
@@ -306,7 +373,12 @@ def print_table(rows: Sequence[ChaosRun], workdir: Path) -> None:
     for row in failed:
         console.print(f"run {row.index} (seed {row.seed}): " + "; ".join(row.failures))
         console.print(f"  replay in the simulator: {row.replay}")
-    console.print(f"{len(rows) - len(failed)}/{len(rows)} run(s) held every invariant")
+    skipped = [row for row in rows if row.skipped]
+    for row in skipped:
+        console.print(f"run {row.index} (seed {row.seed}) skipped: {row.skipped}")
+    made = len(rows) - len(skipped)
+    held = made - len(failed)
+    console.print(f"{held}/{made} run(s) held every invariant ({len(skipped)} skipped)")
 
 
 def _checkpoint(version: int, model: Any) -> None:
@@ -315,21 +387,50 @@ def _checkpoint(version: int, model: Any) -> None:
 
 def _train(where: Path, mode: str, plan: str, resume: str) -> dict[str, Any]:
     from elche.api import train  # the child only: the api and torch
+    from elche.runtime.lifetimes import Interrupted
     from elche.workloads import digits_logreg as workload
 
     train_set, test_set = workload.load_split(seed=0)
-    result = train(
-        workload.make_model, workload.make_optimizer, workload.step_fn, train_set,
-        batch_size=BATCH_SIZE, epochs=EPOCHS, ranks=WORLD_SIZE, mode=mode,
-        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, progress=False,
-        run_dir=str(where / "run"), save_path=str(where / "bundle" / "run"),
-        checkpoint_fn=_checkpoint, checkpoint_every=1,
-        faults=FaultPlan.from_json(plan) if plan else None, resume_from=resume or None,
-        eval_fn=workload.eval_fn, eval_dataset=test_set,
-    )  # fmt: skip
+    try:
+        result = train(
+            workload.make_model, workload.make_optimizer, workload.step_fn, train_set,
+            batch_size=BATCH_SIZE, epochs=EPOCHS, ranks=WORLD_SIZE, mode=mode,
+            heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, progress=False,
+            run_dir=str(where / "run"), save_path=str(where / "bundle" / "run"),
+            checkpoint_fn=_checkpoint, checkpoint_every=1,
+            faults=FaultPlan.from_json(plan) if plan else None, resume_from=resume or None,
+            eval_fn=workload.eval_fn, eval_dataset=test_set,
+        )  # fmt: skip
+    except Interrupted as stop:  # the StopLauncher fault: SIGTERM to this process
+        if stop.result is None:
+            return {"outcome": "interrupted", "reason": "before the run formed"}
+        result = stop.result
     return dict(result.summary or {})
 
 
+def _on_tmpfs(where: Path, train_one: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Train with the save path's folder on a fresh tmpfs (this process's mount
+    namespace), then copy the bundle out of it so a resume can read it after."""
+    folder = where / "bundle"
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(folder)], check=True
+    )
+    try:
+        summary = train_one()
+        if summary.get("bundle"):
+            kept = where / "bundle-kept"
+            shutil.copytree(folder, kept, ignore=shutil.ignore_patterns(FILL_FILE))
+            summary["bundle"] = str(kept / Path(str(summary["bundle"])).name)
+        return summary
+    finally:
+        subprocess.run(["umount", "--lazy", str(folder)], check=False)
+
+
 if __name__ == "__main__":
-    summary = _train(Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])
+    where_, args_ = Path(sys.argv[1]), sys.argv[2:5]
+    if sys.argv[5:] == ["tmpfs"]:
+        summary = _on_tmpfs(where_, lambda: _train(where_, *args_))
+    else:
+        summary = _train(where_, *args_)
     print(RESULT_TAG + json.dumps(summary, default=str), flush=True)

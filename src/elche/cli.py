@@ -530,13 +530,15 @@ def _run_chaos(args: argparse.Namespace) -> int:
     from elche import chaos
 
     workdir = Path(args.dir or tempfile.mkdtemp(prefix="elche-chaos-"))
+
+    def print_row(row: chaos.ChaosRun) -> None:  # --json: each row as its run ends
+        print(json.dumps(chaos.rows_json([row])[0]), flush=True)
+
     rows = chaos.run_chaos(
-        runs=args.runs, seed=args.seed, mode=args.mode, workdir=workdir, bound_s=args.bound
-    )
-    if args.json:
-        for row in chaos.rows_json(rows):
-            print(json.dumps(row))
-    else:
+        runs=args.runs, seed=args.seed, mode=args.mode, workdir=workdir, bound_s=args.bound,
+        on_row=print_row if args.json else None,
+    )  # fmt: skip
+    if not args.json:
         chaos.print_table(rows, workdir)
     return 0 if all(row.ok for row in rows) else 1
 

@@ -14,7 +14,7 @@ import pytest
 
 from elche import chaos
 from elche.cli import main
-from elche.core.faults import FaultPlan, Kill, KillCoordinator, Stall
+from elche.core.faults import FaultPlan, FillSavePath, Kill, KillCoordinator, Stall, StopLauncher
 
 
 def test_a_seed_draws_the_same_schedules_and_never_kills_every_rank() -> None:
@@ -26,7 +26,11 @@ def test_a_seed_draws_the_same_schedules_and_never_kills_every_rank() -> None:
         gone = [f.rank for f in plan.faults if isinstance(f, Kill | Stall)]
         assert len(gone) == len(set(gone)) < chaos.WORLD_SIZE
         assert sum(isinstance(f, KillCoordinator) for f in plan.faults) <= 2
+        assert sum(isinstance(f, StopLauncher) for f in plan.faults) <= 1
+        assert sum(isinstance(f, FillSavePath) for f in plan.faults) <= 1
         assert FaultPlan.from_json(plan.to_json()) == plan
+    kinds = {type(f).__name__ for plan in plans for f in plan.faults}
+    assert {"StopLauncher", "FillSavePath", "KillCoordinator", "Stall"} <= kinds
     points = {f.at_epoch for plan in plans for f in plan.faults}
     assert 0.0 in points and chaos.EPOCHS - 1 / chaos.NUM_SAMPLES in points  # start-up, final
 
@@ -93,6 +97,9 @@ def test_issue13_chaos_runs_hold_every_invariant(tmp_path: Path) -> None:
     for index, row in enumerate(rows):
         assert row["plan"] == chaos.draw_plan(random.Random(f"1:{index}")).to_json()
         assert row["failures"] == [], row
+        if row["skipped"]:  # run 0 fills its save path: a tmpfs, which needs root
+            assert "needs root" in row["skipped"] and index == 0
+            continue
         assert row["outcome"] in ("completed", "saved_and_shutdown")
         assert row["lost_samples"] == 0 and row["twice_samples"] == 0
         assert row["left_behind"] == 0

@@ -12,8 +12,8 @@ from elche.core.config import Mode
 from elche.core.coordinator import Coordinator, RankState, RunState
 from elche.core.dispatch import ChunkPool
 from elche.core.errors import ConfigError
-from elche.core.events import RankJoined, Started
-from elche.core.journal import JournalRecord
+from elche.core.events import RankJoined, Started, TimerFired
+from elche.core.journal import JournalRecord, rejoin_timeout_s
 from elche.core.rank import Hold, RankProtocol, Train
 from elche.core.timeline import RunEnd
 from tests.core.harness import Harness, config, of
@@ -203,3 +203,27 @@ def test_a_rank_rejoins_with_what_its_model_holds_and_forgets_its_orders() -> No
     )
     assert (hello.rank, hello.world_size) == (1, 3)
     assert isinstance(proto.next_action(), Hold)  # no chunk, no round: it waits for work
+
+
+def test_a_rank_that_does_not_rejoin_in_two_heartbeat_timeouts_is_lost_its_work_served() -> None:
+    h = Harness(world_size=3, epochs=2, num_samples=3840, heartbeat_timeout_s=5.0)
+    h.form()
+    h.run_to_end(until=lambda: h.core.rounds_done >= 3)
+    record = records(h)[-1]
+    h2 = Harness(h.cfg)
+    h2.core = Coordinator.restore(h.cfg, record)
+    h2.feed(Started(), at=100.0)
+    for rank in (0, 1):  # rank 2 is stalled: it never rejoins
+        h2.last_round[rank], h2.since[rank] = h.last_round[rank], list(h.since[rank])
+        h2.feed(RankJoined(rank=rank, held=h.held(rank)))
+    h2.feed(TimerFired(), at=100.0 + 2 * 5.0 - 0.1)
+    assert h2.core.state is RunState.FORMING  # still within the rejoin deadline
+    assert h2.core.rank_state[2] is RankState.JOINING
+    out = h2.feed(TimerFired(), at=100.0 + 2 * 5.0)  # not formation_timeout_s (60 s)
+    assert h2.core.rank_state[2] is RankState.DEAD and h2.core.live == [0, 1]
+    assert h2.core.state is RunState.TRAINING
+    assert any("did not rejoin the restarted coordinator within 10 s" in str(c) for c in out)
+    h2.run_to_end()
+    assert run_end(h2).lost_samples == 0 and run_end(h2).dead_ranks == (2,)
+    assert_exactly_once(h, h, h2)
+    assert rejoin_timeout_s(config(heartbeat_timeout_s=40.0)) == 60.0  # formation_timeout_s caps it

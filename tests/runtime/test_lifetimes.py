@@ -7,10 +7,11 @@ import signal
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 
-from elche.runtime.lifetimes import Interrupted, StopSignals, relay_stop_signals
+from elche.runtime.lifetimes import Interrupted, StopSignals, announce, relay_stop_signals
 
 
 def test_interrupted_is_a_keyboard_interrupt_and_a_quiet_exit_status() -> None:
@@ -77,3 +78,16 @@ def test_relayed_stop_signals_reach_a_stop_signals_on_another_thread() -> None:
             os.kill(os.getpid(), signal.SIGINT)
     assert seen == [signal.SIGTERM]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_an_interrupted_run_whose_bundle_did_not_fit_says_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    reason = "graceful_shutdown: the bundle could not be written (rank 0: OSError: [Errno 28] …)"
+    result = SimpleNamespace(summary={"outcome": "failed", "reason": reason})
+    announce(Interrupted(signal.SIGTERM, None, result))
+    assert capsys.readouterr().err == (
+        f"elche: interrupted by SIGTERM; nothing could be saved: {reason}\n"
+    )
+    announce(Interrupted(signal.SIGINT, None, None))
+    assert "SIGINT before the run formed; nothing was saved" in capsys.readouterr().err

@@ -56,6 +56,7 @@ class SaveReason(enum.Enum):
     REDUCE_STALL = "reduce_stall"
     CHECKPOINT = "checkpoint"
     NONFINITE = "nonfinite"  # a loss or an average went NaN/inf: the last finite consensus
+    COORDINATOR_LOST = "coordinator_lost"  # not restartable: the launcher commits the ranks' state
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

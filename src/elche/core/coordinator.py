@@ -247,7 +247,9 @@ class Coordinator:
         self._out = []
         match event:
             case Started():
-                self._formation_deadline_s = now_s + self.config.formation_timeout_s
+                restored = self.restored_round is not None  # its ranks rejoin, or are lost
+                window_s = journal.rejoin_timeout_s(self.config) if restored else None
+                self._formation_deadline_s = now_s + (window_s or self.config.formation_timeout_s)
                 self._arm()
             case RankJoined(rank=rank, host=host, held=held):
                 self._check_rank(rank)
@@ -715,7 +717,11 @@ class Coordinator:
             if now >= self._formation_deadline_s and self.restored_round is not None:
                 for rank, state in enumerate(self.rank_state):  # a lost coordinator's ranks
                     if state is RankState.JOINING and self.state is RunState.FORMING:
-                        self._lose(rank, "did not rejoin the restarted coordinator")
+                        self._lose(
+                            rank,
+                            "did not rejoin the restarted coordinator within "
+                            f"{journal.rejoin_timeout_s(self.config):g} s",
+                        )
                 return
             if now >= self._formation_deadline_s:
                 joined = sum(s is RankState.LIVE for s in self.rank_state)

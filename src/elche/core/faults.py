@@ -25,9 +25,13 @@ base speed from then on) and ``FailCheckpoint`` (its checkpoint callbacks
 report an error from then on; without a trigger, from the start), and
 ``KillCoordinator`` (the coordinator process is SIGKILLed when ``rank``
 reaches the trigger: it is restarted from its journal, see
-``elche.core.journal``), and ``Join`` (a new process joins the running run
+``elche.core.journal``), ``Join`` (a new process joins the running run
 as rank ``rank``, a join slot past the run's ranks, at ``speed``: in the
-simulator only; a real rank joins with ``elche join``). A new kind
+simulator only; a real rank joins with ``elche join``), ``StopLauncher``
+(SIGTERM to the run's launching process when ``rank`` reaches the trigger:
+the run saves a bundle and stops, as for Ctrl-C) and ``FillSavePath`` (the
+save path's file system is filled up when ``rank`` reaches the trigger; a
+real rank fills only a small tmpfs, see ``elche.runtime.worker``). A new kind
 goes here, into ``Fault`` and ``_KINDS``; then each driver's ``match`` over
 ``Fault`` (``assert_never``) says where it still needs handling.
 
@@ -48,11 +52,13 @@ __all__ = [
     "FailCheckpoint",
     "Fault",
     "FaultPlan",
+    "FillSavePath",
     "Join",
     "Kill",
     "KillCoordinator",
     "SlowDown",
     "Stall",
+    "StopLauncher",
     "position",
 ]
 
@@ -157,7 +163,19 @@ class Join(_Triggered):
         object.__setattr__(self, "speed", float(speed))
 
 
-Fault = Kill | Stall | SlowDown | FailCheckpoint | KillCoordinator | Join
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopLauncher(_Triggered):
+    """SIGTERM the run's launching process once ``rank`` reaches the trigger."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FillSavePath(_Triggered):
+    """Fill the save path's file system once ``rank`` reaches the trigger."""
+
+
+Fault = (
+    Kill | Stall | SlowDown | FailCheckpoint | KillCoordinator | Join | StopLauncher | FillSavePath
+)
 
 # The JSON name of each kind (the builder method's name).
 _KINDS: dict[str, type[Fault]] = {
@@ -167,6 +185,8 @@ _KINDS: dict[str, type[Fault]] = {
     "fail_checkpoint": FailCheckpoint,
     "kill_coordinator": KillCoordinator,
     "join": Join,
+    "stop_launcher": StopLauncher,
+    "fill_save_path": FillSavePath,
 }
 
 
@@ -219,6 +239,18 @@ class FaultPlan:
         """The join slots a run of ``world_size`` ranks needs for this plan's joins."""
         joined = [f.rank for f in self.faults if isinstance(f, Join)]
         return max(joined) + 1 - world_size if joined else 0
+
+    def stop_launcher(
+        self, *, rank: int = 0, at_s: float | None = None, at_epoch: float | None = None
+    ) -> FaultPlan:
+        """Add a ``StopLauncher``. Raises ConfigError on a bad field (this plan unchanged)."""
+        return self._with(StopLauncher(rank=rank, at_s=at_s, at_epoch=at_epoch))
+
+    def fill_save_path(
+        self, *, rank: int = 0, at_s: float | None = None, at_epoch: float | None = None
+    ) -> FaultPlan:
+        """Add a ``FillSavePath``. Raises ConfigError on a bad field (this plan unchanged)."""
+        return self._with(FillSavePath(rank=rank, at_s=at_s, at_epoch=at_epoch))
 
     def for_rank(self, rank: int) -> tuple[Fault, ...]:
         """The faults of ``rank``, in plan order."""
@@ -275,8 +307,9 @@ class FaultPlan:
 
         Args:
             text: ``{"faults": [{"kind": "kill", "rank": 1, "at_epoch": 0.5}, ...]}``;
-                kinds are ``kill``, ``stall``, ``slow`` (with ``speed``) and
-                ``fail_checkpoint``.
+                kinds are ``kill``, ``stall``, ``slow`` (with ``speed``),
+                ``fail_checkpoint``, ``kill_coordinator``, ``stop_launcher``
+                and ``fill_save_path``.
 
         Raises:
             ConfigError: (field ``"faults"``) not JSON of that shape, an

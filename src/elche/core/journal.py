@@ -13,7 +13,9 @@ Rules:
   from the previous record's is written with ``compact=True`` and replaces
   the file's records (the shell rewrites the file atomically).
 - A restarted coordinator (``restore``) starts ``FORMING`` with the ranks the
-  record names live; the ranks rejoin and say what they hold (``Held``): the
+  record names live; a rank that has not rejoined within ``rejoin_timeout_s``
+  (two heartbeat timeouts) is lost, its work served again. The ranks rejoin
+  and say what they hold (``Held``): the
   last averaging round they applied, the batches that round averaged on
   them, and the batches they trained since. A round the journal does not know
   (it closed after the last record) is booked as committed; the batches since
@@ -41,7 +43,20 @@ from elche.core.messages import Held
 if TYPE_CHECKING:
     from elche.core.coordinator import Coordinator
 
-__all__ = ["JournalRecord", "rebook", "record_of", "restore"]
+__all__ = ["REJOIN_TIMEOUTS", "JournalRecord", "rebook", "record_of", "rejoin_timeout_s", "restore"]
+
+# A restarted coordinator gives the ranks the journal names live this many
+# heartbeat timeouts to rejoin (at most ``formation_timeout_s``), then declares
+# the missing ones lost and re-issues their work. A live rank's IO thread
+# reconnects within a heartbeat interval of the new coordinator coming up,
+# whatever its training does; one still silent after two heartbeat timeouts is
+# stalled or gone, as a live run would judge it after one.
+REJOIN_TIMEOUTS = 2
+
+
+def rejoin_timeout_s(config: CoordinatorConfig) -> float:
+    """How long a restarted coordinator waits for a rank to rejoin (``REJOIN_TIMEOUTS``)."""
+    return min(REJOIN_TIMEOUTS * config.heartbeat_timeout_s, config.formation_timeout_s)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

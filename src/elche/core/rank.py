@@ -388,10 +388,14 @@ class RankProtocol:
             self._save = None
             self._held_for = None
         self.budget = self.window = 0
-        held = m.Held(
+        return m.Hello(rank=self.rank, world_size=world_size, host=host, pid=pid, held=self.held())
+
+    def held(self) -> m.Held:
+        """What this rank's model holds: the last round applied, that round's
+        batches of its own, the batches trained since."""
+        return m.Held(
             last_round=self.last_round, averaged=tuple(self._averaged), since=tuple(self._since)
         )
-        return m.Hello(rank=self.rank, world_size=world_size, host=host, pid=pid, held=held)
 
     @property
     def averaged_batches(self) -> tuple[tuple[int, int, int], ...]:

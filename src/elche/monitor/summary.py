@@ -46,7 +46,9 @@ def rank_spans_file(run_dir: Path, rank: int) -> Path:
 
     JSON lines, one per round the rank applied: ``{"round": N, "spans":
     [[epoch, offset, size], ...]}``, the batches this rank trained that the
-    round averaged (written by the rank once the average is in its model).
+    round averaged (written by the rank once the average is in its model);
+    and ``{"round": "save K", ...}``: the unaveraged batches the model of a
+    stop's bundle ``K`` holds, written by that model's writer.
     """
     return run_dir / f"rank{rank}.spans.jsonl"
 

@@ -10,8 +10,9 @@ does all of its IO:
 - inbound: every frame from the coordinator goes on ``inbox``;
 - heartbeats go out every ``heartbeat_interval_s`` whatever training does;
 - coordinator liveness: no frame for ``coordinator_timeout_s`` (the
-  coordinator beacons every second) or a bad frame puts ``CoordinatorLost``
-  on the inbox, once.
+  coordinator beacons every second), a bad frame, or the launcher's word
+  that it will not restart a lost coordinator (``gone_file``,
+  ``elche.runtime.salvage``) puts ``CoordinatorLost`` on the inbox, once.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
@@ -52,6 +54,8 @@ class Bridge:
         endpoint: the connected endpoint; the bridge owns it from now on.
         heartbeat_interval_s: how often to send ``Heartbeat``.
         coordinator_timeout_s: silence after which the coordinator is lost.
+        gone_file: a file whose appearance means the coordinator is lost for
+            good (its launcher will not restart it), looked for every heartbeat.
     """
 
     def __init__(
@@ -60,12 +64,14 @@ class Bridge:
         *,
         heartbeat_interval_s: float = 1.0,
         coordinator_timeout_s: float = 30.0,
+        gone_file: Path | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.inbox: queue.Queue[Inbound] = queue.Queue()
         self.step = 0  # read by the heartbeat; written by the training thread
         self._heartbeat_s = heartbeat_interval_s
         self._timeout_s = coordinator_timeout_s
+        self._gone_file = gone_file
         self._outbox: queue.Queue[tuple[m.RankMessage, Sequence[Buffer]]] = queue.Queue()
         self._stop = threading.Event()
         self._frozen = threading.Event()
@@ -138,6 +144,9 @@ class Bridge:
                 next_beat = now + self._heartbeat_s
                 self._outbox.put((m.Heartbeat(step=self.step), ()))
                 lost = self._flush_outbox() or lost
+                if not lost and self._gone_file is not None and self._gone_file.exists():
+                    lost = True
+                    self.inbox.put(CoordinatorLost(reason="its launcher cannot restart it"))
             if not lost and now - last_inbound > self._timeout_s:
                 lost = True
                 self.inbox.put(

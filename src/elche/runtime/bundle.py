@@ -43,6 +43,7 @@ __all__ = [
     "optim_name",
     "outer_name",
     "prune",
+    "rename_file",
     "verify",
     "write_file",
 ]
@@ -111,6 +112,18 @@ def write_file(path: Path, write: Callable[[BinaryIO], object], *, kind: str) ->
     fsync_dir(path.parent)
     size, digest = _digest(path)
     return SavedFile(kind=kind, name=path.name, size=size, sha256=digest)
+
+
+def rename_file(src: Path, dst: Path, *, kind: str) -> SavedFile:
+    """Move a file already on disk to ``dst`` durably and describe it for the meta.
+
+    Raises:
+        OSError: ``src`` is gone, or the rename failed.
+    """
+    os.replace(src, dst)
+    fsync_dir(dst.parent)
+    size, digest = _digest(dst)
+    return SavedFile(kind=kind, name=dst.name, size=size, sha256=digest)
 
 
 def _digest(path: Path) -> tuple[int, str]:

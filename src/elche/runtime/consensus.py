@@ -31,14 +31,17 @@ class Consensus:
 
     def __init__(self) -> None:
         self.state: dict[str, torch.Tensor] | None = None
+        self.round = 0  # the averaging round that left the kept state (0: the run's start)
 
-    def keep(self, model: nn.Module) -> bool:
-        """Copy ``model``'s state if it is all finite; returns whether it was kept."""
+    def keep(self, model: nn.Module, round_: int = 0) -> bool:
+        """Copy ``model``'s state, as round ``round_`` left it, if it is all finite;
+        returns whether it was kept."""
         state = model.state_dict()
         for value in state.values():
             if value.is_floating_point() and not bool(torch.isfinite(value).all()):
                 return False
         self.state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        self.round = round_
         return True
 
     def restore(self, model: nn.Module) -> bool:

@@ -69,6 +69,12 @@ from elche.runtime.lifetimes import (
 from elche.runtime.options import check_picklable as check_options_picklable
 from elche.runtime.options import check_sendable
 from elche.runtime.plan import Hooks, Plan, TrainResult
+from elche.runtime.salvage import (
+    forget_lost_coordinator,
+    give_up_coordinator,
+    salvage_run,
+    start_round,
+)
 
 if TYPE_CHECKING:
     from multiprocessing.context import ForkServerContext, SpawnContext
@@ -188,7 +194,7 @@ def rank_spec(
         save_path=cfg.save_path, resume_from=plan.resume_from,
         coordinator_timeout_s=max(cfg.heartbeat_timeout_s, 10.0),
         collective_timeout_s=max(2 * cfg.heartbeat_timeout_s, 60.0),
-        faults=plan.faults.for_rank(rank), group_port=group_port,
+        faults=plan.faults.for_rank(rank), group_port=group_port, launcher_pid=os.getpid(),
     )  # fmt: skip
 
 
@@ -274,11 +280,13 @@ class Supervised:
                 file=sys.stderr,
                 flush=True,
             )
+            give_up_coordinator(self.run_dir, f"restarts used up ({self.restarts})")
             return False
         successor = restart_coordinator(
             self.config, self.run_dir, self.secret, (self.address, self.group_port)
         )
         if successor is None:
+            give_up_coordinator(self.run_dir, "its successor could not start")
             return False
         self.host, self.restarts = successor, self.restarts + 1
         for rank, code in sorted(lost_ranks.items()):  # gone while it was away
@@ -313,6 +321,8 @@ def start_coordinator(
         outer = bundle.locate(resume_from, CheckpointMeta.from_json(text), config.world_size).outer
         if config.outer_lr is not None and outer is not None:
             shutil.copyfile(outer, run_dir / RESUME_OUTER)
+    if restore_at is None:
+        forget_lost_coordinator(run_dir, config.world_size)
     env = dict(os.environ, **{SECRET_ENV: secret.hex()})
     restore = []
     if restore_at is not None:
@@ -447,6 +457,8 @@ def launch_local(
             plan, fns, hooks, run_dir, signals, max_grad_norm=max_grad_norm, progress=progress,
             dashboard=dashboard, tensorboard_dir=tensorboard_dir,
         )  # fmt: skip
+        if not (run_dir / SUMMARY_FILE).exists():  # lost, not restarted: commit what ranks kept
+            salvage_run(plan.config, run_dir, start_round=start_round(plan.resume_from))
         try:
             result = collect(plan, run_dir, t0, epochs)
         except RuntimeError:  # the coordinator left no summary

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from elche.core.checkpoint import SaveReason
 from elche.core.errors import ConfigError, TrainingError
 from elche.monitor.progress import Progress
-from elche.monitor.summary import rank_report_file
+from elche.monitor.summary import SUMMARY_FILE, rank_report_file
 from elche.monitor.timeline import read_timeline
 from elche.runtime.addresses import BIND_ENV, EVERY_INTERFACE, advertised_host
 from elche.runtime.frames import new_secret, secret_from_env
@@ -75,6 +75,7 @@ from elche.runtime.launch import (
 )
 from elche.runtime.lifetimes import Interrupted, StopSignals, watch_launcher
 from elche.runtime.plan import Hooks, Plan, TrainResult
+from elche.runtime.salvage import salvage_run, start_round, wait_local_states
 from elche.runtime.shared_result import HOLD_S, ResultBoard
 from elche.runtime.worker import train_rank
 
@@ -85,6 +86,9 @@ __all__ = ["train_launched"]
 
 # How long rank 0 waits for the coordinator to exit after its own rank stopped.
 COORDINATOR_EXIT_S = 60.0
+# How long rank 0 waits for the other ranks to keep their state once their
+# coordinator is gone for good (they see it within a heartbeat, unless in a long step).
+LOCAL_STATE_WAIT_S = 15.0
 
 
 def train_launched(
@@ -299,6 +303,9 @@ def _collect_on_rank0(
     watcher.join(timeout=COORDINATOR_EXIT_S)
     if board is not None:
         board.stop()
+    if not (directory / SUMMARY_FILE).exists():  # lost, not restarted: commit what ranks kept
+        wait_local_states(plan.config, directory, LOCAL_STATE_WAIT_S)
+        salvage_run(plan.config, directory, start_round=start_round(plan.resume_from))
     epochs = epoch_log(plan)
     quiet = Progress(plan.config.epochs, enabled=False)
     for event in read_timeline(directory):

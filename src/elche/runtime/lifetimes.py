@@ -107,7 +107,10 @@ class Interrupted(SystemExit, KeyboardInterrupt):
 def announce(stop: Interrupted) -> None:
     """The one line on stderr an interrupted run prints: where it is and how to resume."""
     name = stop.signal.name
-    if stop.bundle is None:
+    summary = getattr(stop.result, "summary", None) or {}
+    if stop.bundle is None and summary.get("outcome") == "failed":  # it trained; no bundle fit
+        text = f"elche: interrupted by {name}; nothing could be saved: {summary.get('reason')}"
+    elif stop.bundle is None:
         text = f"elche: interrupted by {name} before the run formed; nothing was saved"
     else:
         text = (

@@ -50,22 +50,25 @@ from elche.core.config import Backend, Mode
 from elche.core.faults import (
     FailCheckpoint,
     Fault,
+    FillSavePath,
     Join,
     Kill,
     KillCoordinator,
     SlowDown,
     Stall,
+    StopLauncher,
     position,
 )
 from elche.core.progress import Progress
 from elche.core.rank import RankProtocol
 from elche.monitor.summary import rank_report_file, rank_spans_file
-from elche.runtime import bundle, groups
+from elche.runtime import bundle, groups, salvage
 from elche.runtime.averaging import load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
 from elche.runtime.consensus import Consensus, start_from_rank0
 from elche.runtime.current import providing
 from elche.runtime.data import to_device
+from elche.runtime.filling import fill_file_system
 from elche.runtime.loading import Loader, StepPlan
 from elche.runtime.options import TrainOptions
 from elche.runtime.pacing import Pacer, pacer_for
@@ -134,6 +137,8 @@ class RankSpec:
     def joining(self) -> bool:
         """This rank joins a running run (``elche join``, ``elche.runtime.joining``)."""
         return self.rank >= self.world_size
+
+    launcher_pid: int | None = None  # the process that launched the run (StopLauncher)
 
     @property
     def slows_later(self) -> bool:
@@ -208,6 +213,7 @@ class Worker:
             spec.endpoint(),
             heartbeat_interval_s=spec.heartbeat_interval_s,
             coordinator_timeout_s=spec.coordinator_timeout_s,
+            gone_file=Path(spec.run_dir) / salvage.GONE_FILE,
         )
 
     def join_group(self) -> None:
@@ -433,6 +439,13 @@ class Worker:
                 self._kill_coordinator(at)
             case Join():  # no rank's fault in a real run (FaultPlan.check): elche join
                 pass
+            case StopLauncher():
+                print(f"elche rank {rank}: SIGTERM to the launcher at {at:.2f}", file=sys.stderr)
+                if self.spec.launcher_pid is not None:
+                    os.kill(self.spec.launcher_pid, signal.SIGTERM)
+            case FillSavePath():
+                folder = Path(self.spec.save_path or self.spec.run_dir).parent
+                print(f"elche rank {rank}: {fill_file_system(folder)} at {at:.2f}", file=sys.stderr)
             case _:
                 assert_never(fault)
 
@@ -547,7 +560,7 @@ class Worker:
             self.proto.average_failed()
             return
         self.busy_s += time.perf_counter() - started
-        self.consensus.keep(self.model)
+        self.consensus.keep(self.model, action.round)
         ack = self.proto.averaged(divergence=div, pre_norm=pre, post_norm=post)
         self._record_spans()
         self._send(ack)
@@ -564,16 +577,21 @@ class Worker:
                 wire=self.wire.name,
             )  # fmt: skip
             self.wire.count(sum(memoryview(f).nbytes for f in (*snapshot[1], *payload[1:])))
-            self.consensus.keep(self.model)
+            self.consensus.keep(self.model, action.round)
         ack = self.proto.loaded(divergence=div, pre_norm=pre, post_norm=post)
         self._record_spans()
         self._send(ack)
 
-    def _record_spans(self) -> None:
+    def _record_spans(
+        self, batches: Sequence[tuple[int, int, int]] | None = None, what: int | str | None = None
+    ) -> None:
         """Append what the round just applied took from this rank to its own record
-        (``rank_spans_file``: the chaos runner audits samples lost or trained twice from it)."""
-        spans = [list(batch) for batch in self.proto.averaged_batches]
-        line = json.dumps({"round": self.proto.last_round, "spans": spans})
+        (``rank_spans_file``: the chaos runner audits samples lost or trained twice from it);
+        or ``batches``, the unaveraged steps a stop's bundle holds, as ``what``."""
+        taken = self.proto.averaged_batches if batches is None else batches
+        spans = [list(batch) for batch in taken]
+        label = self.proto.last_round if what is None else what
+        line = json.dumps({"round": label, "spans": spans})
         with rank_spans_file(Path(self.spec.run_dir), self.spec.rank).open("a") as f:
             f.write(line + "\n")
 
@@ -607,23 +625,20 @@ class Worker:
             self._send(self.proto.checkpointed(elapsed_ms=elapsed_ms, error=error))
 
     def _coordinator_lost(self, reason: str) -> None:
-        """No coordinator: keep this rank's work on disk, then stop cleanly."""
+        """No coordinator: keep this rank's consensus and state on disk, then stop
+        (``elche.runtime.salvage``: the launcher may commit them as a bundle)."""
         where = None
         if self.spec.save_path is not None:
-            stem = f"{self.spec.save_path}.rank{self.spec.rank}.local"
-            optim = Path(f"{stem}.rank{self.spec.rank}.optim.pt")
-            try:
-                optim.parent.mkdir(parents=True, exist_ok=True)
-                bundle.write_file(
-                    Path(f"{stem}.model.pt"), self._torch_save(self.model), kind="model"
-                )
-                bundle.write_file(optim, self._torch_save(self.optimizer), kind="optim")
-                where = stem
-            except (OSError, RuntimeError):  # torch.save: RuntimeError on ENOSPC
-                pass
+            kept = self.consensus.state
+            where = salvage.keep_local_state(
+                Path(self.spec.run_dir), self.spec.save_path, self.spec.rank,
+                consensus_round=self.consensus.round, held=self.proto.held(),
+                write_model=None if kept is None else (lambda f: torch.save(kept, f)),
+                write_optim=self._torch_save(self.optimizer),
+            )  # fmt: skip
         print(
             f"elche rank {self.spec.rank}: lost the coordinator ({reason}); "
-            + (f"local state saved as {where}.model.pt; " if where else "")
+            + (f"local state saved as {where}; " if where else "")
             + "stopping",
             file=sys.stderr,
             flush=True,
@@ -641,6 +656,9 @@ class Worker:
             files = self._write_save(order)
         except (OSError, RuntimeError) as exc:  # torch.save raises RuntimeError on ENOSPC
             error = f"{type(exc).__name__}: {exc}"
+        stop = order.kind is r.SaveKind.SHUTDOWN and order.reason != SaveReason.NONFINITE.value
+        if stop and any(f.kind == "model" for f in files):  # the bundle's model holds them:
+            self._record_spans(self.proto.held().since, f"save {order.seq}")  # (coordinator too)
         self._send(self.proto.saved(files=files, error=error))
 
     def _write_save(self, order: r.Save) -> list[m.SavedFile]:

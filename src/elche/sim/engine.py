@@ -81,16 +81,19 @@ from elche.core.events import (
     RankJoined,
     RankLost,
     Started,
+    StopRequested,
     TimerFired,
 )
 from elche.core.faults import (
     FailCheckpoint,
     FaultPlan,
+    FillSavePath,
     Join,
     Kill,
     KillCoordinator,
     SlowDown,
     Stall,
+    StopLauncher,
     position,
 )
 from elche.core.journal import JournalRecord
@@ -284,6 +287,7 @@ class Simulation:
         self._joined_gen = [0] * len(self.ranks)  # the coordinator each rank has joined
         faults = config.faults.faults
         self._fail_checkpoint = {f.rank for f in faults if f.from_start}
+        self._disk_full = False  # FillSavePath: every bundle write fails from then on
         self._fired: set[int] = set()  # indices into faults
         self._by_progress = {  # rank -> indices of its faults with a progress trigger
             r: [i for i, f in enumerate(faults) if f.rank == r and f.at_epoch is not None]
@@ -435,6 +439,10 @@ class Simulation:
                 rank.speed = speed
             case FailCheckpoint():
                 self._fail_checkpoint.add(fault.rank)
+            case StopLauncher():  # the launcher asks the coordinator to stop, as on SIGTERM
+                self._core_handle(StopRequested(reason="SIGTERM"))
+            case FillSavePath():
+                self._disk_full = True
             case _:
                 assert_never(fault)
 
@@ -539,6 +547,9 @@ class Simulation:
                     return
                 case Done():
                     self._finished(r)
+                case Save(kind=kind) if self._disk_full and kind is not SaveKind.FINAL:
+                    error = "OSError: [Errno 28] No space left on device (simulated)"
+                    self._send(r.rank, r.proto.saved(files=[], error=error))  # (final: run dir)
                 case Save(writer=writer, kind=kind):
                     if writer and kind is SaveKind.SHUTDOWN:  # its unaveraged steps are saved
                         self._commit(r.rank, list(r.uncommitted))

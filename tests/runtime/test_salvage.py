@@ -1,0 +1,61 @@
+"""The launcher commits what the ranks kept when their coordinator is gone for good
+(``elche.runtime.salvage``): files under a new save's names, the meta last, the summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from elche.core.checkpoint import CheckpointMeta, SaveReason
+from elche.runtime import bundle
+from elche.runtime.journal_file import JOURNAL_FILE, JournalWriter
+from elche.runtime.salvage import keep_local_state, local_state_file, salvage_run
+from tests.core.harness import Harness, config
+from tests.core.test_journal import records
+
+
+def test_the_ranks_state_becomes_the_next_save_and_the_summary_says_saved(
+    tmp_path: Path,
+) -> None:
+    cfg = config(world_size=2, epochs=2, num_samples=1280, save_path=str(tmp_path / "b" / "run"))
+    h = Harness(cfg)
+    h.form()
+    h.run_to_end(until=lambda: h.core.rounds_done >= 3)
+    JournalWriter(tmp_path / JOURNAL_FILE).append(records(h)[-1], compact=True)
+    stem = str(cfg.save_path)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "run.s4.rank1.optim.pt").write_bytes(b"a save the coordinator began")
+    for rank in (0, 1):
+        kept = keep_local_state(
+            tmp_path, stem, rank, consensus_round=h.last_round[rank], held=h.held(rank),
+            write_model=lambda f, r=rank: f.write(b"model of rank %d" % r),
+            write_optim=lambda f, r=rank: f.write(b"optim of rank %d" % r),
+        )  # fmt: skip
+        assert kept == f"{stem}.rank{rank}.local.model.pt"
+        assert json.loads(local_state_file(tmp_path, rank).read_text())["consensus_round"] == 3
+
+    assert salvage_run(cfg, tmp_path) == stem
+    meta = CheckpointMeta.from_json(bundle.meta_path(stem).read_text(encoding="utf-8"))
+    assert meta.reason is SaveReason.COORDINATOR_LOST and meta.save_seq == 5  # past s4
+    paths = bundle.locate(stem, meta, 2)
+    assert paths.model.read_bytes() == b"model of rank 0"  # the lowest rank's consensus
+    assert {r: p.read_bytes() for r, p in paths.optim.items()} == {
+        0: b"optim of rank 0",
+        1: b"optim of rank 1",
+    }
+    assert meta.files is not None
+    bundle.verify(paths.model, meta.files.model, what="model")
+    assert sorted(p.name for p in (tmp_path / "b").glob("*.local.*")) == []
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["outcome"], summary["reason"]) == ("saved_and_shutdown", "coordinator_lost")
+    assert summary["syncs"] == 3 and summary["samples_per_rank"] == h.core.work.samples_committed
+
+
+def test_without_a_journal_nothing_is_committed_and_the_summary_says_why(tmp_path: Path) -> None:
+    cfg = config(world_size=2, save_path=str(tmp_path / "run"))
+    assert salvage_run(cfg, tmp_path) is None
+    assert not bundle.meta_path(str(cfg.save_path)).exists()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["outcome"] == "failed"
+    assert summary["reason"].startswith("coordinator_lost: journal")
+    assert f"{cfg.save_path}.rank<R>.local" in summary["reason"]
