@@ -361,18 +361,19 @@ def test_hello_after_joining_is_a_protocol_error() -> None:
 # -- liveness and death --------------------------------------------------------
 
 
+def silence_rank_2(h: Harness) -> None:
+    """Ranks 0 and 1 keep talking for 5 s; rank 2 says nothing."""
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):
+        h.feed(TimerFired(), at=t)
+        h.send(0, m.Heartbeat())
+        h.send(1, m.Heartbeat())
+
+
 def test_silent_rank_is_declared_dead_and_its_work_reissued() -> None:
     h = Harness(world_size=3, num_samples=960, heartbeat_timeout_s=5.0)
     h.form()
     lost_offset = h.received(2, m.AssignChunk)[0].offset  # type: ignore[attr-defined]
-    for t in (1.0, 2.0, 3.0, 4.0, 5.0):
-        h.send(
-            0,
-            m.Heartbeat(),
-        ) if False else None
-        h.feed(TimerFired(), at=t)
-        h.send(0, m.Heartbeat())
-        h.send(1, m.Heartbeat())
+    silence_rank_2(h)
     out = h.feed(TimerFired(), at=6.0)
     assert h.core.rank_state[2] is RankState.DEAD
     assert any(isinstance(c, Notice) and "heartbeat stale" in c.text for c in out)
@@ -381,6 +382,21 @@ def test_silent_rank_is_declared_dead_and_its_work_reissued() -> None:
     acked_round(h, 1, {r: h.core.work.steps_since_sync(r) for r in (0, 1)})
     offsets = [c.offset for r in (0, 1) for c in h.received(r, m.AssignChunk)]  # type: ignore[attr-defined]
     assert lost_offset in offsets
+
+
+def test_a_rank_declared_lost_that_speaks_again_is_refused_once() -> None:
+    h = Harness(world_size=3, num_samples=960, heartbeat_timeout_s=5.0)
+    h.form()
+    silence_rank_2(h)
+    h.feed(TimerFired(), at=6.0)  # rank 2: heartbeat stale (a host cut off, say)
+    out = h.send(2, m.Heartbeat())  # the host is back
+    refusals = messages(out, m.Shutdown)
+    assert len(refusals) == 1 and [s.rank for s in out if isinstance(s, Send)] == [2]
+    assert refusals[0].writer == -1 and not refusals[0].failure
+    assert refusals[0].refused.startswith("declared lost (heartbeat stale")
+    assert h.send(2, m.BatchDone(epoch=0, offset=0, size=32, batch_ms=1.0)) == []  # once
+    assert h.core.stale_messages == 2  # nothing it says enters the run
+    assert h.core.rank_state[2] is RankState.DEAD and h.core.outcome is None
 
 
 def test_death_mid_collective_abandons_the_round_and_regroups() -> None:

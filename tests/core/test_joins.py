@@ -79,7 +79,7 @@ def test_a_join_after_training_is_refused() -> None:
     assert h.core.state is RunState.CLOSING
     out = h.feed(RankJoined(rank=2))
     assert [c for c in out if isinstance(c, Send) and c.rank == 2] == [
-        Send(rank=2, message=m.Shutdown(writer=-1))
+        Send(rank=2, message=m.Shutdown(writer=-1, refused="training is over"))
     ]
     assert h.core.rank_state[2] is RankState.VACANT
 
@@ -89,7 +89,9 @@ def test_a_joined_rank_rejoining_a_restarted_coordinator_is_refused() -> None:
     h.form()
     held = m.Held(last_round=0, averaged=(), since=((0, 0, 32),))
     out = h.feed(RankJoined(rank=2, held=held))
-    assert messages(out, m.Shutdown) == [m.Shutdown(writer=-1)]
+    assert messages(out, m.Shutdown) == [
+        m.Shutdown(writer=-1, refused="a restarted coordinator formed without it; join again")
+    ]
     assert h.core.live == [0, 1]
 
 

@@ -12,6 +12,7 @@ from elche.core import messages as m
 from elche.core.config import Mode
 from elche.core.errors import LocalProtocolError
 from elche.core.rank import (
+    REFUSED,
     Average,
     Callback,
     Done,
@@ -209,7 +210,16 @@ def test_regroup_drops_the_old_groups_round_and_reforms() -> None:
 def test_a_rank_left_out_of_a_regroup_was_declared_dead_and_stops() -> None:
     p = proto(rank=2)
     p.handle(m.Regroup(generation=1, members=[0, 1]))
-    assert p.next_action() == Done(reason="evicted: the coordinator declared this rank dead")
+    assert p.next_action() == Done(reason="refused: the coordinator declared this rank dead")
+
+
+def test_a_refused_rank_stops_saying_why() -> None:
+    p = proto(rank=2)
+    p.handle(m.AssignChunk(epoch=0, offset=0, size=320, budget=5))
+    p.handle(m.Shutdown(writer=-1, refused="declared lost (heartbeat stale: silent for 3.5 s)"))
+    assert p.next_action() == Done(
+        reason=REFUSED + "declared lost (heartbeat stale: silent for 3.5 s)"
+    )
 
 
 @pytest.mark.parametrize(("writer", "is_writer"), [(0, True), (1, False)])

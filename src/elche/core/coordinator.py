@@ -187,6 +187,8 @@ class Coordinator:
         self.hosts = [""] * ws
         self.last_seen_s = [0.0] * ws
         self.dead_ranks: list[int] = []
+        self.lost_reasons: dict[int, str] = {}  # why each dead rank was declared lost
+        self.refused: set[int] = set()  # dead ranks told so when they spoke again
         self.generation = 0
         self.rounds_done = 0
         self.global_step = 0
@@ -341,6 +343,7 @@ class Coordinator:
     def _on_message(self, rank: int, message: m.RankMessage) -> None:
         if self.rank_state[rank] is not RankState.LIVE:
             self.stale_messages += 1
+            self._refuse_lost(rank)
             return
         self.last_seen_s[rank] = self._now
         try:
@@ -575,6 +578,17 @@ class Coordinator:
         self._notice("error", f"evicting rank {rank}: {exc}")
         self._lose(rank, f"protocol error: {exc}", errored=True)
 
+    def _refuse_lost(self, rank: int) -> None:
+        """A rank declared lost speaks again (a host cut off, then back): tell it, once,
+        that the run goes on without it; its frames stay counted as stale."""
+        reason = self.lost_reasons.get(rank)
+        if reason is None or rank in self.refused or self.outcome is not None:
+            return
+        self.refused.add(rank)
+        why = f"declared lost ({reason}); the run went on without it"
+        self._notice("warning", f"refused rank {rank}: it was {why}")
+        self._out.append(Send(rank=rank, message=m.Shutdown(writer=-1, refused=why)))
+
     def _lose(self, rank: int, reason: str, *, errored: bool = False) -> None:
         state = self.rank_state[rank]
         self.joins.forget(rank)
@@ -584,6 +598,7 @@ class Coordinator:
             return
         self.rank_state[rank] = RankState.ERRORED if errored else RankState.DEAD
         self.dead_ranks.append(rank)
+        self.lost_reasons[rank] = reason
         self._emit(tl.RankLost(rank=rank, reason=reason))
         if self.state is RunState.FORMING:
             failures.lost_forming(self, rank, reason)

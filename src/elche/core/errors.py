@@ -14,6 +14,9 @@ the rules.
 - ``TransportError`` — a shell-side failure, always raised ``from`` its cause.
 - ``TrainingError`` — the user's own code failed on a rank (``elche.train``
   raises it); it carries that exception as text, traceback included.
+- ``RankExcluded`` — the run went on without this process's rank (declared
+  lost while it was cut off, or a join refused); ``elche.train`` raises it in
+  that process only.
 
 A rank dying is an *event* (``RankLost``), never an exception.
 """
@@ -25,6 +28,7 @@ __all__ = [
     "Error",
     "LocalProtocolError",
     "ProtocolError",
+    "RankExcluded",
     "RemoteProtocolError",
     "TrainingError",
     "TransportError",
@@ -130,3 +134,24 @@ class TrainingError(Error, RuntimeError):
             traceback=str(error.get("traceback", "")),
             bundle=bundle,
         )
+
+
+class RankExcluded(Error, RuntimeError):
+    """The run went on without this process's rank; ``elche.train`` raises it there.
+
+    The coordinator declared the rank lost (its heartbeat went stale: a host
+    cut off, a process stopped too long) and re-issued its unfinished work to
+    the others; when the rank spoke again, it was refused, so nothing it
+    trained since its last average is in the run. Or its join was refused.
+    This process's model is not the run's result: the run's summary and
+    model are rank 0's.
+
+    Args:
+        rank: this process's rank.
+        reason: why, as the coordinator said.
+    """
+
+    def __init__(self, *, rank: int, reason: str) -> None:
+        super().__init__(f"rank {rank} is no longer part of the run: {reason}")
+        self.rank = rank
+        self.reason = reason

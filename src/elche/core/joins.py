@@ -90,7 +90,7 @@ class Joins:
             why = "training is over"
         if why is not None:
             core._out.append(Notice(level="warning", text=f"refused rank {rank}'s join: {why}"))
-            core._out.append(Send(rank=rank, message=m.Shutdown(writer=-1)))
+            core._out.append(Send(rank=rank, message=m.Shutdown(writer=-1, refused=why)))
             return
         assert core.rank_state[rank] is RankState.VACANT  # the coordinator asks for those only
         self.pending[rank] = host

@@ -340,13 +340,16 @@ class Shutdown(_Msg, frozen=True):
     ``writer`` -1 every rank exits.
 
     ``failure`` is not empty when the run failed: why; ``user_error`` is the
-    user's exception when that was the cause.
+    user's exception when that was the cause. ``refused`` is not empty when
+    the run goes on without the receiving rank (declared lost, or its join
+    refused): why; that rank alone exits.
     """
 
     writer: int = -1
     seq: int = 0
     failure: str = ""
     user_error: UserError | None = None
+    refused: str = ""
 
 
 class SaveState(_Msg, frozen=True):

@@ -80,7 +80,11 @@ from elche.core.errors import LocalProtocolError
 from elche.core.progress import ProgressTracker
 from elche.core.work import Chunk
 
+# How a rank's stop reason begins when the run went on without it.
+REFUSED = "refused: "
+
 __all__ = [
+    "REFUSED",
     "Average",
     "Callback",
     "Done",
@@ -357,6 +361,8 @@ class RankProtocol:
         elif message.failure:
             self.user_error = message.user_error
             self._stop(f"failed: {message.failure}")
+        elif message.refused:
+            self._stop(f"{REFUSED}{message.refused}")
         elif message.writer < 0:
             self._stop(self._held_for or "completed")
         elif writes:
@@ -368,7 +374,7 @@ class RankProtocol:
 
     def _on_regroup(self, message: m.Regroup, members: list[int]) -> None:
         if self.rank not in members:
-            self._stop("evicted: the coordinator declared this rank dead")
+            self._stop(f"{REFUSED}the coordinator declared this rank dead")
             return
         if isinstance(self._request, m.SyncNow):
             self._request = None  # that round was abandoned with the old group

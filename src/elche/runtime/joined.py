@@ -36,7 +36,7 @@ def train_joined(
     from elche.runtime import groups
     from elche.runtime.launch import rank_spec
     from elche.runtime.plan import TrainResult
-    from elche.runtime.worker import train_rank
+    from elche.runtime.worker import raise_if_refused, train_rank
 
     del hooks  # the run's hooks run on rank 0
     address = os.environ[JOIN_ENV]
@@ -66,6 +66,7 @@ def train_joined(
     spec = replace(spec, rank=rank, speed=speed, join_slots=slots, resume_from=None, faults=())
     print(f"elche: joining the run at {address} as rank {rank}", file=sys.stderr, flush=True)
     report, state = train_rank(spec, fns, config.batch_size)
+    raise_if_refused(report, rank)  # e.g. a join refused: the run goes on without it
     summary: dict[str, object] = {
         "joined_as": rank,
         "stopped": report.get("stopped"),

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from elche.core.checkpoint import SaveReason
-from elche.core.errors import ConfigError, TrainingError
+from elche.core.errors import ConfigError, RankExcluded, TrainingError
 from elche.monitor.progress import Progress
 from elche.monitor.summary import SUMMARY_FILE, rank_report_file
 from elche.monitor.timeline import read_timeline
@@ -77,7 +77,7 @@ from elche.runtime.lifetimes import Interrupted, StopSignals, watch_launcher
 from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.salvage import salvage_run, start_round, wait_local_states
 from elche.runtime.shared_result import HOLD_S, ResultBoard
-from elche.runtime.worker import train_rank
+from elche.runtime.worker import raise_if_refused, train_rank
 
 if TYPE_CHECKING:
     from elche.runtime.worker import RankSpec, UserFns
@@ -261,7 +261,17 @@ def _other_rank_result(
     results: ResultBoard,
     directory: Path,
 ) -> TrainResult:
-    """A rank but 0: the run's user error (raised), or its result as rank 0 shares it."""
+    """A rank but 0: the run's user error (raised), or its result as rank 0 shares it.
+
+    Raises:
+        TrainingError: the user's code failed, on this rank or another.
+        RankExcluded: the run went on without this rank.
+    """
+    try:
+        raise_if_refused(report, int(os.environ["RANK"]))
+    except RankExcluded:
+        results.leave()
+        raise
     user_error = report.get("user_error")
     if isinstance(user_error, dict):  # another rank's: the same error here
         results.leave()

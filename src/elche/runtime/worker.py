@@ -47,6 +47,7 @@ from elche.core import messages as m
 from elche.core import rank as r
 from elche.core.checkpoint import SaveReason
 from elche.core.config import Backend, Mode
+from elche.core.errors import RankExcluded
 from elche.core.faults import (
     FailCheckpoint,
     Fault,
@@ -80,7 +81,7 @@ from elche.runtime.transport import RankEndpoint
 from elche.runtime.user_errors import failed_report, guarded, training_error, wait_answer
 from elche.runtime.wire import Wire, average_over
 
-__all__ = ["RankSpec", "UserFns", "Worker", "to_device", "train_rank"]
+__all__ = ["RankSpec", "UserFns", "Worker", "raise_if_refused", "to_device", "train_rank"]
 
 # Batch reports go out at least this often while a rank trains, even mid-window,
 # so the coordinator's view (and the sync gate) never lags far behind.
@@ -749,3 +750,17 @@ def train_rank(
     rank_report_file(Path(spec.run_dir), spec.rank).write_text(json.dumps(report))
     state = {k: v.detach().cpu().clone() for k, v in worker.model.state_dict().items()}
     return report, state
+
+
+def raise_if_refused(report: dict[str, Any], rank: int) -> None:
+    """Raise ``RankExcluded`` when the run went on without this rank (its report says so).
+
+    Raises:
+        RankExcluded: the coordinator refused the rank (declared lost while it
+            was cut off, or its join refused).
+    """
+    stopped = report.get("stopped")
+    if isinstance(stopped, str) and stopped.startswith(r.REFUSED):
+        reason = stopped.removeprefix(r.REFUSED)
+        print(f"elche rank {rank}: refused by the coordinator: {reason}", file=sys.stderr)
+        raise RankExcluded(rank=rank, reason=reason)
