@@ -41,12 +41,10 @@ the saves (``saves``).
 
 from __future__ import annotations
 
-import enum
 import math
-from collections.abc import Iterator
 from typing import assert_never
 
-from elche.core import failures, joins, journal
+from elche.core import failures, joins, journal, liveness
 from elche.core import messages as m
 from elche.core import timeline as tl
 from elche.core.callbacks import Callbacks
@@ -83,62 +81,12 @@ from elche.core.rounds import Round
 from elche.core.saves import Saves, reason_to_stop
 from elche.core.scheduler import ElChe
 from elche.core.stall import StallWatch
+from elche.core.states import RankState, RankStates, RunState
 from elche.core.telemetry import Telemetry
 from elche.core.tuning import Tuner
 from elche.core.work import WorkBook
 
 __all__ = ["Coordinator", "RankState", "RunState"]
-
-# A round in flight longer than this is a stall (reference: max(10 x hb, 300 s)).
-STALL_FLOOR_S = 300.0
-
-
-class RankState(enum.Enum):
-    VACANT = "vacant"  # a join slot no rank took yet
-    JOINING = "joining"
-    LIVE = "live"
-    DEAD = "dead"
-    ERRORED = "errored"
-
-
-class RunState(enum.Enum):
-    FORMING = "forming"
-    TRAINING = "training"
-    FINISHING = "finishing"  # all epochs done; waiting for final callbacks
-    SAVING = "saving"  # save-and-shutdown broadcast; waiting for StateSaved
-    CLOSING = "closing"  # training over; waiting for the final model on disk
-    DONE = "done"
-
-
-class RankStates:
-    """Each rank's state, indexed by rank; knows its live ranks without a scan.
-
-    The live list is rebuilt only after a state changes: at a thousand ranks
-    the coordinator asks for it on every batch report.
-    """
-
-    def __init__(self, world_size: int, slots: int = 0) -> None:
-        self._states = [RankState.JOINING] * world_size + [RankState.VACANT] * slots
-        self._live: list[int] | None = None
-
-    def __getitem__(self, rank: int) -> RankState:
-        return self._states[rank]
-
-    def __setitem__(self, rank: int, state: RankState) -> None:
-        self._states[rank] = state
-        self._live = None
-
-    def __iter__(self) -> Iterator[RankState]:
-        return iter(self._states)
-
-    def __len__(self) -> int:
-        return len(self._states)
-
-    def live(self) -> list[int]:
-        """Live ranks in ascending order (a fresh list: callers may keep it)."""
-        if self._live is None:
-            self._live = [r for r, s in enumerate(self._states) if s is RankState.LIVE]
-        return list(self._live)
 
 
 class Coordinator:
@@ -343,7 +291,7 @@ class Coordinator:
     def _on_message(self, rank: int, message: m.RankMessage) -> None:
         if self.rank_state[rank] is not RankState.LIVE:
             self.stale_messages += 1
-            self._refuse_lost(rank)
+            liveness.refuse_lost(self, rank)
             return
         self.last_seen_s[rank] = self._now
         try:
@@ -578,17 +526,6 @@ class Coordinator:
         self._notice("error", f"evicting rank {rank}: {exc}")
         self._lose(rank, f"protocol error: {exc}", errored=True)
 
-    def _refuse_lost(self, rank: int) -> None:
-        """A rank declared lost speaks again (a host cut off, then back): tell it, once,
-        that the run goes on without it; its frames stay counted as stale."""
-        reason = self.lost_reasons.get(rank)
-        if reason is None or rank in self.refused or self.outcome is not None:
-            return
-        self.refused.add(rank)
-        why = f"declared lost ({reason}); the run went on without it"
-        self._notice("warning", f"refused rank {rank}: it was {why}")
-        self._out.append(Send(rank=rank, message=m.Shutdown(writer=-1, refused=why)))
-
     def _lose(self, rank: int, reason: str, *, errored: bool = False) -> None:
         state = self.rank_state[rank]
         self.joins.forget(rank)
@@ -727,49 +664,7 @@ class Coordinator:
     # -- timers ----------------------------------------------------------------
 
     def _on_timer(self) -> None:
-        now = self._now
-        if self.state is RunState.FORMING:
-            if now >= self._formation_deadline_s and self.restored_round is not None:
-                for rank, state in enumerate(self.rank_state):  # a lost coordinator's ranks
-                    if state is RankState.JOINING and self.state is RunState.FORMING:
-                        self._lose(
-                            rank,
-                            "did not rejoin the restarted coordinator within "
-                            f"{journal.rejoin_timeout_s(self.config):g} s",
-                        )
-                return
-            if now >= self._formation_deadline_s:
-                joined = sum(s is RankState.LIVE for s in self.rank_state)
-                failures.fail(
-                    self,
-                    f"formation timed out: {joined}/{self.config.world_size} ranks joined "
-                    f"within {self.config.formation_timeout_s:g} s",
-                )
-                return
-            # The ranks that joined wait for the rest: tell them this coordinator is up.
-            self._broadcast(m.CoordHeartbeat())
-            self._arm()
-            return
-        late = self.saves.overdue(now, self.workers)
-        if late:
-            self._out += late
-            self._settle()
-            if self.outcome is not None:
-                return
-        timeout = self.config.heartbeat_timeout_s
-        for rank in self.live:
-            silent_s = now - self.last_seen_s[rank]
-            if silent_s > timeout:
-                self._lose(rank, f"heartbeat stale: silent for {silent_s:.1f} s")
-        stalled = now - self.round.started_s > max(10 * timeout, STALL_FLOOR_S)
-        if self.state is RunState.TRAINING and self.round.in_flight and stalled:
-            self._notice("error", f"averaging round {self.round.number} stalled")
-            self.round.close()
-            self._save(SaveReason.REDUCE_STALL)
-        if self.outcome is None:
-            self._out += self.stall.check(self, now)
-            self._broadcast(m.CoordHeartbeat())
-            self._arm()
+        liveness.on_timer(self)
 
     def _arm(self) -> None:
         self._out.append(ArmTimer(deadline_s=self._now + self.config.heartbeat_interval_s))

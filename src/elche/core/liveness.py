@@ -1,0 +1,97 @@
+"""Liveness: the coordinator's heartbeat timer, and ranks it went on without.
+
+Rules:
+
+- Every ``heartbeat_interval_s`` the coordinator's timer fires. While the run
+  forms, it fails the run at ``formation_timeout_s`` (a restored coordinator
+  instead declares lost the ranks that did not rejoin in time) and tells the
+  ranks that joined that it is up. Afterwards it settles overdue saves,
+  declares lost every live rank silent for more than
+  ``heartbeat_timeout_s``, ends a round in flight past
+  ``max(10 x heartbeat_timeout_s, STALL_FLOOR_S)`` with a save, runs the
+  stall watch, and sends every rank a heartbeat.
+- A rank declared lost that speaks again (a host cut off, then back) is
+  refused once: ``Shutdown(refused=why)``; what it sends stays counted as
+  stale and never enters the run.
+
+Theory of operation: functions of the ``Coordinator`` (``core``), which
+calls them with itself to keep its own module small.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from elche.core import failures, journal
+from elche.core import messages as m
+from elche.core.checkpoint import SaveReason
+from elche.core.commands import Send
+from elche.core.states import RankState, RunState
+
+if TYPE_CHECKING:
+    from elche.core.coordinator import Coordinator
+
+__all__ = ["STALL_FLOOR_S", "on_timer", "refuse_lost"]
+
+# A round in flight longer than this is a stall (reference: max(10 x hb, 300 s)).
+STALL_FLOOR_S = 300.0
+
+
+def on_timer(core: Coordinator) -> None:
+    """The heartbeat timer: formation's deadline, overdue saves, stale ranks, a
+    stalled round and the stall watch; then heartbeats to the ranks."""
+    now = core._now
+    if core.state is RunState.FORMING:
+        if now >= core._formation_deadline_s and core.restored_round is not None:
+            for rank, state in enumerate(core.rank_state):  # a lost coordinator's ranks
+                if state is RankState.JOINING and core.state is RunState.FORMING:
+                    core._lose(
+                        rank,
+                        "did not rejoin the restarted coordinator within "
+                        f"{journal.rejoin_timeout_s(core.config):g} s",
+                    )
+            return
+        if now >= core._formation_deadline_s:
+            joined = sum(s is RankState.LIVE for s in core.rank_state)
+            failures.fail(
+                core,
+                f"formation timed out: {joined}/{core.config.world_size} ranks joined "
+                f"within {core.config.formation_timeout_s:g} s",
+            )
+            return
+        # The ranks that joined wait for the rest: tell them this coordinator is up.
+        core._broadcast(m.CoordHeartbeat())
+        core._arm()
+        return
+    late = core.saves.overdue(now, core.workers)
+    if late:
+        core._out += late
+        core._settle()
+        if core.outcome is not None:
+            return
+    timeout = core.config.heartbeat_timeout_s
+    for rank in core.live:
+        silent_s = now - core.last_seen_s[rank]
+        if silent_s > timeout:
+            core._lose(rank, f"heartbeat stale: silent for {silent_s:.1f} s")
+    stalled = now - core.round.started_s > max(10 * timeout, STALL_FLOOR_S)
+    if core.state is RunState.TRAINING and core.round.in_flight and stalled:
+        core._notice("error", f"averaging round {core.round.number} stalled")
+        core.round.close()
+        core._save(SaveReason.REDUCE_STALL)
+    if core.outcome is None:
+        core._out += core.stall.check(core, now)
+        core._broadcast(m.CoordHeartbeat())
+        core._arm()
+
+
+def refuse_lost(core: Coordinator, rank: int) -> None:
+    """A rank declared lost speaks again (a host cut off, then back): tell it, once,
+    that the run goes on without it; its frames stay counted as stale."""
+    reason = core.lost_reasons.get(rank)
+    if reason is None or rank in core.refused or core.outcome is not None:
+        return
+    core.refused.add(rank)
+    why = f"declared lost ({reason}); the run went on without it"
+    core._notice("warning", f"refused rank {rank}: it was {why}")
+    core._out.append(Send(rank=rank, message=m.Shutdown(writer=-1, refused=why)))
