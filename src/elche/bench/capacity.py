@@ -17,7 +17,6 @@ on its own.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -71,7 +70,9 @@ def measure_capacity(
         batch_size: samples per step.
         seconds: how long every rank trains, after its warm-up.
     """
-    ctx = mp.get_context("spawn")
+    from elche.runtime.launch import rank_context
+
+    ctx = rank_context()  # elche's fork server, torch loaded, as every system's ranks
     start, out = ctx.Barrier(len(speeds)), ctx.Queue()
     ranks = [
         ctx.Process(
