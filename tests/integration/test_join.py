@@ -81,10 +81,12 @@ def test_a_rank_joins_a_running_run_and_trains_a_share(tmp_path: Path) -> None:
     assert summary["joined_ranks"] == [3]
     rows = {row["rank"]: row for row in summary["per_rank"]}  # type: ignore[attr-defined]
     assert sorted(rows) == [0, 1, 2, 3]
-    # The joiner came in at epoch 2 at the others' speed: it trained a share, smaller
-    # than a rank that trained from the start, and every sample once (lost 0 above).
-    assert 0 < rows[3]["samples"] < max(rows[r]["samples"] for r in (0, 1, 2))
+    # The joiner came in at epoch 2: it trained a share of the epochs after it,
+    # and every sample was trained once (lost 0 above). How large a share
+    # depends on the pace the busy machine gives each process, so no bound
+    # on its size beyond what it could have trained.
     train_set, _ = digits.load_digits_split(seed=0)
+    assert 0 < rows[3]["samples"] <= (EPOCHS - 2) * len(train_set)
     assert sum(row["samples"] for row in rows.values()) == EPOCHS * len(train_set)
     own = _result(joined_out)
     assert own["joined_as"] == 3 and own["stopped"] == "completed"

@@ -142,10 +142,11 @@ class Suite:
 #   step is most of its wall (~2.2 s against cadence's ~0.7 s), as it is for
 #   a large model across hosts.
 #
-# Each multi-rank run pays ~0.5 s (elche's ranks, forked from a warm fork
-# server) to ~4.5 s (DDP's spawned ranks) of process start-up and teardown.
-# Three interleaved repeats (the median is reported) make the whole
-# invocation ~3 minutes on the 2-core machine.
+# Every system's ranks fork from elche's warm fork server (torch loaded), so
+# a multi-rank run pays ~0.5–1.5 s of process start-up and teardown (DDP's
+# spawned ranks paid 4.5 s, 20–40 s on a loaded machine). Three interleaved
+# repeats (the median is reported) made the whole invocation ~3 minutes on
+# the 2-core machine before torchft joined it.
 QUICK = Suite(
     name="quick",
     workloads=(WorkloadPlan("digits-cnn", epochs=15), WorkloadPlan("digits-mlp", epochs=20)),
