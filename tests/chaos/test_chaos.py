@@ -1,5 +1,8 @@
 """``elche chaos`` (issue 13 item 3): schedules drawn from a seed, the audit, leftovers, and
-three real runs under faults that hold every invariant."""
+two real runs under faults that hold every invariant (seed 1: a full save path, a rank
+and the coordinator killed; then slow-downs and a stall). A SIGTERM to the launcher,
+whose bundle a third run resumes, is left to the lifetime tests and the 200-run series:
+the suite's 10 minutes."""
 
 from __future__ import annotations
 
@@ -88,12 +91,12 @@ def test_a_process_a_run_leaves_behind_is_found_and_ended() -> None:
 @pytest.mark.slow
 def test_issue13_chaos_runs_hold_every_invariant(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "elche.cli", "chaos", "--runs", "3", "--seed", "1", "--json",
+        [sys.executable, "-m", "elche.cli", "chaos", "--runs", "2", "--seed", "1", "--json",
          "--dir", str(tmp_path)],
         capture_output=True, text=True, timeout=280, check=False, env=dict(os.environ),
     )  # fmt: skip
     rows = [json.loads(line) for line in done.stdout.splitlines()]
-    assert [row["seed"] for row in rows] == ["1:0", "1:1", "1:2"], done.stderr[-3000:]
+    assert [row["seed"] for row in rows] == ["1:0", "1:1"], done.stderr[-3000:]
     for index, row in enumerate(rows):
         assert row["plan"] == chaos.draw_plan(random.Random(f"1:{index}")).to_json()
         assert row["failures"] == [], row
