@@ -54,20 +54,29 @@ def run_end(h: Harness) -> RunEnd:
     return ends[0]
 
 
+STOP = 4  # the round a coordinator is lost after: mid-epoch 1 (three averages an epoch)
+PACE_MS = {0: 10.0, 1: 20.0, 2: 40.0}
+
+
+def trained_past_round(mode: Mode, stop: int) -> tuple[Harness, dict[int, float]]:
+    """Three ranks of 6,400 samples trained to round ``stop``, then one batch more each
+    (the ranks hold unaveraged work when the coordinator goes); and their pace."""
+    h = Harness(config(mode=mode, world_size=3, epochs=3, num_samples=6400, seed=3))
+    h.form()
+    h.run_to_end(PACE_MS, until=lambda: h.core.rounds_done >= stop)
+    for rank in h.core.live:  # the ranks train on after the last average
+        if h.chunks[rank]:
+            h.train(rank, 1, batch_ms=PACE_MS[rank])
+    return h, PACE_MS
+
+
 @pytest.mark.parametrize("mode", [Mode.CADENCE, Mode.SYNC])
 @pytest.mark.parametrize("unjournaled", [False, True])
 def test_a_restored_coordinator_finishes_the_run_exactly_once(
     mode: Mode, unjournaled: bool
 ) -> None:
-    cfg = config(mode=mode, world_size=3, epochs=3, num_samples=6400, seed=3)
-    h = Harness(cfg)
-    h.form()
-    ms = {0: 10.0, 1: 20.0, 2: 40.0}
-    stop = 4  # mid-epoch 1 (cadence averages three times an epoch here)
-    h.run_to_end(ms, until=lambda: h.core.rounds_done >= stop)
-    for rank in h.core.live:  # the ranks train on after the last average
-        if h.chunks[rank]:
-            h.train(rank, 1, batch_ms=ms[rank])
+    h, ms = trained_past_round(mode, STOP)
+    stop = STOP
     journal = records(h)
     assert journal[-1].rounds_done == h.core.rounds_done
     # Unjournaled: the coordinator died after the ranks applied a round, before its record.

@@ -14,7 +14,13 @@ from elche.core.config import Mode
 from elche.core.coordinator import Coordinator
 from elche.core.salvage import LocalState, SalvageRefused, salvage
 from tests.core.harness import Harness, config, of
-from tests.core.test_journal import assert_exactly_once, records, run_end
+from tests.core.test_journal import (
+    STOP,
+    assert_exactly_once,
+    records,
+    run_end,
+    trained_past_round,
+)
 
 
 def states(h: Harness, ranks: list[int] | None = None) -> list[LocalState]:
@@ -31,15 +37,8 @@ def states(h: Harness, ranks: list[int] | None = None) -> list[LocalState]:
 def test_the_salvaged_bundle_resumes_to_every_sample_exactly_once(
     mode: Mode, unjournaled: bool
 ) -> None:
-    cfg = config(mode=mode, world_size=3, epochs=3, num_samples=6400, seed=3)
-    h = Harness(cfg)
-    h.form()
-    ms = {0: 10.0, 1: 20.0, 2: 40.0}
-    stop = 4  # mid-epoch 1
-    h.run_to_end(ms, until=lambda: h.core.rounds_done >= stop)
-    for rank in h.core.live:  # the ranks train on after the last average
-        if h.chunks[rank]:
-            h.train(rank, 1, batch_ms=ms[rank])
+    h, ms = trained_past_round(mode, STOP)
+    cfg, stop = h.cfg, STOP
     # Unjournaled: the coordinator died after the ranks applied a round, before its record.
     record = [r for r in records(h) if r.rounds_done == stop - unjournaled][-1]
 

@@ -36,12 +36,16 @@ if __name__ == "__main__":
 """
 
 
-def test_the_session_example_trains_three_ranks_by_speed_under_elche_run(tmp_path: Path) -> None:
-    script = tmp_path / "loop.py"
-    script.write_text(SCRIPT)
+def run_three_ranks_by_speed(
+    script: Path, text: str, *, timeout_s: float
+) -> tuple[subprocess.CompletedProcess[str], list[int]]:
+    """``elche run --nproc 3`` of ``text``; every rank printed one ``SUMMARY`` line, the
+    same on every rank, of a completed 2-epoch run whose ranks' samples follow their
+    speeds. The finished process, and each rank's samples."""
+    script.write_text(text)
     done = subprocess.run(
         [sys.executable, "-m", "elche.cli", "run", "--nproc", "3", str(script)],
-        capture_output=True, text=True, timeout=240, check=False,
+        capture_output=True, text=True, timeout=timeout_s, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("SUMMARY ")]
@@ -51,6 +55,11 @@ def test_the_session_example_trains_three_ranks_by_speed_under_elche_run(tmp_pat
     assert summary["epochs_completed"] == 2 and summary["lost_samples"] == 0
     samples = [r["samples"] for r in summary["per_rank"]]
     assert samples[0] > samples[1] > samples[2]
+    return done, samples
+
+
+def test_the_session_example_trains_three_ranks_by_speed_under_elche_run(tmp_path: Path) -> None:
+    done, samples = run_three_ranks_by_speed(tmp_path / "loop.py", SCRIPT, timeout_s=240)
     # Each rank's loop stepped every batch its rank trained (past its warm-up batches).
     counts = {int(w[1]): int(w[2]) for w in (ln.split() for ln in done.stdout.splitlines())
               if w and w[0] == "RANK"}  # fmt: skip

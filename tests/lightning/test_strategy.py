@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from elche import ConfigError
+from tests.integration.test_session_launched import run_three_ranks_by_speed
 
 pl = pytest.importorskip("lightning.pytorch", reason="the elche[lightning] extra is not installed")
 elche_lightning = pytest.importorskip("elche.lightning")
@@ -128,20 +127,7 @@ if __name__ == "__main__":
 @pytest.mark.slow
 @pytest.mark.integration
 def test_a_trainer_script_trains_three_ranks_by_speed_under_elche_run(tmp_path: Path) -> None:
-    script = tmp_path / "fit.py"
-    script.write_text(SCRIPT)
-    done = subprocess.run(
-        [sys.executable, "-m", "elche.cli", "run", "--nproc", "3", str(script)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("SUMMARY ")]
-    assert len(lines) == 3 and len(set(lines)) == 1, done.stdout  # every rank, alike
-    summary = json.loads(lines[0].removeprefix("SUMMARY "))
-    assert summary["outcome"] == "completed"
-    assert summary["epochs_completed"] == 2 and summary["lost_samples"] == 0
-    samples = [r["samples"] for r in summary["per_rank"]]
-    assert samples[0] > samples[1] > samples[2]
+    done, samples = run_three_ranks_by_speed(tmp_path / "fit.py", SCRIPT, timeout_s=300)
     ranks = [json.loads(ln.removeprefix("RANK ")) for ln in done.stdout.splitlines()
              if ln.startswith("RANK ")]  # fmt: skip
     assert sorted(rank for rank, _ in ranks) == [0, 1, 2]
