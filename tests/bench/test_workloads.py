@@ -1,13 +1,14 @@
 """The benchmark workloads: registry, data, identical init, one short epoch, eval.
 
 Each workload trains a short epoch (the first ``SHORT`` training samples) on
-one thread and its ``eval_fn`` returns a score in range. Loading the digits
-imports scikit-learn (about a second), paid once per module by the fixture.
+one thread and its ``eval_fn`` returns a score in range. Loading a workload's
+split is paid once per module by the fixture.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +105,22 @@ def test_one_short_epoch_trains_and_eval_is_in_range(
         assert 0.0 < score < 8.0  # uniform over the 97 symbols would be 6.6
     else:
         assert 0.0 <= score < 1.0  # pixel MSE of values in [0, 1]
+
+
+def test_the_digits_split_is_cached_as_scikit_learn_makes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from elche.workloads import digits
+
+    monkeypatch.setenv(digits.CACHE_ENV, str(tmp_path / "cache"))
+    made = digits.load_digits_split(seed=3)  # made by scikit-learn, then kept
+    (kept,) = (tmp_path / "cache").glob("digits-split-3-*.npz")
+    assert digits.load_digits_split(seed=3)[0].tensors[0].sum() == made[0].tensors[0].sum()
+    kept.write_bytes(b"not an npz")  # a damaged cache is passed by, and made anew
+    again = digits.load_digits_split(seed=3)
+    for a, b in zip(made, again, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a.tensors, b.tensors, strict=True))
+    assert digits.load_digits_split(seed=4)[0].tensors[0].sum() != made[0].tensors[0].sum()
+    monkeypatch.setenv(digits.CACHE_ENV, str(tmp_path / "file"))
+    (tmp_path / "file").write_text("a cache that cannot be a folder")
+    assert torch.equal(digits.load_digits_split(seed=3)[0].tensors[1], made[0].tensors[1])

@@ -32,6 +32,8 @@ coordinator's store (``elche.runtime.groups``), never through files.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import multiprocessing as mp
 import os
@@ -113,6 +115,7 @@ def train_launched(
     """
     rank = int(os.environ["RANK"])
     host: list[subprocess.Popen[str]] = []  # rank 0's coordinator, once started
+    whole_lines()
 
     def ask_stop(reason: str) -> None:
         if host:
@@ -133,6 +136,20 @@ def train_launched(
     if rank == 0:
         raise interrupted(signum, result, plan.config.save_path)
     raise Interrupted(signum, plan.config.save_path, result)
+
+
+def whole_lines() -> None:
+    """This rank's stdout and stderr, unless terminals, go out one line per write.
+
+    A launcher's ranks share its output. Unbuffered (``PYTHONUNBUFFERED``, as
+    CI sets it) a ``print`` writes each piece on its own, so two ranks' lines
+    mix mid-line; block-buffered, a log shows them kilobytes late. A whole
+    line in one write (up to the pipe's 4 KiB) never mixes and shows at once.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and not stream.isatty():
+            with contextlib.suppress(ValueError, OSError):  # closed, or not a real file
+                stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def _train(

@@ -6,7 +6,9 @@ classifiers its ``step_fn`` and ``eval_fn``.
 
 1,797 grayscale 8×8 images of the digits 0–9 ship inside scikit-learn, so
 the demo, the integration tests and the quick benchmark need no download. A
-stratified 80/20 split gives 1,437 training and 360 test samples. The model
+stratified 80/20 split gives 1,437 training and 360 test samples; it is kept
+in ``$ELCHE_CACHE_DIR`` (default ``~/.cache/elche``) once made, so only the
+first process that loads it pays scikit-learn's import. The model
 is a 64→128→64→10 MLP (17,226 parameters): one training step at batch 32
 costs well under a millisecond of CPU, so start-up and communication — the
 costs elche is about — dominate, and a whole run fits in seconds on two
@@ -19,7 +21,13 @@ weights, without touching the global RNG streams.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
+import os
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -88,15 +96,7 @@ def load_digits_split(
     """
     if not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
-    # Imported here: sklearn.datasets costs ~1 s to import, paid only by callers.
-    from sklearn.datasets import load_digits  # type: ignore[import-untyped]  # no stubs
-    from sklearn.model_selection import train_test_split  # type: ignore[import-untyped]  # no stubs
-
-    features, labels = load_digits(return_X_y=True)
-    parts = train_test_split(
-        features, labels, test_size=test_fraction, stratify=labels, random_state=seed
-    )
-    x_train, x_test, y_train, y_test = (np.asarray(p) for p in parts)
+    x_train, x_test, y_train, y_test = _split(seed, test_fraction)
     return _dataset(x_train, y_train), _dataset(x_test, y_test)
 
 
@@ -149,7 +149,58 @@ def step_fn(model: nn.Module, batch: Sequence[Tensor]) -> Tensor:
 eval_fn = accuracy  # share of targets predicted (the argmax of the logits)
 
 
-def _dataset(features: npt.NDArray[np.float64], labels: npt.NDArray[np.int64]) -> TensorDataset:
+CACHE_ENV = "ELCHE_CACHE_DIR"  # where splits are kept (default: ~/.cache/elche)
+_SPLIT_KEYS = ("x_train", "x_test", "y_train", "y_test")
+
+
+def _split(seed: int, test_fraction: float) -> tuple[npt.NDArray[Any], ...]:
+    """scikit-learn's stratified split, kept in the cache once made.
+
+    Importing ``sklearn.datasets`` and ``sklearn.model_selection`` costs 2–4 s
+    of CPU, paid by every rank, benchmark worker and demo process that loads
+    the digits; a cached split (keyed by seed, fraction and scikit-learn's
+    version, so it is the split scikit-learn would make) costs milliseconds.
+    A cache that cannot be read or written is passed by.
+    """
+    cached = _cache_file(seed, test_fraction)
+    if cached is not None:
+        with contextlib.suppress(OSError, KeyError, ValueError), np.load(cached) as arrays:
+            return tuple(arrays[key] for key in _SPLIT_KEYS)
+    from sklearn.datasets import load_digits  # type: ignore[import-untyped]  # no stubs
+    from sklearn.model_selection import train_test_split  # type: ignore[import-untyped]  # no stubs
+
+    features, labels = load_digits(return_X_y=True)
+    parts = train_test_split(
+        features, labels, test_size=test_fraction, stratify=labels, random_state=seed
+    )
+    arrays = tuple(np.asarray(p) for p in parts)
+    if cached is not None:
+        with contextlib.suppress(OSError):  # a read-only or full cache: next time again
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            fd, part = tempfile.mkstemp(dir=cached.parent, suffix=".part")
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    np.savez(out, **dict(zip(_SPLIT_KEYS, arrays, strict=True)))
+                os.replace(part, cached)  # whole or absent, for concurrent readers
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(part)
+    return arrays
+
+
+def _cache_file(seed: int, test_fraction: float) -> Path | None:
+    """Where the split of ``seed`` and ``test_fraction`` is cached (None: nowhere)."""
+    try:
+        version = importlib.metadata.version("scikit-learn")
+    except importlib.metadata.PackageNotFoundError:
+        return None  # the import below says what is missing
+    root = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "elche"
+    )
+    return Path(root) / f"digits-split-{seed}-{test_fraction!r}-sklearn{version}.npz"
+
+
+def _dataset(features: npt.NDArray[Any], labels: npt.NDArray[Any]) -> TensorDataset:
     """Features scaled to [0, 1] as float32, labels as int64."""
     x = torch.from_numpy((features / PIXEL_MAX).astype(np.float32))  # [n, 64]
     y = torch.from_numpy(labels.astype(np.int64))  # [n]
