@@ -49,7 +49,10 @@ EVERY_RANK = ["RETURNED 0", "RETURNED 1", "RETURNED 2"]
 LAUNCHERS = {
     "elche.train": ([], ["RETURNED 0"]),
     "elche-run": (["-m", "elche.cli", "run", "--nproc", "3"], EVERY_RANK),
-    "torchrun": (["-m", "torch.distributed.run", "--nproc-per-node", "3"], EVERY_RANK),
+    "torchrun": (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"],
+        EVERY_RANK,
+    ),
 }
 
 

@@ -47,7 +47,7 @@ LAUNCHERS = {
     # outlives its rank's process and exits 0, so the agent keeps the others.
     "elche-run": (["-m", "elche.cli", "run", "--nproc", "3"], ["RETURNED 0", "RETURNED 2"], 247),
     "torchrun": (
-        ["-m", "torch.distributed.run", "--nproc-per-node", "3"],
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"],
         ["RETURNED 0", "RETURNED 1", "RETURNED 2"],
         0,
     ),

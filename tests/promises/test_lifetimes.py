@@ -332,7 +332,15 @@ def test_issue12_item12_under_torchrun_a_killed_worker_leaves_a_resumable_bundle
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_SCRIPT)
     save = tmp_path / "bundle"
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", str(script)]
+    args = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        str(script),
+    ]
     with session([*args, str(save)], tmp_path) as proc:
         wait_mid_run(proc, tmp_path)
         worker = worker_of(proc.pid, 1)
