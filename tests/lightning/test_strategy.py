@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -14,30 +15,46 @@ from torch.utils.data import DataLoader, TensorDataset
 from elche import ConfigError
 from tests.integration.test_session_launched import RANKS, run_ranks_by_speed
 
-pl = pytest.importorskip("lightning.pytorch", reason="the elche[lightning] extra is not installed")
-elche_lightning = pytest.importorskip("elche.lightning")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None,
+    reason="the elche[lightning] extra is not installed",
+)
 
 NUM_SAMPLES = 48
 BATCH = 8
 
 
-class Recorder(pl.LightningModule):  # type: ignore[misc]  # Lightning is untyped here
+@pytest.fixture(scope="module")
+def pl() -> Any:
+    """``lightning.pytorch``, imported by the tests that fit in this process only: its
+    import costs about 8 s of CPU, which every pytest worker would pay at collection."""
+    import lightning.pytorch
+
+    import elche.lightning  # noqa: F401  # registers strategy="elche"
+
+    return lightning.pytorch
+
+
+def recorder(pl: Any) -> Any:
     """A linear model that records the sample ids each Lightning epoch trained."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(1)
-        self.net = nn.Linear(4, 2)
-        self.seen: dict[int, list[int]] = {}
+    class Recorder(pl.LightningModule):  # type: ignore[misc]  # Lightning is untyped here
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(1)
+            self.net = nn.Linear(4, 2)
+            self.seen: dict[int, list[int]] = {}
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        del batch_idx
-        ids, x, y = batch
-        self.seen.setdefault(self.current_epoch, []).extend(ids.tolist())
-        return nn.functional.cross_entropy(self.net(x), y)
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            del batch_idx
+            ids, x, y = batch
+            self.seen.setdefault(self.current_epoch, []).extend(ids.tolist())
+            return nn.functional.cross_entropy(self.net(x), y)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Recorder()
 
 
 def loader() -> DataLoader[Any]:
@@ -47,7 +64,7 @@ def loader() -> DataLoader[Any]:
     return DataLoader(data, batch_size=BATCH, shuffle=True)
 
 
-def trainer(strategy: Any = "elche", **settings: Any) -> Any:
+def trainer(pl: Any, strategy: Any = "elche", **settings: Any) -> Any:
     settings = {"max_epochs": 2, **settings}
     return pl.Trainer(
         strategy=strategy, accelerator="cpu", logger=False, enable_checkpointing=False,
@@ -55,9 +72,9 @@ def trainer(strategy: Any = "elche", **settings: Any) -> Any:
     )  # fmt: skip
 
 
-def test_a_trainer_with_strategy_elche_trains_each_sample_once_per_epoch() -> None:
-    module = Recorder()
-    fit = trainer()
+def test_a_trainer_with_strategy_elche_trains_each_sample_once_per_epoch(pl: Any) -> None:
+    module = recorder(pl)
+    fit = trainer(pl)
     fit.fit(module, loader())
     assert sorted(module.seen) == [0, 1]  # Lightning's epochs are elche's
     assert sorted(module.seen[1]) == list(range(NUM_SAMPLES))
@@ -80,10 +97,10 @@ def test_a_trainer_with_strategy_elche_trains_each_sample_once_per_epoch() -> No
     ],
 )
 def test_settings_elche_cannot_honour_are_refused_by_name(
-    settings: dict[str, Any], field: str
+    pl: Any, settings: dict[str, Any], field: str
 ) -> None:
     with pytest.raises(ConfigError, match=field):
-        trainer(**settings).fit(Recorder(), loader())
+        trainer(pl, **settings).fit(recorder(pl), loader())
 
 
 SCRIPT = """
