@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elche.api import _dashboard, _faults, _tensorboard_dir
+from elche.api import _beat_every, _dashboard, _faults, _tensorboard_dir
 from elche.core.config import CoordinatorConfig, Mode
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan, Kill, SlowDown, Stall
@@ -87,3 +87,31 @@ def test_a_tensorboard_log_needs_its_writer(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ConfigError) as info:
         _tensorboard_dir("/mine")
     assert info.value.field == "tensorboard_dir" and "elche[tensorboard]" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("timeout_s", "beat_s"), [(30.0, 1.0), (4.0, 1.0), (2.0, 0.5), (0.2, 0.05)]
+)
+def test_ranks_beat_and_the_timer_fires_at_least_four_times_a_timeout(
+    tmp_path: Path, timeout_s: float, beat_s: float
+) -> None:
+    # A 2 s timeout beaten once a second is spent by one beat a loaded machine delays
+    # by a second; four beats a timeout leave three to lose.
+    interval = _beat_every(timeout_s)
+    assert interval == beat_s
+    config = CoordinatorConfig(
+        mode=Mode.CADENCE, world_size=1, num_samples=10, batch_size=10, epochs=1,
+        heartbeat_timeout_s=timeout_s, heartbeat_interval_s=interval,
+    )  # fmt: skip
+    plan = Plan(
+        config=config, speeds=(1.0,), speed_base_s=None, devices=("cpu",), resume_from=None,
+        faults=FaultPlan(),
+    )  # fmt: skip
+    spec = rank_spec(plan, 0, "addr", b"k", tmp_path, max_grad_norm=None)
+    assert spec.heartbeat_interval_s == config.heartbeat_interval_s == beat_s
+    with pytest.raises(ConfigError) as info:  # a bad timeout is named, not the beat
+        CoordinatorConfig(
+            mode=Mode.CADENCE, world_size=1, num_samples=10, batch_size=10, epochs=1,
+            heartbeat_timeout_s=0.0, heartbeat_interval_s=_beat_every(0.0),
+        )  # fmt: skip
+    assert info.value.field == "heartbeat_timeout_s"

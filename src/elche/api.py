@@ -351,7 +351,8 @@ def _plan(
         mode=Mode.parse(mode), world_size=world, num_samples=num_samples,
         batch_size=batch_size, epochs=epochs, seed=seed,
         scheduler=scheduler or SchedulerConfig(), heartbeat_timeout_s=heartbeat_timeout_s,
-        max_failures=max_failures, callback_policy=policy, callback_rank=pinned,
+        heartbeat_interval_s=_beat_every(heartbeat_timeout_s), max_failures=max_failures,
+        callback_policy=policy, callback_rank=pinned,
         has_eval_fn=has_eval, eval_every=eval_every, checkpoint_every=checkpoint_every,
         save_path=save_path, easgd_alpha=easgd_alpha, outer_lr=outer_lr,
         outer_momentum=outer_momentum, nonfinite=nonfinite,
@@ -385,6 +386,19 @@ def _check_user_fns(*, model_fn: Any, eval_fn: Any, eval_dataset: Any) -> None:
         raise ConfigError("model_fn", f"must be a function model_fn(device), got {model_fn!r}")
     if eval_fn is not None and eval_dataset is None:
         raise ConfigError("eval_dataset", "eval_fn is given but eval_dataset is not")
+
+
+# Beats per heartbeat timeout, at least: a short timeout (the chaos runs' 2 s)
+# must not be spent by one late beat of a loaded machine.
+BEATS_PER_TIMEOUT = 4
+HEARTBEAT_INTERVAL_S = 1.0  # the rank's beat and the coordinator's timer, at most
+
+
+def _beat_every(heartbeat_timeout_s: float) -> float:
+    """How often ranks beat and the coordinator's timer fires, for ``heartbeat_timeout_s``."""
+    if not heartbeat_timeout_s > 0:
+        return HEARTBEAT_INTERVAL_S  # the config's check names heartbeat_timeout_s
+    return min(HEARTBEAT_INTERVAL_S, heartbeat_timeout_s / BEATS_PER_TIMEOUT)
 
 
 def _check_devices(devices: Sequence[str]) -> None:

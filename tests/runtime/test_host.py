@@ -19,10 +19,10 @@ from elche.core import timeline as tl
 from elche.core.commands import ArmTimer, AverageSnapshots, Command, Emit, Finish, Send
 from elche.core.config import CoordinatorConfig, Mode
 from elche.core.coordinator import Coordinator
-from elche.core.events import AverageComputed, Event, Started
+from elche.core.events import AverageComputed, Event, MessageReceived, Started, TimerFired
 from elche.runtime.frames import Buffer
 from elche.runtime.host import Host
-from elche.runtime.transport import Inbound
+from elche.runtime.transport import Inbound, Received
 
 CONFIG = CoordinatorConfig(
     mode=Mode.parse("cpu-sync"), world_size=1, num_samples=8, batch_size=4, epochs=1
@@ -99,3 +99,38 @@ def test_an_average_is_handled_after_the_rest_of_its_command_list(tmp_path: Path
     assert core.seen == [Started(), AverageComputed(round=1)]
     assert endpoint.sent == [(0, m.SetBudget(budget=4)), (0, m.Update(round=1, alpha=None))]
     assert host._deadline == 9.0  # the follow-up's timer was armed last
+
+
+class LateEndpoint(RecordingEndpoint):
+    """Nothing at the first poll; then the heartbeat that came while the host was busy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.polls: list[list[Inbound]] = [
+            [], [Received(rank=0, message=m.Heartbeat(step=3), payload=[])]
+        ]  # fmt: skip
+
+    def poll(self, timeout_s: float) -> list[Inbound]:
+        return self.polls.pop(0) if self.polls else []
+
+
+def test_the_timer_judges_silence_after_reading_what_came_while_the_host_was_busy(
+    tmp_path: Path,
+) -> None:
+    # A slow journal write or a starved process keeps the loop from polling past the
+    # timer's deadline; the ranks' heartbeats of that time wait in the socket. Fed to
+    # the timer first, they would be read as silence and every rank declared lost.
+    endpoint = LateEndpoint()
+    host = Host(CONFIG, endpoint, tmp_path, log=io.StringIO())  # type: ignore[arg-type]
+    core = ScriptedCore(
+        {
+            Started: [ArmTimer(deadline_s=0.0)],  # already due
+            TimerFired: [Emit(event=END), Finish(outcome="completed")],
+        }
+    )
+    host.core = core
+
+    host.run()
+
+    heartbeat = MessageReceived(rank=0, message=m.Heartbeat(step=3))
+    assert core.seen == [Started(), heartbeat, TimerFired()]

@@ -148,12 +148,14 @@ class Bridge:
                     lost = True
                     self.inbox.put(CoordinatorLost(reason="its launcher cannot restart it"))
             if not lost and now - last_inbound > self._timeout_s:
+                got, failure = self._drain_inbound()  # what came while this thread starved
+                if got:
+                    last_inbound = time.monotonic()
+                if got and failure is None:
+                    continue
                 lost = True
-                self.inbox.put(
-                    CoordinatorLost(
-                        reason=f"no word from the coordinator for {self._timeout_s:g} s"
-                    )
-                )
+                silence = f"no word from the coordinator for {self._timeout_s:g} s"
+                self.inbox.put(CoordinatorLost(reason=failure or silence))
 
     def _flush_outbox(self) -> bool:
         while True:

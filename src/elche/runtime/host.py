@@ -212,13 +212,14 @@ class Host:
             self._feed(Started())
             while self.finish is None:
                 now = time.monotonic()
-                wait = min(max(self._deadline - now, 0.0), MAX_WAIT_S)
-                for inbound in self.endpoint.poll(wait):
-                    self._feed(self._event(inbound))
-                    if self.finish is not None:
-                        break
+                self._take(min(max(self._deadline - now, 0.0), MAX_WAIT_S))
                 while self.finish is None and self._reports:
                     self._feed_report(self._reports.popleft())
+                if self.finish is None and time.monotonic() >= self._deadline:
+                    # The timer judges silence: first read what came while this loop
+                    # was busy (a slow disk under the journal, a starved process), or
+                    # ranks that spoke all along would be declared lost.
+                    self._take(0.0)
                 if self.finish is None and time.monotonic() >= self._deadline:
                     self._deadline = math.inf
                     self._feed(TimerFired())
@@ -230,6 +231,13 @@ class Host:
         if self.core.failure is not None:
             self._tell_late_joiners(self.core.failure)
         return self.finish
+
+    def _take(self, wait_s: float) -> None:
+        """Feed what arrives within ``wait_s`` (until the run finishes)."""
+        for inbound in self.endpoint.poll(wait_s):
+            self._feed(self._event(inbound))
+            if self.finish is not None:
+                return
 
     def _tell_late_joiners(self, failure: m.Shutdown) -> None:
         """A failed run: tell ranks that join after the end why, for one heartbeat timeout.

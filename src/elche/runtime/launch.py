@@ -192,6 +192,7 @@ def rank_spec(
         speed_base_s=plan.speed_base_s, device=plan.devices[rank], gamma=cfg.scheduler.gamma,
         max_grad_norm=max_grad_norm,
         save_path=cfg.save_path, resume_from=plan.resume_from,
+        heartbeat_interval_s=cfg.heartbeat_interval_s,
         coordinator_timeout_s=max(cfg.heartbeat_timeout_s, 10.0),
         collective_timeout_s=max(2 * cfg.heartbeat_timeout_s, 60.0),
         faults=plan.faults.for_rank(rank), group_port=group_port, launcher_pid=os.getpid(),
