@@ -142,7 +142,9 @@ class RankExcluded(Error, RuntimeError):
     The coordinator declared the rank lost (its heartbeat went stale: a host
     cut off, a process stopped too long) and re-issued its unfinished work to
     the others; when the rank spoke again, it was refused, so nothing it
-    trained since its last average is in the run. Or its join was refused.
+    trained since its last average is in the run. Or its join was refused. Or
+    it lost its coordinator and rank 0 shared no result either (a host cut
+    off for good): the run, if it goes on, goes on elsewhere.
     This process's model is not the run's result: the run's summary and
     model are rank 0's.
 

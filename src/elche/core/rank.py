@@ -82,8 +82,10 @@ from elche.core.work import Chunk
 
 # How a rank's stop reason begins when the run went on without it.
 REFUSED = "refused: "
+COORDINATOR_LOST = "coordinator lost: "  # a stop_reason: why the rank gave its coordinator up
 
 __all__ = [
+    "COORDINATOR_LOST",
     "REFUSED",
     "Average",
     "Callback",
@@ -415,7 +417,7 @@ class RankProtocol:
 
     def coordinator_lost(self, reason: str) -> None:
         """The driver lost the coordinator: the rank stops (after its own save)."""
-        self._stop(f"coordinator lost: {reason}")
+        self._stop(f"{COORDINATOR_LOST}{reason}")
 
     def _stop(self, reason: str) -> None:
         self.stage = RankStage.DONE

@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from elche.core.checkpoint import SaveReason
 from elche.core.errors import ConfigError, RankExcluded, TrainingError
+from elche.core.rank import COORDINATOR_LOST
 from elche.monitor.progress import Progress
 from elche.monitor.summary import SUMMARY_FILE, rank_report_file
 from elche.monitor.timeline import read_timeline
@@ -293,7 +294,15 @@ def _other_rank_result(
     if isinstance(user_error, dict):  # another rank's: the same error here
         results.leave()
         raise TrainingError.from_summary(user_error)
-    return _shared_result(results, state, directory)
+    return _shared_result(results, state, directory, cut_off=_cut_off(report))
+
+
+def _cut_off(report: dict[str, object]) -> str:
+    """Why this rank lost its coordinator and gave up ('' when it did not)."""
+    stopped = report.get("stopped")
+    if isinstance(stopped, str) and stopped.startswith(COORDINATOR_LOST):
+        return stopped.removeprefix(COORDINATOR_LOST)
+    return ""
 
 
 def _board_host(multi_host: bool) -> str:
@@ -301,15 +310,26 @@ def _board_host(multi_host: bool) -> str:
 
 
 def _shared_result(
-    results: ResultBoard, state: dict[str, torch.Tensor], directory: Path
+    results: ResultBoard, state: dict[str, torch.Tensor], directory: Path, *, cut_off: str = ""
 ) -> TrainResult:
-    """A rank but 0: its model with the summary and epochs rank 0 published."""
+    """A rank but 0: its model with the summary and epochs rank 0 published.
+
+    Raises:
+        RankExcluded: this rank lost its coordinator (``cut_off``: why) and
+            rank 0 shared nothing either: a host cut off for good.
+    """
     doc = results.read(COORDINATOR_EXIT_S + HOLD_S)
     summary = doc.get("summary") if doc else None
     epochs = doc.get("epochs") if doc else None
     if not isinstance(summary, dict):
         why = doc.get("error") if doc else "none came"
         print(f"elche: rank 0 shared no run summary ({why})", file=sys.stderr, flush=True)
+        if cut_off:  # neither the coordinator nor rank 0 reached: the run is elsewhere
+            rank = int(os.environ["RANK"])
+            raise RankExcluded(
+                rank=rank,
+                reason=f"lost the coordinator ({cut_off}) and rank 0 shared no summary ({why})",
+            )
         summary = {}
     return TrainResult(
         state_dict=state, summary=summary, epochs=epochs if isinstance(epochs, list) else [],

@@ -1,0 +1,52 @@
+"""A rank cut off for good raises ``RankExcluded`` instead of returning an empty result.
+
+Its coordinator went silent (``CoordinatorLost``), and rank 0's result board,
+across the same cut, shares nothing either: the run, if it goes on, goes on
+without this rank, which must not look like a finished run to its script.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from elche.core.errors import RankExcluded
+from elche.runtime.launched import _other_rank_result
+
+
+class SilentBoard:
+    """Rank 0's result board, out of reach: nothing comes."""
+
+    def __init__(self) -> None:
+        self.left = False
+
+    def read(self, timeout_s: float) -> None:
+        return None
+
+    def leave(self) -> None:
+        self.left = True
+
+
+class SharingBoard(SilentBoard):
+    def read(self, timeout_s: float) -> dict[str, object]:  # type: ignore[override]
+        return {"summary": {"outcome": "saved_and_shutdown"}, "epochs": []}
+
+
+def test_a_rank_that_lost_its_coordinator_and_hears_nothing_from_rank_0_is_excluded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RANK", "2")
+    state = {"w": torch.zeros(1)}
+    lost = {"stopped": "coordinator lost: no word from the coordinator for 10 s"}
+    with pytest.raises(RankExcluded) as info:
+        _other_rank_result(lost, state, SilentBoard(), tmp_path)  # type: ignore[arg-type]
+    assert info.value.rank == 2
+    assert "lost the coordinator (no word from the coordinator for 10 s)" in str(info.value)
+    # rank 0 salvaged the run (the coordinator could not be restarted): its summary holds
+    shared = _other_rank_result(lost, state, SharingBoard(), tmp_path)  # type: ignore[arg-type]
+    assert shared.summary == {"outcome": "saved_and_shutdown"}
+    # a rank that finished, whose rank 0 shared nothing: its model, no summary, as before
+    done = _other_rank_result({"stopped": "done"}, state, SilentBoard(), tmp_path)  # type: ignore[arg-type]
+    assert done.summary == {} and done.state_dict is state
