@@ -1,0 +1,84 @@
+"""A fourth host joins a three-host run under torchrun (issue 14 item 4, across hosts).
+
+Three namespace hosts run the same script under torchrun (static rendezvous,
+one rank each, private /tmp each); a fourth host starts it with ``elche
+join`` and the run's join line (address, store port, the secret from the
+file on rank 0's host). The run's ranks hold at epoch 2's start until the
+joiner is in (``HOLD_AT``); the joiner then trains a share of the last
+epochs over the network, through the coordinator's group store on rank 0's
+host, and the run completes with every sample trained once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elche.testing.hosts import Rig
+from tests.hosts.test_lost_host import SCRIPT, records, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+EPOCHS = 4
+HOLD_FILE = "/tmp/joined"  # on each host's own /tmp
+JOIN_LINE = re.compile(
+    r"elche: join with ELCHE_SECRET=\$\(cat (?P<secret>\S+)\) elche join (?P<address>tcp://\S+) "
+    r"--store-port (?P<port>\d+) "
+)
+
+
+def test_a_fourth_host_joins_a_torchrun_run_across_hosts() -> None:
+    with Rig(4) as rig:
+        port = rig.free_port(0)
+        logs = [rig.tmp(i) / "run.log" for i in range(4)]
+        for i in range(3):
+            with logs[i].open("w") as log:
+                rig.spawn(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "3",
+                              "--nproc-per-node", "1", "--node-rank", str(i),
+                              "--master-addr", "h0", "--master-port", str(port),
+                              str(SCRIPT), str(EPOCHS)],
+                          env={"HOLD_AT": f"2:{HOLD_FILE}"}, stdout=log,
+                          stderr=subprocess.STDOUT)  # fmt: skip
+        line = wait_for("the join line", lambda: JOIN_LINE.search(logs[0].read_text()))
+        assert not line["address"].startswith("tcp://127."), line[0]  # reachable from h3
+        secret = (rig.tmp(0) / Path(line["secret"]).relative_to("/tmp")).read_text()
+        with logs[3].open("w") as log:
+            joiner = rig.spawn(3, [sys.executable, "-m", "elche.cli", "join", line["address"],
+                                   "--store-port", line["port"], "--speed", "0.2", str(SCRIPT),
+                                   str(EPOCHS)],
+                               env={"ELCHE_SECRET": secret}, stdout=log,
+                               stderr=subprocess.STDOUT)  # fmt: skip
+        path = next(rig.tmp(0).glob("elche-run-*/timeline.jsonl"))
+        joined_line = '"kind":"RankJoined","rank":3,'
+        wait_for("rank 3 joined", lambda: joined_line in path.read_text() or None)
+        for i in range(3):
+            (rig.tmp(i) / Path(HOLD_FILE).name).touch()  # the run's ranks go on
+        assert joiner.wait(timeout=180) == 0, logs[3].read_text()[-3000:]
+
+        def returned() -> list[str] | None:
+            texts = [logs[i].read_text() for i in range(3)]
+            return texts if all("RETURNED" in t for t in texts) else None
+
+        texts = wait_for("the run's ranks to return", returned)
+        joined_text = logs[3].read_text()
+        events = records(path)
+    lines = [x for t in texts for x in t.splitlines() if x.startswith("SUMMARY ")]
+    assert len(lines) == 3 and len(set(lines)) == 1  # one result on every host
+    summary = json.loads(lines[0].removeprefix("SUMMARY "))
+    assert summary["outcome"] == "completed", summary
+    assert summary["joined_ranks"] == [3]
+    assert summary["lost_samples"] == 0
+    assert summary["epochs_completed"] == EPOCHS
+    rows = {row["rank"]: row for row in summary["per_rank"]}
+    assert sorted(rows) == [0, 1, 2, 3]
+    # The joiner trained part of the epochs after it joined; every sample once.
+    assert 0 < rows[3]["samples"] <= (EPOCHS - 2) * 1437
+    assert sum(row["samples"] for row in rows.values()) == EPOCHS * 1437
+    joined = next(e for e in events if e.get("kind") == "RankJoined" and e.get("rank") == 3)
+    assert joined["host"] == "h3"  # from its own host, by name
+    assert "RETURNED joined" in joined_text, joined_text[-3000:]
