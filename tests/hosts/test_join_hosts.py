@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from elche.testing.hosts import Rig
-from tests.hosts.test_lost_host import SCRIPT, records, wait_for
+from tests.hosts.test_lost_host import SCRIPT, records, rendezvous, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -39,8 +39,7 @@ def test_a_fourth_host_joins_a_torchrun_run_across_hosts() -> None:
         for i in range(3):
             with logs[i].open("w") as log:
                 rig.spawn(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "3",
-                              "--nproc-per-node", "1", "--node-rank", str(i),
-                              "--master-addr", "h0", "--master-port", str(port),
+                              "--nproc-per-node", "1", *rendezvous("static", i, port),
                               str(SCRIPT), str(EPOCHS)],
                           env={"HOLD_AT": f"2:{HOLD_FILE}"}, stdout=log,
                           stderr=subprocess.STDOUT)  # fmt: skip

@@ -1,11 +1,11 @@
 """Three hosts with private /tmp each, one rank per host under torchrun (issue 14 item 3).
 
-Two real runs, each shared by several assertions:
+Three real runs, each shared by several assertions:
 
-- c10d rendezvous (so rank 0 may land on any host): every process of a host
-  that is neither the rendezvous endpoint's nor rank 0's is SIGKILLed after
-  the first epoch, and the run on the other two hosts completes without
-  losing a sample;
+- c10d rendezvous (so rank 0 may land on any host), then static rendezvous
+  (``--master-addr``): every process of a host that is neither the
+  rendezvous endpoint's nor rank 0's is SIGKILLed after the first epoch, and
+  the run on the other two hosts completes without losing a sample;
 - static rendezvous (``--master-addr``): a host is cut off (no traffic either
   way) after the first epoch until it is declared lost, then let back; the run
   completes without it, and its rank, refused, raises ``elche.RankExcluded``.
@@ -50,15 +50,23 @@ def records(timeline: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in lines if line.endswith("}")]
 
 
-def test_a_lost_host_is_survived_under_torchrun_c10d_with_no_shared_storage() -> None:
+def rendezvous(kind: str, host: int, port: int) -> list[str]:
+    """torchrun's arguments on ``host`` for rendezvous ``kind`` at h0's ``port``."""
+    if kind == "static":  # node rank i is rank i: rank 0 on h0, with torchrun's store
+        return ["--node-rank", str(host), "--master-addr", "h0", "--master-port", str(port)]
+    # c10d: any host may get rank 0; the endpoint's store is on h0
+    return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"h0:{port}", "--rdzv-id", "lost"]
+
+
+@pytest.mark.parametrize("kind", ["c10d", "static"])
+def test_a_lost_host_is_survived_under_torchrun_with_no_shared_storage(kind: str) -> None:
     with Rig(3) as rig:
         port = rig.free_port(0)
         logs = [rig.tmp(i) / "torchrun.log" for i in range(3)]
         for i in range(3):
             with logs[i].open("w") as log:
                 rig.spawn(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "3",
-                              "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                              "--rdzv-endpoint", f"h0:{port}", "--rdzv-id", "lost-host",
+                              "--nproc-per-node", "1", *rendezvous(kind, i, port),
                               str(SCRIPT), str(EPOCHS)],
                           stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
 
@@ -110,8 +118,7 @@ def test_a_partitioned_host_is_declared_lost_and_refused_when_it_is_back() -> No
         for i in range(3):
             with logs[i].open("w") as log:
                 rig.spawn(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "3",
-                              "--nproc-per-node", "1", "--node-rank", str(i),
-                              "--master-addr", "h0", "--master-port", str(port),
+                              "--nproc-per-node", "1", *rendezvous("static", i, port),
                               str(SCRIPT), str(EPOCHS)],
                           stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
         path = wait_for(
