@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from elche.testing.hosts import Rig
-from tests.hosts.test_lost_host import SCRIPT, records, rendezvous, wait_for
+from tests.hosts.test_lost_host import SCRIPT, records, start_torchrun, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -34,15 +34,8 @@ JOIN_LINE = re.compile(
 
 def test_a_fourth_host_joins_a_torchrun_run_across_hosts() -> None:
     with Rig(4) as rig:
-        port = rig.free_port(0)
-        logs = [rig.tmp(i) / "run.log" for i in range(4)]
-        for i in range(3):
-            with logs[i].open("w") as log:
-                rig.spawn(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "3",
-                              "--nproc-per-node", "1", *rendezvous("static", i, port),
-                              str(SCRIPT), str(EPOCHS)],
-                          env={"HOLD_AT": f"2:{HOLD_FILE}"}, stdout=log,
-                          stderr=subprocess.STDOUT)  # fmt: skip
+        logs = start_torchrun(rig, "static", EPOCHS, env={"HOLD_AT": f"2:{HOLD_FILE}"})
+        logs.append(rig.tmp(3) / "join.log")
         line = wait_for("the join line", lambda: JOIN_LINE.search(logs[0].read_text()))
         assert not line["address"].startswith("tcp://127."), line[0]  # reachable from h3
         secret = (rig.tmp(0) / Path(line["secret"]).relative_to("/tmp")).read_text()

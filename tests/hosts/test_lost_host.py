@@ -58,17 +58,25 @@ def rendezvous(kind: str, host: int, port: int) -> list[str]:
     return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"h0:{port}", "--rdzv-id", "lost"]
 
 
+def start_torchrun(
+    rig: Rig, kind: str, epochs: int, env: dict[str, str] | None = None
+) -> list[Path]:
+    """The script under torchrun on hosts 0-2, one rank each; their logs (on each host)."""
+    port = rig.free_port(0)
+    logs = [rig.tmp(i) / "torchrun.log" for i in range(3)]
+    for i in range(3):
+        with logs[i].open("w") as log:
+            rig.spawn(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "3",
+                          "--nproc-per-node", "1", *rendezvous(kind, i, port),
+                          str(SCRIPT), str(epochs)],
+                      env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    return logs
+
+
 @pytest.mark.parametrize("kind", ["c10d", "static"])
 def test_a_lost_host_is_survived_under_torchrun_with_no_shared_storage(kind: str) -> None:
     with Rig(3) as rig:
-        port = rig.free_port(0)
-        logs = [rig.tmp(i) / "torchrun.log" for i in range(3)]
-        for i in range(3):
-            with logs[i].open("w") as log:
-                rig.spawn(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "3",
-                              "--nproc-per-node", "1", *rendezvous(kind, i, port),
-                              str(SCRIPT), str(EPOCHS)],
-                          stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        logs = start_torchrun(rig, kind, EPOCHS)
 
         def timeline() -> tuple[int, Path] | None:
             for i in range(3):
@@ -113,14 +121,7 @@ def test_a_lost_host_is_survived_under_torchrun_with_no_shared_storage(kind: str
 
 def test_a_partitioned_host_is_declared_lost_and_refused_when_it_is_back() -> None:
     with Rig(3) as rig:
-        port = rig.free_port(0)
-        logs = [rig.tmp(i) / "torchrun.log" for i in range(3)]
-        for i in range(3):
-            with logs[i].open("w") as log:
-                rig.spawn(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "3",
-                              "--nproc-per-node", "1", *rendezvous("static", i, port),
-                              str(SCRIPT), str(EPOCHS)],
-                          stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        logs = start_torchrun(rig, "static", EPOCHS)
         path = wait_for(
             "rank 0's timeline",
             lambda: next(iter(rig.tmp(0).glob("elche-run-*/timeline.jsonl")), None),
