@@ -65,6 +65,7 @@ from elche.runtime.frames import (
 # MAX_FRAME_BYTES and Buffer come from ``frames`` and belong to the endpoints'
 # signatures too, so they are exported here as well.
 __all__ = [
+    "LINGER_MS",
     "MAX_FRAME_BYTES",
     "Buffer",
     "CoordinatorEndpoint",
