@@ -248,16 +248,41 @@ class Worker:
         self.group = dist.group.WORLD
         self.owns_group = True
 
-    def _regroup(self, generation: int, members: list[int]) -> None:
-        """A rank died: leave the old group and form a new one with the survivors."""
+    def _regroup(self, generation: int, members: list[int]) -> bool:
+        """A rank died: leave the old group and form a new one with the survivors.
+
+        Returns:
+            False when the group did not form because the coordinator moved on
+            meanwhile (a member it waited for was declared lost too: a newer
+            ``Regroup``, or the save of a run that cannot go on, came while this
+            rank waited ``collective_timeout_s``): the newer order is next.
+
+        Raises:
+            RuntimeError: the group did not form and nothing superseded it.
+        """
         if self.mode.backend is not Backend.COLLECTIVE:
-            return
+            return True
         if self.group is not None:
             with contextlib.suppress(Exception):  # the old group may be broken
                 dist.destroy_process_group()
             self.group = None
-        if len(members) >= 2:
+        if len(members) < 2:
+            return True
+        try:
             self._form_group(generation, members)
+        except RuntimeError as exc:  # torch's DistError (a timeout on the store) is one
+            self._drain()
+            still = r.FormGroup(generation=generation, members=tuple(members))
+            if self.proto.next_action() == still:
+                raise  # still the order: the group cannot form
+            print(
+                f"elche rank {self.spec.rank}: group {generation} of {members} did not form "
+                f"({type(exc).__name__}); the coordinator has moved on",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        return True
 
     def wait_peers_started(self) -> None:
         """Local coordinator modes: wait until every rank process has started.
@@ -328,8 +353,8 @@ class Worker:
                 case r.Save():
                     self._save(action)
                 case r.FormGroup(generation=generation, members=members):
-                    self._regroup(generation, list(members))
-                    proto.regrouped()
+                    if self._regroup(generation, list(members)):
+                        proto.regrouped()
                 case r.Load():
                     self._apply_update(action)
                 case r.Average() | r.Upload():
