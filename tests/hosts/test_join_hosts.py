@@ -38,16 +38,17 @@ def test_a_fourth_host_joins_a_torchrun_run_across_hosts() -> None:
         logs.append(rig.tmp(3) / "join.log")
         line = wait_for("the join line", lambda: JOIN_LINE.search(logs[0].read_text()))
         assert not line["address"].startswith("tcp://127."), line[0]  # reachable from h3
-        secret = (rig.tmp(0) / Path(line["secret"]).relative_to("/tmp")).read_text()
+        run_dir = rig.tmp(0) / Path(line["secret"]).parent.relative_to("/tmp")  # on h0
+        secret = (run_dir / Path(line["secret"]).name).read_text()
         with logs[3].open("w") as log:
             joiner = rig.spawn(3, [sys.executable, "-m", "elche.cli", "join", line["address"],
                                    "--store-port", line["port"], "--speed", "0.2", str(SCRIPT),
                                    str(EPOCHS)],
                                env={"ELCHE_SECRET": secret}, stdout=log,
                                stderr=subprocess.STDOUT)  # fmt: skip
-        path = next(rig.tmp(0).glob("elche-run-*/timeline.jsonl"))
-        joined_line = '"kind":"RankJoined","rank":3,'
-        wait_for("rank 3 joined", lambda: joined_line in path.read_text() or None)
+        path = run_dir / "timeline.jsonl"
+        mark = '"kind":"RankJoined","rank":3,'
+        wait_for("rank 3 joined", lambda: (path.exists() and mark in path.read_text()) or None)
         for i in range(3):
             (rig.tmp(i) / Path(HOLD_FILE).name).touch()  # the run's ranks go on
         assert joiner.wait(timeout=180) == 0, logs[3].read_text()[-3000:]
