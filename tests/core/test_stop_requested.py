@@ -48,3 +48,28 @@ def test_a_run_whose_training_is_over_completes_anyway() -> None:
     assert h.feed(StopRequested(reason="SIGINT")) == []  # writing the final model
     assert of(h.answer_saves(), Finish) == [Finish(outcome="completed")]
     assert h.feed(StopRequested(reason="SIGINT")) == []  # DONE ignores it
+
+
+def test_a_stop_during_an_averaging_round_saves_once_the_round_is_over() -> None:
+    # A rank already inside the round's collective cannot hear a save order until
+    # its peers join it; peers told to save instead never would (chaos run 1:152:
+    # SIGTERM while round 1 was in flight, nothing saved).
+    h = Harness(world_size=2, epochs=3, save_path="/tmp/bundle")
+    h.form()
+    h.train_window()
+    rnd = h.core.round
+    assert rnd.in_flight
+    out = h.feed(StopRequested(reason="SIGTERM"))
+    assert messages(out, m.ShutdownWithSave) == []  # not yet: the round first
+    assert h.core.state is RunState.TRAINING
+    assert [c.text for c in of(out, Notice)] == [  # type: ignore[attr-defined]
+        f"stopping on request once averaging round {rnd.number} ends"
+    ]
+    h.send(0, m.SyncAck(round=rnd.number, steps=h.core.work.steps_since_sync(0)))
+    out = h.send(1, m.SyncAck(round=rnd.number, steps=h.core.work.steps_since_sync(1)))
+    assert h.core.state is RunState.SAVING
+    saves = messages(out, m.ShutdownWithSave)
+    assert [msg.reason for msg in saves] == ["graceful_shutdown"]  # type: ignore[attr-defined]
+    assert of(h.answer_saves(), Finish) == [
+        Finish(outcome="saved_and_shutdown", reason="graceful_shutdown")
+    ]

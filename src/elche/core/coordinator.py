@@ -152,6 +152,7 @@ class Coordinator:
         self._start_epoch = 0
         self._resume = resume
         self._unsatisfied: set[int] = set()
+        self._stop_after_round = False  # asked to stop while a round was in flight
         self._epoch_loss: dict[int, tuple[float, int]] = {}
         self._formation_deadline_s = math.inf
         self._now = 0.0
@@ -220,6 +221,9 @@ class Coordinator:
                 self._stop(reason)
             case _:
                 assert_never(event)
+        if self._stop_after_round and self.state is RunState.TRAINING and not self.round.in_flight:
+            self._stop_after_round = False
+            self._save(SaveReason.GRACEFUL_SHUTDOWN)  # the round it waited for is over
         if self.state is RunState.TRAINING and not self.round.in_flight:
             self.joins.admit_pending()
         if self.state is RunState.TRAINING:
@@ -631,9 +635,19 @@ class Coordinator:
                 self._finish("saved_and_shutdown", reason)
 
     def _stop(self, reason: str) -> None:
-        """Asked to stop: a training run saves; one whose training is over completes."""
+        """Asked to stop: a training run saves; one whose training is over completes.
+
+        A round in flight ends first: a rank already inside its collective
+        cannot hear the save order until its peers join it, and peers told to
+        save instead never would (it would wait out the collective timeout,
+        and the stop would save nothing).
+        """
         if self.state is RunState.FORMING:
             failures.fail(self, f"stopped before the run formed ({reason})")
+        elif self.state is RunState.TRAINING and self.round.in_flight:
+            self._stop_after_round = True
+            number = self.round.number
+            self._notice("info", f"stopping on request once averaging round {number} ends")
         elif self.state is RunState.TRAINING:
             self._save(SaveReason.GRACEFUL_SHUTDOWN)
 
