@@ -175,23 +175,30 @@ def run_chaos(
     seed: int,
     mode: str,
     workdir: Path,
+    first: int = 0,
     bound_s: float = 90.0,
     on_row: Callable[[ChaosRun], None] | None = None,
 ) -> list[ChaosRun]:
-    """Run ``runs`` audited runs; returns one row each (see the module docstring).
+    """Run ``runs`` audited runs, indices ``first`` on; returns one row each (see
+    the module docstring).
 
     ``on_row`` is given each row as its run ends (a long series shows its
-    progress, and what it found survives an interruption).
+    progress, and what it found survives an interruption). Run ``i`` draws
+    its schedule from ``f"{seed}:{i}"`` whatever ``first`` is, so a series
+    split in parts (``first=0, runs=100`` and ``first=100, runs=100``) makes
+    the runs of the whole.
 
     Raises:
-        ConfigError: ``runs`` below 1 (field ``runs``).
+        ConfigError: ``runs`` below 1 (field ``runs``), ``first`` below 0.
     """
     if runs < 1:
         raise ConfigError("runs", f"must be an integer >= 1, got {runs!r}")
+    if first < 0:
+        raise ConfigError("first", f"must be an integer >= 0, got {first!r}")
     _become_subreaper()
     workdir.mkdir(parents=True, exist_ok=True)
     rows = []
-    for index in range(runs):
+    for index in range(first, first + runs):
         plan_seed = f"{seed}:{index}"
         plan = draw_plan(random.Random(plan_seed))
         row = ChaosRun(index=index, seed=plan_seed, plan=plan.to_json())

@@ -17,6 +17,7 @@ import pytest
 
 from elche import chaos
 from elche.cli import main
+from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan, FillSavePath, Kill, KillCoordinator, Stall, StopLauncher
 
 
@@ -36,6 +37,24 @@ def test_a_seed_draws_the_same_schedules_and_never_kills_every_rank() -> None:
     assert {"StopLauncher", "FillSavePath", "KillCoordinator", "Stall"} <= kinds
     points = {f.at_epoch for plan in plans for f in plan.faults}
     assert 0.0 in points and chaos.EPOCHS - 1 / chaos.NUM_SAMPLES in points  # start-up, final
+
+
+def test_a_series_split_in_parts_makes_the_runs_of_the_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[str] = []
+    monkeypatch.setattr(chaos, "_one", lambda row, mode, where, bound_s: made.append(row.seed))
+    monkeypatch.setattr(chaos, "_become_subreaper", lambda: None)
+    whole = chaos.run_chaos(runs=4, seed=7, mode="cadence", workdir=tmp_path / "a")
+    parts = [
+        *chaos.run_chaos(runs=2, seed=7, mode="cadence", workdir=tmp_path / "b"),
+        *chaos.run_chaos(runs=2, seed=7, first=2, mode="cadence", workdir=tmp_path / "c"),
+    ]
+    assert [(r.index, r.seed, r.plan) for r in parts] == [(r.index, r.seed, r.plan) for r in whole]
+    assert made == ["7:0", "7:1", "7:2", "7:3"] * 2
+    with pytest.raises(ConfigError) as info:
+        chaos.run_chaos(runs=1, seed=7, first=-1, mode="cadence", workdir=tmp_path / "d")
+    assert info.value.field == "first"
 
 
 def _record(run_dir: Path, rank: int, *rounds: list[list[int]]) -> None:

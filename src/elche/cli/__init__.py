@@ -407,6 +407,11 @@ def _chaos_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     chaos.add_argument("--runs", type=int, default=10, help="runs to make")
     chaos.add_argument("--seed", type=int, default=0, help="draws every run's schedule")
+    chaos.add_argument(
+        "--first", type=int, default=0,
+        help="the index of the first run (run i draws its schedule from SEED:i): a long "
+        "series split across processes, or resumed where it stopped",
+    )  # fmt: skip
     chaos.add_argument("--mode", choices=[m.value for m in Mode], default="cadence")
     chaos.add_argument(
         "--dir", default=None, help="where the runs' files go (default: a new temp directory)"
@@ -425,8 +430,8 @@ def _run_chaos(args: argparse.Namespace) -> int:
         print(json.dumps(chaos.rows_json([row])[0]), flush=True)
 
     rows = chaos.run_chaos(
-        runs=args.runs, seed=args.seed, mode=args.mode, workdir=workdir, bound_s=args.bound,
-        on_row=print_row if args.json else None,
+        runs=args.runs, seed=args.seed, first=args.first, mode=args.mode, workdir=workdir,
+        bound_s=args.bound, on_row=print_row if args.json else None,
     )  # fmt: skip
     if not args.json:
         chaos.print_table(rows, workdir)
