@@ -1,4 +1,5 @@
-"""A fourth host joins a three-host run under torchrun (issue 14 item 4, across hosts).
+"""A fourth host joins a three-host run under torchrun, then a host is lost (issue 14
+items 3 and 4, across hosts, static rendezvous).
 
 Three namespace hosts run the same script under torchrun (static rendezvous,
 one rank each, private /tmp each); a fourth host starts it with ``elche
@@ -6,7 +7,9 @@ join`` and the run's join line (address, store port, the secret from the
 file on rank 0's host). The run's ranks hold at epoch 2's start until the
 joiner is in (``HOLD_AT``); the joiner then trains a share of the last
 epochs over the network, through the coordinator's group store on rank 0's
-host, and the run completes with every sample trained once.
+host. Once epoch 2 is over, every process of host 2 is SIGKILLed: the run
+goes on with ranks 0, 1 and the joiner and completes with every sample
+trained once. (The c10d lost-host run is in ``test_lost_host.py``.)
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from tests.hosts.test_lost_host import SCRIPT, records, start_torchrun, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-EPOCHS = 4
+EPOCHS = 5  # held at 2 for the join; host 2 lost once 2 is over
 HOLD_FILE = "/tmp/joined"  # on each host's own /tmp
 JOIN_LINE = re.compile(
     r"elche: join with ELCHE_SECRET=\$\(cat (?P<secret>\S+)\) elche join (?P<address>tcp://\S+) "
@@ -32,7 +35,7 @@ JOIN_LINE = re.compile(
 )
 
 
-def test_a_fourth_host_joins_a_torchrun_run_across_hosts() -> None:
+def test_a_fourth_host_joins_a_torchrun_run_across_hosts_and_a_lost_host_is_survived() -> None:
     with Rig(4) as rig:
         logs = start_torchrun(rig, "static", EPOCHS, env={"HOLD_AT": f"2:{HOLD_FILE}"})
         logs.append(rig.tmp(3) / "join.log")
@@ -51,20 +54,23 @@ def test_a_fourth_host_joins_a_torchrun_run_across_hosts() -> None:
         wait_for("rank 3 joined", lambda: (path.exists() and mark in path.read_text()) or None)
         for i in range(3):
             (rig.tmp(i) / Path(HOLD_FILE).name).touch()  # the run's ranks go on
+        wait_for("epoch 2's end", lambda: '"kind":"EpochEnd","epoch":2' in path.read_text() or None)
+        assert rig.kill_host(2)  # static rendezvous: node rank 2 is rank 2
         assert joiner.wait(timeout=180) == 0, logs[3].read_text()[-3000:]
 
         def returned() -> list[str] | None:
-            texts = [logs[i].read_text() for i in range(3)]
+            texts = [logs[i].read_text() for i in (0, 1)]
             return texts if all("RETURNED" in t for t in texts) else None
 
         texts = wait_for("the run's ranks to return", returned)
         joined_text = logs[3].read_text()
         events = records(path)
     lines = [x for t in texts for x in t.splitlines() if x.startswith("SUMMARY ")]
-    assert len(lines) == 3 and len(set(lines)) == 1  # one result on every host
+    assert len(lines) == 2 and len(set(lines)) == 1  # one result on every surviving host
     summary = json.loads(lines[0].removeprefix("SUMMARY "))
     assert summary["outcome"] == "completed", summary
     assert summary["joined_ranks"] == [3]
+    assert summary["dead_ranks"] == [2]
     assert summary["lost_samples"] == 0
     assert summary["epochs_completed"] == EPOCHS
     rows = {row["rank"]: row for row in summary["per_rank"]}
