@@ -301,7 +301,7 @@ if __name__ == "__main__":
     try:
         elche.train(
             digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
-            batch_size=32, epochs=8, speeds=[1.0, 0.1, 0.1], heartbeat_timeout_s=2.0,
+            batch_size=32, epochs=8, speeds=[1.0, 0.1], heartbeat_timeout_s=2.0,
             progress=False, save_path=sys.argv[1],
         )
     except KeyboardInterrupt as stop:
@@ -338,7 +338,7 @@ def test_issue12_item12_under_torchrun_a_killed_worker_leaves_a_resumable_bundle
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "3",
+        "2",
         str(script),
     ]
     with session([*args, str(save)], tmp_path) as proc:
@@ -348,8 +348,7 @@ def test_issue12_item12_under_torchrun_a_killed_worker_leaves_a_resumable_bundle
         os.kill(worker, signal.SIGKILL)
         _, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
     assert sorted(line for line in out.splitlines() if line.startswith("INTERRUPTED")) == [
-        "INTERRUPTED 0 143",
-        "INTERRUPTED 2 143",
+        "INTERRUPTED 0 143",  # two ranks: the survivor (the suite's budget)
     ], err[-3000:]
     # The one traceback is the agent's own (ChildFailedError); none from elche.
     assert not re.search(r'File ".*/elche/', err), err[-3000:]
