@@ -41,19 +41,9 @@ def summary_of(output: str, ranks: int = 2) -> dict[str, object]:
     return json.loads(lines[0].removeprefix("SUMMARY "))  # type: ignore[no-any-return]  # JSON
 
 
-# cadence under elche run: the dashboard test below; torchrun: the launcher tests of
-# tests/promises (a rank killed, the coordinator killed), each a plain run's check too.
-def test_elche_run_starts_every_rank_with_the_cpu_backend(tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    done = subprocess.run(
-        [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", str(script), "cpu-cadence"],
-        capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert_completed(summary_of(done.stdout))
-
-
+# elche run with cadence: the dashboard test below; with cpu-cadence and torchrun: the
+# launcher tests of tests/promises (a rank killed, the coordinator killed), each a plain
+# run's check too.
 def assert_completed(summary: dict[str, object]) -> None:
     assert summary["outcome"] == "completed"
     assert summary["world_size"] == 2
