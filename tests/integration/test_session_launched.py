@@ -23,8 +23,8 @@ if __name__ == "__main__":
     optimizer = digits.make_optimizer(model.parameters())
     batches = 0
     with elche.Session(
-        model, optimizer, train_set, batch_size=32, epochs=2, speeds=[1.0, 0.5],
-        speed_base_s=0.004, progress=False,
+        model, optimizer, train_set, batch_size=32, epochs=2, speeds=[1.0, 0.25],
+        speed_base_s=0.02, progress=False,
     ) as session:
         for batch in session:
             x, y = batch
@@ -41,8 +41,9 @@ RANKS = 2
 def run_ranks_by_speed(
     script: Path, text: str, *, timeout_s: float
 ) -> tuple[subprocess.CompletedProcess[str], list[int]]:
-    """``elche run --nproc 2`` of ``text`` (speeds 1 and 0.5: two ranks are enough to be
-    unequal, and a third costs the suite its start-up); every rank printed one ``SUMMARY``
+    """``elche run --nproc 2`` of ``text`` (speeds 1 and 0.25, paced from a 20 ms step so
+    that pacing, not a busy machine's share of CPU, orders them: two ranks are enough to
+    be unequal, and a third costs the suite its start-up); every rank printed one ``SUMMARY``
     line, the same on every rank, of a completed 2-epoch run whose ranks' samples follow
     their speeds. The finished process, and each rank's samples."""
     script.write_text(text)

@@ -128,7 +128,7 @@ class Digits(pl.LightningModule):
 
 if __name__ == "__main__":
     train_set, _ = digits.load_digits_split(seed=0)
-    strategy = elche.lightning.ElcheStrategy(speeds=[1.0, 0.5], speed_base_s=0.004)
+    strategy = elche.lightning.ElcheStrategy(speeds=[1.0, 0.25], speed_base_s=0.02)
     trainer = pl.Trainer(
         strategy=strategy, max_epochs=2, accelerator="cpu", logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
