@@ -110,7 +110,7 @@ def test_a_process_a_run_leaves_behind_is_found_and_ended() -> None:
 @pytest.mark.slow
 def test_issue13_chaos_runs_hold_every_invariant(tmp_path: Path) -> None:
     # Run 1:0 kills rank 1, fills the save path (a tmpfs: root) and kills the
-    # coordinator: the runner's every fault path but the launcher's signals.
+    # coordinator; the series in docs/failure-modes.md draws every other kind.
     done = subprocess.run(
         [sys.executable, "-m", "elche.cli", "chaos", "--runs", "1", "--seed", "1", "--json",
          "--dir", str(tmp_path)],
