@@ -1,11 +1,15 @@
 """Three hosts with private /tmp each, one rank per host under torchrun (issue 14 item 3).
 
-One real run under c10d rendezvous (so rank 0 may land on any host), shared
-by several assertions: every process of a host that is neither the
-rendezvous endpoint's nor rank 0's is SIGKILLed after the first epoch, and
-the run on the other two hosts completes without losing a sample. (A host
-cut off and let back, under static rendezvous, is in ``test_join_hosts.py``,
-after a fourth host joined; the helpers here start both.)
+Two real runs, each shared by several assertions (a host lost under static
+rendezvous is in ``test_join_hosts.py``, after a fourth host joined):
+
+- c10d rendezvous (so rank 0 may land on any host): every process of a host
+  that is neither the rendezvous endpoint's nor rank 0's is SIGKILLed after
+  the first epoch, and the run on the other two hosts completes without
+  losing a sample;
+- static rendezvous (``--master-addr``): a host is cut off (no traffic either
+  way) after the first epoch until it is declared lost, then let back; the run
+  completes without it, and its rank, refused, raises ``elche.RankExcluded``.
 """
 
 from __future__ import annotations
@@ -113,3 +117,48 @@ def test_a_lost_host_is_survived_under_torchrun_c10d_with_no_shared_storage() ->
     assert f"rank{joined[f'h{other}']}.json" in other_files, other_files
     assert "timeline.jsonl" not in other_files
     assert not [name for name in rank0_files | set(other_files) if name.startswith("group-")]
+
+
+def test_a_partitioned_host_is_declared_lost_and_refused_when_it_is_back() -> None:
+    with Rig(3) as rig:
+        logs = start_torchrun(rig, "static", EPOCHS)
+        path = wait_for(
+            "rank 0's timeline",
+            lambda: next(iter(rig.tmp(0).glob("elche-run-*/timeline.jsonl")), None),
+        )
+        wait_for("the first epoch", lambda: "EpochEnd" in path.read_text() or None)
+        rig.partition(2)  # static rendezvous: node rank 2 is rank 2
+        wait_for("rank 2 declared lost", lambda: '"RankLost"' in path.read_text() or None)
+        rig.heal(2)
+        excluded = wait_for("rank 2 refused", lambda: _line(logs[2], "EXCLUDED ") or None)
+
+        def returned() -> list[str] | None:
+            texts = [logs[i].read_text() for i in (0, 1)]
+            return texts if all("RETURNED" in t for t in texts) else None
+
+        texts = wait_for("the survivors to return", returned)
+        events = records(path)
+    lines = [x for t in texts for x in t.splitlines() if x.startswith("SUMMARY ")]
+    summary = json.loads(lines[0].removeprefix("SUMMARY "))
+    assert summary["outcome"] == "completed", summary
+    assert summary["dead_ranks"] == [2]
+    assert summary["lost_samples"] == 0
+    assert summary["epochs_completed"] == EPOCHS
+    # Back on the network, rank 2 is told it was declared lost, or, when TCP's
+    # retransmissions into the dead link (at doubling intervals) bring its
+    # frames back only after its own 10 s without a word, it gives up on the
+    # coordinator; either way it raises, and none of its work counts (below).
+    assert excluded.startswith(
+        ("EXCLUDED 2 declared lost (heartbeat stale", "EXCLUDED 2 lost the coordinator (no word")
+    ), excluded
+    lost = [e for e in events if e.get("kind") == "RankLost"]
+    assert [e["rank"] for e in lost] == [2]
+    # Nothing the refused rank sent when it was back entered the run: every
+    # sample is counted once (1,437 training samples an epoch).
+    end = next(e for e in events if e.get("kind") == "RunEnd")
+    assert sum(end["samples_per_rank"]) == EPOCHS * 1437  # type: ignore[arg-type]
+
+
+def _line(log: Path, prefix: str) -> str:
+    """The first line of ``log`` that starts with ``prefix`` ("" if none yet)."""
+    return next((x for x in log.read_text().splitlines() if x.startswith(prefix)), "")
