@@ -30,9 +30,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     parts = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in xdist's workers
     slow = [item for item in items if item.get_closest_marker("slow")]
     fast = [item for item in items if not item.get_closest_marker("slow")]
+    share = len(fast) // parts
     ordered: list[pytest.Item] = []
     for part in range(parts):
-        share = len(fast) // parts
         end = len(fast) if part == parts - 1 else (part + 1) * share
         ordered += slow[part::parts] + fast[part * share : end]
     items[:] = ordered
