@@ -7,9 +7,14 @@ join`` and the run's join line (address, store port, the secret from the
 file on rank 0's host). The run's ranks hold at epoch 2's start until the
 joiner is in (``HOLD_AT``); the joiner then trains a share of the last
 epochs over the network, through the coordinator's group store on rank 0's
-host. Once epoch 2 is over, every process of host 2 is SIGKILLed: the run
-goes on with ranks 0, 1 and the joiner and completes with every sample
-trained once. (The c10d lost-host run is in ``test_lost_host.py``.)
+host. Once epoch 2 is over, host 1 is cut off the network and every process
+of host 2 is SIGKILLed at once: two ranks are lost within one heartbeat
+check, so the coordinator orders two new generations of the group a moment
+apart, and a survivor may read the first before the second comes
+(``elche.runtime.groups.gather``; the exact interleaving is pinned in
+``tests/runtime/test_membership.py``). The run goes on with rank 0 and the
+joiner and completes with every sample trained once. (The c10d lost-host
+run, with one result on every surviving host, is in ``test_lost_host.py``.)
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ JOIN_LINE = re.compile(
 )
 
 
-def test_a_fourth_host_joins_a_torchrun_run_across_hosts_and_a_lost_host_is_survived() -> None:
+def test_a_fourth_host_joins_a_torchrun_run_across_hosts_and_two_lost_hosts_are_survived() -> None:
     with Rig(4) as rig:
         logs = start_torchrun(rig, "static", EPOCHS, env={"HOLD_AT": f"2:{HOLD_FILE}"})
         logs.append(rig.tmp(3) / "join.log")
@@ -55,22 +60,23 @@ def test_a_fourth_host_joins_a_torchrun_run_across_hosts_and_a_lost_host_is_surv
         for i in range(3):
             (rig.tmp(i) / Path(HOLD_FILE).name).touch()  # the run's ranks go on
         wait_for("epoch 2's end", lambda: '"kind":"EpochEnd","epoch":2' in path.read_text() or None)
-        assert rig.kill_host(2)  # static rendezvous: node rank 2 is rank 2
+        rig.partition(1)  # static rendezvous: node rank r is rank r
+        assert rig.kill_host(2)
         assert joiner.wait(timeout=180) == 0, logs[3].read_text()[-3000:]
 
-        def returned() -> list[str] | None:
-            texts = [logs[i].read_text() for i in (0, 1)]
-            return texts if all("RETURNED" in t for t in texts) else None
+        def returned() -> str | None:
+            text = logs[0].read_text()
+            return text if "RETURNED" in text else None
 
-        texts = wait_for("the run's ranks to return", returned)
+        text = wait_for("rank 0 to return", returned)
         joined_text = logs[3].read_text()
         events = records(path)
-    lines = [x for t in texts for x in t.splitlines() if x.startswith("SUMMARY ")]
-    assert len(lines) == 2 and len(set(lines)) == 1  # one result on every surviving host
+    lines = [x for x in text.splitlines() if x.startswith("SUMMARY ")]
+    assert len(lines) == 1, text[-3000:]
     summary = json.loads(lines[0].removeprefix("SUMMARY "))
     assert summary["outcome"] == "completed", summary
     assert summary["joined_ranks"] == [3]
-    assert summary["dead_ranks"] == [2]
+    assert summary["dead_ranks"] == [1, 2]
     assert summary["lost_samples"] == 0
     assert summary["epochs_completed"] == EPOCHS
     rows = {row["rank"]: row for row in summary["per_rank"]}

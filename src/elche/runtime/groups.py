@@ -15,6 +15,16 @@ backlog. Generation ``g`` of the group (the first one, and the one formed
 after each ``Regroup``) rendezvous under the prefix ``group-g`` of the
 store (``generation_store``), so the keys of an abandoned generation never
 meet those of the next.
+
+A generation after the first forms in two steps. Each member first marks
+itself arrived and waits until every member has (``gather``), watching for
+a newer order meanwhile; only then does it enter torch's rendezvous, which
+cannot be left before its timeout. Two ranks lost within one heartbeat
+check make the coordinator order two generations a moment apart: a
+survivor that read the first order gathers for it, sees the second one
+come, and leaves at once for the generation its peers are gathering in,
+where a survivor blocked in the first generation's rendezvous would have
+kept them waiting until every one of them timed out.
 """
 
 from __future__ import annotations
@@ -22,6 +32,8 @@ from __future__ import annotations
 import socket
 import sys
 import threading
+import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -33,6 +45,7 @@ __all__ = [
     "GROUPS_PORT_ENV",
     "GroupStoreServer",
     "connect",
+    "gather",
     "generation_store",
     "listen",
     "parse_address_line",
@@ -46,6 +59,9 @@ GROUPS_PORT_ENV = "ELCHE_GROUPS_PORT"
 
 # How long the store server waits on a client's request before dropping it.
 SERVER_TIMEOUT_S = 300.0
+
+ARRIVED = "arrived/"  # + a member's rank: it has come to gather for its generation
+GATHER_POLL_S = 0.05  # how often a gathering member looks at the store
 
 
 def store_host(address: str) -> str:
@@ -131,3 +147,41 @@ def generation_store(client: Store, generation: int) -> Store:
     from torch._C._distributed_c10d import PrefixStore
 
     return PrefixStore(f"group-{generation}", client)
+
+
+def gather(
+    store: Store,
+    rank: int,
+    members: Sequence[int],
+    *,
+    timeout_s: float,
+    superseded: Callable[[float], bool],
+) -> bool:
+    """Mark ``rank`` arrived in a generation's ``store`` and wait until all ``members`` have.
+
+    ``superseded(wait_s)`` waits up to ``wait_s`` for news and says whether
+    this generation was ordered away meanwhile (a newer one, or the save of a
+    run that cannot go on); the gathering then ends at once. A member may
+    come late by up to ``timeout_s``, the time a peer can spend blocked in
+    the rendezvous of a generation superseded after everyone gathered for
+    it; the wait is therefore twice that (the coordinator orders a newer
+    generation, which ends it sooner, when a member is lost).
+
+    Returns:
+        True when every member arrived, False when superseded.
+
+    Raises:
+        RuntimeError: members did not arrive in ``2 * timeout_s``, naming them.
+    """
+    store.set(f"{ARRIVED}{rank}", "1")
+    keys = [f"{ARRIVED}{member}" for member in members]
+    deadline = time.monotonic() + 2 * timeout_s
+    while not store.check(keys):
+        if superseded(GATHER_POLL_S):
+            return False
+        if time.monotonic() > deadline:
+            missing = [m for m, key in zip(members, keys, strict=True) if not store.check([key])]
+            raise RuntimeError(
+                f"rank(s) {missing} did not come to form the group in {2 * timeout_s:.0f} s"
+            )
+    return True

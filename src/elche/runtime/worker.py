@@ -22,7 +22,6 @@ step, ``FailCheckpoint`` makes every later checkpoint report an error.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -33,7 +32,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, BinaryIO, assert_never
 
@@ -41,7 +39,6 @@ import msgspec
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._C._distributed_c10d import Store
 
 from elche.core import messages as m
 from elche.core import rank as r
@@ -63,7 +60,7 @@ from elche.core.faults import (
 from elche.core.progress import Progress
 from elche.core.rank import RankProtocol
 from elche.monitor.summary import rank_report_file, rank_spans_file
-from elche.runtime import bundle, groups, salvage
+from elche.runtime import bundle, salvage
 from elche.runtime.averaging import load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
 from elche.runtime.consensus import Consensus, start_from_rank0
@@ -71,6 +68,7 @@ from elche.runtime.current import providing
 from elche.runtime.data import to_device
 from elche.runtime.filling import fill_file_system
 from elche.runtime.loading import Loader, StepPlan
+from elche.runtime.membership import Membership
 from elche.runtime.options import TrainOptions
 from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.resume import load_bundle
@@ -190,7 +188,9 @@ class Worker:
         self.reported_s = time.monotonic()
         self._update_payload: Sequence[bytes | memoryview] = ()
         self.snapshot: tuple[Layout, list[memoryview]] | None = None  # the upload in flight
-        self.group: dist.ProcessGroup | None = None
+        self.membership = Membership(
+            spec.rank, spec.address, spec.group_port, spec.collective_timeout_s
+        )
         self.pacer: Pacer | None = None
         self.busy_s = 0.0
         self.step_s = 0.0  # training steps (loop + batch fetch + step + injected wait)
@@ -200,8 +200,6 @@ class Worker:
         self.last_loss: float | None = None
         self._perms: dict[int, Sequence[int]] = {}
         self.bridge: Bridge | None = None
-        self.owns_group = True
-        self._groups: Store | None = None  # the client of the group store, once formed
         self._faults = [f for f in spec.faults if not f.from_start]  # not fired yet
         self._fail_checkpoint = any(f.from_start for f in spec.faults)
         self._loop_started_s = time.monotonic()  # reset when run() begins (at_s counts from it)
@@ -225,64 +223,56 @@ class Worker:
         """
         if self.mode.backend is not Backend.COLLECTIVE or self.spec.world_size < 2:
             return
-        if dist.is_initialized():
-            self.group = dist.group.WORLD
-            self.owns_group = False
-            return
-        self._form_group(0, list(range(self.spec.world_size)))
-
-    def _form_group(self, generation: int, members: list[int]) -> None:
-        """Join generation ``generation`` of the gloo group (rendezvous at the coordinator)."""
-        spec = self.spec
-        if spec.group_port is None:
-            raise RuntimeError("a collective group needs the coordinator's group store port")
-        if self._groups is None:
-            self._groups = groups.connect(spec.address, spec.group_port, spec.collective_timeout_s)
-        dist.init_process_group(
-            "gloo",
-            store=groups.generation_store(self._groups, generation),
-            rank=members.index(self.spec.rank),
-            world_size=len(members),
-            timeout=timedelta(seconds=self.spec.collective_timeout_s),
-        )
-        self.group = dist.group.WORLD
-        self.owns_group = True
+        self.membership.join_first(self.spec.world_size)
 
     def _regroup(self, generation: int, members: list[int]) -> bool:
         """A rank died: leave the old group and form a new one with the survivors.
 
         Returns:
             False when the group did not form because the coordinator moved on
-            meanwhile (a member it waited for was declared lost too: a newer
-            ``Regroup``, or the save of a run that cannot go on, came while this
-            rank waited ``collective_timeout_s``): the newer order is next.
+            meanwhile (a member was declared lost too: a newer ``Regroup``, or
+            the save of a run that cannot go on, came while this rank gathered
+            with its peers or waited ``collective_timeout_s`` in the
+            rendezvous): the newer order is next.
 
         Raises:
             RuntimeError: the group did not form and nothing superseded it.
         """
         if self.mode.backend is not Backend.COLLECTIVE:
             return True
-        if self.group is not None:
-            with contextlib.suppress(Exception):  # the old group may be broken
-                dist.destroy_process_group()
-            self.group = None
+        self.membership.leave()
         if len(members) < 2:
             return True
+        still = r.FormGroup(generation=generation, members=tuple(members))
+        why = "a newer order came while its members gathered"
         try:
-            self._form_group(generation, members)
+            formed = self.membership.form(generation, members, superseded=self._superseded(still))
         except RuntimeError as exc:  # torch's DistError (a timeout on the store) is one
             self._drain()
-            still = r.FormGroup(generation=generation, members=tuple(members))
             if self.proto.next_action() == still:
                 raise  # still the order: the group cannot form
+            formed, why = False, type(exc).__name__
+        if not formed:
             print(
                 f"elche rank {self.spec.rank}: group {generation} of {members} did not form "
-                f"({type(exc).__name__}); the coordinator has moved on",
+                f"({why}); the coordinator has moved on",
                 file=sys.stderr,
                 flush=True,
             )
-            return False
-        return True
+        return formed
+
+    def _superseded(self, order: r.FormGroup) -> Callable[[float], bool]:
+        """``groups.gather``'s look at the news: whether ``order`` still stands."""
+
+        def superseded(wait_s: float) -> bool:
+            assert self.bridge is not None
+            if (item := self.bridge.get(wait_s)) is not None:
+                self._handle(item)
+                self._drain()
+            # a restarted coordinator (Rejoin) serves a new store: gather there
+            return self.membership.store_lost or self.proto.next_action() != order
+
+        return superseded
 
     def wait_peers_started(self) -> None:
         """Local coordinator modes: wait until every rank process has started.
@@ -394,7 +384,7 @@ class Worker:
     def _rejoin(self) -> None:
         """A coordinator restarted from the journal: say Hello again with what the model holds."""
         self.unreported.clear()  # the Hello's ``held`` says it all
-        self._groups = None  # the lost coordinator's group store went with it: reconnect
+        self.membership.forget_store()  # the lost coordinator's store went with it
         hello = self.proto.rejoin(
             world_size=self.spec.world_size, host=os.uname().nodename, pid=os.getpid()
         )
@@ -569,7 +559,8 @@ class Worker:
             self.snapshot = (layout, frames)
             self._send(self.proto.uploaded(), [msgspec.msgpack.encode(layout), *frames])
             return
-        if self.group is None:  # a world of one
+        group = self.membership.group
+        if group is None:  # a world of one
             ack = self.proto.averaged()
             self._record_spans()  # the average is in the model: before the coordinator hears
             self._send(ack)
@@ -577,7 +568,7 @@ class Worker:
         started = time.perf_counter()
         try:
             div, pre, post = average_over(
-                self.wire, self.model, action.steps, gamma=self.spec.gamma, group=self.group
+                self.wire, self.model, action.steps, gamma=self.spec.gamma, group=group
             )
         except RuntimeError as exc:
             # A peer vanished mid-collective. The model is unchanged; the
@@ -753,7 +744,8 @@ def train_rank(
     fingerprint = None
     if not spec.joining:  # a joiner forms the group of its first Regroup, at the next round
         worker.join_group()  # collective modes: the rendezvous, so every peer has started
-        fingerprint = start_from_rank0(worker.model, worker.group)  # (collective) rank 0's
+        group = worker.membership.group
+        fingerprint = start_from_rank0(worker.model, group)  # (collective) rank 0's
         worker.wait_peers_started()  # the same, for coordinator modes
     first = min(batch_size, len(fns.dataset))  # the dataset, collate and step_fn:
     with providing(worker.progress):  # the user's code may ask for it (and lr_schedule does)
@@ -768,8 +760,7 @@ def train_rank(
     finally:
         assert worker.bridge is not None
         worker.bridge.close()
-        if worker.group is not None and worker.owns_group:
-            dist.destroy_process_group()
+        worker.membership.close()
     report = worker.report()
     report["last_loss"] = worker.last_loss
     rank_report_file(Path(spec.run_dir), spec.rank).write_text(json.dumps(report))

@@ -1,0 +1,106 @@
+"""A collective rank's place in the run's gloo group, one generation after another.
+
+Theory of operation. Without a launcher, generation 0 of the group forms
+at the start over the coordinator's group store (``elche.runtime.groups``);
+under one (``torchrun``, ``elche run``) the launcher's default group is
+generation 0 and is used as is. After a rank is lost the coordinator orders
+the survivors into a new generation: each leaves the old group (which may be
+broken), gathers with the new members and forms the new group. A restarted
+coordinator serves a new store, so the client is dropped (``forget_store``)
+and reconnected at the next formation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from elche.runtime import groups
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+__all__ = ["Membership"]
+
+
+class Membership:
+    """The group of rank ``rank``, formed at the store of coordinator ``address``."""
+
+    def __init__(self, rank: int, address: str, port: int | None, timeout_s: float) -> None:
+        self.rank = rank
+        self.address = address
+        self.port = port
+        self.timeout_s = timeout_s
+        self.group: dist.ProcessGroup | None = None
+        self.owns_group = True  # False: the launcher's default group, not ours to destroy
+        self._store: Store | None = None  # the client of the group store, once formed
+
+    @property
+    def store_lost(self) -> bool:
+        """Whether the store client was dropped (the coordinator restarted)."""
+        return self._store is None
+
+    def forget_store(self) -> None:
+        """The coordinator restarted: its store went with it; reconnect at the next formation."""
+        self._store = None
+
+    def join_first(self, world_size: int) -> None:
+        """Form generation 0 of ``world_size`` ranks, or take the launcher's default group."""
+        if dist.is_initialized():
+            self.group = dist.group.WORLD
+            self.owns_group = False
+            return
+        self.form(0, list(range(world_size)))
+
+    def form(
+        self,
+        generation: int,
+        members: list[int],
+        *,
+        superseded: Callable[[float], bool] | None = None,
+    ) -> bool:
+        """Join generation ``generation`` of the group made of ``members``.
+
+        With ``superseded`` the members gather first (``groups.gather``).
+
+        Returns:
+            False when the generation was superseded while its members gathered.
+
+        Raises:
+            RuntimeError: no store port, or the group did not form in time.
+        """
+        if self.port is None:
+            raise RuntimeError("a collective group needs the coordinator's group store port")
+        if self._store is None:
+            self._store = groups.connect(self.address, self.port, self.timeout_s)
+        store = groups.generation_store(self._store, generation)
+        if superseded is not None and not groups.gather(
+            store, self.rank, members, timeout_s=self.timeout_s, superseded=superseded
+        ):
+            return False
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=members.index(self.rank),
+            world_size=len(members),
+            timeout=timedelta(seconds=self.timeout_s),
+        )
+        self.group = dist.group.WORLD
+        self.owns_group = True
+        return True
+
+    def leave(self) -> None:
+        """Leave the current group before forming the next one."""
+        if self.group is not None:
+            with contextlib.suppress(Exception):  # the old group may be broken
+                dist.destroy_process_group()
+            self.group = None
+
+    def close(self) -> None:
+        """At the end of training: destroy the group if this rank formed it."""
+        if self.group is not None and self.owns_group:
+            dist.destroy_process_group()

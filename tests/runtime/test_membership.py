@@ -1,0 +1,110 @@
+"""Forming a new generation of the group: the members gather first (``groups.gather``).
+
+Two ranks lost within one heartbeat check make the coordinator order two
+generations a moment apart. A survivor that read the first order must not
+block in its rendezvous while its peers form the second: it gathers, sees the
+newer order, and joins them. The two-process test plays that interleaving
+exactly with real processes, a real group store and real gloo groups; before
+the gathering, the first survivor blocked in generation 2's rendezvous for
+the whole timeout and the other timed out in generation 3 alongside it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from elche.runtime import groups
+from elche.runtime.membership import Membership
+
+ADDRESS = "tcp://127.0.0.1:0"  # the host part is what the store's clients use
+TIMEOUT_S = 30.0  # each process's rendezvous timeout: far above what forming takes
+
+
+@pytest.fixture
+def store_port() -> Iterator[int]:
+    server = groups.GroupStoreServer(groups.listen(ADDRESS)).start()
+    yield server.port
+    server.sock.close()
+
+
+def never(wait_s: float) -> bool:
+    time.sleep(wait_s)  # stands in for the bridge's wait for news
+    return False
+
+
+def test_gathering_ends_when_every_member_has_arrived(store_port: int) -> None:
+    client = groups.connect(ADDRESS, store_port, 5.0)
+    store = groups.generation_store(client, 4)
+    store.set(groups.ARRIVED + "1", "1")
+    assert groups.gather(store, 0, [0, 1], timeout_s=5.0, superseded=never)
+    assert store.check([groups.ARRIVED + "0"])  # what the other member waits for
+
+
+def test_gathering_ends_at_once_when_superseded(store_port: int) -> None:
+    client = groups.connect(ADDRESS, store_port, 5.0)
+    store = groups.generation_store(client, 2)
+    asked: list[float] = []
+
+    def newer_order(wait_s: float) -> bool:
+        asked.append(wait_s)
+        return True
+
+    assert not groups.gather(store, 0, [0, 1, 2], timeout_s=5.0, superseded=newer_order)
+    assert asked == [groups.GATHER_POLL_S]
+
+
+def test_a_member_that_never_comes_is_named_after_twice_the_timeout(store_port: int) -> None:
+    client = groups.connect(ADDRESS, store_port, 5.0)
+    store = groups.generation_store(client, 2)
+    store.set(groups.ARRIVED + "3", "1")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[2\] did not come"):
+        groups.gather(store, 0, [0, 2, 3], timeout_s=0.1, superseded=never)
+    assert time.monotonic() - started >= 0.2
+
+
+def _survivor(rank: int, port: int, results: Any) -> None:
+    """Rank 0 read generation 2 first; rank 1 (which joined meanwhile) only generation 3."""
+    membership = Membership(rank, ADDRESS, port, TIMEOUT_S)
+    client = groups.connect(ADDRESS, port, TIMEOUT_S)
+    third = groups.generation_store(client, 3)
+    outcomes = []
+    if rank == 0:
+
+        def newer_order(wait_s: float) -> bool:  # generation 3 was ordered: its member is there
+            time.sleep(wait_s)
+            return bool(third.check([groups.ARRIVED + "1"]))
+
+        outcomes.append(membership.form(2, [0, 1, 2], superseded=newer_order))
+    outcomes.append(membership.form(3, [0, 1], superseded=never))
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total, group=membership.group)
+    membership.close()
+    results.put((rank, outcomes, float(total)))
+
+
+def test_a_survivor_of_a_superseded_generation_joins_the_newer_one_at_once(
+    store_port: int,
+) -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_survivor, args=(rank, store_port, results)) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        got = dict((rank, (outcomes, total)) for rank, outcomes, total in (
+            results.get(timeout=TIMEOUT_S) for _ in procs
+        ))  # fmt: skip
+    finally:
+        for proc in procs:
+            proc.join(timeout=TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+    assert got == {0: ([False, True], 2.0), 1: ([True], 2.0)}
+    assert [proc.exitcode for proc in procs] == [0, 0]
