@@ -57,6 +57,7 @@ def test_tiny_bench_writes_json_report_and_charts(
         assert 0.0 <= row["eval"] <= 1.0
         assert row["lost_samples"] == 0
         assert len(row["per_epoch"]) == 1
+        assert all(0.0 <= e["eval"] <= 1.0 for e in row["per_epoch"])  # evaluated after the clock
         assert row["speed_base_s"] == rows[0]["speed_base_s"] > 0  # one value, every system
         assert row["capacity_samples_per_s"] == rows[0]["capacity_samples_per_s"] > 0
         assert row["of_capacity"] > 0

@@ -10,10 +10,12 @@ per-rank batch size and speed injection. Odd repeats reverse the system
 order. After the repeats, the headline cell (``Suite.seed_jobs``) runs once
 on each extra seed, with that seed's split and shuffle.
 
-Every system evaluates after every epoch, for the time to a target eval:
-elche and solo through ``eval_fn`` with ``eval_every=1`` (on elche's eval
-role, inside its clock, as a user would run it); the baselines copy rank 0's
-weights at each epoch end and evaluate the copies after their clock.
+Every system evaluates after every epoch, for the time to a target eval,
+and every one after its clock: the baselines copy rank 0's weights at each
+epoch end; elche and solo run ``eval_fn`` with ``eval_every=1`` as a user
+would, and the bench's ``eval_fn`` is ``KeepWeights``, which copies the
+model it is given on elche's eval role (``bench.kept_weights``). The
+copies are evaluated once the run is over.
 
 Speed injection is shared, not just alike: the solo step time ``base`` that
 a paced rank's wait is made of is measured once per workload, here, before
@@ -72,6 +74,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elche.bench.capacity import measure_capacity
+from elche.bench.kept_weights import KeepWeights, evaluate_kept
 from elche.bench.suites import (
     DDP,
     SOLO,
@@ -392,12 +395,14 @@ def _solo(workload: Workload, plan: WorkloadPlan, seed: int, split: Split) -> Ru
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank process runs (honest efficiency denominator)
     try:
-        result = train(
-            workload.make_model, workload.make_optimizer, step, split[0],
-            batch_size=plan.batch_size, epochs=plan.epochs, ranks=1, speeds=[1.0], seed=seed,
-            eval_fn=workload.eval_fn, eval_dataset=split[1], eval_every=1,
-            metrics_fn=on_epoch, progress=False,
-        )  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix="elche-bench-kept-") as kept:
+            result = train(
+                workload.make_model, workload.make_optimizer, step, split[0],
+                batch_size=plan.batch_size, epochs=plan.epochs, ranks=1, speeds=[1.0], seed=seed,
+                eval_fn=KeepWeights(kept), eval_dataset=split[1], eval_every=1,
+                metrics_fn=on_epoch, progress=False,
+            )  # fmt: skip
+            evals = evaluate_kept(plan.name, Path(kept), split[1])
         model = workload.make_model("cpu")
         model.load_state_dict(result.state_dict)
         metric = workload.eval_fn(model, split[1])
@@ -415,10 +420,13 @@ def _solo(workload: Workload, plan: WorkloadPlan, seed: int, split: Split) -> Ru
         "eval": metric,
         "syncs": 0,
         "lost_samples": 0,
-        "per_epoch": [
-            {"epoch": e, "t": round(t - t0, 4), "loss": loss, "eval": metric}
-            for e, (t, loss, metric) in enumerate(epoch_ends)
-        ],
+        "per_epoch": _kept_evals(
+            [
+                {"epoch": e, "t": round(t - t0, 4), "loss": loss, "eval": kept}
+                for e, (t, loss, kept) in enumerate(epoch_ends)
+            ],
+            evals,
+        ),
         "per_rank": [{"rank": 0, "speed": 1.0, "samples": samples, "busy_s": summary["wall_s"]}],
     }
 
@@ -440,10 +448,12 @@ def _elche(
 
     watching = watched_dashboard() if dashboard else contextlib.nullcontext(None)
     with tempfile.TemporaryDirectory(prefix="elche-bench-") as tmp, watching as watch:
+        kept = Path(tmp) / "kept"
+        kept.mkdir()
         result = train(
             workload.make_model, workload.make_optimizer, workload.step_fn, split[0],
             batch_size=plan.batch_size, epochs=plan.epochs, mode=mode, speeds=list(speeds),
-            speed_base_s=speed_base_s, eval_fn=workload.eval_fn, eval_dataset=split[1],
+            speed_base_s=speed_base_s, eval_fn=KeepWeights(str(kept)), eval_dataset=split[1],
             eval_every=1,
             seed=seed, progress=False, run_dir=tmp, wire=wire,
             dashboard=watch.address if isinstance(watch, Watch) else None,
@@ -451,9 +461,29 @@ def _elche(
         run_dir = Path(tmp)
         timeline = read_timeline(run_dir)
         reports = [_read_json(rank_report_file(run_dir, r)) for r in range(len(speeds))]
+        evals = evaluate_kept(plan.name, kept, split[1])
     record = elche_record(mode, dict(result.summary), timeline, reports)
+    record["per_epoch"] = _kept_evals(record["per_epoch"], evals)
+    model = workload.make_model("cpu")
+    model.load_state_dict(result.state_dict)  # the run's final consensus
+    record["eval"] = float(workload.eval_fn(model, split[1]))
     record["dashboard_polls"] = watch.polls if isinstance(watch, Watch) else None
     return record
+
+
+def _kept_evals(per_epoch: list[dict[str, Any]], evals: Sequence[float]) -> list[dict[str, Any]]:
+    """``per_epoch`` with each eval, a kept copy's number (``KeepWeights``), made that copy's eval.
+
+    Raises:
+        ValueError: a number names no kept copy.
+    """
+    for row in per_epoch:
+        if row["eval"] is not None:
+            number = int(row["eval"])
+            if not 0 <= number < len(evals):
+                raise ValueError(f"epoch {row['epoch']}: copy {number} of {len(evals)} kept")
+            row["eval"] = evals[number]
+    return per_epoch
 
 
 def elche_record(
