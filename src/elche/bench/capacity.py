@@ -13,6 +13,14 @@ cores that did not slow each other.
 ``elche bench`` measures it once per workload and rig, before the rig's
 runs, in the same invocation; ``scripts/concurrent_capacity.py`` prints it
 on its own.
+
+A rank's rate is taken in its steady state: over the steps that end in the
+last ``1 - SETTLE`` of the window (the first steps of a fresh process, and
+of ranks that start together, run slower), and the window is at least
+``MIN_SLOW_STEPS`` of the slowest rank's paced steps long. On tiny-gpt
+(57 ms a step; the 0.25 rank's paced step 229 ms) a 3-second window over
+every step read 166 samples/s, below what cadence then trained (184):
+the rig's slowest rank made 10 steps in it, its first ones slow.
 """
 
 from __future__ import annotations
@@ -23,7 +31,10 @@ from dataclasses import asdict, dataclass
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
-__all__ = ["Capacity", "measure_capacity"]
+__all__ = ["Capacity", "measure_capacity", "window_s"]
+
+SETTLE = 1 / 3  # the first third of the window: not counted
+MIN_SLOW_STEPS = 30  # the window holds at least this many of the slowest rank's steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +83,7 @@ def measure_capacity(
     """
     from elche.runtime.launch import rank_context
 
+    seconds = window_s(seconds, speeds, speed_base_s)
     ctx = rank_context()  # elche's fork server, torch loaded, as every system's ranks
     start, out = ctx.Barrier(len(speeds)), ctx.Queue()
     ranks = [
@@ -89,7 +101,7 @@ def measure_capacity(
             rank.join(timeout=10)
             if rank.is_alive():
                 rank.kill()
-    per_step_s = [wall_s / steps for _, steps, wall_s in results]
+    per_step_s = [_steady_step_s(ends, seconds) for _, ends in results]
     delivered = sum(batch_size / s for s in per_step_s)
     nominal = sum(speeds) * batch_size / speed_base_s
     return Capacity(
@@ -99,6 +111,22 @@ def measure_capacity(
         step_ms=tuple(round(1000 * s, 3) for s in per_step_s),
         seconds=seconds,
     )
+
+
+def window_s(seconds: float, speeds: Sequence[float], speed_base_s: float) -> float:
+    """How long the ranks train: ``seconds``, or ``MIN_SLOW_STEPS`` of the slowest rank's steps."""
+    return max(seconds, MIN_SLOW_STEPS * speed_base_s / min(speeds))
+
+
+def _steady_step_s(ends: Sequence[float], seconds: float) -> float:
+    """A rank's seconds per step over the steps that end after the window's first part.
+
+    ``ends``: each step's end, in seconds since the window began.
+    """
+    settled = [t for t in ends if t >= SETTLE * seconds]
+    if len(settled) < 2:  # too few steps to time apart: every step from the start
+        return ends[-1] / len(ends)
+    return (settled[-1] - settled[0]) / (len(settled) - 1)
 
 
 def _rank(job: tuple[str, int, float, float, int, float], start: Barrier, out: Any) -> None:
@@ -119,11 +147,12 @@ def _rank(job: tuple[str, int, float, float, int, float], start: Barrier, out: A
     warm_up(model, workload.step_fn, batch)
     pacer = Pacer(speed, base_s)
     start.wait()
-    began, steps = time.perf_counter(), 0
-    while time.perf_counter() - began < seconds:
+    began = time.perf_counter()
+    ends: list[float] = []
+    while not ends or ends[-1] < seconds:
         optimizer.zero_grad(set_to_none=True)
         workload.step_fn(model, batch).backward()  # type: ignore[no-untyped-call]  # torch stub
         optimizer.step()
         pacer.after_step()
-        steps += 1
-    out.put((index, steps, time.perf_counter() - began))
+        ends.append(time.perf_counter() - began)
+    out.put((index, ends))

@@ -193,18 +193,27 @@ HOSTS = Suite(
 )
 
 
-# The gpt suite: tiny-gpt, a 1 M-parameter transformer whose step is 106-168
-# ms on one core of the busy 2-core machine, too slow for the quick suite's
-# five minutes beside the digits (every system x 3 repeats would be ~45
-# minutes). One epoch (4,096 windows of 64 characters), one repeat; cadence
-# and cpu-cadence each on the fp32 and the bf16 wire, so the wire's effect on
-# held-out bits per character is measured in the same invocation: 15.5
-# minutes at a load of 7-12 on 2 cores.
+# The gpt suite: tiny-gpt, a 1 M-parameter transformer whose step is 62 ms on
+# one core of the quiet 2-core machine (106-168 ms when it is busy): a
+# one-epoch run of every system would take 5-6 minutes on its own, more than
+# the quick suite's five beside the digits. One epoch (4,096 windows of 64
+# characters), one repeat; torch DDP, both torchft peers, cadence and
+# cpu-cadence each on the fp32 and the bf16 wire (the wire's effect on
+# held-out bits per character, in the same invocation), and DDP and cadence
+# again on two more seeds (the spread of the headline).
 GPT = Suite(
     name="gpt",
     workloads=(WorkloadPlan("tiny-gpt", epochs=1, batch_size=8),),
     rigs=((1.0, 0.5, 0.25),),
-    systems=(DDP, "cadence", "cadence" + WIRE_SUFFIX, "cpu-cadence", "cpu-cadence" + WIRE_SUFFIX),
+    systems=(
+        *BASELINES,
+        "cadence",
+        "cadence" + WIRE_SUFFIX,
+        "cpu-cadence",
+        "cpu-cadence" + WIRE_SUFFIX,
+    ),
+    extra_seeds=(1, 2),
+    headline_workload="tiny-gpt",
 )
 
 

@@ -479,7 +479,8 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="quick: digits-cnn (compute-bound) and digits-mlp (communication-bound) on "
         "speeds 1,0.5,0.25, 3 repeats, cadence and DDP on digits-cnn also on seeds 1 and 2; "
         "full: 5 workloads x 4 rigs; gpt: tiny-gpt (a 1M-parameter transformer) one epoch, "
-        "DDP, cadence and cpu-cadence each on the fp32 and bf16 wire; hosts: digits-wide "
+        "DDP, both torchft peers, cadence and cpu-cadence each on the fp32 and bf16 wire, "
+        "DDP and cadence also on seeds 1 and 2; hosts: digits-wide "
         "(1.1 M parameters) on three network-namespace hosts at speeds 1,0.5,0.25, links "
         "shaped to 1000 and 100 Mbit/s, torch DDP against cadence, cpu-cadence and cpu-async "
         "(needs root, ip and unshare) (default: quick)",
