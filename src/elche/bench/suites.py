@@ -146,7 +146,8 @@ class Suite:
 # a multi-rank run pays ~0.5–1.5 s of process start-up and teardown (DDP's
 # spawned ranks paid 4.5 s, 20–40 s on a loaded machine). Three interleaved
 # repeats (the median is reported) made the whole invocation ~3 minutes on
-# the 2-core machine before torchft joined it.
+# the 2-core machine before torchft joined it, 4m49s with both torchft peers
+# (quiet machine, 2026-12-02; 8m29s on a slow evening).
 QUICK = Suite(
     name="quick",
     workloads=(WorkloadPlan("digits-cnn", epochs=15), WorkloadPlan("digits-mlp", epochs=20)),
