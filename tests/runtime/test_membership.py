@@ -26,11 +26,16 @@ ADDRESS = "tcp://127.0.0.1:0"  # the host part is what the store's clients use
 TIMEOUT_S = 30.0  # each process's rendezvous timeout: far above what forming takes
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def store_port() -> Iterator[int]:
+    """One store for the module, each test in generations of its own.
+
+    The store's server owns its listening socket's descriptor (as in the
+    coordinator, it lives as long as the process): closing the socket here
+    as well would close, later, whatever socket then holds that number.
+    """
     server = groups.GroupStoreServer(groups.listen(ADDRESS)).start()
     yield server.port
-    server.sock.close()
 
 
 def never(wait_s: float) -> bool:
@@ -48,7 +53,7 @@ def test_gathering_ends_when_every_member_has_arrived(store_port: int) -> None:
 
 def test_gathering_ends_at_once_when_superseded(store_port: int) -> None:
     client = groups.connect(ADDRESS, store_port, 5.0)
-    store = groups.generation_store(client, 2)
+    store = groups.generation_store(client, 5)
     asked: list[float] = []
 
     def newer_order(wait_s: float) -> bool:
@@ -61,7 +66,7 @@ def test_gathering_ends_at_once_when_superseded(store_port: int) -> None:
 
 def test_a_member_that_never_comes_is_named_after_twice_the_timeout(store_port: int) -> None:
     client = groups.connect(ADDRESS, store_port, 5.0)
-    store = groups.generation_store(client, 2)
+    store = groups.generation_store(client, 6)
     store.set(groups.ARRIVED + "3", "1")
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[2\] did not come"):
