@@ -380,6 +380,7 @@ def _solo(workload: Workload, plan: WorkloadPlan, seed: int, split: Split) -> Ru
     import torch
 
     from elche.api import train
+    from elche.baselines.ddp import eval_snapshots
 
     first_step: list[float] = []
     epoch_ends: list[tuple[float, object, object]] = []
@@ -403,9 +404,7 @@ def _solo(workload: Workload, plan: WorkloadPlan, seed: int, split: Split) -> Ru
                 metrics_fn=on_epoch, progress=False,
             )  # fmt: skip
             evals = evaluate_kept(plan.name, Path(kept), split[1])
-        model = workload.make_model("cpu")
-        model.load_state_dict(result.state_dict)
-        metric = workload.eval_fn(model, split[1])
+        metric = eval_snapshots(plan.name, [result.state_dict], split[1])[0]
     finally:
         torch.set_num_threads(threads)
     summary = result.summary
@@ -444,6 +443,7 @@ def _elche(
     wire: str = "fp32",
 ) -> Run:
     from elche.api import train
+    from elche.baselines.ddp import eval_snapshots
     from elche.bench.watch import Watch, watched_dashboard
 
     watching = watched_dashboard() if dashboard else contextlib.nullcontext(None)
@@ -464,9 +464,7 @@ def _elche(
         evals = evaluate_kept(plan.name, kept, split[1])
     record = elche_record(mode, dict(result.summary), timeline, reports)
     record["per_epoch"] = _kept_evals(record["per_epoch"], evals)
-    model = workload.make_model("cpu")
-    model.load_state_dict(result.state_dict)  # the run's final consensus
-    record["eval"] = float(workload.eval_fn(model, split[1]))
+    record["eval"] = eval_snapshots(plan.name, [result.state_dict], split[1])[0]  # the final
     record["dashboard_polls"] = watch.polls if isinstance(watch, Watch) else None
     return record
 
