@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from elche.baselines.ddp import eval_snapshots, snapshot
 from elche.bench.kept_weights import KeepWeights, evaluate_kept
 from elche.bench.runner import _kept_evals
 from elche.workloads import get as get_workload
@@ -24,8 +25,31 @@ def test_each_kept_copy_is_numbered_and_evaluated_after_the_clock(tmp_path: Path
                 p.mul_(scale)
         assert keep(model, test_set) == number  # nothing evaluated in the clock
         expected.append(work.eval_fn(model, test_set))
-    assert evaluate_kept("digits-ae", tmp_path, test_set) == pytest.approx(expected)
+    kept, final = evaluate_kept("digits-ae", tmp_path, test_set, final=snapshot(model))
+    assert kept == pytest.approx(expected)
+    assert final == pytest.approx(expected[1])
     assert expected[0] != expected[1]
+
+
+def test_a_snapshot_equal_to_the_one_before_is_not_evaluated_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import elche.workloads.digits_ae as module
+
+    work = get_workload("digits-ae")
+    _, test_set = work.load_split(0)
+    model = work.make_model("cpu")
+    calls: list[int] = []
+
+    def counting(m: torch.nn.Module, dataset: object) -> float:
+        calls.append(1)
+        return float(len(calls))
+
+    monkeypatch.setattr(module, "eval_fn", counting)
+    first = snapshot(model)
+    changed = {k: v + 1 if v.is_floating_point() else v for k, v in first.items()}
+    evals = eval_snapshots("digits-ae", [first, snapshot(model), changed, first], test_set)
+    assert evals == [1.0, 1.0, 2.0, 3.0]  # equal neighbours share one pass; not-neighbours do not
 
 
 def test_each_epoch_gets_the_eval_of_the_copy_it_names() -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
 from elche.bench import metrics
+from elche.bench.peers_report import peers_acceptance, peers_section
 from elche.bench.report import acceptance, dashboard_cost, render
 from elche.bench.rows import build_rows
 from elche.bench.suites import (
@@ -82,7 +84,9 @@ def test_time_to_target_eval_is_the_first_epoch_reaching_it_either_way() -> None
 
 def test_spread_over_seeds() -> None:
     got = metrics.spread([0.97, None, 0.95, float("inf"), 0.99])
-    assert got == pytest.approx({"n": 3, "min": 0.95, "max": 0.99, "mean": 0.97, "range": 0.04})
+    assert got == pytest.approx(
+        {"n": 3, "min": 0.95, "max": 0.99, "mean": 0.97, "median": 0.97, "range": 0.04}
+    )
     assert metrics.spread([None]) is None
 
 
@@ -107,12 +111,15 @@ def test_quick_runs_ddp_and_cadence_on_the_issue_rig() -> None:
     assert (1.0, 0.5, 0.25) in QUICK.rigs
     assert {"torch-ddp", "cadence"} <= set(QUICK.systems)
     assert {"torchft-localsgd", "torchft-diloco"} <= set(QUICK.systems)
+    assert [p.name for p in QUICK.workloads] == ["digits-cnn", "digits-mlp", "tiny-gpt"]
     # per repeat and workload: solo + every system on every rig; then the headline
-    # cell (cadence and DDP on digits-cnn) once on each extra seed
+    # cells (cadence and DDP on digits-cnn and tiny-gpt) once on each extra seed
     jobs = QUICK.seed_jobs()
     assert [(seed, p.name, system) for seed, p, system, _ in jobs] == [
         (1, "digits-cnn", "torch-ddp"), (1, "digits-cnn", "cadence"),
+        (1, "tiny-gpt", "torch-ddp"), (1, "tiny-gpt", "cadence"),
         (2, "digits-cnn", "torch-ddp"), (2, "digits-cnn", "cadence"),
+        (2, "tiny-gpt", "torch-ddp"), (2, "tiny-gpt", "cadence"),
     ]  # fmt: skip
     per_repeat = len(QUICK.workloads) * (1 + len(QUICK.systems))
     assert QUICK.num_runs() == QUICK.repeats * per_repeat + len(jobs)
@@ -120,7 +127,11 @@ def test_quick_runs_ddp_and_cadence_on_the_issue_rig() -> None:
 
 def test_every_quick_workload_has_a_target_eval() -> None:
     for plan in QUICK.workloads:
-        assert 0.0 < EVAL_TARGETS[plan.name] < 1.0
+        assert plan.target_eval is not None
+        if plan.name.startswith("digits"):  # accuracy
+            assert 0.0 < plan.target_eval == EVAL_TARGETS[plan.name] < 1.0
+    gpt = next(p for p in QUICK.workloads if p.name == "tiny-gpt")
+    assert gpt.target_eval == gpt.target != EVAL_TARGETS["tiny-gpt"]  # its cut's own target
 
 
 # --- rows and report -----------------------------------------------------------------
@@ -132,7 +143,7 @@ SUITE = Suite(
     systems=("torch-ddp", "cadence"),
     repeats=3,
     extra_seeds=(1, 2),
-    headline_workload="digits-cnn",
+    headline_workloads=("digits-cnn",),
 )
 
 
@@ -231,7 +242,7 @@ def test_headline_rows_report_the_spread_over_seeds(rows: list[dict[str, Any]]) 
     assert ddp["seeds"]["seeds"] == [0, 1, 2]
     assert [r["final_eval"] for r in ddp["seeds"]["runs"]] == [0.96, 0.93, 0.99]
     assert ddp["seeds"]["final_eval"] == pytest.approx(
-        {"n": 3, "min": 0.93, "max": 0.99, "mean": 0.96, "range": 0.06}
+        {"n": 3, "min": 0.93, "max": 0.99, "mean": 0.96, "median": 0.96, "range": 0.06}
     )
     # seed 1's cadence (final 0.92) never reaches 0.95; seed 2's does at its first epoch
     assert [r["time_to_target_s"] for r in cadence["seeds"]["runs"]] == [2.5, None, 2.5]
@@ -311,3 +322,60 @@ def test_the_dashboard_cost_is_judged_against_the_plain_runs_spread() -> None:
     doc = {"suite": "t", "date": "d", "command": "c", "machine": {"description": "m"},
            "total_s": 1.0, "repeats": 3, "rows": [], "dashboard_cost": [pair]}  # fmt: skip
     assert "| cadence | 2.20 | 3.00 | 1.364 | 1.200 | outside noise |" in render(doc)
+
+
+def test_time_to_ddps_final_eval_is_against_ddp_on_the_same_seed() -> None:
+    runs = [
+        fake_run("solo", 2.0, final_loss=0.1, eval_=0.97),
+        fake_run("torch-ddp", 4.0, final_loss=0.2, eval_=0.96),
+        fake_run("cadence", 2.0, final_loss=0.3, eval_=0.97),  # 0.95 at 1 s, 0.97 at 2 s
+        fake_run("torch-ddp", 10.0, final_loss=0.2, eval_=0.93, seed=1),
+        fake_run("cadence", 5.0, final_loss=0.3, eval_=0.96, seed=1),  # 0.94 at 2.5 s
+        fake_run("torch-ddp", 10.0, final_loss=0.2, eval_=0.99, seed=2),
+        fake_run("cadence", 5.0, final_loss=0.3, eval_=0.98, seed=2),  # never 0.99
+    ]
+    solo, ddp, cadence = build_rows(dataclasses.replace(SUITE, repeats=1), runs)
+    assert ddp["ddp_eval_time_ratio"] == 1.0  # DDP reaches its own final eval at its end
+    assert (cadence["time_to_ddp_eval_s"], cadence["ddp_eval_time_ratio"]) == (2.0, 0.5)
+    assert (solo["time_to_ddp_eval_s"], solo["ddp_eval_time_ratio"]) == (2.0, 0.5)
+    seeds = cadence["seeds"]["runs"]
+    assert [r["time_to_ddp_eval_s"] for r in seeds] == [2.0, 2.5, None]
+    assert [r["ddp_eval_time_ratio"] for r in seeds] == [0.5, 0.25, None]
+    assert cadence["seeds"]["ddp_eval_time_ratio"]["median"] == pytest.approx(0.375)
+
+
+def _check_row(system: str, wall_s: float, **extra: Any) -> dict[str, Any]:
+    row = {
+        "workload": "tiny-gpt", "system": system, "speeds": [1.0, 0.5, 0.25], "link_mbit": None,
+        "wall_s": wall_s, "metric": "bits per char", "higher_is_better": False,
+        "eval_delta_vs_ddp": 0.0, "of_capacity": 0.9, "ddp_eval_time_ratio": None, "seeds": None,
+    }  # fmt: skip
+    return row | extra
+
+
+def test_the_peers_bar_judges_speed_eval_capacity_and_time_to_ddps_eval() -> None:
+    seeds = {"runs": [{"ddp_eval_time_ratio": r} for r in (0.45, None, 0.48)]}
+    rows = [
+        _check_row("torch-ddp", 10.0),
+        _check_row("torchft-diloco", 11.0),
+        _check_row("cpu-cadence", 4.0),
+        _check_row("cadence", 4.5, eval_delta_vs_ddp=-0.05, of_capacity=0.96, seeds=seeds),
+    ]
+    (check,) = peers_acceptance(rows)
+    assert check["slower_or_level"] == ["cpu-cadence"] and not check["fastest"]
+    assert check["eval_ok"]  # 0.05 bits per character better than DDP is no miss
+    assert check["capacity_ok"]
+    assert check["ddp_eval_time_ratio"] == 0.48  # median of 0.45, 0.48 and never
+    assert check["ddp_eval_time_ok"] and not check["passed"]
+    text = "\n".join(peers_section([check]))
+    assert "| tiny-gpt | cpu-cadence | -0.0500 | 0.960 | 0.480 | miss (speed) |" in text
+
+    worse = peers_acceptance([*rows[:2], {**rows[3], "eval_delta_vs_ddp": 0.03}])
+    assert worse[0]["eval_ok"] is False and worse[0]["fastest"]
+    mlp = _check_row(
+        "cadence", 1.0, workload="digits-mlp", metric="accuracy", higher_is_better=True,
+        eval_delta_vs_ddp=-0.008, of_capacity=0.3,
+    )  # fmt: skip
+    (judged,) = peers_acceptance([mlp])
+    assert judged["capacity_ok"] is None and judged["ddp_eval_time_ok"] is None  # not judged
+    assert judged["eval_ok"] and judged["passed"]

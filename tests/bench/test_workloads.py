@@ -124,3 +124,23 @@ def test_the_digits_split_is_cached_as_scikit_learn_makes_it(
     monkeypatch.setenv(digits.CACHE_ENV, str(tmp_path / "file"))
     (tmp_path / "file").write_text("a cache that cannot be a folder")
     assert torch.equal(digits.load_digits_split(seed=3)[0].tensors[1], made[0].tensors[1])
+
+
+def test_a_cut_training_set_keeps_evenly_spaced_samples_and_the_whole_held_out_set() -> None:
+    train, test = workloads.get("digits-mlp").load_split(3)
+    cut, held_out = workloads.load_split("digits-mlp", 3, train_samples=100)
+    assert len(cut) == 100
+    n = len(train)
+    spaced = [i * n // 100 for i in range(100)]
+    assert torch.equal(cut.tensors[0], train.tensors[0][spaced])
+    assert torch.equal(cut.tensors[1], train.tensors[1][spaced])
+    assert torch.equal(held_out.tensors[0], test.tensors[0])
+    whole, _ = workloads.load_split("digits-mlp", 3)
+    assert len(whole) == n
+
+
+@pytest.mark.parametrize("bad", [0, -1, 10**9, 2.5, True, "100"])
+def test_a_bad_train_samples_is_a_config_error_naming_the_field(bad: object) -> None:
+    with pytest.raises(ConfigError, match="train_samples") as caught:
+        workloads.load_split("digits-mlp", 0, train_samples=bad)  # type: ignore[arg-type]
+    assert caught.value.field == "train_samples"

@@ -65,6 +65,7 @@ from elche.baselines import ddp
 from elche.core.errors import ConfigError
 from elche.runtime.pacing import Pacer, check_speed_base_s, warm_up
 from elche.workloads import get as get_workload
+from elche.workloads import load_split
 
 __all__ = [
     "ALGORITHMS",
@@ -118,12 +119,14 @@ def run_torchft(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     base_step_s: float | None = None,
     sync_every: int = SYNC_EVERY,
+    train_samples: int | None = None,
 ) -> JsonDict:
     """Train ``workload`` with torchft's ``algorithm``, one local process per speed.
 
     Args:
         algorithm: ``torchft-localsgd`` or ``torchft-diloco``.
-        speeds, epochs, batch_size, seed, workload, timeout_s: as ``run_ddp``.
+        speeds, epochs, batch_size, seed, workload, timeout_s, train_samples:
+            as ``run_ddp``.
         base_step_s: the solo step time every rank paces by, in seconds;
             required (torchft ranks do not time their own step).
         sync_every: optimizer steps per rank between averages, ≥ 1.
@@ -151,7 +154,7 @@ def run_torchft(
     os.environ.setdefault(RUST_LOG_ENV, "warn")  # torchft's quorum log: one line a sync
     from torchft._torchft import LighthouseServer
 
-    train_set, test_set = get_workload(workload).load_split(seed)
+    train_set, test_set = load_split(workload, seed, train_samples=train_samples)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=len(plan_speeds))
     try:
         with tempfile.TemporaryDirectory(prefix="elche-torchft-") as run_dir:
@@ -290,7 +293,6 @@ def _train(
     report = ddp.rank_report(
         rank, base.speeds[rank], pacer, steps=steps, samples=samples, wall_s=wall_s,
         started_at=started_at, last_epoch=(loss_sum, epoch_samples), epochs=epochs,
-        eval_accuracy=work.eval_fn(model, base.test_set) if rank == 0 else None,
-        epoch_evals=ddp.eval_snapshots(base.workload, snapshots, base.test_set),
+        **ddp.final_and_epoch_evals(base.workload, model, snapshots, base.test_set, rank),
     )  # fmt: skip
     return {**report, "syncs": syncs}

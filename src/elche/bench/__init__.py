@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elche.bench.suites import EVAL_TARGETS, SUITES, Suite
+from elche.bench.suites import SUITES, Suite
 
 __all__ = ["SUITES", "Suite", "default_out_dir", "machine", "run_bench"]
 
@@ -81,6 +81,7 @@ def run_bench(
         The results document (``results.json``'s content).
     """
     from elche.bench.charts import write_charts
+    from elche.bench.peers_report import peers_acceptance
     from elche.bench.report import acceptance, dashboard_cost, hosts_acceptance, render
     from elche.bench.rows import build_rows
     from elche.bench.runner import available_suite, run_suite
@@ -104,16 +105,18 @@ def run_bench(
                 "name": p.name,
                 "epochs": p.epochs,
                 "batch_size": p.batch_size,
-                "target_eval": EVAL_TARGETS.get(p.name),
+                "train_samples": p.train_samples,
+                "target_eval": p.target_eval,
             }
             for p in suite.workloads
         ],
         "extra_seeds": list(suite.extra_seeds),
-        "headline_workload": suite.headline_workload,
+        "headline_workloads": list(suite.headline_workloads),
         "rigs": [list(rig) for rig in suite.rigs],
         "systems": ["solo", *suite.systems],
         "rows": rows,
         "acceptance": acceptance(rows),
+        "peers_acceptance": peers_acceptance(rows),
         "hosts_acceptance": hosts_acceptance(rows),
         "link_mbit": list(suite.link_mbit),
         "dashboard_cost": dashboard_cost(rows),

@@ -64,7 +64,6 @@ def run_on_hosts(
     """
     from elche.baselines.ddp import _Plan, _summarize
     from elche.bench.runner import _baseline_record, elche_record
-    from elche.workloads import get
 
     if system not in (DDP, *ELCHE_MODES):
         accepted = ", ".join((DDP, *ELCHE_MODES))
@@ -73,12 +72,12 @@ def run_on_hosts(
         raise ValueError(f"a rig of {len(rig.hosts)} hosts for {len(speeds)} ranks")
     run_dir = f"/tmp/elche-bench-{secrets.token_hex(4)}"  # every host's own /tmp
     run = HostRun(system, plan.name, plan.epochs, plan.batch_size, seed,
-                  tuple(speeds), speed_base_s, run_dir)  # fmt: skip
+                  tuple(speeds), speed_base_s, run_dir, plan.train_samples)  # fmt: skip
     launched_at = time.time()  # compared with rank 0's clock: one machine, one clock
     logs = _torchrun(rig, run)
     if system == DDP:
         reports = [_line(log, REPORT_PREFIX) for log in logs]
-        train_set, test_set = get(plan.name).load_split(seed)
+        train_set, test_set = run.split()
         ddp_plan = _Plan(tuple(speeds), plan.epochs, plan.batch_size, seed, plan.name,
                          train_set, test_set, "", HOSTS_TIMEOUT_S, speed_base_s)  # fmt: skip
         return _baseline_record(_summarize(ddp_plan, reports, launched_at))

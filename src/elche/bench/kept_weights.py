@@ -47,12 +47,19 @@ class KeepWeights:
         return float(number)
 
 
-def evaluate_kept(workload: str, directory: Path, eval_dataset: Any) -> list[float]:
-    """The eval of every copy ``KeepWeights`` kept under ``directory``, by number."""
+def evaluate_kept(
+    workload: str, directory: Path, eval_dataset: Any, *, final: dict[str, Any]
+) -> tuple[list[float], float]:
+    """The eval of every copy ``KeepWeights`` kept under ``directory``, by number, and ``final``'s.
+
+    ``final`` is the run's final model; when it equals the last copy kept
+    (the last epoch's consensus, as it usually is) it is not evaluated twice.
+    """
     import torch
 
     from elche.baselines.ddp import eval_snapshots
 
     paths = sorted(directory.glob(f"*{SUFFIX}"))
     states = [torch.load(path, map_location="cpu", weights_only=True) for path in paths]
-    return eval_snapshots(workload, states, eval_dataset)
+    *kept, last = eval_snapshots(workload, [*states, final], eval_dataset)
+    return kept, last

@@ -178,7 +178,7 @@ def time_to_target_eval(
 
 
 def spread(values: Iterable[float | None]) -> dict[str, float | int] | None:
-    """``{n, min, max, mean, range}`` of the finite values; None if there are none.
+    """``{n, min, max, mean, median, range}`` of the finite values; None if there are none.
 
     Args:
         values: e.g. one cell's final eval on each seed.
@@ -192,6 +192,7 @@ def spread(values: Iterable[float | None]) -> dict[str, float | int] | None:
         "min": low,
         "max": high,
         "mean": statistics.fmean(finite),
+        "median": statistics.median(finite),
         "range": high - low,
     }
 

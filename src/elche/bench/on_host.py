@@ -1,11 +1,12 @@
 """One rank of a several-hosts benchmark run: what torchrun starts on each host.
 
-``python -m elche.bench.on_host SYSTEM WORKLOAD EPOCHS BATCH SEED SPEEDS BASE_S RUN_DIR``
-under ``torchrun`` (one process per host; ``elche.bench.hosts`` starts it in
+``python -m elche.bench.on_host SYSTEM WORKLOAD EPOCHS BATCH SEED SPEEDS BASE_S RUN_DIR
+SAMPLES`` under ``torchrun`` (one process per host; ``elche.bench.hosts`` starts it in
 each namespace host of a ``Rig``). Every rank loads the workload's split
 itself (deterministic per seed: every host holds the same data, no host
 reads another's files) and runs at ``SPEEDS[RANK]``, paced by the shared
-solo step ``BASE_S``.
+solo step ``BASE_S``; ``SAMPLES`` is the plan's ``train_samples`` (``all``:
+the whole training set).
 
 - ``torch-ddp``: the DDP baseline's own training loop
   (``elche.baselines.ddp``), in a gloo group that torchrun's environment
@@ -24,12 +25,17 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.utils.data import TensorDataset
 
 __all__ = ["COLLECTIVE_TIMEOUT_S", "REPORT_PREFIX", "SUMMARY_PREFIX", "HostRun", "main"]
 
 REPORT_PREFIX = "REPORT "  # a DDP rank's report line
 SUMMARY_PREFIX = "SUMMARY "  # elche rank 0's summary line
 COLLECTIVE_TIMEOUT_S = 600.0  # a DDP collective that waits longer has lost its peer
+ALL_SAMPLES = "all"  # HostRun.train_samples None on the command line
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,19 +50,28 @@ class HostRun:
     speeds: tuple[float, ...]
     speed_base_s: float
     run_dir: str
+    train_samples: int | None = None  # ``elche.workloads.load_split``'s; None: all
 
     def argv(self) -> list[str]:
         """The command line's arguments that ``parse`` reads back."""
         return [self.system, self.workload, str(self.epochs), str(self.batch_size),
                 str(self.seed), ",".join(repr(float(s)) for s in self.speeds),
-                repr(self.speed_base_s), self.run_dir]  # fmt: skip
+                repr(self.speed_base_s), self.run_dir,
+                ALL_SAMPLES if self.train_samples is None else str(self.train_samples)]  # fmt: skip
 
     @classmethod
     def parse(cls, argv: Sequence[str]) -> HostRun:
         """The run ``argv`` (as ``argv()`` wrote it) describes."""
-        system, workload, epochs, batch, seed, speeds, base_s, run_dir = argv
+        system, workload, epochs, batch, seed, speeds, base_s, run_dir, samples = argv
         return cls(system, workload, int(epochs), int(batch), int(seed),
-                   tuple(float(s) for s in speeds.split(",")), float(base_s), run_dir)  # fmt: skip
+                   tuple(float(s) for s in speeds.split(",")), float(base_s), run_dir,
+                   None if samples == ALL_SAMPLES else int(samples))  # fmt: skip
+
+    def split(self) -> tuple[TensorDataset, TensorDataset]:
+        """The workload's split this run trains and evaluates on."""
+        from elche.workloads import load_split
+
+        return load_split(self.workload, self.seed, train_samples=self.train_samples)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -76,10 +91,9 @@ def _ddp(run: HostRun) -> dict[str, object]:
     import torch.distributed as dist
 
     from elche.baselines.ddp import _Plan, _train
-    from elche.workloads import get
 
     torch.set_num_threads(1)  # as every rank of every system runs
-    train_set, test_set = get(run.workload).load_split(run.seed)
+    train_set, test_set = run.split()
     plan = _Plan(run.speeds, run.epochs, run.batch_size, run.seed, run.workload, train_set,
                  test_set, run_dir="", timeout_s=COLLECTIVE_TIMEOUT_S,
                  base_step_s=run.speed_base_s)  # fmt: skip
@@ -95,7 +109,7 @@ def _elche(run: HostRun) -> dict[str, object] | None:
     from elche.workloads import get
 
     work = get(run.workload)
-    train_set, test_set = work.load_split(run.seed)
+    train_set, test_set = run.split()
     result = train(
         work.make_model, work.make_optimizer, work.step_fn, train_set,
         batch_size=run.batch_size, epochs=run.epochs, mode=run.system, speeds=list(run.speeds),

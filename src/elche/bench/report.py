@@ -5,7 +5,8 @@ time, the ratio to torch DDP's (same invocation), throughput, efficiency,
 time to the workload's target eval, final loss, final eval and its
 difference to DDP's, averaging rounds, per-rank idle % and lost samples;
 the headline cell's spread over seeds. A closing section checks the issue's
-acceptance on the ``[1, 0.5, 0.25]`` rig, and for a suite across hosts
+acceptance on the ``[1, 0.5, 0.25]`` rig, issue 17's against every peer
+(``bench.peers_report``), and for a suite across hosts
 (``link_mbit``) the ratios per link rate and issue 14's bar
 (``bench.hosts_report``).
 """
@@ -17,6 +18,7 @@ from typing import Any
 
 from elche.bench import metrics
 from elche.bench.hosts_report import hosts_acceptance, hosts_section
+from elche.bench.peers_report import peers_section
 from elche.bench.suites import DDP, split_system
 
 __all__ = ["ACCEPT_RATIO", "ACCEPT_RIG", "acceptance", "hosts_acceptance", "render"]
@@ -105,6 +107,7 @@ def render(doc: Mapping[str, Any]) -> str:
     for name in dict.fromkeys(row["workload"] for row in rows):
         lines += _workload_section(name, [r for r in rows if r["workload"] == name], doc)
     lines += _acceptance_section(doc.get("acceptance") or [])
+    lines += peers_section(doc.get("peers_acceptance") or [])
     lines += hosts_section(rows, doc.get("hosts_acceptance") or [])
     lines += _dashboard_section(doc.get("dashboard_cost") or [])
     for note in doc.get("notes") or []:
@@ -125,7 +128,8 @@ def _workload_section(name: str, rows: Sequence[Row], doc: Mapping[str, Any]) ->
     lines = [
         f"## {name}",
         "",
-        f"{first['epochs']} epochs, batch {first['batch_size']} per rank per step; "
+        f"{first['epochs']} epochs{_of_samples(first)}, batch {first['batch_size']} per rank "
+        "per step; "
         f"eval = {first['metric']} ({better}).{pacing}",
         "",
     ]
@@ -136,6 +140,12 @@ def _workload_section(name: str, rows: Sequence[Row], doc: Mapping[str, Any]) ->
         lines.append(f"![{name}: {kind}]({chart})")
     lines.append("")
     return lines
+
+
+def _of_samples(row: Row) -> str:
+    """`` of N training samples`` when the plan trains on a cut of the training set."""
+    samples = row.get("train_samples")
+    return f" of {samples:,} training samples" if samples else ""
 
 
 def _table(rig: tuple[float, ...], cell: Sequence[Row]) -> list[str]:
@@ -186,15 +196,18 @@ def _seeds_table(cell: Sequence[Row]) -> list[str]:
     lines = [
         "Over seeds (each seed's own split and shuffle; min – max, mean):",
         "",
-        "| system | seeds | wall s | final eval | to target s |",
-        "|---|---|---|---|---|",
+        "| system | seeds | wall s | final eval | to target s | to DDP's eval ÷ DDP wall |",
+        "|---|---|---|---|---|---|",
     ]
     for row in spread:
         seeds = row["seeds"]
         cells = " | ".join(_span(seeds.get(key), 3) for key in ("wall_s", "final_eval"))
+        reached = [r.get("ddp_eval_time_ratio") for r in seeds["runs"]]
+        never = f"; never: {sum(r is None for r in reached)}" if None in reached else ""
         lines.append(
             f"| {_system(row)} | {', '.join(str(x) for x in seeds['seeds'])} | {cells} "
-            f"| {_span(seeds.get('time_to_target_s'), 2)} |"
+            f"| {_span(seeds.get('time_to_target_s'), 2)} "
+            f"| {_span(seeds.get('ddp_eval_time_ratio'), 3)}{never} |"
         )
     lines.append("")
     return lines

@@ -11,10 +11,11 @@ is each rig's efficiency denominator.
 
 Row keys: ``workload, system, speeds, wall_s, samples_per_s, efficiency,
 final_loss, eval, syncs, idle_pct, lost_samples`` (the contract) plus
-``link_mbit, metric, higher_is_better, ranks, epochs, batch_size, samples,
+``link_mbit, metric, higher_is_better, ranks, epochs, batch_size, train_samples, samples,
 startup_s, capacity_samples_per_s, of_capacity, total_s, repeats, wall_s_runs,
 speed_base_s, wire, wire_bytes_per_round, final_eval, target_eval,
-time_to_target_s, target_loss, time_to_target_loss_s, wall_ratio_vs_ddp,
+time_to_target_s, target_loss, time_to_target_loss_s, time_to_ddp_eval_s,
+ddp_eval_time_ratio, wall_ratio_vs_ddp,
 eval_delta_vs_ddp, per_rank[{rank, speed, samples, share, busy_s, idle_s,
 idle_pct}], per_epoch[{epoch, t, loss, eval}], seeds, error``.
 ``idle_pct`` is the per-rank list, in rank order.
@@ -32,16 +33,21 @@ skipped the measurement).
 
 Quality: ``final_eval`` is the eval after the last epoch (``eval``, under
 the name the quality columns use); ``time_to_target_s`` is the first epoch
-end whose model reached the workload's ``target_eval``
-(``suites.EVAL_TARGETS``; None when the workload has no target or the run
+end whose model reached the plan's ``target_eval``
+(``WorkloadPlan.target_eval``; None when the workload has no target or the run
 never reached it); ``time_to_target_loss_s`` is the same for the cell's
 ``target_loss`` (the highest final training loss among its systems).
+``time_to_ddp_eval_s`` is the first epoch end whose model reached torch
+DDP's final eval in the cell, ``ddp_eval_time_ratio`` that over DDP's wall
+(None where the run never reached it, or the cell has no DDP row).
 
-Seeds: the headline cell's rows (``Suite.headline_workload`` ×
+Seeds: the headline cells' rows (``Suite.headline_workloads`` ×
 ``HEADLINE_SYSTEMS``) carry ``seeds = {"seeds", "runs": [{seed, wall_s,
-final_eval, time_to_target_s}], "wall_s", "final_eval", "time_to_target_s"}``,
-the last three ``metrics.spread`` over the seeds (the suite's seed counted by
-its reported median run); every other row has ``seeds = None``.
+final_eval, time_to_target_s, time_to_ddp_eval_s, ddp_eval_time_ratio}],
+"wall_s", "final_eval", "time_to_target_s", "ddp_eval_time_ratio"}``, the
+last four ``metrics.spread`` over the seeds (the suite's seed counted by its
+reported median run; each seed's DDP eval and wall are DDP's on that seed);
+every other row has ``seeds = None``.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from typing import Any
 
 from elche.bench import metrics
 from elche.bench.runner import Run
-from elche.bench.suites import DDP, EVAL_TARGETS, SOLO, Suite
+from elche.bench.suites import DDP, SOLO, Suite
 
 __all__ = ["build_rows"]
 
@@ -93,7 +99,8 @@ def build_rows(suite: Suite, runs: Sequence[Run]) -> list[Row]:
                     )
                 )
                 if chosen is not None:
-                    cell.append(_row(chosen, rig, solo_sps, capacity) | {"link_mbit": link})
+                    row = _row(chosen, rig, solo_sps, capacity, plan.target_eval)
+                    cell.append(row | {"link_mbit": link})
             _compare_in_cell(cell)
             for row in cell:
                 row["seeds"] = _seed_spread(row, extra, suite.seed)
@@ -118,16 +125,30 @@ def _seed_spread(row: Row, extra: Sequence[Run], seed: int) -> dict[str, Any] | 
             "wall_s": row["wall_s"],
             "final_eval": row["final_eval"],
             "time_to_target_s": row["time_to_target_s"],
+            "time_to_ddp_eval_s": row["time_to_ddp_eval_s"],
+            "ddp_eval_time_ratio": row["ddp_eval_time_ratio"],
         }
     ]
     target = row["target_eval"]
     for run in others:
+        ddp = next(
+            (
+                r
+                for r in extra
+                if r["workload"] == row["workload"]
+                and r["system"] == DDP
+                and list(r["speeds"]) == row["speeds"]
+                and r.get("seed") == run.get("seed")
+            ),
+            None,
+        )
         entries.append(
             {
                 "seed": run.get("seed"),
                 "wall_s": _num(run.get("wall_s")),
                 "final_eval": _num(run.get("eval")),
                 "time_to_target_s": _time_to_eval(run, target),
+                **_to_ddp_eval(run, ddp),
                 "error": run.get("error"),
             }
         )
@@ -138,7 +159,15 @@ def _seed_spread(row: Row, extra: Sequence[Run], seed: int) -> dict[str, Any] | 
     }
 
 
-_SPREAD_KEYS = ("wall_s", "final_eval", "time_to_target_s")
+_SPREAD_KEYS = ("wall_s", "final_eval", "time_to_target_s", "ddp_eval_time_ratio")
+
+
+def _to_ddp_eval(run: Run | Row, ddp: Run | Row | None) -> dict[str, float | None]:
+    """When ``run`` first reached DDP's final eval, in seconds and as a share of DDP's wall."""
+    ddp_eval = _num(ddp.get("eval")) if ddp is not None else None
+    ddp_wall = _num(ddp.get("wall_s")) if ddp is not None else None
+    seconds = _time_to_eval(run, ddp_eval)
+    return {"time_to_ddp_eval_s": seconds, "ddp_eval_time_ratio": metrics.ratio(seconds, ddp_wall)}
 
 
 def _time_to_eval(run: Run, target: float | None) -> float | None:
@@ -169,7 +198,13 @@ def _capacity(runs: Sequence[Run], workload: str, rig: tuple[float, ...]) -> flo
     return None
 
 
-def _row(run: Run, rig: tuple[float, ...], solo_sps: float | None, capacity: float | None) -> Row:
+def _row(
+    run: Run,
+    rig: tuple[float, ...],
+    solo_sps: float | None,
+    capacity: float | None,
+    target_eval: float | None,
+) -> Row:
     wall_s = _num(run.get("wall_s"))
     sps = _num(run.get("samples_per_s"))
     per_rank = []
@@ -200,7 +235,7 @@ def _row(run: Run, rig: tuple[float, ...], solo_sps: float | None, capacity: flo
         "final_loss": _num(run.get("final_loss")),
         "eval": _num(run.get("eval")),
         "final_eval": _num(run.get("eval")),
-        "target_eval": EVAL_TARGETS.get(str(run["workload"])),
+        "target_eval": target_eval,
         "syncs": run.get("syncs"),
         "idle_pct": [r["idle_pct"] for r in per_rank],
         "lost_samples": run.get("lost_samples"),
@@ -209,6 +244,7 @@ def _row(run: Run, rig: tuple[float, ...], solo_sps: float | None, capacity: flo
         "ranks": run["ranks"],
         "epochs": run["epochs"],
         "batch_size": run["batch_size"],
+        "train_samples": run.get("train_samples"),
         "samples": run.get("samples"),
         "startup_s": run.get("startup_s"),
         "total_s": run.get("total_s"),
@@ -232,6 +268,7 @@ def _compare_in_cell(cell: list[Row]) -> None:
         row["target_loss"] = target
         row["time_to_target_loss_s"] = metrics.time_to_target(points, target)
         row["time_to_target_s"] = _time_to_eval(row, row["target_eval"])
+        row.update(_to_ddp_eval(row, ddp))
         row["wall_ratio_vs_ddp"] = metrics.ratio(row["wall_s"], ddp["wall_s"] if ddp else None)
         row["eval_delta_vs_ddp"] = (
             row["eval"] - ddp["eval"]

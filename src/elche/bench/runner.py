@@ -87,7 +87,7 @@ from elche.bench.suites import (
 from elche.core import timeline as tl
 from elche.monitor.summary import rank_report_file
 from elche.monitor.timeline import read_timeline
-from elche.workloads import Workload
+from elche.workloads import Workload, load_split
 from elche.workloads import get as get_workload
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ def run_suite(
         One ``Run`` per training run, ``suite.num_runs()`` in all.
     """
     runs: list[Run] = []
-    splits: dict[str, Split] = {}
+    splits: dict[WorkloadPlan, Split] = {}
     bases: dict[str, float] = {}
     capacities: dict[tuple[str, tuple[float, ...]], dict[str, Any] | None] = {}
     with _display(suite.num_runs(), enabled=progress) as show, contextlib.ExitStack() as stack:
@@ -133,12 +133,10 @@ def run_suite(
         for repeat in range(suite.repeats):
             order = suite.systems if repeat % 2 == 0 else tuple(reversed(suite.systems))
             for plan in suite.workloads:
-                if plan.name not in splits:
+                if plan not in splits:
                     workload = get_workload(plan.name)
-                    splits[plan.name] = workload.load_split(suite.seed)
-                    bases[plan.name] = measure_speed_base_s(
-                        workload, splits[plan.name], plan.batch_size
-                    )
+                    splits[plan] = _load(plan, suite.seed)
+                    bases[plan.name] = measure_speed_base_s(workload, splits[plan], plan.batch_size)
                     for rig in suite.rigs:
                         show(f"{plan.name} [{_rig(rig)}] capacity ({suite.capacity_s:g} s)")
                         capacities[plan.name, rig] = _capacity(suite, plan, rig, bases[plan.name])
@@ -151,7 +149,7 @@ def run_suite(
                         f"{plan.name} [{_rig(speeds)}]{_link(link)} {system} (repeat {repeat + 1})"
                     )
                     run = run_one(
-                        system, plan, speeds, seed=suite.seed, split=splits[plan.name],
+                        system, plan, speeds, seed=suite.seed, split=splits[plan],
                         speed_base_s=bases[plan.name], hosts=hosts, wire=suite.wire,
                     )  # fmt: skip
                     run["repeat"] = repeat
@@ -162,7 +160,7 @@ def run_suite(
         for seed, plan, system, speeds in suite.seed_jobs():
             show(f"{plan.name} [{_rig(speeds)}] {system} (seed {seed})")
             run = run_one(
-                system, plan, speeds, seed=seed, split=get_workload(plan.name).load_split(seed),
+                system, plan, speeds, seed=seed, split=_load(plan, seed),
                 speed_base_s=bases[plan.name], wire=suite.wire,
             )  # fmt: skip
             run["repeat"] = 0
@@ -171,6 +169,10 @@ def run_suite(
             if on_run is not None:
                 on_run(run)
     return runs
+
+
+def _load(plan: WorkloadPlan, seed: int) -> Split:
+    return load_split(plan.name, seed, train_samples=plan.train_samples)
 
 
 def _host_rigs(suite: Suite, stack: contextlib.ExitStack) -> dict[tuple[int, float], Rig]:
@@ -249,7 +251,7 @@ def run_one(
         The run record; ``error`` holds the message if the run failed.
     """
     workload = get_workload(plan.name)
-    data = split if split is not None else workload.load_split(seed)
+    data = split if split is not None else _load(plan, seed)
     record: Run = {
         "workload": plan.name,
         "system": system,
@@ -257,6 +259,7 @@ def run_one(
         "ranks": 1 if system == SOLO else len(speeds),
         "epochs": plan.epochs,
         "batch_size": plan.batch_size,
+        "train_samples": len(data[0]),
         "metric": workload.metric,
         "higher_is_better": workload.higher_is_better,
         "speed_base_s": speed_base_s,
@@ -321,6 +324,7 @@ def _torch_ddp(
     result = run_ddp(
         speeds=list(speeds), epochs=plan.epochs, batch_size=plan.batch_size, seed=seed,
         workload=plan.name, timeout_s=DDP_TIMEOUT_S, base_step_s=speed_base_s,
+        train_samples=plan.train_samples,
     )  # fmt: skip
     return _baseline_record(result)
 
@@ -344,6 +348,7 @@ def _torchft(
     result = run_torchft(
         system, speeds=list(speeds), epochs=plan.epochs, batch_size=plan.batch_size, seed=seed,
         workload=plan.name, timeout_s=DDP_TIMEOUT_S, base_step_s=speed_base_s,
+        train_samples=plan.train_samples,
     )  # fmt: skip
     return _baseline_record(result)
 
@@ -380,7 +385,6 @@ def _solo(workload: Workload, plan: WorkloadPlan, seed: int, split: Split) -> Ru
     import torch
 
     from elche.api import train
-    from elche.baselines.ddp import eval_snapshots
 
     first_step: list[float] = []
     epoch_ends: list[tuple[float, object, object]] = []
@@ -403,8 +407,7 @@ def _solo(workload: Workload, plan: WorkloadPlan, seed: int, split: Split) -> Ru
                 eval_fn=KeepWeights(kept), eval_dataset=split[1], eval_every=1,
                 metrics_fn=on_epoch, progress=False,
             )  # fmt: skip
-            evals = evaluate_kept(plan.name, Path(kept), split[1])
-        metric = eval_snapshots(plan.name, [result.state_dict], split[1])[0]
+            evals, metric = evaluate_kept(plan.name, Path(kept), split[1], final=result.state_dict)
     finally:
         torch.set_num_threads(threads)
     summary = result.summary
@@ -443,7 +446,6 @@ def _elche(
     wire: str = "fp32",
 ) -> Run:
     from elche.api import train
-    from elche.baselines.ddp import eval_snapshots
     from elche.bench.watch import Watch, watched_dashboard
 
     watching = watched_dashboard() if dashboard else contextlib.nullcontext(None)
@@ -461,10 +463,10 @@ def _elche(
         run_dir = Path(tmp)
         timeline = read_timeline(run_dir)
         reports = [_read_json(rank_report_file(run_dir, r)) for r in range(len(speeds))]
-        evals = evaluate_kept(plan.name, kept, split[1])
+        evals, final = evaluate_kept(plan.name, kept, split[1], final=result.state_dict)
     record = elche_record(mode, dict(result.summary), timeline, reports)
     record["per_epoch"] = _kept_evals(record["per_epoch"], evals)
-    record["eval"] = eval_snapshots(plan.name, [result.state_dict], split[1])[0]  # the final
+    record["eval"] = final
     record["dashboard_polls"] = watch.polls if isinstance(watch, Watch) else None
     return record
 

@@ -76,6 +76,16 @@ class WorkloadPlan:
     name: str
     epochs: int
     batch_size: int = 32  # per rank per step, for every system (DDP's convention)
+    # Train on this many of the training set's samples, evenly spaced
+    # (``elche.workloads.load_split``); None: all of them. The held-out set stays whole.
+    train_samples: int | None = None
+    # The eval ``time_to_target_s`` waits for; None: the workload's ``EVAL_TARGETS`` entry.
+    target: float | None = None
+
+    @property
+    def target_eval(self) -> float | None:
+        """The eval this plan's rows time the systems to."""
+        return self.target if self.target is not None else EVAL_TARGETS.get(self.name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,10 +105,11 @@ class Suite:
     repeats: int = 1
     seed: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
-    # The headline cell also runs once on each of these seeds (split and
-    # shuffle), after the repeats: its rows report the spread over seeds.
+    # The headline cells (``HEADLINE_SYSTEMS`` on these workloads) also run
+    # once on each of these seeds (split and shuffle), after the repeats:
+    # their rows report the spread over seeds.
     extra_seeds: tuple[int, ...] = ()
-    headline_workload: str | None = None
+    headline_workloads: tuple[str, ...] = ()
     # Seconds the rig's paced ranks train at once, alone, to measure what
     # the machine delivers to them (``bench.capacity``); 0 skips it.
     capacity_s: float = 3.0
@@ -119,7 +130,7 @@ class Suite:
 
     def seed_jobs(self) -> list[tuple[int, WorkloadPlan, str, tuple[float, ...]]]:
         """``(seed, plan, system, rig)`` of every extra-seed run, in running order."""
-        plans = [p for p in self.workloads if p.name == self.headline_workload]
+        plans = [p for p in self.workloads if p.name in self.headline_workloads]
         systems = [s for s in self.systems if split_system(s)[0] in HEADLINE_SYSTEMS]
         return [
             (seed, plan, system, rig)
@@ -131,7 +142,8 @@ class Suite:
         ]
 
 
-# The quick suite covers both ends of the spectrum on the issue's rig:
+# The quick suite covers both ends of the spectrum on the issue's rig, and a
+# transformer:
 #
 # - digits-cnn, compute-bound: ~5 ms a step, 45 steps an epoch for one
 #   speed-1 rank; ~0.98 test accuracy within 15 epochs in every system, so eval
@@ -142,19 +154,31 @@ class Suite:
 #   step is most of its wall (~2.2 s against cadence's ~0.7 s), as it is for
 #   a large model across hosts.
 #
+# - tiny-gpt, a transformer: one epoch over a quarter of its training set
+#   (1,024 of the 4,096 windows, evenly spaced: 128 steps of 8 for one
+#   rank), evaluated on the whole held-out split. A full epoch of every
+#   system is 5-6 minutes alone (the gpt suite's); this cut is ~105 s with
+#   the capacity, DDP training ~9 s, cadence ~4.5 s (quiet machine).
+#   Its target, 4.0 bits per character, is about what the lock-step systems
+#   reach in it.
+#
 # Every system's ranks fork from elche's warm fork server (torch loaded), so
 # a multi-rank run pays ~0.5–1.5 s of process start-up and teardown (DDP's
-# spawned ranks paid 4.5 s, 20–40 s on a loaded machine). Three interleaved
-# repeats (the median is reported) made the whole invocation ~3 minutes on
-# the 2-core machine before torchft joined it, 4m49s with both torchft peers
-# (quiet machine, 2026-12-02; 8m29s on a slow evening).
+# spawned ranks paid 4.5 s, 20–40 s on a loaded machine). One repeat: three
+# interleaved repeats of the digits alone took 4m49s with both torchft peers
+# (quiet machine, 2026-12-02); the headline cells (digits-cnn and tiny-gpt)
+# show their spread over three seeds instead. The whole invocation took
+# 3 minutes on the quiet machine with one seed, ~3m40s with three.
 QUICK = Suite(
     name="quick",
-    workloads=(WorkloadPlan("digits-cnn", epochs=15), WorkloadPlan("digits-mlp", epochs=20)),
+    workloads=(
+        WorkloadPlan("digits-cnn", epochs=15),
+        WorkloadPlan("digits-mlp", epochs=20),
+        WorkloadPlan("tiny-gpt", epochs=1, batch_size=8, train_samples=1024, target=4.0),
+    ),
     rigs=((1.0, 0.5, 0.25),),
-    repeats=3,
     extra_seeds=(1, 2),
-    headline_workload="digits-cnn",
+    headline_workloads=("digits-cnn", "tiny-gpt"),
 )
 
 FULL = Suite(
@@ -214,7 +238,7 @@ GPT = Suite(
         "cpu-cadence" + WIRE_SUFFIX,
     ),
     extra_seeds=(1, 2),
-    headline_workload="tiny-gpt",
+    headline_workloads=("tiny-gpt",),
 )
 
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
     from torch.utils.data import TensorDataset
 
-__all__ = ["ALIASES", "Workload", "get", "names"]
+__all__ = ["ALIASES", "Workload", "get", "load_split", "names"]
 
 # name -> module under elche.workloads; the order is the order of reports.
 _MODULES = {
@@ -109,3 +109,32 @@ def get(name: str) -> Workload:
         step_fn=module.step_fn,
         eval_fn=module.eval_fn,
     )
+
+
+def load_split(
+    name: str, seed: int, *, train_samples: int | None = None
+) -> tuple[TensorDataset, TensorDataset]:
+    """``get(name).load_split(seed)``, its training set cut to ``train_samples`` if given.
+
+    The cut keeps ``train_samples`` samples evenly spaced over the training
+    set (sample ``i * n // train_samples`` for ``i`` in order): the same
+    samples for every seed and every system, drawn from all of the data, not
+    only its beginning. The held-out set is kept whole.
+
+    Raises:
+        ConfigError: (field ``"train_samples"``) not an integer from 1 to the
+            training set's size; (field ``"workload"``) ``name`` is not registered.
+    """
+    from torch.utils.data import TensorDataset
+
+    train, held_out = get(name).load_split(seed)
+    if train_samples is None:
+        return train, held_out
+    n = len(train)
+    whole = isinstance(train_samples, int) and not isinstance(train_samples, bool)
+    if not whole or not 1 <= train_samples <= n:
+        raise ConfigError(
+            "train_samples", f"must be an integer from 1 to {n} for {name}, got {train_samples!r}"
+        )
+    keep = [i * n // train_samples for i in range(train_samples)]
+    return TensorDataset(*(t[keep] for t in train.tensors)), held_out
