@@ -128,7 +128,8 @@ def _workload_section(name: str, rows: Sequence[Row], doc: Mapping[str, Any]) ->
     lines = [
         f"## {name}",
         "",
-        f"{first['epochs']} epochs{_of_samples(first)}, batch {first['batch_size']} per rank "
+        f"{first['epochs']} epoch{'' if first['epochs'] == 1 else 's'}{_of_samples(first)}, "
+        f"batch {first['batch_size']} per rank "
         "per step; "
         f"eval = {first['metric']} ({better}).{pacing}",
         "",
