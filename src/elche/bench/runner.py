@@ -28,6 +28,7 @@ made that cell's ratio a measure of the accident. Every record carries the
 value as ``speed_base_s``. Each run becomes one JSON-ready ``Run`` record:
 
 ``workload, system, speeds, repeat, seed, ranks, epochs, batch_size,
+train_samples (the plan's cut of the training set, or all of it),
 speed_base_s, link_mbit, wall_s, startup_s, total_s, samples, samples_per_s,
 final_loss, eval, syncs, lost_samples, wire, wire_bytes_per_round,
 per_epoch[{epoch, t, loss, eval}], per_rank[{rank, speed, samples, busy_s}],

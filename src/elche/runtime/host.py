@@ -147,6 +147,7 @@ class Host:
         else:
             self.core = Coordinator(config, resume=resume, last_save=last)
         self._journal = JournalWriter(run_dir / JOURNAL_FILE)
+        self._journal_round = 0  # the round of the last record appended
         self._kill_at = os.environ.get(FAULT_ENV, "")
         self._writers: dict[str, int] = {}  # a bundle file's name: the rank that wrote it
         self.endpoint = endpoint
@@ -293,6 +294,7 @@ class Host:
         while self._followups:
             for command in self.core.handle(self._followups.popleft(), time.monotonic()):
                 self._execute(command)
+        self._sync_journal()  # the new window's work is out: off the ranks' restart
 
     def _execute(self, command: Command) -> None:
         match command:
@@ -334,16 +336,26 @@ class Host:
             self.stats.first_dispatch_s = first
 
     def _append_journal(self, record: JournalRecord, compact: bool) -> None:
-        """Make ``record`` durable in the run directory; a failure is said, not fatal."""
+        """Write ``record`` to the run directory's journal (``_sync_journal`` puts it on
+        disk); a failure is said, not fatal."""
         try:
             self._journal.append(record, compact=compact)
         except OSError as exc:
-            self._print(
-                "error",
-                f"journal record of round {record.rounds_done} not written ({exc}); "
-                "a lost coordinator could not be restarted from it",
+            self._journal_failed(f"journal record of round {record.rounds_done} not written", exc)
+        else:
+            self._journal_round = record.rounds_done
+
+    def _sync_journal(self) -> None:
+        try:
+            self._journal.sync()
+        except OSError as exc:
+            self._journal_failed(
+                f"journal record of round {self._journal_round} not kept on disk", exc
             )
-            self._journal.close()
+
+    def _journal_failed(self, what: str, exc: OSError) -> None:
+        self._print("error", f"{what} ({exc}); a lost coordinator could not be restarted from it")
+        self._journal.close()
 
     def _write_meta(self, stem: str, meta: CheckpointMeta) -> None:
         """Commit a bundle: its outer momentum, then the meta that names every file.
