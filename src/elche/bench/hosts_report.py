@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from elche.bench.suites import DDP, ELCHE_MODES
+from elche.bench.text import num, rig_label
 
 __all__ = ["HOSTS_FAST_MBIT", "HOSTS_RATIO", "HOSTS_SLOW_MBIT", "hosts_acceptance", "hosts_section"]
 
@@ -76,7 +77,7 @@ def hosts_section(rows: Sequence[Row], checks: Sequence[Mapping[str, Any]]) -> l
         ratios = [
             _ratio(rows, workload, speeds, system, link) for link in links
         ]  # one per link, in the header's order
-        lines.append(f"| {workload} | {_rig(speeds)} | {system} | {' | '.join(ratios)} |")
+        lines.append(f"| {workload} | {rig_label(speeds)} | {system} | {' | '.join(ratios)} |")
     lines.append("")
     if checks:
         lines += [
@@ -89,7 +90,7 @@ def hosts_section(rows: Sequence[Row], checks: Sequence[Mapping[str, Any]]) -> l
             verdict = {True: "met", False: "missed", None: "not measured"}[c["passed"]]
             lines.append(
                 f"| {c['workload']} | {c['link_mbit']:g} Mbit/s | {c['system']} "
-                f"| {_f(c['wall_ratio'], 3)} | {_f(c['eval_delta_points'], 2)} | {c['bar']} "
+                f"| {num(c['wall_ratio'], 3)} | {num(c['eval_delta_points'], 2)} | {c['bar']} "
                 f"| {verdict} |"
             )
         lines.append("")
@@ -102,15 +103,5 @@ def _ratio(rows: Sequence[Row], workload: str, speeds: tuple[float, ...], system
         if (row["workload"], tuple(row["speeds"]), row["system"], row.get("link_mbit")) == (
             workload, speeds, system, link,
         ):  # fmt: skip
-            return _f(row.get("wall_ratio_vs_ddp"), 3)
+            return num(row.get("wall_ratio_vs_ddp"), 3)
     return "—"
-
-
-def _f(value: object, digits: int) -> str:
-    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
-        return "—"
-    return f"{value:.{digits}f}"
-
-
-def _rig(speeds: Sequence[float]) -> str:
-    return ", ".join(f"{s:g}" for s in speeds)

@@ -21,6 +21,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from elche.bench.text import num, rig_label
+
 __all__ = ["CAPACITY_BAR", "DDP_EVAL_TIME_BAR", "peers_acceptance", "peers_section"]
 
 RIG = (1.0, 0.5, 0.25)
@@ -102,7 +104,7 @@ def peers_section(checks: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = [
         "## Against every peer (issue 17)",
         "",
-        f"`cadence` on speeds {', '.join(f'{s:g}' for s in RIG)}: a shorter wall than every "
+        f"`cadence` on speeds {rig_label(RIG)}: a shorter wall than every "
         f"other system of its cell, eval within 1 point (accuracy) or 0.02 bits per "
         f"character of DDP's, ≥ {CAPACITY_BAR:g} of the measured capacity on "
         f"{' and '.join(CAPACITY_JUDGED)}, and on {' and '.join(DDP_EVAL_TIME_JUDGED)} DDP's "
@@ -126,8 +128,8 @@ def peers_section(checks: Sequence[Mapping[str, Any]]) -> list[str]:
         verdict = "pass" if c["passed"] else f"miss ({', '.join(misses)})"
         lines.append(
             f"| {c['workload']} | {', '.join(c['slower_or_level']) or '—'} "
-            f"| {_f(c['eval_delta'], 4)} | {_f(c['of_capacity'], 3)}{_judged(c['capacity_ok'])} "
-            f"| {_f(c['ddp_eval_time_ratio'], 3)}{_judged(c['ddp_eval_time_ok'])} | {verdict} |"
+            f"| {num(c['eval_delta'], 4)} | {num(c['of_capacity'], 3)}{_judged(c['capacity_ok'])} "
+            f"| {num(c['ddp_eval_time_ratio'], 3)}{_judged(c['ddp_eval_time_ok'])} | {verdict} |"
         )
     lines.append("")
     return lines
@@ -135,9 +137,3 @@ def peers_section(checks: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def _judged(ok: bool | None) -> str:
     return " (not judged)" if ok is None else ""
-
-
-def _f(value: object, digits: int) -> str:
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-        return f"{value:.{digits}f}"
-    return "—"

@@ -20,6 +20,7 @@ from elche.bench import metrics
 from elche.bench.hosts_report import hosts_acceptance, hosts_section
 from elche.bench.peers_report import peers_section
 from elche.bench.suites import DDP, split_system
+from elche.bench.text import num, rig_label
 
 __all__ = ["ACCEPT_RATIO", "ACCEPT_RIG", "acceptance", "hosts_acceptance", "render"]
 
@@ -155,9 +156,9 @@ def _table(rig: tuple[float, ...], cell: Sequence[Row]) -> list[str]:
     link = cell[0].get("link_mbit")
     across = "" if link is None else f", one host per rank, links {link:g} Mbit/s"
     lines = [
-        f"### speeds {_rig(rig)}{across}",
+        f"### speeds {rig_label(rig)}{across}",
         "",
-        f"Target eval {_f(target, 4)}; lock-step bound on × DDP: {bound:.3f}.{_capacity(cell)}",
+        f"Target eval {num(target, 4)}; lock-step bound on × DDP: {bound:.3f}.{_capacity(cell)}",
         "",
         "| system | wall s | × DDP | samples/s | efficiency | of cap. | to target s "
         "| final loss | eval | Δ eval vs DDP | syncs | idle % per rank | lost | wire B/round |",
@@ -167,14 +168,14 @@ def _table(rig: tuple[float, ...], cell: Sequence[Row]) -> list[str]:
         if row.get("error"):
             lines.append(f"| {row['system']} | failed: {row['error']} |||||||||||||")
             continue
-        idle = " / ".join(_f(x, 0) for x in row["idle_pct"])
+        idle = " / ".join(num(x, 0) for x in row["idle_pct"])
         lines.append(
-            f"| {_system(row)} | {_f(row['wall_s'], 2)} | {_f(row['wall_ratio_vs_ddp'], 3)} "
-            f"| {_f(row['samples_per_s'], 0)} | {_f(row['efficiency'], 3)} "
-            f"| {_f(row.get('of_capacity'), 3)} | {_f(row['time_to_target_s'], 2)} "
-            f"| {_f(row['final_loss'], 4)} "
-            f"| {_f(row['eval'], 4)} | {_delta(row)} | {row['syncs']} | {idle} "
-            f"| {row['lost_samples']} | {_f(row.get('wire_bytes_per_round'), 0)} |"
+            f"| {_system(row)} | {num(row['wall_s'], 2)} | {num(row['wall_ratio_vs_ddp'], 3)} "
+            f"| {num(row['samples_per_s'], 0)} | {num(row['efficiency'], 3)} "
+            f"| {num(row.get('of_capacity'), 3)} | {num(row['time_to_target_s'], 2)} "
+            f"| {num(row['final_loss'], 4)} "
+            f"| {num(row['eval'], 4)} | {_delta(row)} | {row['syncs']} | {idle} "
+            f"| {row['lost_samples']} | {num(row.get('wire_bytes_per_round'), 0)} |"
         )
     lines.append("")
     lines += _seeds_table(cell)
@@ -269,8 +270,8 @@ def _dashboard_section(pairs: Sequence[Mapping[str, Any]]) -> list[str]:
     for p in pairs:
         verdict = "within noise" if p["within_noise"] else "outside noise"
         lines.append(
-            f"| {p['workload']} | {_rig(p['rig'])} | {p['mode']} | {_f(p['wall_s'], 2)} "
-            f"| {_f(p['wall_s_dashboard'], 2)} | {_f(p['ratio'], 3)} | {_f(p['spread'], 3)} "
+            f"| {p['workload']} | {rig_label(p['rig'])} | {p['mode']} | {num(p['wall_s'], 2)} "
+            f"| {num(p['wall_s_dashboard'], 2)} | {num(p['ratio'], 3)} | {num(p['spread'], 3)} "
             f"| {verdict} |"
         )
     lines.append("")
@@ -284,7 +285,7 @@ def _acceptance_section(checks: Sequence[Mapping[str, Any]]) -> list[str]:
         "## Acceptance",
         "",
         f"The issue asks: elche `cadence` wall ≤ {ACCEPT_RATIO} × DDP's on speeds "
-        f"{_rig(ACCEPT_RIG)}, with eval within {ACCEPT_EVAL_POINTS:g} point. With no "
+        f"{rig_label(ACCEPT_RIG)}, with eval within {ACCEPT_EVAL_POINTS:g} point. With no "
         f"communication cost on either side the best possible ratio is "
         f"{metrics.lockstep_ratio(ACCEPT_RIG):.3f} (lock-step bound), so ≤ "
         f"{ACCEPT_RATIO} holds only where DDP pays more per-step overhead than elche.",
@@ -301,8 +302,8 @@ def _acceptance_section(checks: Sequence[Mapping[str, Any]]) -> list[str]:
             if misses:
                 verdict += f" ({', '.join(misses)})"
         lines.append(
-            f"| {c['workload']} | {_f(c['wall_ratio'], 3)} "
-            f"| {_f(c['eval_delta_points'], 2)} | {verdict} |"
+            f"| {c['workload']} | {num(c['wall_ratio'], 3)} "
+            f"| {num(c['eval_delta_points'], 2)} | {verdict} |"
         )
     lines.append("")
     return lines
@@ -323,13 +324,3 @@ def _delta(row: Row) -> str:
     if row["higher_is_better"]:
         return f"{100.0 * delta:+.2f} pt"
     return f"{delta:+.5f}"
-
-
-def _f(value: object, digits: int) -> str:
-    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
-        return "—"
-    return f"{value:.{digits}f}"
-
-
-def _rig(speeds: Sequence[float]) -> str:
-    return ", ".join(f"{s:g}" for s in speeds)
