@@ -27,6 +27,9 @@ from elche.cli import main
 from tests.integration.browser import COLUMNS, open_browser, page_view, screenshot
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# The run must outlast the test's reads and the browser's checks of the live page:
+# 6 epochs (~0.5 s of training on a fast morning) ended before them once.
+EPOCHS = 24
 
 SCRIPT = """
 import json, sys
@@ -147,7 +150,7 @@ def _check_report(driver: Any, report: Path) -> None:
 
 def test_the_dashboard_serves_state_and_metrics_and_shows_a_lost_rank(tmp_path: Path) -> None:
     driver, no_browser = open_browser()
-    run = _Run(tmp_path / "run", epochs=6, tensorboard_dir=tmp_path / "tb")
+    run = _Run(tmp_path / "run", epochs=EPOCHS, tensorboard_dir=tmp_path / "tb")
     step = "the live page"
     try:
         line = _poll(lambda: run.line_starting("elche: dashboard at "), "the dashboard line")
@@ -226,7 +229,7 @@ def _check_tensorboard(log_dir: Path) -> None:
     tags = set(reader.Tags()["scalars"])
     assert {"loss", "rounds/anchor", "rounds/duration_ms"} <= tags
     assert {f"rank{r}/{name}" for r in range(3) for name in ("samples_per_s", "share")} <= tags
-    assert len(reader.Scalars("loss")) == 6  # one per epoch
+    assert len(reader.Scalars("loss")) == EPOCHS  # one per epoch
 
 
 def _check_trace(tmp_path: Path) -> None:
