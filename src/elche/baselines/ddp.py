@@ -380,7 +380,8 @@ def final_and_epoch_evals(
 ) -> dict[str, Any]:
     """Rank 0's final eval and its epochs' (``rank_report``'s keys), after the clock.
 
-    The final model is the last epoch's, so ``eval_snapshots`` evaluates it once.
+    The final model is the last epoch's (DDP's; torchft's after its last
+    average), so ``eval_snapshots`` evaluates it once.
     """
     if rank != 0:
         return {"eval_accuracy": None, "epoch_evals": []}
