@@ -149,5 +149,9 @@ def test_a_trainer_script_trains_two_ranks_by_speed_under_elche_run(tmp_path: Pa
              if ln.startswith("RANK ")]  # fmt: skip
     assert sorted(rank for rank, _ in ranks) == list(range(RANKS))
     for rank, batches in ranks:
-        assert sorted(batches) == ["0", "1"]  # both of elche's epochs, as Lightning's
+        # Lightning's epochs are elche's. A rank the epoch tail's list scheduling gave
+        # no batch of an epoch (the slow one, its pace inflated on a loaded machine)
+        # trains none in it: once seen in CI, and no promise is broken by it.
+        assert batches and set(batches) <= {"0", "1"}
         assert sum(batches.values()) >= -(-samples[rank] // 32)
+    assert set().union(*(batches for _, batches in ranks)) == {"0", "1"}
