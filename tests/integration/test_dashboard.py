@@ -27,22 +27,35 @@ from elche.cli import main
 from tests.integration.browser import COLUMNS, open_browser, page_view, screenshot
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-# The run must outlast the test's reads and the browser's checks of the live page:
-# 6 epochs (~0.5 s of training on a fast morning) ended before them once.
-EPOCHS = 24
+EPOCHS = 6
 
+# The run's last epoch waits (in every rank's epoch_fn) until the test has read the
+# live dashboard and creates RELEASE: the run cannot end before the test is done with
+# it, however fast the machine (6 epochs once ended during the browser's checks).
 SCRIPT = """
-import json, sys
+import json, os, sys, time
 import elche
 from elche.workloads import digits
 
-train_set, _ = digits.load_digits_split(seed=0)
-result = elche.train(
-    digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
-    batch_size=32, epochs=int(sys.argv[2]), speeds=[1.0, 0.5, 0.25], progress=False,
-    run_dir=sys.argv[1], dashboard="127.0.0.1:0", crash={1: 1.0}, tensorboard_dir=sys.argv[3],
-)
-print(json.dumps(result.summary))
+RELEASE = {release!r}
+LAST_EPOCH = {epochs} - 1
+
+
+def hold_the_last_epoch(epoch, model, optimizer):
+    deadline = time.monotonic() + 120.0  # a test that died does not hold the run for ever
+    while epoch == LAST_EPOCH and not os.path.exists(RELEASE) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling cadence; the file is what synchronises
+
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    result = elche.train(
+        digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+        batch_size=32, epochs={epochs}, speeds=[1.0, 0.5, 0.25], progress=False,
+        run_dir=sys.argv[1], dashboard="127.0.0.1:0", crash={{1: 1.0}},
+        tensorboard_dir=sys.argv[2], epoch_fn=hold_the_last_epoch,
+    )
+    print(json.dumps(result.summary))
 """
 
 
@@ -50,8 +63,11 @@ class _Run:
     """The child process and the stderr lines it printed so far."""
 
     def __init__(self, run_dir: Path, epochs: int, tensorboard_dir: Path) -> None:
+        self.release = run_dir.parent / "release"
+        script = run_dir.parent / "dashboard_run.py"
+        script.write_text(SCRIPT.format(release=str(self.release), epochs=epochs))
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", SCRIPT, str(run_dir), str(epochs), str(tensorboard_dir)],
+            [sys.executable, str(script), str(run_dir), str(tensorboard_dir)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         self.lines: list[str] = []
@@ -191,6 +207,7 @@ def test_the_dashboard_serves_state_and_metrics_and_shows_a_lost_rank(tmp_path: 
         assert state["ranks"][1]["state"] == "lost"
         if driver is not None:
             _check_lost_on_page(driver)
+        run.release.touch()  # the run's last epoch may go on
         out, _ = run.proc.communicate(timeout=120)
         step = "report.html"
         if driver is not None:
@@ -200,6 +217,7 @@ def test_the_dashboard_serves_state_and_metrics_and_shows_a_lost_rank(tmp_path: 
             print(f"screenshot of {step}: {screenshot(driver, tmp_path, 'failure')}")
         raise
     finally:
+        run.release.touch()
         if run.proc.poll() is None:
             run.proc.kill()
             run.proc.communicate()
