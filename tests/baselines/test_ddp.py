@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,3 +252,30 @@ def test_a_failing_rank_raises_with_its_traceback_and_stops_the_others() -> None
 def test_a_run_past_its_timeout_is_stopped() -> None:
     with pytest.raises(RuntimeError, match="timeout"):
         ddp._spawn_ranks(_every_rank_hangs, _plan(1.0), nprocs=2, timeout_s=1.0)
+
+
+PROBE = "ELCHE_TEST_SPAWN_PROBE"
+
+
+def _write_probe(rank: int, path: str) -> None:
+    """A spawned rank: write what it sees of ``PROBE``."""
+    del rank
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(os.environ.get(PROBE, "<unset>"))
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_spawned_ranks_take_this_process_environment_as_it_is_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The ranks fork from elche's fork server, started by the first spawn with the
+    # environment of that moment; a setting made after it (the bench's RUST_LOG for
+    # torchft) must still reach the next ranks.
+    monkeypatch.delenv(PROBE, raising=False)
+    before, after = tmp_path / "before", tmp_path / "after"
+    ddp._spawn_ranks(_write_probe, str(before), nprocs=1, timeout_s=120)
+    monkeypatch.setenv(PROBE, "set after the fork server started")
+    ddp._spawn_ranks(_write_probe, str(after), nprocs=1, timeout_s=120)
+    assert before.read_text() == "<unset>"
+    assert after.read_text() == "set after the fork server started"

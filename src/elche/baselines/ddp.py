@@ -209,7 +209,8 @@ def _spawn_ranks(
 
     The ranks fork from elche's fork server (``runtime.launch.rank_context``:
     torch preloaded), as elche's own local ranks do, so neither system pays
-    for importing torch in every rank of every run.
+    for importing torch in every rank of every run; and as theirs, each takes
+    this process's environment as it is now, not the fork server's.
 
     Raises:
         RuntimeError: a process raised or died (the others are terminated
@@ -220,7 +221,11 @@ def _spawn_ranks(
 
     method = rank_context().get_start_method()  # elche's warm fork server, where there is one
     context: ProcessContext = start_processes(  # type: ignore[no-untyped-call]  # untyped in torch
-        fn, args=(plan,), nprocs=nprocs, join=False, start_method=method
+        _in_environment,
+        args=(fn, dict(os.environ), plan),
+        nprocs=nprocs,
+        join=False,
+        start_method=method,
     )
     deadline_s = time.monotonic() + timeout_s
     try:
@@ -233,6 +238,14 @@ def _spawn_ranks(
         raise RuntimeError(f"{system}: rank {exc.error_index} failed: {exc}") from exc
     finally:
         _stop_all(context.processes)
+
+
+def _in_environment(rank: int, fn: Callable[[int, P], None], env: dict[str, str], plan: P) -> None:
+    """A spawned rank: the spawning process's environment, then ``fn(rank, plan)``."""
+    from elche.runtime.launch import take_environment
+
+    take_environment(env)
+    fn(rank, plan)
 
 
 def _stop_all(processes: Sequence[BaseProcess]) -> None:

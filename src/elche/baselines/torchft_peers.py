@@ -106,9 +106,6 @@ class _FtPlan:
     algorithm: str
     lighthouse: str
     sync_every: int
-    # The ranks' RUST_LOG: the bench process's, set here because the ranks fork
-    # from a fork server whose environment is the one it started with.
-    rust_log: str
 
 
 def run_torchft(
@@ -165,9 +162,7 @@ def run_torchft(
                 plan_speeds, epochs, batch_size, seed, workload, train_set, test_set, run_dir,
                 timeout_s, base,
             )  # fmt: skip
-            plan = _FtPlan(
-                base_plan, algorithm, lighthouse.address(), sync_every, os.environ[RUST_LOG_ENV]
-            )
+            plan = _FtPlan(base_plan, algorithm, lighthouse.address(), sync_every)
             launched_at = time.time()
             ddp._spawn_ranks(
                 _rank_main, plan, nprocs=len(plan_speeds), timeout_s=timeout_s, system=algorithm
@@ -188,8 +183,6 @@ def run_torchft(
 def _rank_main(rank: int, plan: _FtPlan) -> None:
     """One torchft replica: its store, process group and manager; train; report."""
     import torch.distributed as dist
-
-    os.environ[RUST_LOG_ENV] = plan.rust_log  # before torchft's Rust logger starts
     from torchft import Manager, ProcessGroupGloo
 
     torch.set_num_threads(1)

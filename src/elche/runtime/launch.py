@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +95,7 @@ __all__ = [
     "rank_spec",
     "start_coordinator",
     "start_watching",
+    "take_environment",
     "tell_coordinator",
     "with_bundle",
 ]
@@ -120,6 +121,17 @@ FORKSERVER_PRELOAD = (
 )  # fmt: skip
 
 
+def take_environment(env: Mapping[str, str]) -> None:
+    """Make ``env`` this process's environment.
+
+    A process forked from the fork server inherits the server's environment,
+    from when it started (the first run of the launching process); the
+    launcher's environment at launch, ``env``, is the one that counts.
+    """
+    os.environ.clear()
+    os.environ.update(env)
+
+
 def _rank_process(
     spec: Any,
     fns: Any,
@@ -132,10 +144,7 @@ def _rank_process(
     """The body of a rank process; ``state_out``: where its final model goes."""
     ignore_stop_signals()  # the launcher orders the stop
     watch_launcher(launcher_pid)
-    # A forked rank inherits the fork server's environment, from when it
-    # started; the launcher's environment now is the one that counts.
-    os.environ.clear()
-    os.environ.update(env)
+    take_environment(env)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["ELCHE_RANK"] = str(spec.rank)  # lets user callbacks know where they run
     from elche.runtime.worker import train_rank
