@@ -130,8 +130,7 @@ def _workload_section(name: str, rows: Sequence[Row], doc: Mapping[str, Any]) ->
         f"## {name}",
         "",
         f"{first['epochs']} epoch{'' if first['epochs'] == 1 else 's'}{_of_samples(first)}, "
-        f"batch {first['batch_size']} per rank "
-        "per step; "
+        f"batch {first['batch_size']} per rank per step; "
         f"eval = {first['metric']} ({better}).{pacing}",
         "",
     ]
@@ -145,7 +144,7 @@ def _workload_section(name: str, rows: Sequence[Row], doc: Mapping[str, Any]) ->
 
 
 def _of_samples(row: Row) -> str:
-    """`` of N training samples`` when the plan trains on a cut of the training set."""
+    """`` of N training samples``: what each epoch trained (a plan's cut, or the whole set)."""
     samples = row.get("train_samples")
     return f" of {samples:,} training samples" if samples else ""
 
