@@ -203,7 +203,17 @@ def test_regroup_drops_the_old_groups_round_and_reforms() -> None:
     p.handle(m.SyncNow(round=3, generation=0))
     p.handle(m.Regroup(generation=1, members=[0, 1]))
     assert p.next_action() == FormGroup(generation=1, members=(0, 1))
-    p.regrouped()
+    p.regrouped(1)
+    assert p.next_action() == Hold()
+
+
+def test_a_newer_regroup_that_came_while_a_generation_formed_stays_waiting() -> None:
+    p = proto(rank=1)
+    p.handle(m.Regroup(generation=1, members=[0, 1, 2]))
+    p.handle(m.Regroup(generation=2, members=[0, 1]))  # while generation 1 formed
+    p.regrouped(1)
+    assert p.next_action() == FormGroup(generation=2, members=(0, 1))
+    p.regrouped(2)
     assert p.next_action() == Hold()
 
 
@@ -301,7 +311,7 @@ def _completions(p: RankProtocol) -> list[tuple[str, object]]:
         ("loaded", p.loaded),
         ("evaluated", lambda: p.evaluated(metric=1.0, elapsed_ms=1.0, error=None)),
         ("checkpointed", lambda: p.checkpointed(elapsed_ms=1.0, error=None)),
-        ("regrouped", p.regrouped),
+        ("regrouped", lambda: p.regrouped(1)),
         ("saved", p.saved),
     ]
 
@@ -362,8 +372,8 @@ def _complete(p: RankProtocol, action: object) -> None:
             p.evaluated(metric=0.0, elapsed_ms=0.0, error=None)
         case Callback():
             p.checkpointed(elapsed_ms=0.0, error=None)
-        case FormGroup():
-            p.regrouped()
+        case FormGroup(generation=generation):
+            p.regrouped(generation)
         case Save():
             p.saved()
 

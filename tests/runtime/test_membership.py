@@ -74,6 +74,37 @@ def test_a_member_that_never_comes_is_named_after_twice_the_timeout(store_port: 
     assert time.monotonic() - started >= 0.2
 
 
+def test_a_late_member_does_not_count_members_that_left_a_superseded_gathering(
+    store_port: int,
+) -> None:
+    """A restarted coordinator orders a generation and the final save a moment apart:
+    the ranks told to hold leave, their marks stay, the writer comes late."""
+    client = groups.connect(ADDRESS, store_port, 5.0)
+    store = groups.generation_store(client, 7)
+    for rank in (1, 2):
+        assert not groups.gather(store, rank, [0, 1, 2], timeout_s=5.0, superseded=lambda _: True)
+    with pytest.raises(RuntimeError, match="a member gave the group up"):
+        groups.gather(store, 0, [0, 1, 2], timeout_s=0.1, superseded=never)
+    news = iter([False, False, True])  # the writer reads the save order a moment later
+    assert not groups.gather(store, 0, [0, 1, 2], timeout_s=5.0, superseded=lambda _: next(news))
+    assert next(news, None) is None
+
+
+def test_a_member_superseded_once_every_member_has_arrived_forms_with_them(
+    store_port: int,
+) -> None:
+    client = groups.connect(ADDRESS, store_port, 5.0)
+    store = groups.generation_store(client, 8)
+
+    def newer_order_as_the_last_member_comes(wait_s: float) -> bool:
+        assert groups.gather(store, 1, [0, 1], timeout_s=5.0, superseded=never)
+        return True
+
+    assert groups.gather(
+        store, 0, [0, 1], timeout_s=5.0, superseded=newer_order_as_the_last_member_comes
+    )
+
+
 def _survivor(rank: int, port: int, results: Any) -> None:
     """Rank 0 read generation 2 first; rank 1 (which joined meanwhile) only generation 3."""
     membership = Membership(rank, ADDRESS, port, TIMEOUT_S)

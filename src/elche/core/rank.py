@@ -640,15 +640,20 @@ class RankProtocol:
             raise self._illegal(completion, "no callback is queued")
         return self._callbacks[0]
 
-    def regrouped(self) -> None:
-        """The group of the last ``Regroup`` is formed (or left, for a world of one).
+    def regrouped(self, generation: int) -> None:
+        """The group of generation ``generation`` is formed (or left, for a world of one).
+
+        A newer ``Regroup`` that came while it formed stays waiting: its
+        members may have formed that generation with peers that had all
+        gathered for it when the newer order came (``elche.runtime.groups``).
 
         Raises:
             LocalProtocolError: no ``Regroup`` is waiting.
         """
         if self._regroup is None:
             raise self._illegal("regrouped", "no Regroup is waiting")
-        self._regroup = None
+        if self._regroup.generation <= generation:
+            self._regroup = None
 
     def failed(self, *, error_type: str, message: str, traceback: str, epoch: int) -> m.Failed:
         """The user's code raised on this rank; the rank stops. Legal in any state.

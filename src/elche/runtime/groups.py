@@ -25,6 +25,19 @@ survivor that read the first order gathers for it, sees the second one
 come, and leaves at once for the generation its peers are gathering in,
 where a survivor blocked in the first generation's rendezvous would have
 kept them waiting until every one of them timed out.
+
+Whether a gathering ends in the rendezvous is decided once, for all its
+members, by the store's compare-and-set on its ``outcome`` key: the first
+member to see every member arrived claims it ``formed``, the first to see
+the generation ordered away (or to give up waiting) claims it
+``abandoned``, and every member follows what was claimed. Arrival marks
+alone cannot decide it: a member that left a superseded gathering keeps
+its mark, and a late member that counted it would enter the rendezvous
+alone and wait there for the whole timeout (a coordinator restarted at
+the final save orders a new generation and the save a moment apart; the
+ranks told to hold left, and the writer, which had read only the first
+order, blocked). A member whose gathering was claimed ``formed`` forms
+the group even if a newer order came meanwhile; that order is next.
 """
 
 from __future__ import annotations
@@ -61,6 +74,9 @@ GROUPS_PORT_ENV = "ELCHE_GROUPS_PORT"
 SERVER_TIMEOUT_S = 300.0
 
 ARRIVED = "arrived/"  # + a member's rank: it has come to gather for its generation
+OUTCOME = "outcome"  # FORMED or ABANDONED, claimed once (compare-and-set) for every member
+FORMED = "formed"
+ABANDONED = "abandoned"
 GATHER_POLL_S = 0.05  # how often a gathering member looks at the store
 
 
@@ -157,31 +173,52 @@ def gather(
     timeout_s: float,
     superseded: Callable[[float], bool],
 ) -> bool:
-    """Mark ``rank`` arrived in a generation's ``store`` and wait until all ``members`` have.
+    """Mark ``rank`` arrived in a generation's ``store`` and wait until it is claimed formed.
 
     ``superseded(wait_s)`` waits up to ``wait_s`` for news and says whether
     this generation was ordered away meanwhile (a newer one, or the save of a
-    run that cannot go on); the gathering then ends at once. A member may
-    come late by up to ``timeout_s``, the time a peer can spend blocked in
-    the rendezvous of a generation superseded after everyone gathered for
-    it; the wait is therefore twice that (the coordinator orders a newer
-    generation, which ends it sooner, when a member is lost).
+    run that cannot go on); the member then claims the gathering abandoned
+    and leaves, unless a peer that saw every member arrived claimed it
+    formed first. A member may come late by up to ``timeout_s``, the time a
+    peer can spend blocked in the rendezvous of a generation superseded
+    after everyone gathered for it; the wait is therefore twice that (the
+    coordinator orders a newer generation, which ends it sooner, when a
+    member is lost).
 
     Returns:
-        True when every member arrived, False when superseded.
+        True when the gathering was claimed formed: enter the rendezvous.
+        False when this member's generation was superseded and not formed.
 
     Raises:
-        RuntimeError: members did not arrive in ``2 * timeout_s``, naming them.
+        RuntimeError: the gathering was not claimed formed in ``2 * timeout_s``
+            (members that did not arrive are named).
     """
     store.set(f"{ARRIVED}{rank}", "1")
     keys = [f"{ARRIVED}{member}" for member in members]
     deadline = time.monotonic() + 2 * timeout_s
-    while not store.check(keys):
+    while (outcome := _outcome(store, keys)) != FORMED:
         if superseded(GATHER_POLL_S):
-            return False
+            return outcome is None and _claim(store, ABANDONED) == FORMED
         if time.monotonic() > deadline:
+            if outcome is None and _claim(store, ABANDONED) == FORMED:
+                return True  # the last member came just now
             missing = [m for m, key in zip(members, keys, strict=True) if not store.check([key])]
-            raise RuntimeError(
-                f"rank(s) {missing} did not come to form the group in {2 * timeout_s:.0f} s"
-            )
+            waited = f"{2 * timeout_s:.0f} s"
+            if missing:
+                raise RuntimeError(f"rank(s) {missing} did not come to form the group in {waited}")
+            raise RuntimeError(f"a member gave the group up and no newer order came in {waited}")
     return True
+
+
+def _outcome(store: Store, keys: list[str]) -> str | None:
+    """What the gathering was claimed; claimed formed now if every member has arrived."""
+    if store.check([OUTCOME]):
+        return bytes(store.get(OUTCOME)).decode()
+    if store.check(keys):
+        return _claim(store, FORMED)
+    return None
+
+
+def _claim(store: Store, outcome: str) -> str:
+    """Claim the gathering's ``outcome`` unless a member claimed one first; what it is now."""
+    return bytes(store.compare_set(OUTCOME, "", outcome)).decode()

@@ -68,7 +68,8 @@ class Membership:
         With ``superseded`` the members gather first (``groups.gather``).
 
         Returns:
-            False when the generation was superseded while its members gathered.
+            False when the generation was superseded, and not claimed formed,
+            while its members gathered.
 
         Raises:
             RuntimeError: no store port, or the group did not form in time.

@@ -233,7 +233,9 @@ class Worker:
             meanwhile (a member was declared lost too: a newer ``Regroup``, or
             the save of a run that cannot go on, came while this rank gathered
             with its peers or waited ``collective_timeout_s`` in the
-            rendezvous): the newer order is next.
+            rendezvous): the newer order is next. True when it formed, even
+            if a newer order came once every member had gathered: that order
+            is next then too.
 
         Raises:
             RuntimeError: the group did not form and nothing superseded it.
@@ -344,7 +346,7 @@ class Worker:
                     self._save(action)
                 case r.FormGroup(generation=generation, members=members):
                     if self._regroup(generation, list(members)):
-                        proto.regrouped()
+                        proto.regrouped(generation)
                 case r.Load():
                     self._apply_update(action)
                 case r.Average() | r.Upload():

@@ -554,8 +554,8 @@ class Simulation:
                     if writer and kind is SaveKind.SHUTDOWN:  # its unaveraged steps are saved
                         self._commit(r.rank, list(r.uncommitted))
                     self._send(r.rank, r.proto.saved(files=action.nominal_files(r.rank)))
-                case FormGroup():
-                    r.proto.regrouped()
+                case FormGroup(generation=generation):
+                    r.proto.regrouped(generation)
                 case Load(steps=steps):
                     ack = r.proto.loaded(divergence=self._divergence(steps))
                     r.snapshot = []

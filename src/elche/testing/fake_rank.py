@@ -241,8 +241,8 @@ class FakeRank:
                 self._send(endpoint, self.proto.loaded())
             case Callback(request=request):
                 self._run_callback(endpoint, request)
-            case FormGroup():
-                self.proto.regrouped()
+            case FormGroup(generation=generation):
+                self.proto.regrouped(generation)
             case Save():
                 self._send(endpoint, self.proto.saved(files=action.nominal_files(self.rank)))
             case StartEpoch():
