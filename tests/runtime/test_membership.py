@@ -12,6 +12,7 @@ the whole timeout and the other timed out in generation 3 alongside it.
 from __future__ import annotations
 
 import multiprocessing as mp
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -103,6 +104,19 @@ def test_a_member_superseded_once_every_member_has_arrived_forms_with_them(
     assert groups.gather(
         store, 0, [0, 1], timeout_s=5.0, superseded=newer_order_as_the_last_member_comes
     )
+
+
+def test_a_store_that_takes_connections_but_does_not_serve_yet_does_not_hold_a_member() -> None:
+    """A restarted coordinator takes connections before it serves its store (it imports
+    torch first) and may end the run meanwhile: the member reads the news as it waits."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # a backlog, never served
+        membership = Membership(1, ADDRESS, silent.getsockname()[1], 5.0)
+        membership.forget_store()  # the Rejoin
+        news = iter([False, False, True])  # then the save order: hold
+
+        assert not membership.form(1, [0, 1], superseded=lambda _: next(news))
+        assert next(news, None) is None
+        assert membership.store_lost is False  # it set out for the new store
 
 
 def _survivor(rank: int, port: int, results: Any) -> None:

@@ -476,8 +476,9 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--suite",
         choices=("quick", "full", "gpt", "hosts"),
         default="quick",
-        help="quick: digits-cnn (compute-bound) and digits-mlp (communication-bound) on "
-        "speeds 1,0.5,0.25, 3 repeats, cadence and DDP on digits-cnn also on seeds 1 and 2; "
+        help="quick: digits-cnn (compute-bound), digits-mlp (communication-bound) and "
+        "tiny-gpt (a quarter epoch) on speeds 1,0.5,0.25, one repeat, cadence and DDP on "
+        "digits-cnn and tiny-gpt also on seeds 1 and 2; "
         "full: 5 workloads x 4 rigs; gpt: tiny-gpt (a 1M-parameter transformer) one epoch, "
         "DDP, both torchft peers, cadence and cpu-cadence each on the fp32 and bf16 wire, "
         "DDP and cadence also on seeds 1 and 2; hosts: digits-wide "

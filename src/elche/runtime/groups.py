@@ -62,6 +62,7 @@ __all__ = [
     "generation_store",
     "listen",
     "parse_address_line",
+    "reach",
     "store_host",
 ]
 
@@ -156,6 +157,49 @@ def connect(address: str, port: int, timeout_s: float) -> Store:
         store_host(address), port, None, False, timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )  # fmt: skip
+
+
+def reach(
+    address: str, port: int, timeout_s: float, *, superseded: Callable[[float], bool]
+) -> Store | None:
+    """``connect`` on a thread while ``superseded`` (``gather``'s look at the news) reads news.
+
+    A store that takes connections but does not serve yet (a restarted
+    coordinator imports torch first) holds a client's handshake with no
+    bound, and its coordinator may meanwhile end the run, or order something
+    else, without this rank: the connection is then left to its thread.
+
+    Returns:
+        The client, or None when superseded first.
+
+    Raises:
+        RuntimeError: the store did not answer in ``2 * timeout_s`` (torch's
+            own errors, a ``DistError``, as they come).
+    """
+    got: list[Store | Exception] = []
+    reached = threading.Event()
+
+    def attempt() -> None:
+        try:
+            got.append(connect(address, port, timeout_s))
+        except Exception as exc:  # raised below, in the caller's thread
+            got.append(exc)
+        reached.set()
+
+    threading.Thread(target=attempt, name="elche-group-store-client", daemon=True).start()
+    deadline = time.monotonic() + 2 * timeout_s
+    while not reached.is_set():
+        if superseded(GATHER_POLL_S):
+            return None
+        if time.monotonic() > deadline:
+            where = f"{store_host(address)}:{port}"
+            raise RuntimeError(
+                f"the group store at {where} did not answer in {2 * timeout_s:.0f} s"
+            )
+    (client,) = got
+    if isinstance(client, Exception):
+        raise client
+    return client
 
 
 def generation_store(client: Store, generation: int) -> Store:

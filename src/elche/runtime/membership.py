@@ -38,15 +38,18 @@ class Membership:
         self.group: dist.ProcessGroup | None = None
         self.owns_group = True  # False: the launcher's default group, not ours to destroy
         self._store: Store | None = None  # the client of the group store, once formed
+        self._forgotten = False  # a restart dropped the client (until the next connection)
 
     @property
     def store_lost(self) -> bool:
-        """Whether the store client was dropped (the coordinator restarted)."""
-        return self._store is None
+        """Whether the store client was dropped (the coordinator restarted) since
+        this rank last set out to reach the store."""
+        return self._forgotten
 
     def forget_store(self) -> None:
         """The coordinator restarted: its store went with it; reconnect at the next formation."""
         self._store = None
+        self._forgotten = True
 
     def join_first(self, world_size: int) -> None:
         """Form generation 0 of ``world_size`` ranks, or take the launcher's default group."""
@@ -77,7 +80,15 @@ class Membership:
         if self.port is None:
             raise RuntimeError("a collective group needs the coordinator's group store port")
         if self._store is None:
-            self._store = groups.connect(self.address, self.port, self.timeout_s)
+            self._forgotten = False
+            if superseded is None:
+                self._store = groups.connect(self.address, self.port, self.timeout_s)
+            else:
+                self._store = groups.reach(
+                    self.address, self.port, self.timeout_s, superseded=superseded
+                )
+                if self._store is None:
+                    return False
         store = groups.generation_store(self._store, generation)
         if superseded is not None and not groups.gather(
             store, self.rank, members, timeout_s=self.timeout_s, superseded=superseded
