@@ -42,8 +42,7 @@ class Membership:
 
     @property
     def store_lost(self) -> bool:
-        """Whether the store client was dropped (the coordinator restarted) since
-        this rank last set out to reach the store."""
+        """Whether a restart dropped the store client since this rank last set out to reach it."""
         return self._forgotten
 
     def forget_store(self) -> None:
