@@ -119,6 +119,24 @@ def test_a_store_that_takes_connections_but_does_not_serve_yet_does_not_hold_a_m
         assert membership.store_lost is False  # it set out for the new store
 
 
+def test_a_store_that_fails_to_start_refuses_its_clients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its listening socket must not hold their handshakes for good (the rendezvous'
+    timeout does not bound them): a refused client times out, saying so."""
+    from torch._C import _distributed_c10d
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no store here")
+
+    monkeypatch.setattr(_distributed_c10d, "TCPStore", broken)
+    server = groups.GroupStoreServer(groups.listen(ADDRESS)).start()
+    assert server.settle(TIMEOUT_S)
+    assert isinstance(server.error, RuntimeError)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT_S).close()
+
+
 def _survivor(rank: int, port: int, results: Any) -> None:
     """Rank 0 read generation 2 first; rank 1 (which joined meanwhile) only generation 3."""
     membership = Membership(rank, ADDRESS, port, TIMEOUT_S)

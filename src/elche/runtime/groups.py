@@ -42,6 +42,7 @@ the group even if a newer order came meanwhile; that order is next.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import sys
 import threading
@@ -132,6 +133,11 @@ class GroupStoreServer:
         self._thread.start()
         return self
 
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until the store serves or failed to start (``error``); whether it did."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def _serve(self) -> None:
         try:
             from torch._C._distributed_c10d import TCPStore
@@ -147,6 +153,11 @@ class GroupStoreServer:
         except Exception as exc:  # the ranks' group formation then times out, saying so
             self.error = exc
             print(f"elche coordinator: the group store did not start: {exc}", file=sys.stderr)
+            # A listening socket nobody serves would hold each client's handshake
+            # for good (torch's timeout does not bound it): refuse them instead.
+            # (Shut down, not closed: the store may own the descriptor by now.)
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
 
 
 def connect(address: str, port: int, timeout_s: float) -> Store:
