@@ -48,6 +48,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -187,19 +188,17 @@ def reach(
         RuntimeError: the store did not answer in ``2 * timeout_s`` (torch's
             own errors, a ``DistError``, as they come).
     """
-    got: list[Store | Exception] = []
-    reached = threading.Event()
+    client: Future[Store] = Future()
 
     def attempt() -> None:
         try:
-            got.append(connect(address, port, timeout_s))
-        except Exception as exc:  # raised below, in the caller's thread
-            got.append(exc)
-        reached.set()
+            client.set_result(connect(address, port, timeout_s))
+        except Exception as exc:  # raised by ``result``, in the caller's thread
+            client.set_exception(exc)
 
     threading.Thread(target=attempt, name="elche-group-store-client", daemon=True).start()
     deadline = time.monotonic() + 2 * timeout_s
-    while not reached.is_set():
+    while not client.done():
         if superseded(GATHER_POLL_S):
             return None
         if time.monotonic() > deadline:
@@ -207,10 +206,7 @@ def reach(
             raise RuntimeError(
                 f"the group store at {where} did not answer in {2 * timeout_s:.0f} s"
             )
-    (client,) = got
-    if isinstance(client, Exception):
-        raise client
-    return client
+    return client.result()
 
 
 def generation_store(client: Store, generation: int) -> Store:
