@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import multiprocessing
 from pathlib import Path
 
 import pytest
 import torch
 
 from elche.baselines.ddp import eval_snapshots, snapshot
-from elche.bench.kept_weights import KeepWeights, evaluate_kept
+from elche.bench.kept_weights import SUFFIX, KeepWeights, evaluate_kept
 from elche.bench.runner import _kept_evals
 from elche.workloads import get as get_workload
 
@@ -25,6 +26,7 @@ def test_each_kept_copy_is_numbered_and_evaluated_after_the_clock(tmp_path: Path
                 p.mul_(scale)
         assert keep(model, test_set) == number  # nothing evaluated in the clock
         expected.append(work.eval_fn(model, test_set))
+    assert not list(tmp_path.glob(f"*{SUFFIX}"))  # nor written: the copies are in memory
     kept, final = evaluate_kept("digits-ae", tmp_path, test_set, final=snapshot(model))
     assert kept == pytest.approx(expected)
     assert final == pytest.approx(expected[1])
@@ -57,3 +59,30 @@ def test_each_epoch_gets_the_eval_of_the_copy_it_names() -> None:
     assert [r["eval"] for r in _kept_evals(rows, [0.5, 0.9])] == [0.9, None, 0.5]
     with pytest.raises(ValueError, match="epoch 3: copy 2 of 2 kept"):
         _kept_evals([{"epoch": 3, "eval": 2.0}], [0.5, 0.9])
+
+
+def _keep_in_a_child(directory: str) -> None:
+    work = get_workload("digits-ae")
+    KeepWeights(directory)(work.make_model("cpu"), None)
+
+
+def test_a_rank_process_writes_its_copies_when_it_exits(tmp_path: Path) -> None:
+    work = get_workload("digits-ae")
+    _, test_set = work.load_split(0)
+    child = multiprocessing.get_context("fork").Process(
+        target=_keep_in_a_child, args=(str(tmp_path),)
+    )
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert [p.name for p in tmp_path.iterdir()] == [f"000000{SUFFIX}"]
+    kept, _ = evaluate_kept("digits-ae", tmp_path, test_set, final=snapshot(work.make_model("cpu")))
+    assert kept == pytest.approx([work.eval_fn(work.make_model("cpu"), test_set)])
+
+
+def test_a_copy_whose_process_died_unwritten_is_named(tmp_path: Path) -> None:
+    work = get_workload("digits-ae")
+    _, test_set = work.load_split(0)
+    (tmp_path / "000000.reserved").touch()  # a number taken by a process killed before its exit
+    with pytest.raises(RuntimeError, match=r"never written .*000000\.reserved"):
+        evaluate_kept("digits-ae", tmp_path, test_set, final=snapshot(work.make_model("cpu")))

@@ -1,22 +1,31 @@
 """Evaluating elche's and solo's runs after their clock, as the bench does for every peer.
 
-The peers (torch DDP, torchft) copy rank 0's weights at each epoch end and
-evaluate the copies once their clock has stopped; the capacity the bench
-divides by trains without evaluating at all. So that elche's clock holds
-the same work, its ``eval_fn`` in the bench is ``KeepWeights``: on the eval
-role's rank it writes a copy of the model it is given (the epoch's
-consensus, the model elche would evaluate) to a directory and returns the
-copy's number (0, 1, 2, ... in the order kept) as the metric, so the run's
-record says which copy each epoch's eval is; after the run the bench
-evaluates the copies (``evaluate_kept``) and puts each one's eval where its
-number stands. What a copy costs inside the clock (a ``torch.save`` of the
-weights, a few ms for tiny-gpt's 4 MB) is what the peers' in-memory copy
-costs them; the evaluation itself, which a user's ``eval_fn`` would spend
-in the clock, is out of every system's wall alike.
+The peers (torch DDP, torchft) copy rank 0's weights in memory at each epoch
+end and evaluate the copies once their clock has stopped; the capacity the
+bench divides by trains without evaluating at all. So that elche's clock
+holds the same work, its ``eval_fn`` in the bench is ``KeepWeights``: on the
+eval role's rank it takes the same in-memory copy of the model it is given
+(``baselines.ddp.snapshot``: the epoch's consensus, the model elche would
+evaluate), reserves the copy's number (0, 1, 2, ... in the order kept) with
+an empty file, and returns the number as the metric, so the run's record
+says which copy each epoch's eval is.
+
+The copies reach the disk after the clock: each process that kept one
+writes them when its main thread ends (a rank process's exit, after the
+run's final average), and ``evaluate_kept`` writes those of its own process
+first (``ranks=1`` trains in the bench's process). Then the bench evaluates
+them and puts each one's eval where its number stands. Writing each copy
+inside the clock instead (a ``torch.save`` on the rank the eval role holds,
+usually the fastest) held that rank 3-8 ms an epoch on digits-cnn in a loaded
+run, where DDP's in-memory copy costs ~0.1 ms: the same work in every clock
+is the point, not a speed-up (eight runs each way did not show it in the
+wall through this machine's noise). The evaluation itself, which a user's
+``eval_fn`` would spend in the clock, is out of every system's wall alike.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,27 +33,80 @@ from typing import Any
 __all__ = ["KeepWeights", "evaluate_kept"]
 
 SUFFIX = ".kept.pt"
+RESERVED = ".reserved"  # a copy's number, taken in the clock; its weights come later
 
 
 @dataclass(frozen=True, slots=True)
 class KeepWeights:
-    """An ``eval_fn`` that keeps a copy of the weights under ``directory`` and evaluates nothing."""
+    """An ``eval_fn`` that keeps a copy of the weights for ``directory`` and evaluates nothing."""
 
     directory: str
 
     def __call__(self, model: Any, dataset: Any) -> float:
-        """Keep a copy of ``model``'s weights; returns the copy's number."""
-        import torch
-
+        """Keep an in-memory copy of ``model``'s weights; returns the copy's number."""
         from elche.baselines.ddp import snapshot
 
         del dataset
-        directory = Path(self.directory)
-        number = len(list(directory.glob(f"*{SUFFIX}")))  # one eval at a time, in the run
-        tmp = directory / f"{number:06d}.tmp"
-        torch.save(snapshot(model), tmp)
-        tmp.rename(directory / f"{number:06d}{SUFFIX}")
-        return float(number)
+        state = snapshot(model)
+        reserved = _reserve(Path(self.directory))
+        _HELD.add(reserved, state)
+        return float(reserved.name.removesuffix(RESERVED))
+
+
+def _reserve(directory: Path) -> Path:
+    """The next copy's number, as an empty file made exclusively (one eval at a time)."""
+    number = sum(1 for _ in directory.glob(f"*{SUFFIX}"))
+    number += sum(1 for _ in directory.glob(f"*{RESERVED}"))
+    while True:
+        path = directory / f"{number:06d}{RESERVED}"
+        try:
+            path.open("x").close()
+        except FileExistsError:
+            number += 1
+            continue
+        return path
+
+
+class _Held:
+    """This process's copies not yet written, and the thread that writes them when it exits.
+
+    The thread is not a daemon: the interpreter, and a ``multiprocessing``
+    child alike, joins it before the process exits, once the main thread is
+    done; it waits for that, then writes.
+    """
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[Path, dict[str, Any]]] = []  # (its reserved file, the weights)
+        self.lock = threading.Lock()
+        self.writer: threading.Thread | None = None
+
+    def add(self, reserved: Path, state: dict[str, Any]) -> None:
+        with self.lock:
+            self.copies.append((reserved, state))
+            if self.writer is None or not self.writer.is_alive():  # none yet, or the parent's
+                self.writer = threading.Thread(target=self._write_at_exit, name="elche-bench-kept")
+                self.writer.start()
+
+    def _write_at_exit(self) -> None:
+        threading.main_thread().join()
+        self.write()
+
+    def write(self) -> None:
+        """Write every copy held to its reserved number (``NNNNNN.kept.pt``)."""
+        import torch
+
+        while True:
+            with self.lock:
+                if not self.copies:
+                    return
+                reserved, state = self.copies.pop(0)
+            tmp = reserved.with_suffix(".tmp")
+            torch.save(state, tmp)
+            tmp.rename(reserved.with_name(reserved.name.removesuffix(RESERVED) + SUFFIX))
+            reserved.unlink()
+
+
+_HELD = _Held()
 
 
 def evaluate_kept(
@@ -54,11 +116,19 @@ def evaluate_kept(
 
     ``final`` is the run's final model; when it equals the last copy kept
     (the last epoch's consensus, as it usually is) it is not evaluated twice.
+
+    Raises:
+        RuntimeError: a copy's number was taken but its weights never
+            written (its process died before its exit).
     """
     import torch
 
     from elche.baselines.ddp import eval_snapshots
 
+    _HELD.write()  # this process's own copies (``ranks=1`` trains here)
+    unwritten = sorted(p.name for p in directory.glob(f"*{RESERVED}"))
+    if unwritten:
+        raise RuntimeError(f"kept copies never written (their process died): {unwritten}")
     paths = sorted(directory.glob(f"*{SUFFIX}"))
     states = [torch.load(path, map_location="cpu", weights_only=True) for path in paths]
     *kept, last = eval_snapshots(workload, [*states, final], eval_dataset)
