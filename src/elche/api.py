@@ -22,6 +22,7 @@ every rank under a launcher.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -260,7 +261,9 @@ def train(
     if plan.resume_from is not None:
         from elche.runtime.resume import check_resume
 
-        check_resume(plan.resume_from, plan.config, model_fn)  # before anything starts
+        meta = check_resume(plan.resume_from, plan.config, model_fn)  # before anything starts
+        # A resumed run draws each epoch's order as its bundle's run did.
+        plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, order=meta.order))
     from elche.runtime.joining import JOIN_ENV
 
     if JOIN_ENV in os.environ:  # elche join: one new rank of a running run

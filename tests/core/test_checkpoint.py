@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elche.core.checkpoint import SCHEMA_VERSION, CheckpointMeta, EpochCoverage, SaveReason
+from elche.core.config import NUMPY_PERMUTATION, ORDERS, RANDOM_SHUFFLE
 from elche.core.elche_state import MAX_COUNT, ElCheState, Phase
 from elche.core.errors import ConfigError
 
@@ -135,7 +136,24 @@ def test_an_older_schema_is_read() -> None:
     assert parsed.elche_state == STATE
 
 
+def test_the_epochs_order_round_trips_and_a_meta_before_schema_4_drew_the_random_shuffle() -> None:
+    assert CheckpointMeta.from_json(meta(order=NUMPY_PERMUTATION).to_json()).order == (
+        NUMPY_PERMUTATION
+    )
+    raw = json.loads(meta().to_json())
+    raw["schema_version"] = 3
+    del raw["order"]  # schema 3 had none: every run then drew random.shuffle's order
+    assert CheckpointMeta.from_json(json.dumps(raw)).order == RANDOM_SHUFFLE
+
+
 # --- refusals ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["sorted", None, 3])
+def test_an_unknown_order_is_refused_listing_the_accepted_ones(order: object) -> None:
+    with pytest.raises(ConfigError, match="numpy-permutation") as info:
+        CheckpointMeta.from_json(doc(order=order))
+    assert info.value.field == "order"
 
 
 def test_a_newer_schema_is_refused_with_upgrade_advice() -> None:
@@ -298,6 +316,7 @@ def metas(draw: st.DrawFn) -> CheckpointMeta:
         if epoch < epochs
         else st.just([])
     )
+    version = draw(st.integers(min_value=0, max_value=SCHEMA_VERSION))
     return CheckpointMeta(
         epoch=epoch,
         global_step=draw(COUNTS),
@@ -309,7 +328,8 @@ def metas(draw: st.DrawFn) -> CheckpointMeta:
         epochs=epochs,
         elche_state=draw(st.none() | elche_states()),
         coverage=tuple(draw(coverage_of(e)) for e in started),
-        schema_version=draw(st.integers(min_value=0, max_value=SCHEMA_VERSION)),
+        order=draw(st.sampled_from(ORDERS)) if version >= 4 else RANDOM_SHUFFLE,
+        schema_version=version,
     )
 
 

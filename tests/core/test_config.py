@@ -155,6 +155,7 @@ def test_scheduler_config_accepts_the_edges(overrides: dict[str, object]) -> Non
         ({"batch_size": 0}, "batch_size"),
         ({"epochs": 0}, "epochs"),
         ({"seed": -1}, "seed"),
+        ({"order": "sorted"}, "order"),
         ({"max_failures": 0}, "max_failures"),
         ({"eval_every": 0}, "eval_every"),
         ({"checkpoint_every": 0}, "checkpoint_every"),

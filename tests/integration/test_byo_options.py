@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import elche
-from elche.core.dispatch import epoch_permutation
+from elche.runtime.shards import epoch_order
 from tests.runtime import byo_fns as fx
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -41,6 +41,6 @@ def test_three_ranks_train_variable_length_items_with_every_option(tmp_path: Pat
     assert all(len({i % 2 for i in ids}) == 1 for _, ids in calls)  # by_parity's micro-batches
     counts = collections.Counter(i for _, ids in calls for i in ids)
     # Warm-up passes (before training) go over the first step's items again.
-    first_step = set(epoch_permutation(len(data), seed=42, epoch=0)[:16])
+    first_step = set(epoch_order(data, seed=42, epoch=0)[:16])
     assert {i for i in range(len(data)) if counts[i] != epochs} <= first_step
     assert all(counts[i] >= epochs for i in first_step)

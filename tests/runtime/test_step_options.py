@@ -18,6 +18,7 @@ import elche
 from elche.core.dispatch import epoch_permutation
 from elche.runtime.loading import Loader
 from elche.runtime.options import TrainOptions
+from elche.runtime.shards import epoch_order
 from tests.runtime import byo_fns as fx
 
 N = 100
@@ -39,7 +40,7 @@ def test_accumulate_makes_the_step_of_one_big_batch() -> None:
     optimizer = fx.linear_optimizer(model.parameters())
     x, y = data.tensors
     for epoch in range(2):  # the plain loop: batches of 16 in elche's epoch order
-        perm = epoch_permutation(N, seed=42, epoch=epoch)
+        perm = epoch_order(data, seed=42, epoch=epoch)
         for start in range(0, N, 16):
             index = torch.tensor(perm[start : start + 16])
             optimizer.zero_grad()

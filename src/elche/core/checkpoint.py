@@ -24,7 +24,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from elche.core.config import CoordinatorConfig
+from elche.core.config import ORDERS, RANDOM_SHUFFLE, CoordinatorConfig
 from elche.core.elche_state import ElCheState, check_range
 from elche.core.errors import ConfigError
 
@@ -39,8 +39,9 @@ __all__ = [
 
 # 2: ``rounds_done`` (was ``sync_round``).
 # 3: ``save_seq`` and ``files``: the bundle's numbered files, with sizes and hashes.
+# 4: ``order``, how each epoch's order was drawn (older metas: ``random-shuffle``).
 # Metas of schemas 1 and 2 are still read (their files have fixed names).
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Seeds reach torch's generators and the wire as unsigned 64-bit integers.
 MAX_SEED = 2**64 - 1
@@ -142,6 +143,8 @@ class CheckpointMeta:
         save_seq: the save's number (a resumed run numbers its saves after it).
         files: the files of the bundle (None in metas before schema 3, whose
             files have fixed names: ``STEM.model.pt``, ``STEM.rank<N>.optim.pt``).
+        order: how each epoch's order was drawn (``CoordinatorConfig.order``;
+            ``random-shuffle`` in metas before schema 4): a resumed run keeps it.
 
     Raises:
         ConfigError: a count is outside [0, MAX_COUNT] (sizes: [1, MAX_COUNT]),
@@ -163,6 +166,7 @@ class CheckpointMeta:
     mode: str | None = None
     save_seq: int = 0
     files: BundleFiles | None = None
+    order: str = RANDOM_SHUFFLE
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -240,6 +244,7 @@ class CheckpointMeta:
             "mode": self.mode,
             "save_seq": self.save_seq,
             "files": None if self.files is None else self.files.to_json(),
+            "order": self.order,
         }
         return json.dumps(doc, indent=2, sort_keys=True)
 
@@ -285,8 +290,17 @@ class CheckpointMeta:
             mode=_mode(doc.get("mode")),
             save_seq=_int(doc, "save_seq") if version >= 3 else 0,
             files=None if doc.get("files") is None else _files(doc["files"]),
+            order=_order(doc) if version >= 4 else RANDOM_SHUFFLE,
             schema_version=version,
         )
+
+
+def _order(doc: Mapping[str, object]) -> str:
+    order = doc.get("order")
+    if order not in ORDERS:
+        raise ConfigError("order", f"must be one of {ORDERS}, got {order!r}")
+    assert isinstance(order, str)  # one of ORDERS
+    return order
 
 
 def _rounds_key(doc: Mapping[str, object], version: int) -> str:

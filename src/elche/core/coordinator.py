@@ -660,6 +660,7 @@ class Coordinator:
             world_size=self.config.world_size,
             reason=reason,
             seed=self.config.seed,
+            order=self.config.order,
             batch_size=self.config.batch_size,
             epochs=self.config.epochs,
             mode=self.config.mode.value,

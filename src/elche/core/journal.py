@@ -134,6 +134,7 @@ def restore(config: CoordinatorConfig, record: JournalRecord) -> Coordinator:
         world_size=config.world_size,
         reason=SaveReason.CHECKPOINT,
         seed=config.seed,
+        order=config.order,
         batch_size=config.batch_size,
         epochs=config.epochs,
         mode=config.mode.value,

@@ -146,6 +146,7 @@ def _bundle(
         world_size=config.world_size,
         reason=SaveReason.COORDINATOR_LOST,
         seed=config.seed,
+        order=config.order,
         batch_size=config.batch_size,
         epochs=config.epochs,
         mode=config.mode.value,

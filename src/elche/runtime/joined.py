@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from elche.core.config import CoordinatorConfig
+from elche.core.config import RANDOM_SHUFFLE, CoordinatorConfig
 from elche.core.errors import ConfigError
 from elche.runtime.frames import SECRET_ENV
 from elche.runtime.joining import JOIN_ENV, JOIN_SPEED_ENV, JOIN_STORE_ENV, JOINED_KEY, KEY
@@ -51,14 +51,17 @@ def train_joined(
     store = groups.connect(address, port, timeout_s)
     world = int(store.get(KEY + "world_size"))
     slots = int(store.get(KEY + "join_slots"))
-    _check_same_run(plan.config, json.loads(store.get(KEY + "config")))
+    run = json.loads(store.get(KEY + "config"))
+    _check_same_run(plan.config, run)
     taken = int(store.add(JOINED_KEY, 1))
     if taken > slots:
         raise ConfigError("join", f"the run has no join slot left (it keeps {slots})")
     rank = world + taken - 1
     run_dir = Path(store.get(KEY + "run_dir").decode())
     run_dir.mkdir(parents=True, exist_ok=True)  # on another host: this host's own
-    config = replace(plan.config, world_size=world, join_slots=slots)
+    # Each epoch's order as the run draws it (a resumed run keeps its bundle's).
+    order = run.get("order", RANDOM_SHUFFLE)
+    config = replace(plan.config, world_size=world, join_slots=slots, order=order)
     spec = rank_spec(  # rank 0's spec of this script, then this rank's own
         replace(plan, config=config), 0, address, bytes.fromhex(secret), run_dir,
         max_grad_norm=max_grad_norm, group_port=port,

@@ -197,7 +197,8 @@ def rank_spec(
     cfg = plan.config
     return RankSpec(
         rank=rank, world_size=cfg.world_size, address=address, secret_hex=secret.hex(),
-        run_dir=str(run_dir), mode=cfg.mode.value, seed=cfg.seed, speed=plan.speeds[rank],
+        run_dir=str(run_dir), mode=cfg.mode.value, seed=cfg.seed, order=cfg.order,
+        speed=plan.speeds[rank],
         speed_base_s=plan.speed_base_s, device=plan.devices[rank], gamma=cfg.scheduler.gamma,
         max_grad_norm=max_grad_norm,
         save_path=cfg.save_path, resume_from=plan.resume_from,

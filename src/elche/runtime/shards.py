@@ -41,11 +41,14 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final
 
+import numpy
+
+from elche.core.config import NUMPY_PERMUTATION, RANDOM_SHUFFLE
 from elche.core.dispatch import epoch_permutation
 from elche.core.errors import ConfigError
 from elche.core.shard_order import ShardOrder, shard_of, shard_starts
 
-__all__ = ["OPEN_STREAMS", "Shards", "check_dataset", "epoch_order"]
+__all__ = ["OPEN_STREAMS", "Shards", "check_dataset", "epoch_order", "numpy_permutation"]
 
 # Streamed shards whose iterators a reader keeps open: a rank reads its own
 # reservation forwards, and now and then a stolen or re-issued span elsewhere.
@@ -55,6 +58,7 @@ _INDEXED: Final = "indexed"
 _STREAM: Final = "stream"
 _FACTORY: Final = "factory"
 _END: Final = object()
+_WORD: Final = 2**32 - 1  # numpy_permutation seeds RandomState with 32-bit words
 
 
 class Shards:
@@ -204,12 +208,33 @@ class Shards:
             _close(iterator)
 
 
-def epoch_order(dataset: Any, *, seed: int, epoch: int) -> Sequence[int]:
-    """The dataset index at each position of ``epoch``: shards shuffled for
-    ``Shards``, every item shuffled (``epoch_permutation``) for the rest."""
+def epoch_order(
+    dataset: Any, *, seed: int, epoch: int, order: str = NUMPY_PERMUTATION
+) -> Sequence[int]:
+    """The dataset index at each position of ``epoch``.
+
+    ``Shards``: its shards shuffled. Any other dataset: every item shuffled,
+    as ``order`` says (``elche.core.config.ORDERS``): ``numpy-permutation``
+    (``numpy_permutation``) or ``random-shuffle`` (``epoch_permutation``).
+    """
     if isinstance(dataset, Shards):
         return dataset.order(seed=seed, epoch=epoch)
-    return epoch_permutation(len(dataset), seed=seed, epoch=epoch)
+    if order == RANDOM_SHUFFLE:
+        return epoch_permutation(len(dataset), seed=seed, epoch=epoch)
+    return numpy_permutation(len(dataset), seed=seed, epoch=epoch)
+
+
+def numpy_permutation(num_samples: int, *, seed: int, epoch: int) -> list[int]:
+    """``range(num_samples)`` permuted by NumPy's legacy ``RandomState``.
+
+    Seeded with the 32-bit words of ``seed`` and ``epoch`` (a seed may take
+    64 bits), so each ``(seed, epoch)`` has its own order. ``RandomState``'s
+    stream is frozen by NumPy's compatibility policy: every rank, on any
+    NumPy, draws the same order.
+    """
+    words = [seed & _WORD, seed >> 32 & _WORD, epoch & _WORD, epoch >> 32 & _WORD]
+    order: list[int] = numpy.random.RandomState(words).permutation(num_samples).tolist()
+    return order
 
 
 def check_dataset(dataset: Any) -> None:

@@ -230,7 +230,7 @@ def _solo(
     def perm(epoch: int) -> Sequence[int]:
         if epoch not in perms:
             perms.clear()
-            perms[epoch] = epoch_order(fns.dataset, seed=cfg.seed, epoch=epoch)
+            perms[epoch] = epoch_order(fns.dataset, seed=cfg.seed, epoch=epoch, order=cfg.order)
         return perms[epoch]
 
     loader = Loader(

@@ -43,7 +43,7 @@ from torch import nn
 from elche.core import messages as m
 from elche.core import rank as r
 from elche.core.checkpoint import SaveReason
-from elche.core.config import Backend, Mode
+from elche.core.config import NUMPY_PERMUTATION, Backend, Mode
 from elche.core.errors import RankExcluded
 from elche.core.faults import (
     FailCheckpoint,
@@ -117,6 +117,7 @@ class RankSpec:
     run_dir: str
     mode: str
     seed: int
+    order: str = NUMPY_PERMUTATION  # how each epoch's order is drawn (CoordinatorConfig.order)
     speed: float = 1.0
     speed_base_s: float | None = None  # given instead of measured (benchmarks)
     device: str = "cpu"
@@ -407,7 +408,10 @@ class Worker:
 
     def _perm(self, epoch: int) -> Sequence[int]:
         if epoch not in self._perms:
-            self._perms = {epoch: epoch_order(self.fns.dataset, seed=self.spec.seed, epoch=epoch)}
+            order = epoch_order(
+                self.fns.dataset, seed=self.spec.seed, epoch=epoch, order=self.spec.order
+            )
+            self._perms = {epoch: order}
         return self._perms[epoch]
 
     def batch_at(self, epoch: int, offset: int, size: int) -> list[MicroBatch]:
