@@ -103,6 +103,11 @@ class Harness:
                 self.chunks[rank][0] = [epoch, offset + take, size - take]
         return out
 
+    def averaging(self, rank: int) -> bool:
+        """Whether ``rank`` was asked to average and has not acknowledged yet."""
+        rnd = self.core.round
+        return rnd.in_flight and rank in rnd.members and rank not in rnd.acks
+
     def quota(self, rank: int) -> int:
         """Steps ``rank`` trains before it waits for the others.
 
@@ -125,7 +130,12 @@ class Harness:
             moved = False
             for rank in self.core.live:
                 steps = self.core.work.steps_since_sync
-                while self.chunks[rank] and steps(rank) < self.quota(rank):
+                # A rank serves its round before it trains (``core.rank``).
+                while (
+                    not self.averaging(rank)
+                    and self.chunks[rank]
+                    and steps(rank) < self.quota(rank)
+                ):
                     out += self.train(rank, 1, batch_ms=(ms or {}).get(rank, 10.0))
                     moved = True
         return out

@@ -140,18 +140,23 @@ def test_gate_counts_steps_not_wall_time() -> None:
 def test_acks_close_the_round_and_calibrate_counts_by_speed() -> None:
     h = Harness(num_samples=6400, scheduler=SchedulerConfig(max_anchor=10))  # no growth
     h.form()
-    h.train_window({0: 10.0, 1: 40.0})
+    trained = h.train_window({0: 10.0, 1: 40.0})
     assert h.core.elche.batch_counts == (40, 10)  # 4x faster rank does 4x the steps
     steps = {r: h.core.work.steps_since_sync(r) for r in (0, 1)}
     assert steps == {0: PROBE_STEPS + 40, 1: PROBE_STEPS + 10}
+    # The next window's work goes out right behind SyncNow, counted as each
+    # rank will count it after the average.
+    sync = next(i for i, c in enumerate(trained) if messages([c], m.SyncNow))
+    chunks = messages(trained[sync:], m.AssignChunk)
+    assert [(c.size, c.budget) for c in chunks] == [(40 * 32, 40), (10 * 32, 10)]  # type: ignore[attr-defined]
     out: list = []
     for rank in (0, 1):
         out += h.send(rank, m.SyncAck(round=1, steps=steps[rank], divergence=0.001))
     assert not h.core.round.in_flight
     assert h.core.rounds_done == 1
     assert h.core.global_step == sum(steps.values())
-    chunks = messages(out, m.AssignChunk)
-    assert [c.size for c in chunks] == [40 * 32, 10 * 32]  # type: ignore[attr-defined]
+    assert messages(out, m.AssignChunk) == []  # nothing more: the window stands
+    assert h.core.planner.budget == [40, 10]
     # Roles move to the fastest rank at the first calibration (it already is 0).
     assert h.core.roles.holder(Role.EVAL) == 0
     assert any(isinstance(c, Emit) and isinstance(c.event, tl.SyncEnd) for c in out)
@@ -199,7 +204,8 @@ def test_a_short_last_window_is_folded_into_the_epoch_tail() -> None:
     h.form()
     h.train_window({0: 10.0, 1: 30.0})
     assert h.core.elche.batch_counts == (30, 10)
-    assert h.core.planner.tail_plan is None  # 89 left at the calibration: a full window
+    # Round 1 started (89 left at the calibration made the first window a
+    # full one) and the tail went out with it, as the window after it.
     acked_round(h, 1, {0: PROBE_STEPS + 30, 1: PROBE_STEPS + 10})
     plan = h.core.planner.tail_plan
     assert plan is not None and h.core.planner.tail_reserve == 6

@@ -170,7 +170,11 @@ def windows(epoch_fn_ms: dict[int, float] | None, mode: Mode = Mode.CADENCE) -> 
         if h.core.state is not RunState.TRAINING:
             break
         for rank in (0, 1):
-            while h.chunks[rank] and h.core.work.steps_since_sync(rank) < quota(rank):
+            while (
+                not h.averaging(rank)
+                and h.chunks[rank]
+                and h.core.work.steps_since_sync(rank) < quota(rank)
+            ):
                 epoch = h.chunks[rank][0][0]
                 if epoch_fn_ms is not None and epoch > started[rank]:
                     started[rank] = epoch

@@ -134,12 +134,15 @@ def test_the_journal_is_compacted_when_the_open_epochs_change_and_bounded_by_the
     appended = of(h.log, AppendJournal)
     compacts = [c for c in appended if c.compact]  # type: ignore[attr-defined]
     assert appended[0].compact  # type: ignore[attr-defined]
-    # One compaction per epoch opened, each written before the epoch's first
-    # chunk, and one once the last epoch is settled.
-    assert [c.record.open_epochs for c in compacts] == [(0,), (1,), (2,), ()]  # type: ignore[attr-defined]
-    for compact in compacts[:-1]:
-        at = h.log.index(compact)
-        epoch = compact.record.open_epochs[0]  # type: ignore[attr-defined]
+    # A compaction whenever the open epochs change: each epoch opens as the
+    # round that ends the one before starts (its first work goes out with
+    # that round, ``Coordinator._hand_out_ahead``), the old one is settled
+    # when the round closes, and the last once training is over. Each is
+    # written before the epoch's first chunk.
+    opened = [c.record.open_epochs for c in compacts]  # type: ignore[attr-defined]
+    assert opened == [(0,), (0, 1), (1,), (1, 2), (2,), ()]
+    for epoch in range(3):
+        at = next(i for i, c in enumerate(h.log) if c in compacts and epoch in c.record.open_epochs)  # type: ignore[attr-defined]
         first_chunk = next(
             i for i, c in enumerate(h.log)
             if isinstance(c, Send) and isinstance(c.message, m.AssignChunk)

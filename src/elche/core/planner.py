@@ -111,6 +111,12 @@ class Planner:
         self.tail_reserve = 0  # tail batches held back for whoever frees up first
         self._progress_s = [0.0] * config.world_size  # last assignment or report
         self._base = [0] * config.world_size  # steps the current window counts from
+        # A window planned ahead (``open_window(ahead=True)``): the steps of the
+        # round in flight that each rank's window counts from until the round
+        # commits them, and the plan the window replaced (``undo_ahead``).
+        self._pending = [0] * config.world_size
+        self._before_ahead: tuple[list[int], list[int]] | None = None
+        self.planned_ahead = False  # the window now open was planned as its round started
 
     def open_epoch(self, epoch: int, live: Collection[int]) -> None:
         """Open ``epoch``'s pool with a reservation for each ``live`` rank."""
@@ -166,7 +172,12 @@ class Planner:
         return self.work.steps_since_sync(rank) >= target or self.quiesced[rank]
 
     def open_window(
-        self, live: Sequence[int], *, continuing: bool = False, now_s: float = 0.0
+        self,
+        live: Sequence[int],
+        *,
+        continuing: bool = False,
+        ahead: bool = False,
+        now_s: float = 0.0,
     ) -> list[m.CoordMessage | None]:
         """Plan a new window; returns a ``SetBudget`` (or None) per live rank.
 
@@ -174,9 +185,18 @@ class Planner:
         get it with their next chunk. ``continuing``: no average came between
         (the probe goes on as the first window), so each rank's window and
         budget count from the steps it has taken since the last one.
+        ``ahead``: the window after the round now in flight, planned as it
+        starts; each rank's counts from the steps that round will commit
+        (``averaged`` moves it to count from zero, ``undo_ahead`` takes it
+        back if the round is abandoned), and its chunks carry the budget as
+        the rank will count it, after that average.
         """
+        self._before_ahead = (list(self.budget), list(self._base)) if ahead else None
+        self.planned_ahead = ahead
         for rank in live:
-            self._base[rank] = self.work.steps_since_sync(rank) if continuing else 0
+            steps = self.work.steps_since_sync(rank)
+            self._base[rank] = steps if continuing or ahead else 0
+            self._pending[rank] = steps if ahead else 0
         self._plan_tail(live, now_s)
         updates: list[m.CoordMessage | None] = []
         for rank in live:
@@ -187,6 +207,31 @@ class Planner:
             self.budget[rank] = budget
             self.quiesced[rank] = False
         return updates
+
+    def averaged(self, rank: int, steps: int, now_s: float) -> None:
+        """A round committed ``steps`` of ``rank``'s at ``now_s``: a window planned
+        ahead of it now counts from zero, as the rank does, and starts now."""
+        if not self._pending[rank]:
+            return
+        shift = min(steps, self._pending[rank])
+        self._base[rank] -= shift
+        self.budget[rank] -= shift
+        self._pending[rank] = 0
+        self._progress_s[rank] = now_s  # its work waited for its average
+        self._before_ahead = None  # a round that committed is not abandoned
+
+    def undo_ahead(self) -> None:
+        """The round a window was planned ahead of was abandoned: back to the plan before it.
+
+        What was handed out ahead stays with its ranks, to train after the
+        round that is tried next.
+        """
+        if self._before_ahead is None:
+            return
+        self.budget, self._base = self._before_ahead
+        self._before_ahead = None
+        self._pending = [0] * self.config.world_size
+        self.planned_ahead = False
 
     def note_verdict(self, verdict: Verdict) -> None:
         """The guard judged the last round: the automatic overshoot follows it."""
@@ -267,12 +312,13 @@ class Planner:
     def _assign(self, rank: int, epoch: int, span: Span, now_s: float) -> m.AssignChunk:
         self.work.assign(rank, epoch, span)
         self._progress_s[rank] = now_s
+        pending = self._pending[rank]  # the rank counts after that round's average
         return m.AssignChunk(
             epoch=epoch,
             offset=span[0],
             size=span[1],
-            budget=self.budget[rank],
-            window=self.window_steps(rank),
+            budget=self.budget[rank] - pending,
+            window=self.window_steps(rank) - pending,
         )
 
     def _from_reserve(self, rank: int, now_s: float) -> m.AssignChunk | None:

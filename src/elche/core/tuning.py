@@ -122,12 +122,23 @@ class Tuner:
         return True
 
     def close_round(
-        self, rnd: Round, sync_ms: float, live: Collection[int], dead: Collection[int]
+        self,
+        rnd: Round,
+        sync_ms: float,
+        live: Collection[int],
+        dead: Collection[int],
+        *,
+        planned_ahead: bool = False,
     ) -> tuple[int, list[Command]]:
-        """Feed a completed round back; returns (steps it folded in, commands)."""
+        """Feed a completed round back; returns (steps it folded in, commands).
+
+        ``planned_ahead``: the coming window was planned as the round started
+        (``Coordinator._hand_out_ahead``), which it does only without slack to stage.
+        """
         out: list[Command] = []
         old_anchor = self.elche.anchor
-        self._stage_callback_slack(live)
+        if not planned_ahead:
+            self._stage_callback_slack(live)
         was_calibrated = self.elche.is_calibrated
         report = self.ledger.build_window_report(
             dead=dead,
@@ -209,13 +220,22 @@ class Tuner:
         if not self.elche.is_calibrated or self.work.all_done():
             return
         finishing = self.work.finishing_epochs()
-        slack = self.roles.boundary_slack_ms(
-            epoch_fn_ranks=live if self._starts_epoch(live, finishing) else (),
-            due=[role for epoch in finishing for role in self.callbacks.due(epoch + 1)],
-            anchor_wall_ms=self.elche.anchor_wall_ms(),
+        slack = self.boundary_slack(
+            live, finishing, starts_epoch=self._starts_epoch(live, finishing)
         )
         if slack is not None:
             self.elche.apply_callback_slack(slack)
+
+    def boundary_slack(
+        self, live: Collection[int], finishing: Sequence[int], *, starts_epoch: bool
+    ) -> list[float] | None:
+        """The callback slack of the window after the round that finishes ``finishing``
+        (None: none), ``starts_epoch`` if the ranks start an epoch in it."""
+        return self.roles.boundary_slack_ms(
+            epoch_fn_ranks=live if starts_epoch else (),
+            due=[role for epoch in finishing for role in self.callbacks.due(epoch + 1)],
+            anchor_wall_ms=self.elche.anchor_wall_ms(),
+        )
 
     def _starts_epoch(self, live: Collection[int], finishing: Sequence[int]) -> bool:
         """Whether the ranks start a new epoch in the window about to open.

@@ -1,0 +1,109 @@
+"""``cadence``: the next window's work goes out right behind ``SyncNow``.
+
+A rank serves its round before it trains, so work handed out with the round
+starts the moment the rank's average lands. These tests pin who gets it,
+when not, what the round's acknowledgement does to its count, and that an
+abandoned round leaves nothing stuck.
+"""
+
+from __future__ import annotations
+
+from elche.core import messages as m
+from elche.core.commands import Command
+from elche.core.config import SchedulerConfig
+from elche.core.coordinator import RunState
+from elche.core.events import RankLost
+from elche.core.planner import PROBE_STEPS
+from elche.core.roles import Role
+from tests.core.harness import Harness, messages
+
+
+def _after(out: list[Command], kind: type) -> list[Command]:
+    """The commands from the first ``kind`` message on."""
+    at = next(i for i, c in enumerate(out) if messages([c], kind))
+    return out[at:]
+
+
+def _first_round(h: Harness) -> list[Command]:
+    """Train the probe and the first window of a 2-rank run at 10 and 40 ms a batch."""
+    h.form()
+    return h.train_window({0: 10.0, 1: 40.0})
+
+
+def test_a_mid_epoch_round_hands_every_rank_its_next_work_counted_after_the_average() -> None:
+    h = Harness(num_samples=6400, scheduler=SchedulerConfig(max_anchor=10))
+    out = _after(_first_round(h), m.SyncNow)
+    chunks = {c.rank: c.message for c in out if messages([c], m.AssignChunk)}  # type: ignore[attr-defined]
+    assert sorted(chunks) == [0, 1]
+    assert [(chunks[r].budget, chunks[r].window) for r in (0, 1)] == [(40, 40), (10, 10)]  # type: ignore[attr-defined]
+    # Until the round commits, the coordinator counts the window on top of it.
+    first = [PROBE_STEPS + 40, PROBE_STEPS + 10]
+    assert h.core.planner.budget == [first[0] + 40, first[1] + 10]
+    h.send(0, m.SyncAck(round=1, steps=first[0]))
+    assert h.core.planner.budget == [40, first[1] + 10]  # rank 0's average landed
+    h.train(0, 3)  # rank 0 trains on while rank 1 is still in the round
+    assert h.core.ledger.steps(0) == first[0]  # its batches are the next window's timing
+    h.send(1, m.SyncAck(round=1, steps=first[1]))
+    assert not h.core.round.in_flight and h.core.planner.budget == [40, 10]
+    assert h.core.ledger.steps(0) == 3
+
+
+def _ack(h: Harness) -> list[Command]:
+    """Every member acknowledges the round in flight, its steps as the coordinator counts them."""
+    out: list[Command] = []
+    rnd = h.core.round
+    for rank in sorted(rnd.members):
+        out += h.send(rank, m.SyncAck(round=rnd.number, steps=h.core.work.steps_since_sync(rank)))
+    return out
+
+
+def _to_the_round_that_ends_epoch_0(h: Harness) -> list[Command]:
+    """Train (and average) until the round that ends epoch 0 starts; what that start sent."""
+    h.form()
+    while True:
+        out = h.train_window({0: 10.0, 1: 40.0})
+        rnd, pools = h.core.round, h.core.work.pools
+        if rnd.in_flight and 0 in pools and pools[0].remaining() == 0:
+            return _after(out, m.SyncNow)
+        _ack(h)
+
+
+def test_the_rank_that_evaluates_an_epoch_starts_the_next_after_the_round() -> None:
+    h = Harness(num_samples=32 * 60, epochs=2, has_eval_fn=True)
+    ahead = _to_the_round_that_ends_epoch_0(h)
+    assert h.core.work.open_epochs() == [0, 1]  # epoch 1 opened as that round started
+    evaluator = h.core.roles.holder(Role.EVAL)
+    handed = {c.rank for c in ahead if messages([c], m.AssignChunk)}  # type: ignore[attr-defined]
+    assert handed == {0, 1} - {evaluator}
+    closing = _ack(h)
+    to_evaluator = [c.message for c in closing if getattr(c, "rank", None) == evaluator]  # type: ignore[attr-defined]
+    kinds = [type(msg) for msg in to_evaluator if isinstance(msg, m.RunEval | m.AssignChunk)]
+    assert kinds == [m.RunEval, m.AssignChunk]  # its eval first, then epoch 1's work
+
+
+def test_no_work_goes_ahead_of_a_round_whose_epoch_end_saves_a_bundle() -> None:
+    h = Harness(num_samples=32 * 60, epochs=2, checkpoint_every=1, save_path="b")
+    ahead = _to_the_round_that_ends_epoch_0(h)
+    assert h.core.work.open_epochs() == [0]  # the bundle holds the consensus of epoch 0 alone
+    assert messages(ahead, m.AssignChunk) == []
+
+
+def test_an_abandoned_round_keeps_the_work_it_handed_out_for_the_round_tried_next() -> None:
+    ms = {0: 10.0, 1: 20.0, 2: 40.0}
+    h = Harness(world_size=3, num_samples=32 * 300, scheduler=SchedulerConfig(max_anchor=10))
+    h.form()
+    ahead = _after(h.train_window(ms), m.SyncNow)
+    assert {c.rank for c in ahead if messages([c], m.AssignChunk)} == {0, 1, 2}  # type: ignore[attr-defined]
+    steps = [h.core.work.steps_since_sync(r) for r in range(3)]
+    h.feed(RankLost(rank=2, reason="process killed"))  # before anyone acknowledged
+    # Round 1 was abandoned; round 2 (the new group) started at once, with the
+    # survivors' steps and the work they were handed still queued.
+    rnd = h.core.round
+    assert rnd.in_flight and rnd.number == 2 and rnd.members == {0, 1}
+    assert [h.core.work.steps_since_sync(r) for r in (0, 1)] == steps[:2]
+    assert all(h.chunks[r] for r in (0, 1))
+    h.run_to_end(ms)
+    assert h.core.state is RunState.DONE
+    averaged = sorted(h.in_averages)
+    assert len(averaged) == len(set(averaged))  # no batch averaged twice
+    assert sum(size for _, _, size in averaged) == 32 * 300  # and every sample once
