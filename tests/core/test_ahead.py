@@ -68,17 +68,26 @@ def _to_the_round_that_ends_epoch_0(h: Harness) -> list[Command]:
         _ack(h)
 
 
-def test_the_rank_that_evaluates_an_epoch_starts_the_next_after_the_round() -> None:
+def test_the_epoch_ends_callbacks_are_asked_with_the_round_that_ends_it() -> None:
     h = Harness(num_samples=32 * 60, epochs=2, has_eval_fn=True)
     ahead = _to_the_round_that_ends_epoch_0(h)
     assert h.core.work.open_epochs() == [0, 1]  # epoch 1 opened as that round started
     evaluator = h.core.roles.holder(Role.EVAL)
-    handed = {c.rank for c in ahead if messages([c], m.AssignChunk)}  # type: ignore[attr-defined]
-    assert handed == {0, 1} - {evaluator}
-    closing = _ack(h)
-    to_evaluator = [c.message for c in closing if getattr(c, "rank", None) == evaluator]  # type: ignore[attr-defined]
+    to_evaluator = [c.message for c in ahead if getattr(c, "rank", None) == evaluator]  # type: ignore[attr-defined]
     kinds = [type(msg) for msg in to_evaluator if isinstance(msg, m.RunEval | m.AssignChunk)]
     assert kinds == [m.RunEval, m.AssignChunk]  # its eval first, then epoch 1's work
+    assert {c.rank for c in ahead if messages([c], m.AssignChunk)} == {0, 1}  # type: ignore[attr-defined]
+    # The evaluator applies the round and reports its eval before the other
+    # rank acknowledges: the result waits for the round (its cost is the
+    # next window's), and the epoch's end asks nothing twice.
+    rnd, other = h.core.round, 1 - evaluator
+    h.send(evaluator, m.SyncAck(round=rnd.number, steps=h.core.work.steps_since_sync(evaluator)))
+    early = h.send(evaluator, m.EvalResult(epoch=1, metric=0.5, elapsed_ms=3.0))
+    assert messages(early, m.EvalBroadcast) == []
+    steps = h.core.work.steps_since_sync(other)
+    closing = h.send(other, m.SyncAck(round=rnd.number, steps=steps))
+    assert messages(closing, m.RunEval) == []
+    assert messages(closing, m.EvalBroadcast) == [m.EvalBroadcast(epoch=1, metric=0.5)]
 
 
 def test_no_work_goes_ahead_of_a_round_whose_epoch_end_saves_a_bundle() -> None:
@@ -107,3 +116,22 @@ def test_an_abandoned_round_keeps_the_work_it_handed_out_for_the_round_tried_nex
     averaged = sorted(h.in_averages)
     assert len(averaged) == len(set(averaged))  # no batch averaged twice
     assert sum(size for _, _, size in averaged) == 32 * 300  # and every sample once
+
+
+def test_a_death_that_completes_the_round_plans_the_next_window_without_the_dead() -> None:
+    ms = {0: 10.0, 1: 20.0, 2: 40.0}
+    h = Harness(world_size=3, num_samples=32 * 60, epochs=2)
+    h.form()
+    h.train_window(ms)  # the round that ends epoch 0; epoch 1's tail went out with it
+    rnd = h.core.round
+    for rank in (0, 2):
+        h.send(rank, m.SyncAck(round=rnd.number, steps=h.core.work.steps_since_sync(rank)))
+    h.feed(RankLost(rank=1, reason="process killed"))  # the others' acks complete the round
+    assert not h.core.round.in_flight and h.core.rounds_done == 1
+    tail = h.core.planner.tail_plan
+    assert tail is None or 1 not in tail  # planned afresh, for the survivors
+    h.run_to_end({0: 10.0, 2: 40.0})
+    assert h.core.state is RunState.DONE  # a plan holding the dead rank's share hung here
+    averaged = sorted(h.in_averages)
+    assert len(averaged) == len(set(averaged))
+    assert sum(size for _, _, size in averaged) == 2 * 32 * 60

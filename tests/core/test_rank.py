@@ -404,3 +404,21 @@ def test_a_well_behaved_driver_never_hits_an_illegal_completion(
                 assert p.steps_since_sync < p.budget
             _complete(p, action)
             assert p.steps_since_sync >= 0
+
+
+def test_a_callback_asked_with_a_round_waits_until_the_rank_applied_that_round_or_a_later() -> None:
+    p = proto()
+    p.handle(m.AssignChunk(epoch=0, offset=0, size=64, budget=2, window=2))
+    p.handle(m.SyncNow(round=3, generation=0))
+    p.handle(m.RunEval(epoch=1))
+    p.handle(m.AssignChunk(epoch=1, offset=0, size=32, budget=1, window=1))
+    assert isinstance(p.next_action(), Average)
+    p.handle(m.Regroup(generation=1, members=[0, 1]))  # round 3 abandoned with the old group
+    assert isinstance(p.next_action(), FormGroup)
+    p.regrouped(1)
+    assert isinstance(p.next_action(), Train)  # the eval waits: the model is no consensus yet
+    p.handle(m.SyncNow(round=4, generation=1))
+    action = p.next_action()
+    assert isinstance(action, Average)
+    p.averaged()
+    assert p.next_action() == Callback(request=m.RunEval(epoch=1))  # round 4 applied: now

@@ -84,10 +84,6 @@ class Callbacks:
             roles += (Role.CHECKPOINT,)
         return roles
 
-    def callers(self, done: int) -> set[int]:
-        """The ranks asked for a callback once ``done`` epochs are finished."""
-        return {self.roles.holder(role) for role in self.due(done)}
-
     def at_epoch_end(self, done: int, live: Sequence[int]) -> list[Command]:
         """``done`` epochs are finished: ask for the callbacks due now."""
         due = self.due(done)

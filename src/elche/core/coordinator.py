@@ -154,9 +154,11 @@ class Coordinator:
         self._unsatisfied: set[int] = set()
         self._stop_after_round = False  # asked to stop while a round was in flight
         self._epoch_loss: dict[int, tuple[float, int]] = {}
-        # Batches of a window handed out ahead, reported while its round is in
-        # flight: their timing belongs to that window, booked once the round closes.
-        self._early: list[tuple[int, m.BatchDone]] = []
+        # Batches of a window handed out ahead, and callback results, reported
+        # while its round is in flight: their timing belongs to that window,
+        # booked once the round closes.
+        self._early: list[tuple[int, m.BatchDone | m.EvalResult | m.CheckpointResult]] = []
+        self._asked_early = 0  # epochs done when their callbacks were asked ahead
         self._formation_deadline_s = math.inf
         self._now = 0.0
         self._out: list[Command] = []
@@ -322,12 +324,10 @@ class Coordinator:
                 pass
             case m.LrUpdate(lr=lr):
                 self.tuner.note_lr(rank, lr)
-            case m.EvalResult():
-                self._out += self.callbacks.on_eval_result(rank, message, self.live)
-                self._maybe_close()
-            case m.CheckpointResult():
-                self._out += self.callbacks.on_checkpoint_result(rank, message, self.live)
-                self._maybe_close()
+            case m.EvalResult() | m.CheckpointResult() if self.planner.planned_ahead:
+                self._early.append((rank, message))  # asked ahead: its cost is the next window's
+            case m.EvalResult() | m.CheckpointResult():
+                self._on_callback_result(rank, message)
             case m.EpochFnElapsed(elapsed_ms=elapsed_ms):
                 self.callbacks.on_epoch_fn(rank, elapsed_ms)
             case m.StateSaved():
@@ -361,6 +361,13 @@ class Coordinator:
             self._unsatisfied.discard(rank)
         if self._unsatisfied and not self.round.in_flight and not self.work.busy_samples(rank):
             self._out += self.telemetry.held(rank, self.work.steps_since_sync(rank))
+
+    def _on_callback_result(self, rank: int, msg: m.EvalResult | m.CheckpointResult) -> None:
+        if isinstance(msg, m.EvalResult):
+            self._out += self.callbacks.on_eval_result(rank, msg, self.live)
+        else:
+            self._out += self.callbacks.on_checkpoint_result(rank, msg, self.live)
+        self._maybe_close()
 
     def _time_batch(self, rank: int, msg: m.BatchDone) -> None:
         """Book a batch's timing and loss in its window's ledger."""
@@ -417,13 +424,12 @@ class Coordinator:
         the balancer's first calibration (the callback roles may still move),
         not for the run's last round, not when the round ends an epoch whose
         bundle is due (its ranks must save the consensus) or whose next one
-        starts with callback slack (``Tuner.boundary_slack``), and not to a rank
-        that runs a callback at the epoch end it finishes: those ranks start
-        the next window when the round closes, as before.
+        starts with callback slack (``Tuner.boundary_slack``). The callbacks of
+        the epoch end the round finishes are asked with it: their ranks run
+        them once they applied the round, before the work (``core.rank``).
         """
         if self.config.policy is not Policy.CADENCE or not self.elche.is_calibrated:
             return
-        callers: set[int] = set()
         if self.work.serving_epoch() is None:  # every sample of the open epoch is trained
             opened, nxt = self.work.open_epochs(), self.work.next_epoch_to_open()
             if nxt is None or len(opened) != 1:
@@ -433,12 +439,13 @@ class Coordinator:
                 return
             if self.tuner.boundary_slack(self.live, opened, starts_epoch=True) is not None:
                 return  # the next epoch's first window carries callback slack
-            callers = self.callbacks.callers(done)
+            # Its callbacks now: a rank runs them once it applied this round, first.
+            self._out += self.callbacks.at_epoch_end(done, self.workers)
+            self._asked_early = done
             self._open_epoch(nxt)
         self.planner.open_window(self.workers, ahead=True, now_s=self._now)
         for rank in self.workers:
-            if rank not in callers:
-                self._dispatch(rank)
+            self._dispatch(rank)
 
     def _on_sync_ack(self, rank: int, msg: m.SyncAck) -> None:
         if not self.round.on_ack(rank, msg):
@@ -468,6 +475,8 @@ class Coordinator:
     def _finish_round(self) -> None:
         rnd = self.round
         rnd.close()
+        if self.joins.fresh & rnd.members:  # a joiner holds the consensus now: plan it in
+            self.planner.planned_ahead = False
         self.joins.averaged(rnd)  # a joiner's first round: its model is no replica's yet
         sync_ms = (self._now - rnd.started_s) * 1000.0
         k_used, commands = self.tuner.close_round(
@@ -476,7 +485,10 @@ class Coordinator:
         self._out.extend(commands)
         early, self._early = self._early, []
         for rank, msg in early:  # the window handed out ahead is the ledger's window now
-            self._time_batch(rank, msg)
+            if isinstance(msg, m.BatchDone):
+                self._time_batch(rank, msg)
+            else:
+                self._on_callback_result(rank, msg)
         self.rounds_done += 1
         self.global_step += k_used
         serving = self.work.open_epochs()
@@ -570,7 +582,8 @@ class Coordinator:
         self._emit(end)
         self._broadcast(m.EpochDone(epoch=epoch, loss=loss))
         done = epoch + 1
-        self._out += self.callbacks.at_epoch_end(done, self.workers)
+        if done != self._asked_early:  # asked as the round that ends it started
+            self._out += self.callbacks.at_epoch_end(done, self.workers)
         if self.callbacks.checkpoint_due(done) and self.config.save_path is not None:
             # A newer bundle supersedes one still being written.
             meta = self._meta(SaveReason.CHECKPOINT)
@@ -638,6 +651,9 @@ class Coordinator:
     def _after_death(self) -> None:
         rnd = self.round
         live = set(self.live)
+        # A window handed out ahead was planned with the dead rank in it: the
+        # round's close plans afresh (the work handed out stays with its ranks).
+        self.planner.planned_ahead = False
         if self.config.backend is Backend.COLLECTIVE:
             self.generation += 1
             self._broadcast(m.Regroup(generation=self.generation, members=sorted(live)))

@@ -20,7 +20,10 @@ Rules:
   ``cadence``) waits for the round's ``Update``; an ``async`` rank trains on.
   An ``Update`` for any round but the one uploaded is stale: counted, ignored.
 - ``RunEval`` and ``RunCheckpoint`` queue callbacks, run in arrival order
-  after a pending round and before training.
+  after a pending round and before training. One that arrives while a round
+  is asked of the rank (the coordinator asks an epoch end's callbacks with
+  the round that ends it) waits until the rank applied that round, or a
+  later one if it was abandoned: a callback sees the consensus.
 - With ``epoch_fn``, a rank runs it once before its first batch of each
   epoch it has not started yet.
 - ``Regroup`` abandons a pending collective of the old group and re-forms
@@ -287,7 +290,8 @@ class RankProtocol:
             )
         self._collective_mode = mode.backend is Backend.COLLECTIVE
         self._request: m.SyncNow | m.RequestParams | None = None
-        self._callbacks: deque[m.RunEval | m.RunCheckpoint] = deque()
+        # Each callback with the round its model must hold first (0: none).
+        self._callbacks: deque[tuple[int, m.RunEval | m.RunCheckpoint]] = deque()
         self._uploaded: tuple[int, int] | None = None  # (round, steps) of the snapshot out
         self._update: m.Update | None = None
         self._regroup: m.Regroup | None = None
@@ -334,7 +338,7 @@ class RankProtocol:
                 else:
                     self._update = message
             case m.RunEval() | m.RunCheckpoint():
-                self._callbacks.append(message)
+                self._callbacks.append((self._round_pending(), message))
             case m.Regroup(members=members):
                 self._on_regroup(message, members)
             case m.Shutdown() | m.ShutdownWithSave():
@@ -450,8 +454,8 @@ class RankProtocol:
             return self._serve(self._request)
         if self._save is not None:
             return self._save
-        if self._callbacks:
-            return Callback(request=self._callbacks[0])
+        if self._callbacks and self._callbacks[0][0] <= self.last_round:
+            return Callback(request=self._callbacks[0][1])
         if self.steps_since_sync >= self.budget or not self.chunks:
             return _HOLD
         chunk = self.chunks[0]
@@ -636,9 +640,15 @@ class RankProtocol:
         return m.CheckpointResult(version=request.version, elapsed_ms=elapsed_ms, error=error)
 
     def _callback_done(self, completion: str) -> m.RunEval | m.RunCheckpoint:
-        if not self._callbacks:
-            raise self._illegal(completion, "no callback is queued")
-        return self._callbacks[0]
+        if not self._callbacks or self._callbacks[0][0] > self.last_round:
+            raise self._illegal(completion, "no callback is due")
+        return self._callbacks[0][1]
+
+    def _round_pending(self) -> int:
+        """The round asked of this rank and not applied yet (0: none)."""
+        if self._request is not None:
+            return self._request.round
+        return self._uploaded[0] if self._uploaded is not None else 0
 
     def regrouped(self, generation: int) -> None:
         """The group of generation ``generation`` is formed (or left, for a world of one).
