@@ -136,7 +136,7 @@ def test_the_journal_is_compacted_when_the_open_epochs_change_and_bounded_by_the
     assert appended[0].compact  # type: ignore[attr-defined]
     # A compaction whenever the open epochs change: each epoch opens as the
     # round that ends the one before starts (its first work goes out with
-    # that round, ``Coordinator._hand_out_ahead``), the old one is settled
+    # that round, ``elche.core.ahead``), the old one is settled
     # when the round closes, and the last once training is over. Each is
     # written before the epoch's first chunk.
     opened = [c.record.open_epochs for c in compacts]  # type: ignore[attr-defined]

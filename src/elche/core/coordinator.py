@@ -22,6 +22,9 @@ Rules:
 - The averaging gate: every live rank has made its window (``cadence``,
   ``async``: ``batch_counts[r]`` steps; ``sync``: one step) or is *quiesced*
   (idle, with nothing it may take), and some rank made a step.
+- Under ``cadence`` the next window is planned as the gate fires, and its
+  first chunks (and the callbacks of an epoch end the round finishes) go
+  out right behind the averaging order (``elche.core.ahead``).
 - A rank never trains past its *budget* (steps since the last average): its
   batch count, plus the overshoot allowance under ``async``.
 - When a rank dies its unaveraged work returns to the pools, roles
@@ -44,7 +47,7 @@ from __future__ import annotations
 import math
 from typing import assert_never
 
-from elche.core import failures, joins, journal, liveness
+from elche.core import ahead, failures, joins, journal, liveness
 from elche.core import messages as m
 from elche.core import timeline as tl
 from elche.core.callbacks import Callbacks
@@ -59,7 +62,7 @@ from elche.core.commands import (
     Notice,
     Send,
 )
-from elche.core.config import Backend, CoordinatorConfig, Policy
+from elche.core.config import Backend, CoordinatorConfig
 from elche.core.elche_state import ElCheState
 from elche.core.errors import LocalProtocolError, RemoteProtocolError
 from elche.core.events import (
@@ -345,7 +348,7 @@ class Coordinator:
     def _on_batch(self, rank: int, msg: m.BatchDone) -> None:
         # Batches still count while saving: the writer's model holds them.
         self.work.record_batch(rank, msg.epoch, msg.offset, msg.size)
-        if self.round.in_flight:  # a window handed out ahead: booked when the round closes
+        if self.round.in_flight and self.planner.planned_ahead:  # booked when the round closes
             self._early.append((rank, msg))
         else:
             self._time_batch(rank, msg)
@@ -409,43 +412,7 @@ class Coordinator:
         live = self.live
         if live and any(self.work.steps_since_sync(r) > 0 for r in live):
             self._out += self.round.start(set(live), self._now, self.generation)
-            self._hand_out_ahead()
-
-    def _hand_out_ahead(self) -> None:
-        """``cadence``: the next window's first work goes out right behind ``SyncNow``.
-
-        A rank serves the round before it trains (``core.rank``), so it trains
-        on as soon as its average lands, instead of after the round's last
-        acknowledgement and this coordinator's answer (~3-5 ms of every round
-        on two loaded cores, per rank). The window counts from the steps the
-        round commits (``Planner.open_window(ahead=True)``) and stands when the
-        round closes: the round's feedback (ElChe's counts, the guard's
-        verdict) sizes the window after it. Not before
-        the balancer's first calibration (the callback roles may still move),
-        not for the run's last round, not when the round ends an epoch whose
-        bundle is due (its ranks must save the consensus) or whose next one
-        starts with callback slack (``Tuner.boundary_slack``). The callbacks of
-        the epoch end the round finishes are asked with it: their ranks run
-        them once they applied the round, before the work (``core.rank``).
-        """
-        if self.config.policy is not Policy.CADENCE or not self.elche.is_calibrated:
-            return
-        if self.work.serving_epoch() is None:  # every sample of the open epoch is trained
-            opened, nxt = self.work.open_epochs(), self.work.next_epoch_to_open()
-            if nxt is None or len(opened) != 1:
-                return
-            done = opened[0] + 1
-            if self.config.save_path is not None and self.callbacks.checkpoint_due(done):
-                return
-            if self.tuner.boundary_slack(self.live, opened, starts_epoch=True) is not None:
-                return  # the next epoch's first window carries callback slack
-            # Its callbacks now: a rank runs them once it applied this round, first.
-            self._out += self.callbacks.at_epoch_end(done, self.workers)
-            self._asked_early = done
-            self._open_epoch(nxt)
-        self.planner.open_window(self.workers, ahead=True, now_s=self._now)
-        for rank in self.workers:
-            self._dispatch(rank)
+            ahead.hand_out(self)
 
     def _on_sync_ack(self, rank: int, msg: m.SyncAck) -> None:
         if not self.round.on_ack(rank, msg):
@@ -483,12 +450,7 @@ class Coordinator:
             rnd, sync_ms, self.live, set(self.dead_ranks), planned_ahead=self.planner.planned_ahead
         )
         self._out.extend(commands)
-        early, self._early = self._early, []
-        for rank, msg in early:  # the window handed out ahead is the ledger's window now
-            if isinstance(msg, m.BatchDone):
-                self._time_batch(rank, msg)
-            else:
-                self._on_callback_result(rank, msg)
+        ahead.book_early(self)  # the window handed out ahead is the ledger's window now
         self.rounds_done += 1
         self.global_step += k_used
         serving = self.work.open_epochs()
@@ -528,14 +490,8 @@ class Coordinator:
                 self._end_of_training()
                 return
             self._open_epoch(nxt)
-        if self.planner.planned_ahead:  # handed out as the round started: it stands
-            self.planner.planned_ahead = False
-            self._send_progress(self.round.number)
-            for rank in self.workers:
-                self._dispatch(rank)
-            self._unsatisfied = {r for r in self.workers if not self.planner.satisfied(r)}
-            return
-        self._plan_window()
+        if not ahead.stands(self):  # a window handed out as the round started stands
+            self._plan_window()
 
     def _plan_window(self, *, continuing: bool = False) -> None:
         live = self.workers

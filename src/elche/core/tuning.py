@@ -133,7 +133,7 @@ class Tuner:
         """Feed a completed round back; returns (steps it folded in, commands).
 
         ``planned_ahead``: the coming window was planned as the round started
-        (``Coordinator._hand_out_ahead``), which it does only without slack to stage.
+        (``elche.core.ahead``), which it does only without slack to stage.
         """
         out: list[Command] = []
         old_anchor = self.elche.anchor
