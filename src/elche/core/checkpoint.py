@@ -24,7 +24,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from elche.core.config import ORDERS, RANDOM_SHUFFLE, CoordinatorConfig
+from elche.core.config import RANDOM_SHUFFLE, CoordinatorConfig, check_order
 from elche.core.elche_state import ElCheState, check_range
 from elche.core.errors import ConfigError
 
@@ -290,17 +290,9 @@ class CheckpointMeta:
             mode=_mode(doc.get("mode")),
             save_seq=_int(doc, "save_seq") if version >= 3 else 0,
             files=None if doc.get("files") is None else _files(doc["files"]),
-            order=_order(doc) if version >= 4 else RANDOM_SHUFFLE,
+            order=check_order(doc.get("order")) if version >= 4 else RANDOM_SHUFFLE,
             schema_version=version,
         )
-
-
-def _order(doc: Mapping[str, object]) -> str:
-    order = doc.get("order")
-    if order not in ORDERS:
-        raise ConfigError("order", f"must be one of {ORDERS}, got {order!r}")
-    assert isinstance(order, str)  # one of ORDERS
-    return order
 
 
 def _rounds_key(doc: Mapping[str, object], version: int) -> str:

@@ -27,6 +27,7 @@ __all__ = [
     "Mode",
     "Policy",
     "SchedulerConfig",
+    "check_order",
 ]
 
 
@@ -176,6 +177,17 @@ RANDOM_SHUFFLE = "random-shuffle"
 ORDERS = (NUMPY_PERMUTATION, RANDOM_SHUFFLE)
 
 
+def check_order(value: object) -> str:
+    """``value`` as an epoch order (``ORDERS``).
+
+    Raises:
+        ConfigError: it is none of them.
+    """
+    if value not in ORDERS:
+        raise ConfigError("order", f"must be one of {ORDERS}, got {value!r}")
+    return str(value)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoordinatorConfig:
     """Everything the coordinator core needs to run one training job.
@@ -245,8 +257,7 @@ class CoordinatorConfig:
         _check_int("batch_size", self.batch_size, minimum=1)
         _check_int("epochs", self.epochs, minimum=1)
         _check_int("seed", self.seed, minimum=0)
-        if self.order not in ORDERS:
-            raise ConfigError("order", f"must be one of {ORDERS}, got {self.order!r}")
+        check_order(self.order)
         _check_int("max_failures", self.max_failures, minimum=1, optional=True)
         _check_int("max_coordinator_restarts", self.max_coordinator_restarts, minimum=0)
         _check_int("join_slots", self.join_slots, minimum=0)

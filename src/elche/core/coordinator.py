@@ -348,7 +348,7 @@ class Coordinator:
     def _on_batch(self, rank: int, msg: m.BatchDone) -> None:
         # Batches still count while saving: the writer's model holds them.
         self.work.record_batch(rank, msg.epoch, msg.offset, msg.size)
-        if self.round.in_flight and self.planner.planned_ahead:  # booked when the round closes
+        if self.planner.planned_ahead:  # the next window's, while its round is in flight
             self._early.append((rank, msg))
         else:
             self._time_batch(rank, msg)
@@ -443,7 +443,7 @@ class Coordinator:
         rnd = self.round
         rnd.close()
         if self.joins.fresh & rnd.members:  # a joiner holds the consensus now: plan it in
-            self.planner.planned_ahead = False
+            self.planner.plan_afresh()
         self.joins.averaged(rnd)  # a joiner's first round: its model is no replica's yet
         sync_ms = (self._now - rnd.started_s) * 1000.0
         k_used, commands = self.tuner.close_round(
@@ -607,9 +607,7 @@ class Coordinator:
     def _after_death(self) -> None:
         rnd = self.round
         live = set(self.live)
-        # A window handed out ahead was planned with the dead rank in it: the
-        # round's close plans afresh (the work handed out stays with its ranks).
-        self.planner.planned_ahead = False
+        self.planner.plan_afresh()  # a window planned ahead held the dead rank's share
         if self.config.backend is Backend.COLLECTIVE:
             self.generation += 1
             self._broadcast(m.Regroup(generation=self.generation, members=sorted(live)))

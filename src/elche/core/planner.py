@@ -233,6 +233,12 @@ class Planner:
         self._pending = [0] * self.config.world_size
         self.planned_ahead = False
 
+    def plan_afresh(self) -> None:
+        """A death or a joiner changed who trains: the window planned ahead does
+        not stand; the round's close plans the next one (what was handed out
+        stays with its ranks)."""
+        self.planned_ahead = False
+
     def note_verdict(self, verdict: Verdict) -> None:
         """The guard judged the last round: the automatic overshoot follows it."""
         if not self._overshoot_auto:
