@@ -135,3 +135,51 @@ def test_a_death_that_completes_the_round_plans_the_next_window_without_the_dead
     averaged = sorted(h.in_averages)
     assert len(averaged) == len(set(averaged))
     assert sum(size for _, _, size in averaged) == 2 * 32 * 60
+
+
+def _told_budget(h: Harness, rank: int) -> int:
+    """The budget ``rank`` counts by: the last one it was told."""
+    told = [msg for msg in h.inbox[rank] if isinstance(msg, m.AssignChunk | m.SetBudget)]
+    return told[-1].budget  # type: ignore[union-attr]  # both carry one
+
+
+def _a_round_planned_ahead(h: Harness, ms: dict[int, float]) -> None:
+    """Train and average until a round is in flight with the next window handed out."""
+    h.form()
+    while True:
+        h.train_window(ms)
+        if h.core.round.in_flight and h.core.planner.planned_ahead:
+            return
+        _ack(h)
+
+
+def test_an_abandoned_round_tells_each_survivor_its_budget_before_the_plan_again() -> None:
+    """A rank whose unaveraged steps had reached the budget handed out ahead
+    (counted after an average that never came) held while the coordinator
+    waited for its window: neither moved again."""
+    ms = {0: 10.0, 1: 20.0, 2: 40.0}
+    h = Harness(world_size=3, num_samples=32 * 60, epochs=2)
+    _a_round_planned_ahead(h, ms)
+    h.feed(RankLost(rank=2, reason="process killed"))  # before anyone acknowledged
+    assert not h.core.round.in_flight  # abandoned; the survivors' windows are not done
+    for rank in (0, 1):
+        assert h.chunks[rank]  # the work handed out ahead stays with them
+        assert _told_budget(h, rank) == h.core.planner.budget[rank]
+    h.run_to_end({0: 10.0, 1: 20.0})
+    assert h.core.state is RunState.DONE
+    averaged = sorted(h.in_averages)
+    assert len(averaged) == len(set(averaged))
+    assert sum(size for _, _, size in averaged) == 2 * 32 * 60
+
+
+def test_a_rank_that_holds_work_as_a_round_starts_hears_its_budget_after_that_average() -> None:
+    ms = {0: 10.0, 1: 20.0, 2: 40.0}
+    h = Harness(world_size=3, num_samples=32 * 300, scheduler=SchedulerConfig(max_anchor=10))
+    _a_round_planned_ahead(h, ms)
+    h.feed(RankLost(rank=2, reason="process killed"))
+    # Round 2 started at once, the survivors holding round 1's work ahead.
+    assert h.core.round.in_flight and h.core.planner.planned_ahead
+    assert all(h.chunks[r] for r in (0, 1))
+    _ack(h)
+    for rank in (0, 1):  # counted from zero, as the rank counts after its average
+        assert _told_budget(h, rank) == h.core.planner.budget[rank]

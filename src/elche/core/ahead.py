@@ -6,7 +6,8 @@ Rules:
   next window (``Planner.open_window(ahead=True)``: each rank's window counts
   from the steps the round will commit) and sends each rank its first chunk
   right behind ``SyncNow`` / ``RequestParams``, its budget as the rank will
-  count it after the average. A rank serves the round before it trains
+  count it after the average (a rank that still holds work hears that budget
+  in a ``SetBudget``). A rank serves the round before it trains
   (``elche.core.rank``), so it trains on as soon as its average lands,
   instead of after the round's last acknowledgement and the coordinator's
   answer (~3-5 ms of every round on two loaded cores, per rank).
@@ -24,7 +25,8 @@ Rules:
   (``book_early``). The window then stands (``stands``): the round's feedback
   (ElChe's counts, the guard's verdict) sizes the one after it.
 - A death plans the window afresh when the round closes; a round abandoned
-  by a death takes the plan back (``Planner.undo_ahead``) and the work handed
+  by a death takes the plan back (``Planner.undo_ahead``: each survivor
+  holding work hears its budget before the plan again) and the work handed
   out stays with its ranks for the round tried next; a joiner's first round
   plans afresh too, with the joiner in it.
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from elche.core import messages as m
+from elche.core.commands import Send
 from elche.core.config import Policy
 
 if TYPE_CHECKING:
@@ -62,8 +65,10 @@ def hand_out(core: Coordinator) -> None:
         core._out += core.callbacks.at_epoch_end(done, core.workers)
         core._asked_early = done
         core._open_epoch(nxt)
-    core.planner.open_window(core.workers, ahead=True, now_s=core._now)
-    for rank in core.workers:
+    plan = core.planner.open_window(core.workers, ahead=True, now_s=core._now)
+    for rank, update in zip(core.workers, plan, strict=True):
+        if update is not None:  # a rank that holds work: its budget after the average
+            core._out.append(Send(rank=rank, message=update))
         core._dispatch(rank)
 
 

@@ -621,8 +621,11 @@ class Coordinator:
         if self.state is RunState.TRAINING:
             self.planner.forget_tail_plan()
             if not rnd.in_flight:  # abandoned: a window handed out ahead waits for its retry
-                self.planner.undo_ahead()
-                for rank in sorted(live):
+                survivors = sorted(live)
+                for rank, update in zip(survivors, self.planner.undo_ahead(survivors), strict=True):
+                    if update is not None:
+                        self._out.append(Send(rank=rank, message=update))
+                for rank in survivors:
                     self.planner.note_work_returned(rank)
                     self._dispatch(rank)
             self._unsatisfied = {r for r in self.workers if not self.planner.satisfied(r)}

@@ -188,8 +188,10 @@ class Planner:
         ``ahead``: the window after the round now in flight, planned as it
         starts; each rank's counts from the steps that round will commit
         (``averaged`` moves it to count from zero, ``undo_ahead`` takes it
-        back if the round is abandoned), and its chunks carry the budget as
-        the rank will count it, after that average.
+        back if the round is abandoned), and its chunks and ``SetBudget``
+        carry the budget as the rank will count it, after that average (a
+        rank holding work hears it whether or not it changed: the count it
+        had ends with the round).
         """
         self._before_ahead = (list(self.budget), list(self._base)) if ahead else None
         self.planned_ahead = ahead
@@ -201,9 +203,14 @@ class Planner:
         updates: list[m.CoordMessage | None] = []
         for rank in live:
             budget = self._budget_of(rank)
-            changed = budget != self.budget[rank] and self.work.busy_samples(rank) > 0
+            changed = ahead or budget != self.budget[rank]
             window = self.window_steps(rank)
-            updates.append(m.SetBudget(budget=budget, window=window) if changed else None)
+            pending = self._pending[rank]
+            updates.append(
+                m.SetBudget(budget=budget - pending, window=window - pending)
+                if changed and self.work.busy_samples(rank) > 0
+                else None
+            )
             self.budget[rank] = budget
             self.quiesced[rank] = False
         return updates
@@ -220,18 +227,30 @@ class Planner:
         self._progress_s[rank] = now_s  # its work waited for its average
         self._before_ahead = None  # a round that committed is not abandoned
 
-    def undo_ahead(self) -> None:
+    def undo_ahead(self, live: Sequence[int]) -> list[m.CoordMessage | None]:
         """The round a window was planned ahead of was abandoned: back to the plan before it.
 
         What was handed out ahead stays with its ranks, to train after the
-        round that is tried next.
+        round that is tried next. Its budget does not: it counted after an
+        average that never came, so each live rank holding work is told the
+        budget before it again (a rank whose unaveraged steps had reached
+        the ahead budget would hold while the coordinator waits for it).
+
+        Returns:
+            A ``SetBudget`` (or None) per live rank, in ``live``'s order.
         """
         if self._before_ahead is None:
-            return
+            return [None] * len(live)
         self.budget, self._base = self._before_ahead
         self._before_ahead = None
         self._pending = [0] * self.config.world_size
         self.planned_ahead = False
+        return [
+            m.SetBudget(budget=self.budget[rank], window=self.window_steps(rank))
+            if self.work.busy_samples(rank) > 0
+            else None
+            for rank in live
+        ]
 
     def plan_afresh(self) -> None:
         """A death or a joiner changed who trains: the window planned ahead does
