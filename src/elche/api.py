@@ -97,6 +97,7 @@ def train(
     accumulate: int = 1,
     precision: str = "fp32",
     wire: str = "fp32",
+    overlap: bool = True,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     num_workers: int = 0,
     pin_memory: bool = False,
@@ -191,6 +192,11 @@ def train(
             rank's bf16 update since the last consensus, the ``cpu-*`` modes
             bf16 weights). The model's parameters stay fp32. See
             ``docs/training.md``.
+        overlap: True (default): each collective round on the fp32 wire is
+            launched and the rank trains on while it travels; what it
+            trained meanwhile is applied on top of the consensus the round
+            brings (a copy of the model's float tensors is held meanwhile).
+            False: every rank waits for each round. See ``docs/design.md``.
         collate_fn: builds a batch from a list of items (default:
             ``default_collate``), as in ``DataLoader``.
         num_workers: loader processes (persistent) that prefetch the rank's
@@ -233,7 +239,7 @@ def train(
     tensorboard_dir = _tensorboard_dir(tensorboard_dir)
     options = check_options(
         accumulate=accumulate, precision=precision, lr_schedule=lr_schedule, wire=wire,
-        collate_fn=collate_fn, num_workers=num_workers, pin_memory=pin_memory,
+        overlap=overlap, collate_fn=collate_fn, num_workers=num_workers, pin_memory=pin_memory,
         drop_last=drop_last, batch_sampler=batch_sampler, devices=devices or ("cpu",),
         planned_samples=_planned(dataset, epochs),
     )  # fmt: skip

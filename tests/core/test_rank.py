@@ -18,6 +18,7 @@ from elche.core.rank import (
     Done,
     FormGroup,
     Hold,
+    Land,
     Load,
     RankProtocol,
     RankStage,
@@ -355,14 +356,17 @@ _COORD_MESSAGES = st.one_of(
 )
 
 
-def _complete(p: RankProtocol, action: object) -> None:
-    """Do what a well-behaved driver does for ``action``."""
+def _complete(p: RankProtocol, action: object, *, launch: bool = False) -> None:
+    """Do what a well-behaved driver does for ``action`` (``launch``: its
+    collective rounds overlap training)."""
     match action:
         case Train():
             p.trained(action, batch_ms=1.0, data_ms=0.0, loss=None)
         case StartEpoch():
             p.started_epoch(elapsed_ms=0.0, lr=None)
-        case Average():
+        case Average() if launch:
+            p.launched()
+        case Average() | Land():
             p.averaged()
         case Upload():
             p.uploaded()
@@ -383,12 +387,15 @@ def _complete(p: RankProtocol, action: object) -> None:
 @given(
     mode=st.sampled_from(list(Mode)),
     script=st.lists(st.tuples(_COORD_MESSAGES, st.integers(0, 4)), max_size=30),
+    launch=st.booleans(),
 )
 def test_a_well_behaved_driver_never_hits_an_illegal_completion(
-    mode: Mode, script: list[tuple[m.CoordMessage, int]]
+    mode: Mode, script: list[tuple[m.CoordMessage, int]], launch: bool
 ) -> None:
-    """Any message stream, acted on between messages: every action's completion is legal,
-    next_action is pure, and counts stay sane."""
+    """Any message stream, acted on between messages, by a driver that waits
+    for its rounds or launches them: every action's completion is legal,
+    next_action is pure, a round in flight allows nothing but training
+    before it lands, and counts stay sane."""
     p = proto(mode, epoch_fn=True)
     for message, num_actions in script:
         p.handle(message)
@@ -402,7 +409,9 @@ def test_a_well_behaved_driver_never_hits_an_illegal_completion(
                 assert chunk.offset <= action.offset < chunk.offset + chunk.size
                 assert 0 < action.size <= min(32, chunk.left)
                 assert p.steps_since_sync < p.budget
-            _complete(p, action)
+            if p.in_flight:
+                assert isinstance(action, Train | Land), action
+            _complete(p, action, launch=launch)
             assert p.steps_since_sync >= 0
 
 

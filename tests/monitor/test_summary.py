@@ -77,7 +77,7 @@ def test_the_launchers_summary_joins_the_rank_reports(tmp_path: Path) -> None:
     stats.observe(END, 7.0)
     doc = coordinator_summary(stats, mode="cadence", world_size=3)
     (tmp_path / SUMMARY_FILE).write_text(json.dumps(doc))
-    wire = {"wire": "bf16", "wire_bytes": 4096, "wire_rounds": 2}
+    wire = {"wire": "bf16", "wire_bytes": 4096, "wire_rounds": 2, "overlapped_rounds": 0}
     rank_report_file(tmp_path, 0).write_text(json.dumps({"idle_s": 0.25, **wire}))
     rank_report_file(tmp_path, 1).write_text(json.dumps({"idle_s": 0.5}))  # rank 2 died: none
     host, ranks = read_run(tmp_path, 3)
@@ -85,7 +85,7 @@ def test_the_launchers_summary_joins_the_rank_reports(tmp_path: Path) -> None:
     assert summary["startup_s"] == 1.0
     assert summary["samples_per_s"] == 600.0
     assert summary["bundle"] is None  # completed: no bundle to name
-    unknown = {"wire": None, "wire_bytes": None, "wire_rounds": None}
+    unknown = {"wire": None, "wire_bytes": None, "wire_rounds": None, "overlapped_rounds": None}
     assert summary["per_rank"] == [
         {"rank": 0, "speed": 1.0, "samples": 700, "idle_s": 0.25, "lr": None, **wire},
         {"rank": 1, "speed": 0.5, "samples": 400, "idle_s": 0.5, "lr": None, **unknown},

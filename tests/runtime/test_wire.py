@@ -12,7 +12,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -112,17 +111,6 @@ def test_coordinator_averages_bf16_frames_in_float64() -> None:
     load_average(target, out, layout, alpha=None, wire="bf16")
     want = (3 * a[0].weight.detach() + b[0].weight.detach()) / 4
     assert torch.allclose(target[0].weight.detach(), want, rtol=2 * BF16_REL, atol=1e-6)
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_delta_average_keeps_updates_finer_than_bf16_weights(world_of_one: None) -> None:

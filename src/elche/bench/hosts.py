@@ -56,8 +56,12 @@ def run_on_hosts(
     seed: int,
     speed_base_s: float,
     rig: Rig,
+    wire: str = "fp32",
+    overlap: bool = True,
 ) -> dict[str, Any]:
     """Train ``plan`` with ``system`` across ``rig``'s hosts, one rank per host.
+
+    ``wire`` and ``overlap`` are an elche mode's (``elche.train``'s).
 
     Returns:
         The run record's numbers, as ``runner.run_one`` merges them.
@@ -72,7 +76,8 @@ def run_on_hosts(
         raise ValueError(f"a rig of {len(rig.hosts)} hosts for {len(speeds)} ranks")
     run_dir = f"/tmp/elche-bench-{secrets.token_hex(4)}"  # every host's own /tmp
     run = HostRun(system, plan.name, plan.epochs, plan.batch_size, seed,
-                  tuple(speeds), speed_base_s, run_dir, plan.train_samples)  # fmt: skip
+                  tuple(speeds), speed_base_s, run_dir, plan.train_samples, wire,
+                  overlap)  # fmt: skip
     launched_at = time.time()  # compared with rank 0's clock: one machine, one clock
     logs = _torchrun(rig, run)
     if system == DDP:

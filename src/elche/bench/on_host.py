@@ -36,6 +36,7 @@ REPORT_PREFIX = "REPORT "  # a DDP rank's report line
 SUMMARY_PREFIX = "SUMMARY "  # elche rank 0's summary line
 COLLECTIVE_TIMEOUT_S = 600.0  # a DDP collective that waits longer has lost its peer
 ALL_SAMPLES = "all"  # HostRun.train_samples None on the command line
+OVERLAP, WAIT = "overlap", "wait"  # HostRun.overlap on the command line
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,21 +52,27 @@ class HostRun:
     speed_base_s: float
     run_dir: str
     train_samples: int | None = None  # ``elche.workloads.load_split``'s; None: all
+    wire: str = "fp32"  # an elche mode's averaging wire
+    overlap: bool = True  # an elche mode's collective rounds overlap training
 
     def argv(self) -> list[str]:
         """The command line's arguments that ``parse`` reads back."""
         return [self.system, self.workload, str(self.epochs), str(self.batch_size),
                 str(self.seed), ",".join(repr(float(s)) for s in self.speeds),
                 repr(self.speed_base_s), self.run_dir,
-                ALL_SAMPLES if self.train_samples is None else str(self.train_samples)]  # fmt: skip
+                ALL_SAMPLES if self.train_samples is None else str(self.train_samples),
+                self.wire, OVERLAP if self.overlap else WAIT]  # fmt: skip
 
     @classmethod
     def parse(cls, argv: Sequence[str]) -> HostRun:
         """The run ``argv`` (as ``argv()`` wrote it) describes."""
-        system, workload, epochs, batch, seed, speeds, base_s, run_dir, samples = argv
+        system, workload, epochs, batch, seed, speeds, base_s, run_dir, samples, wire, overlap = (
+            argv
+        )
         return cls(system, workload, int(epochs), int(batch), int(seed),
                    tuple(float(s) for s in speeds.split(",")), float(base_s), run_dir,
-                   None if samples == ALL_SAMPLES else int(samples))  # fmt: skip
+                   None if samples == ALL_SAMPLES else int(samples), wire,
+                   overlap == OVERLAP)  # fmt: skip
 
     def split(self) -> tuple[TensorDataset, TensorDataset]:
         """The workload's split this run trains and evaluates on."""
@@ -114,7 +121,8 @@ def _elche(run: HostRun) -> dict[str, object] | None:
         work.make_model, work.make_optimizer, work.step_fn, train_set,
         batch_size=run.batch_size, epochs=run.epochs, mode=run.system, speeds=list(run.speeds),
         speed_base_s=run.speed_base_s, eval_fn=work.eval_fn, eval_dataset=test_set,
-        eval_every=1, seed=run.seed, progress=False, run_dir=run.run_dir,
+        eval_every=1, seed=run.seed, progress=False, run_dir=run.run_dir, wire=run.wire,
+        overlap=run.overlap,
     )  # fmt: skip
     return dict(result.summary) if os.environ.get("RANK") == "0" else None
 

@@ -30,7 +30,7 @@ value as ``speed_base_s``. Each run becomes one JSON-ready ``Run`` record:
 ``workload, system, speeds, repeat, seed, ranks, epochs, batch_size,
 train_samples (the plan's cut of the training set, or all of it),
 speed_base_s, link_mbit, wall_s, startup_s, total_s, samples, samples_per_s,
-final_loss, eval, syncs, lost_samples, wire, wire_bytes_per_round,
+final_loss, eval, syncs, lost_samples, wire, overlap, wire_bytes_per_round,
 per_epoch[{epoch, t, loss, eval}], per_rank[{rank, speed, samples, busy_s}],
 capacity, error``
 
@@ -82,8 +82,8 @@ from elche.bench.suites import (
     TORCHFT_SYSTEMS,
     Suite,
     WorkloadPlan,
+    split_averaging,
     split_system,
-    split_wire,
 )
 from elche.core import timeline as tl
 from elche.monitor.summary import rank_report_file
@@ -152,6 +152,7 @@ def run_suite(
                     run = run_one(
                         system, plan, speeds, seed=suite.seed, split=splits[plan],
                         speed_base_s=bases[plan.name], hosts=hosts, wire=suite.wire,
+                        overlap=suite.overlap,
                     )  # fmt: skip
                     run["repeat"] = repeat
                     run["capacity"] = capacities.get((plan.name, tuple(speeds)))  # solo: None
@@ -162,7 +163,7 @@ def run_suite(
             show(f"{plan.name} [{_rig(speeds)}] {system} (seed {seed})")
             run = run_one(
                 system, plan, speeds, seed=seed, split=_load(plan, seed),
-                speed_base_s=bases[plan.name], wire=suite.wire,
+                speed_base_s=bases[plan.name], wire=suite.wire, overlap=suite.overlap,
             )  # fmt: skip
             run["repeat"] = 0
             run["capacity"] = capacities.get((plan.name, tuple(speeds)))  # solo: None
@@ -233,6 +234,7 @@ def run_one(
     speed_base_s: float | None = None,
     hosts: Rig | None = None,
     wire: str = "fp32",
+    overlap: bool = True,
 ) -> Run:
     """Train ``plan`` once with ``system`` on the rig ``speeds``.
 
@@ -247,6 +249,8 @@ def run_one(
         hosts: a rig of one namespace host per rank: the run trains across
             its hosts (``bench.hosts``; not ``solo``); None: on this host.
         wire: an elche mode's averaging wire (``MODE+bf16`` is bf16 whatever it says).
+        overlap: an elche mode's collective rounds overlap training (``elche.train``;
+            ``MODE+wait`` waits for them whatever it says).
 
     Returns:
         The run record; ``error`` holds the message if the run failed.
@@ -271,9 +275,14 @@ def run_one(
     started = time.perf_counter()
     try:
         if hosts is not None and system != SOLO:
-            record.update(
-                _on_hosts(system, plan, speeds, seed=seed, speed_base_s=speed_base_s, rig=hosts)
-            )
+            named, wire, overlap = split_averaging(system, wire, overlap)
+            if named != DDP:
+                record.update(wire=wire, overlap=overlap)
+            on_hosts = _on_hosts(
+                named, plan, speeds, seed=seed, speed_base_s=speed_base_s, rig=hosts,
+                wire=wire, overlap=overlap,
+            )  # fmt: skip
+            record.update(on_hosts)
         elif system == DDP:
             record.update(_torch_ddp(plan, speeds, seed, speed_base_s))
         elif system in TORCHFT_SYSTEMS:
@@ -282,11 +291,12 @@ def run_one(
             record.update(_solo(workload, plan, seed, data))
         else:
             named, dashboard = split_system(system)
-            mode, record["wire"] = split_wire(named, wire)
+            mode, wire, overlap = split_averaging(named, wire, overlap)
+            record.update(wire=wire, overlap=overlap)
             record.update(
                 _elche(
                     workload, plan=plan, mode=mode, speeds=speeds, seed=seed, split=data,
-                    speed_base_s=speed_base_s, dashboard=dashboard, wire=record["wire"],
+                    speed_base_s=speed_base_s, dashboard=dashboard, wire=wire, overlap=overlap,
                 )
             )  # fmt: skip
     except Exception as exc:  # a failed cell is reported, the suite goes on
@@ -332,13 +342,14 @@ def _torch_ddp(
 
 def _on_hosts(
     system: str, plan: WorkloadPlan, speeds: Sequence[float], *, seed: int,
-    speed_base_s: float | None, rig: Rig,
+    speed_base_s: float | None, rig: Rig, wire: str, overlap: bool,
 ) -> Run:  # fmt: skip
     from elche.bench.hosts import run_on_hosts
 
     if speed_base_s is None:
         raise ValueError("a run across hosts paces by one shared solo step: give speed_base_s")
-    return run_on_hosts(system, plan, speeds, seed=seed, speed_base_s=speed_base_s, rig=rig)
+    return run_on_hosts(system, plan, speeds, seed=seed, speed_base_s=speed_base_s, rig=rig,
+                        wire=wire, overlap=overlap)  # fmt: skip
 
 
 def _torchft(
@@ -445,6 +456,7 @@ def _elche(
     speed_base_s: float | None,
     dashboard: bool = False,
     wire: str = "fp32",
+    overlap: bool = True,
 ) -> Run:
     from elche.api import train
     from elche.bench.watch import Watch, watched_dashboard
@@ -458,7 +470,7 @@ def _elche(
             batch_size=plan.batch_size, epochs=plan.epochs, mode=mode, speeds=list(speeds),
             speed_base_s=speed_base_s, eval_fn=KeepWeights(str(kept)), eval_dataset=split[1],
             eval_every=1,
-            seed=seed, progress=False, run_dir=tmp, wire=wire,
+            seed=seed, progress=False, run_dir=tmp, wire=wire, overlap=overlap,
             dashboard=watch.address if isinstance(watch, Watch) else None,
         )  # fmt: skip
         run_dir = Path(tmp)

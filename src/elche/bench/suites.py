@@ -31,11 +31,12 @@ __all__ = [
     "SOLO",
     "SUITES",
     "TORCHFT_SYSTEMS",
+    "WAIT_SUFFIX",
     "WIRE_SUFFIX",
     "Suite",
     "WorkloadPlan",
+    "split_averaging",
     "split_system",
-    "split_wire",
     "with_dashboard",
 ]
 
@@ -67,6 +68,9 @@ HEADLINE_SYSTEMS = ("cadence", DDP)
 DASHBOARD_SUFFIX = "+dashboard"
 # ``cadence+bf16``: cadence with ``wire="bf16"`` whatever the suite's wire (an A/B in one suite).
 WIRE_SUFFIX = "+bf16"
+# ``cadence+wait``: cadence with ``overlap=False`` (every rank waits for each
+# round) whatever the suite says (an A/B in one suite).
+WAIT_SUFFIX = "+wait"
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +122,8 @@ class Suite:
     link_mbit: tuple[float, ...] = ()
     # Every elche mode's averaging wire, but MODE+bf16's (``elche bench --wire``).
     wire: str = "fp32"
+    # Every elche mode's collective rounds overlap training (``elche bench --no-overlap``).
+    overlap: bool = True
 
     def links(self) -> tuple[float | None, ...]:
         """The link rates the rigs run at; ``(None,)`` for a suite on this host."""
@@ -260,11 +266,16 @@ def with_dashboard(suite: Suite) -> Suite:
     return dataclasses.replace(suite, systems=tuple(systems), notes=(*suite.notes, note))
 
 
-def split_wire(system: str, default: str) -> tuple[str, str]:
-    """A system's name as (the system without its ``+bf16``, the wire its elche mode uses)."""
-    if system.endswith(WIRE_SUFFIX):
-        return system.removesuffix(WIRE_SUFFIX), "bf16"
-    return system, default
+def split_averaging(system: str, wire: str, overlap: bool) -> tuple[str, str, bool]:
+    """A system's name as (the system without its ``+bf16`` and ``+wait``, the
+    wire its elche mode uses, whether its rounds overlap training); ``wire``
+    and ``overlap`` are the suite's."""
+    while system.endswith((WIRE_SUFFIX, WAIT_SUFFIX)):
+        if system.endswith(WIRE_SUFFIX):
+            system, wire = system.removesuffix(WIRE_SUFFIX), "bf16"
+        else:
+            system, overlap = system.removesuffix(WAIT_SUFFIX), False
+    return system, wire, overlap
 
 
 def split_system(system: str) -> tuple[str, bool]:
@@ -274,4 +285,25 @@ def split_system(system: str) -> tuple[str, bool]:
     return system, False
 
 
-SUITES = {suite.name: suite for suite in (QUICK, FULL, GPT, HOSTS)}
+# Training through the round, A/B (issue 17 item 3): cadence with and without
+# ``overlap`` across three namespace hosts at 100 Mbit/s, where one round of
+# digits-wide (4.5 MB a copy) takes ~0.5 s against a ~17 ms step; three
+# repeats, the two systems in turn (reversed every other repeat), nothing else
+# (a run across hosts spends 25-60 s starting torchrun on a loaded machine).
+OVERLAP = Suite(
+    name="overlap",
+    workloads=(WorkloadPlan("digits-wide", epochs=5),),
+    rigs=((1.0, 0.5, 0.25),),
+    systems=("cadence", "cadence" + WAIT_SUFFIX),
+    repeats=3,
+    link_mbit=(100.0,),
+    notes=(
+        "Every multi-rank run: one network-namespace host per rank on one machine, "
+        "links shaped both ways with tc tbf, one torchrun agent per host; solo runs "
+        "on the machine itself.",
+        f"MODE{WAIT_SUFFIX}: MODE with overlap=False: every rank waits for each averaging "
+        "round instead of training on while it travels.",
+    ),
+)
+
+SUITES = {suite.name: suite for suite in (QUICK, FULL, GPT, HOSTS, OVERLAP)}

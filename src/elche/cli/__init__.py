@@ -243,15 +243,22 @@ def _add_run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=20, help="epochs to train")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per step")
     parser.add_argument("--seed", type=int, default=42, help="seeds the models and the shuffle")
-    _add_wire_arg(parser)
+    _add_averaging_args(parser)
 
 
-def _add_wire_arg(parser: argparse.ArgumentParser) -> None:
+def _add_averaging_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--wire",
         default="fp32",
         help="what elche's averaging payloads travel as: fp32 or bf16 (half the bytes; "
         "the model stays fp32)",
+    )
+    parser.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="every rank waits for each collective round (by default, on the fp32 wire, "
+        "it trains on while the round travels)",
     )
 
 
@@ -474,7 +481,7 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     bench.add_argument(
         "--suite",
-        choices=("quick", "full", "gpt", "hosts"),
+        choices=("quick", "full", "gpt", "hosts", "overlap"),
         default="quick",
         help="quick: digits-cnn (compute-bound), digits-mlp (communication-bound) and "
         "tiny-gpt (a quarter epoch) on speeds 1,0.5,0.25, one repeat, cadence and DDP on "
@@ -484,9 +491,11 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "DDP and cadence also on seeds 1 and 2; hosts: digits-wide "
         "(1.1 M parameters) on three network-namespace hosts at speeds 1,0.5,0.25, links "
         "shaped to 1000 and 100 Mbit/s, torch DDP against cadence, cpu-cadence and cpu-async "
-        "(needs root, ip and unshare) (default: quick)",
+        "(needs root, ip and unshare); overlap: cadence with and without training through "
+        "its rounds (cadence+wait), three repeats on those hosts at 100 Mbit/s "
+        "(default: quick)",
     )
-    _add_wire_arg(bench)
+    _add_averaging_args(bench)
     bench.add_argument("--out", default=None, help="output dir (default: results/bench-<time>)")
     bench.add_argument("--repeats", type=int, default=None, help="override the suite's repeats")
     bench.add_argument(
@@ -523,13 +532,14 @@ def _run_bench(args: argparse.Namespace) -> int:
     if args.dashboard:
         suite = with_dashboard(suite)
     check_wire(args.wire)
-    suite = dataclasses.replace(suite, wire=args.wire)
+    suite = dataclasses.replace(suite, wire=args.wire, overlap=args.overlap)
     out_dir = Path(args.out) if args.out else default_out_dir()
     command = f"elche bench --suite {args.suite}"
     if args.repeats is not None:
         command += f" --repeats {args.repeats}"
     command += " --dashboard" if args.dashboard else ""
     command += f" --wire {args.wire}" if args.wire != "fp32" else ""
+    command += "" if args.overlap else " --no-overlap"
     command += " --json" if args.json else ""
     doc = run_bench(suite, out_dir, command=command, progress=not args.no_progress)
     if args.json:
@@ -555,6 +565,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     ours = _demo_summary(
         speeds=speeds, mode=args.mode, epochs=args.epochs, batch_size=args.batch_size,
         seed=args.seed, progress=False, speed_base_s=base_s, wire=args.wire,
+        overlap=args.overlap,
     )  # fmt: skip
     ratio = float(ours["wall_s"]) / float(ddp["wall_s"])  # type: ignore[arg-type]  # JSON numbers
     doc = {
@@ -596,7 +607,7 @@ def _demo_summary(
     crash: dict[int, float] | None = None, stall: dict[int, float] | None = None,
     faults: FaultPlan | None = None, heartbeat_timeout_s: float = 10.0,
     speed_base_s: float | None = None, dashboard: str | None = None,
-    tensorboard_dir: str | None = None, wire: str = "fp32",
+    tensorboard_dir: str | None = None, wire: str = "fp32", overlap: bool = True,
 ) -> dict[str, object]:  # fmt: skip
     from elche.api import train
     from elche.workloads import digits
@@ -626,6 +637,7 @@ def _demo_summary(
         dashboard=dashboard,
         tensorboard_dir=tensorboard_dir,
         wire=wire,
+        overlap=overlap,
     )
     return result.summary
 
@@ -646,6 +658,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         f"elche demo --speeds {','.join(f'{s:g}' for s in speeds)} --mode {args.mode} "
         f"--epochs {args.epochs} --batch-size {args.batch_size} --seed {args.seed} "
         + (f"--wire {args.wire} " if args.wire != "fp32" else "")
+        + ("" if args.overlap else "--no-overlap ")
         + "--resume-from "
     )
     hint = RESUME_HINT.set(lambda stem: resume + shlex.quote(stem))
@@ -658,6 +671,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             stall=dict(_at(text, "stall") for text in args.stall),
             faults=read_faults(args.faults), heartbeat_timeout_s=args.heartbeat_timeout,
             dashboard=args.dashboard, tensorboard_dir=args.tensorboard, wire=args.wire,
+            overlap=args.overlap,
         )  # fmt: skip
     except Interrupted as stop:  # the bundle is saved and the one line said where
         return int(stop.code)  # type: ignore[arg-type]  # Interrupted's code is an int

@@ -23,9 +23,19 @@ Rules:
   after a pending round and before training. One that arrives while a round
   is asked of the rank (the coordinator asks an epoch end's callbacks with
   the round that ends it) waits until the rank applied that round, or a
-  later one if it was abandoned: a callback sees the consensus.
+  later one if it was abandoned; so does one that arrives after that round
+  failed on the rank (before the coordinator heard): a callback sees the
+  consensus.
 - With ``epoch_fn``, a rank runs it once before its first batch of each
   epoch it has not started yet.
+- A driver may *launch* a collective round (``launched``) and train on
+  while it is in flight: the round holds the steps made before it, the
+  window counts from it. ``Land`` asks the driver to wait for it and apply
+  it (``averaged`` or ``average_failed``) before anything but training: a
+  save, a regroup, an epoch start, or running out of work. The driver may
+  land it sooner, once it completed. Callbacks wait for it: they run on
+  the consensus it brings (the driver sets the rank's own steps since
+  aside until they ran).
 - ``Regroup`` abandons a pending collective of the old group and re-forms
   the group; a rank not among its members was declared dead and stops.
 - Saves are numbered and confirmed. ``SaveState`` (a periodic bundle) makes
@@ -59,9 +69,10 @@ send. ``next_action`` only looks: asking twice gives the same answer, and a
 driver whose action takes time (the simulator's) asks nothing until it
 completes, while messages may still arrive. Priority, first match wins::
 
-    Done > Save(stopping) > Hold(held) > FormGroup > Load
-         > Hold(waiting for Update) > Average | Upload > Save(periodic)
-         > Callback > StartEpoch > Train > Hold
+    Done > Land(anything but training is next) > Save(stopping)
+         > Hold(held) > FormGroup > Load > Hold(waiting for Update)
+         > Average | Upload > Save(periodic) > Callback > StartEpoch
+         > Train > Hold
 
 A completion whose precondition does not hold (``averaged`` with no
 collective pending, ``trained`` for a batch that is not the front chunk's
@@ -95,6 +106,7 @@ __all__ = [
     "Done",
     "FormGroup",
     "Hold",
+    "Land",
     "Load",
     "RankAction",
     "RankProtocol",
@@ -142,6 +154,15 @@ class Average:
 
     round: int
     generation: int
+    steps: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Land:
+    """Wait for the launched collective of round ``round``, then ``averaged``
+    (or ``average_failed``); ``steps`` went into it."""
+
+    round: int
     steps: int
 
 
@@ -227,7 +248,7 @@ class Done:
 
 
 RankAction = (
-    Train | StartEpoch | Average | Upload | Load | Callback | FormGroup | Save | Hold | Done
+    Train | StartEpoch | Average | Land | Upload | Load | Callback | FormGroup | Save | Hold | Done
 )
 
 _HOLD = Hold()
@@ -290,6 +311,11 @@ class RankProtocol:
             )
         self._collective_mode = mode.backend is Backend.COLLECTIVE
         self._request: m.SyncNow | m.RequestParams | None = None
+        # A collective launched and in flight: (its request, steps and batches in it).
+        self._launched: tuple[m.SyncNow, int, int] | None = None
+        # The last collective round that failed here: a callback asked after it
+        # (the coordinator may not know yet) waits for the round tried next.
+        self._failed = 0
         # Each callback with the round its model must hold first (0: none).
         self._callbacks: deque[tuple[int, m.RunEval | m.RunCheckpoint]] = deque()
         self._uploaded: tuple[int, int] | None = None  # (round, steps) of the snapshot out
@@ -393,7 +419,8 @@ class RankProtocol:
             The ``Hello`` to send (with ``held``).
         """
         self.chunks.clear()
-        self._request = self._update = self._uploaded = None
+        self._request = self._update = self._uploaded = self._launched = None
+        self._failed = 0  # the new coordinator asks its callbacks afresh
         self._callbacks.clear()
         if self.stage is not RankStage.DONE:  # the new coordinator gives its own orders
             self.stage = RankStage.TRAINING  # (an Update that never came, a save it repeats)
@@ -437,6 +464,9 @@ class RankProtocol:
         if self.stage is RankStage.DONE:
             assert self.stop_reason is not None
             return Done(reason=self.stop_reason)
+        if self._launched is not None and not self._trains_on():
+            request, steps, _ = self._launched
+            return Land(round=request.round, steps=steps)
         if self.stage is RankStage.SAVING:
             assert self._save is not None  # SAVING is entered with its order
             return self._save
@@ -454,7 +484,7 @@ class RankProtocol:
             return self._serve(self._request)
         if self._save is not None:
             return self._save
-        if self._callbacks and self._callbacks[0][0] <= self.last_round:
+        if self._callbacks and self._launched is None and self._callbacks[0][0] <= self.last_round:
             return Callback(request=self._callbacks[0][1])
         if self.steps_since_sync >= self.budget or not self.chunks:
             return _HOLD
@@ -462,6 +492,21 @@ class RankProtocol:
         if self.runs_epoch_fn and chunk.epoch > self.epoch_started:
             return StartEpoch(epoch=chunk.epoch)
         return Train(epoch=chunk.epoch, offset=chunk.cursor, size=min(self.batch_size, chunk.left))
+
+    def _trains_on(self) -> bool:
+        """A launched round may stay in flight: the next action is a training step."""
+        if self.stage is not RankStage.TRAINING:
+            return False
+        if self._regroup or self._update or self._request or self._save:
+            return False
+        if self.steps_since_sync >= self.budget or not self.chunks:
+            return False
+        return not (self.runs_epoch_fn and self.chunks[0].epoch > self.epoch_started)
+
+    @property
+    def in_flight(self) -> int:
+        """The round of the collective launched and not applied yet (0: none)."""
+        return self._launched[0].round if self._launched is not None else 0
 
     def _serve(self, request: m.SyncNow | m.RequestParams) -> Average | Upload:
         if isinstance(request, m.SyncNow):
@@ -545,20 +590,39 @@ class RankProtocol:
             raise self._illegal(completion, "no collective round is pending")
         return self._request
 
+    def launched(self) -> None:
+        """The pending collective is launched with every step since the last
+        one; the rank may train on while it is in flight (``Land``).
+
+        Raises:
+            LocalProtocolError: no collective round is pending, or one is in flight.
+        """
+        request = self._collective("launched")
+        if self._launched is not None:
+            raise self._illegal("launched", f"round {self.in_flight} is in flight")
+        self._launched = (request, self.steps_since_sync, len(self._since))
+        self._request = None
+        self.steps_since_sync = 0
+
     def averaged(self, **norms: Unpack[Norms]) -> m.SyncAck:
-        """The pending collective completed with every step since the last one.
+        """The collective completed: the launched one with the steps it was
+        launched with, or the pending one with every step since the last one.
 
         Returns:
             The acknowledgement to send.
 
         Raises:
-            LocalProtocolError: no collective round is pending.
+            LocalProtocolError: no collective round is pending or in flight.
         """
-        request = self._collective("averaged")
-        steps = self.steps_since_sync
-        self._request = None
-        self.steps_since_sync = 0
-        self._applied(request.round, len(self._since))
+        if self._launched is not None:
+            request, steps, batches = self._launched
+            self._launched = None
+        else:
+            request = self._collective("averaged")
+            steps, batches = self.steps_since_sync, len(self._since)
+            self._request = None
+            self.steps_since_sync = 0
+        self._applied(request.round, batches)
         if self.progress is not None:
             self.progress.averaged(request.round)
         return m.SyncAck(round=request.round, steps=steps, **norms)
@@ -569,9 +633,14 @@ class RankProtocol:
         The coordinator abandons the round and sends ``Regroup``.
 
         Raises:
-            LocalProtocolError: no collective round is pending.
+            LocalProtocolError: no collective round is pending or in flight.
         """
-        self._collective("average_failed")
+        if self._launched is not None:
+            self.steps_since_sync += self._launched[1]  # unaveraged again
+            self._failed = self._launched[0].round
+            self._launched = None
+            return
+        self._failed = self._collective("average_failed").round
         self._request = None
 
     def uploaded(self) -> m.SnapshotReady:
@@ -640,7 +709,7 @@ class RankProtocol:
         return m.CheckpointResult(version=request.version, elapsed_ms=elapsed_ms, error=error)
 
     def _callback_done(self, completion: str) -> m.RunEval | m.RunCheckpoint:
-        if not self._callbacks or self._callbacks[0][0] > self.last_round:
+        if not self._callbacks or self._launched or self._callbacks[0][0] > self.last_round:
             raise self._illegal(completion, "no callback is due")
         return self._callbacks[0][1]
 
@@ -648,7 +717,9 @@ class RankProtocol:
         """The round asked of this rank and not applied yet (0: none)."""
         if self._request is not None:
             return self._request.round
-        return self._uploaded[0] if self._uploaded is not None else 0
+        if self._launched is not None:
+            return self._launched[0].round
+        return self._uploaded[0] if self._uploaded is not None else self._failed
 
     def regrouped(self, generation: int) -> None:
         """The group of generation ``generation`` is formed (or left, for a world of one).

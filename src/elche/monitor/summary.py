@@ -190,6 +190,8 @@ def run_summary(
                 "wire": ranks.get(rank, {}).get("wire"),  # what its averaging payloads were
                 "wire_bytes": ranks.get(rank, {}).get("wire_bytes"),
                 "wire_rounds": ranks.get(rank, {}).get("wire_rounds"),
+                # rounds it trained on through (``overlap``): landed after steps of its own
+                "overlapped_rounds": ranks.get(rank, {}).get("overlapped_rounds"),
             }
             for rank in [*range(world), *host.get("joined_ranks", [])]
         ],

@@ -12,6 +12,10 @@ imports torch.
   its gradients are scaled).
 - ``wire``: ``"fp32"`` (default) or ``"bf16"``: what the averaging payloads
   travel as (``elche.runtime.wire``); the model's parameters stay as they are.
+- ``overlap``: True (default): a collective round on the fp32 wire is
+  launched and the rank trains on while it is in flight, its steps since
+  applied on top of the consensus it brings (``elche.runtime.averaging``);
+  False: the rank waits for each round.
 - ``lr_schedule``: ``lr_schedule(progress) -> factor`` of each param group's
   base learning rate, before every optimizer step (``elche.runtime.stepping``).
 - ``collate_fn``, ``num_workers``, ``pin_memory``, ``drop_last`` and
@@ -49,6 +53,7 @@ class TrainOptions:
     accumulate: int = 1
     precision: str = "fp32"
     wire: str = "fp32"
+    overlap: bool = True
     lr_schedule: Callable[[Progress], float] | None = None
     collate_fn: Callable[[list[Any]], Any] | None = None
     num_workers: int = 0
@@ -69,6 +74,7 @@ def check_options(
     precision: Any,
     lr_schedule: Any,
     wire: Any = "fp32",
+    overlap: Any = True,
     collate_fn: Any,
     num_workers: Any,
     pin_memory: Any,
@@ -94,7 +100,8 @@ def check_options(
     check_wire(wire)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ConfigError("num_workers", f"must be an integer >= 0, got {num_workers!r}")
-    for name, value in (("pin_memory", pin_memory), ("drop_last", drop_last)):
+    flags = (("overlap", overlap), ("pin_memory", pin_memory), ("drop_last", drop_last))
+    for name, value in flags:
         if not isinstance(value, bool):
             raise ConfigError(name, f"must be True or False, got {value!r}")
     for name, fn in (
@@ -105,9 +112,10 @@ def check_options(
         if fn is not None and not callable(fn):
             raise ConfigError(name, f"must be a function or None, got {fn!r}")
     return TrainOptions(
-        accumulate=accumulate, precision=precision, wire=wire, lr_schedule=lr_schedule,
-        collate_fn=collate_fn, num_workers=num_workers, pin_memory=pin_memory,
-        drop_last=drop_last, batch_sampler=batch_sampler, planned_samples=max(planned_samples, 1),
+        accumulate=accumulate, precision=precision, wire=wire, overlap=overlap,
+        lr_schedule=lr_schedule, collate_fn=collate_fn, num_workers=num_workers,
+        pin_memory=pin_memory, drop_last=drop_last, batch_sampler=batch_sampler,
+        planned_samples=max(planned_samples, 1),
     )  # fmt: skip
 
 

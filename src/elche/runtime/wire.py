@@ -59,14 +59,16 @@ from torch import nn
 
 from elche.runtime.averaging import (
     Divergence,
+    InFlight,
     collective_average,
     divergence,
     float_buffers,
+    launch_average,
     wire_dtype,
 )
 from elche.runtime.snapshots import buffer_mass, param_mass
 
-__all__ = ["Wire", "average_over", "wire_dtype"]
+__all__ = ["Wire", "average_over", "launch_over", "wire_dtype"]
 
 _LIGHT = torch.bfloat16
 _HASH_MOD = 2**20  # h² summed over 8k ranks stays exact in float64
@@ -136,6 +138,28 @@ def average_over(
         wire.count(_payload_bytes(tensors) + 16)  # the two float masses ride in the buffer
         return result
     return _delta_average(wire, model, tensors, steps=steps, gamma=gamma, group=group)
+
+
+def launch_over(
+    wire: Wire,
+    model: nn.Module,
+    steps: int,
+    *,
+    gamma: float = 1.0,
+    group: dist.ProcessGroup | None = None,
+) -> InFlight | None:
+    """``launch_average`` over an fp32 wire; None on the bf16 wire, whose
+    rounds ``average_over`` makes while the rank waits (a member without the
+    shared ``ref`` redoes the round in fp32: a second collective).
+
+    Raises:
+        RuntimeError: From ``torch.distributed`` if a collective cannot start.
+    """
+    if wire.light:
+        return None
+    flight = launch_average(model, steps, gamma=gamma, group=group)
+    wire.count(_payload_bytes(flight.tensors) + 16)  # as ``average_over`` counts it
+    return flight
 
 
 def _float_tensors(model: nn.Module) -> list[torch.Tensor]:

@@ -61,7 +61,7 @@ from elche.core.progress import Progress
 from elche.core.rank import RankProtocol
 from elche.monitor.summary import rank_report_file, rank_spans_file
 from elche.runtime import bundle, salvage
-from elche.runtime.averaging import load_average, snapshot_frames
+from elche.runtime.averaging import InFlight, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
 from elche.runtime.consensus import Consensus, start_from_rank0
 from elche.runtime.current import providing
@@ -77,7 +77,7 @@ from elche.runtime.snapshots import Layout
 from elche.runtime.stepping import MicroBatch, Stepper
 from elche.runtime.transport import RankEndpoint
 from elche.runtime.user_errors import failed_report, guarded, training_error, wait_answer
-from elche.runtime.wire import Wire, average_over
+from elche.runtime.wire import Wire, average_over, launch_over
 
 __all__ = ["RankSpec", "UserFns", "Worker", "raise_if_refused", "to_device", "train_rank"]
 
@@ -189,6 +189,11 @@ class Worker:
         self.reported_s = time.monotonic()
         self._update_payload: Sequence[bytes | memoryview] = ()
         self.snapshot: tuple[Layout, list[memoryview]] | None = None  # the upload in flight
+        self._flight: InFlight | None = None  # the collective launched and not landed yet
+        # What this rank trained since its flight's launch, set aside while the
+        # landed round's callbacks run on the consensus: (the tensors, their values).
+        self._local: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self.overlapped = 0  # rounds this rank trained on through
         self.membership = Membership(
             spec.rank, spec.address, spec.group_port, spec.collective_timeout_s
         )
@@ -330,6 +335,8 @@ class Worker:
         while True:
             self._drain()
             action = proto.next_action()
+            if self._local is not None and not isinstance(action, r.Callback):
+                self._take_up_local()
             match action:
                 case r.Done(reason=reason):
                     if reason == "completed":  # the progress is exact: the plan is done
@@ -350,6 +357,8 @@ class Worker:
                         proto.regrouped(generation)
                 case r.Load():
                     self._apply_update(action)
+                case r.Land():
+                    self._land()
                 case r.Average() | r.Upload():
                     self._report()
                     self._report_lr()  # before the round: the epoch it may end records it
@@ -386,6 +395,9 @@ class Worker:
 
     def _rejoin(self) -> None:
         """A coordinator restarted from the journal: say Hello again with what the model holds."""
+        if self._flight is not None:  # as a rank inside the collective would: finish it first
+            self._land()
+        self._take_up_local()
         self.unreported.clear()  # the Hello's ``held`` says it all
         self.membership.forget_store()  # the lost coordinator's store went with it
         hello = self.proto.rejoin(
@@ -519,6 +531,9 @@ class Worker:
         )
         if self.proto.report_due or time.monotonic() - self.reported_s >= REPORT_EVERY_S:
             self._report()
+        if self._flight is not None and self._flight.completed():
+            self._land()
+            self._step_end = None  # the next step does not follow on from this one
 
     def _user_failed(self, exc: Exception, epoch: int) -> Exception:
         """The user's code raised: tell the coordinator; returns the error to raise."""
@@ -572,7 +587,15 @@ class Worker:
             self._send(ack)
             return
         started = time.perf_counter()
-        try:
+        try:  # launched (the rank trains on while it is in flight), or made at once
+            if self.fns.options.overlap:
+                self._flight = launch_over(
+                    self.wire, self.model, action.steps, gamma=self.spec.gamma, group=group
+                )
+            if self._flight is not None:
+                self.proto.launched()
+                self.busy_s += time.perf_counter() - started
+                return
             div, pre, post = average_over(
                 self.wire, self.model, action.steps, gamma=self.spec.gamma, group=group
             )
@@ -587,6 +610,36 @@ class Worker:
         ack = self.proto.averaged(divergence=div, pre_norm=pre, post_norm=post)
         self._record_spans()
         self._send(ack)
+
+    def _land(self) -> None:
+        """Wait for the launched collective and apply it (``InFlight.land``)."""
+        flight, self._flight = self._flight, None
+        assert flight is not None  # the protocol lands only a launched round
+        started = time.perf_counter()
+        moved = self.proto.steps_since_sync > 0
+        try:
+            (div, pre, post), local = flight.land(moved=moved)
+        except RuntimeError as exc:  # as in _serve_round: the model is unchanged
+            print(f"elche rank {self.spec.rank}: collective failed: {exc}", file=sys.stderr)
+            self.proto.average_failed()
+            return
+        self.busy_s += time.perf_counter() - started
+        self.overlapped += moved
+        self.consensus.keep(self.model, self.proto.in_flight)
+        if local is not None:
+            self._local = (flight.tensors, local)
+        ack = self.proto.averaged(divergence=div, pre_norm=pre, post_norm=post)
+        self._record_spans()
+        self._send(ack)
+
+    def _take_up_local(self) -> None:
+        """Load what this rank trained since its last flight's launch back (``_local``)."""
+        if self._local is None:
+            return
+        (tensors, values), self._local = self._local, None
+        with torch.no_grad():
+            for t, value in zip(tensors, values, strict=True):
+                t.copy_(value)
 
     def _apply_update(self, action: r.Load) -> None:
         snapshot, self.snapshot = self.snapshot, None
@@ -651,6 +704,7 @@ class Worker:
         """No coordinator: keep this rank's consensus and state on disk, then stop
         (``elche.runtime.salvage``: the launcher may commit them as a bundle)."""
         where = None
+        self._take_up_local()  # the model holds every batch ``held`` names
         if self.spec.save_path is not None:
             kept = self.consensus.state
             where = salvage.keep_local_state(
@@ -725,6 +779,7 @@ class Worker:
             "wire": self.wire.name,
             "wire_bytes": self.wire.bytes,
             "wire_rounds": self.wire.rounds,
+            "overlapped_rounds": self.overlapped,
         }
 
 

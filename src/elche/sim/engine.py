@@ -103,6 +103,7 @@ from elche.core.rank import (
     Done,
     FormGroup,
     Hold,
+    Land,
     Load,
     RankProtocol,
     RankStage,
@@ -573,6 +574,8 @@ class Simulation:
                         self._train(r, action)
                 case StartEpoch():
                     raise AssertionError("simulated ranks run no epoch_fn")
+                case Land():
+                    raise AssertionError("simulated ranks average at once: they never launch")
                 case _:
                     assert_never(action)
 

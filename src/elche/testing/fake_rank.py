@@ -46,6 +46,7 @@ from elche.core.rank import (
     Done,
     FormGroup,
     Hold,
+    Land,
     Load,
     RankProtocol,
     Save,
@@ -247,6 +248,8 @@ class FakeRank:
                 self._send(endpoint, self.proto.saved(files=action.nominal_files(self.rank)))
             case StartEpoch():
                 raise AssertionError("a fake rank runs no epoch_fn")
+            case Land():
+                raise AssertionError("a fake rank averages at once: it never launches")
             case _:
                 assert_never(action)
         return True
