@@ -68,78 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
-    sim = sub.add_parser(
-        "sim",
-        formatter_class=_Help,
-        help="simulate a heterogeneous cluster in virtual time",
-        description=(
-            "Run elche's coordinator against simulated ranks in virtual time. "
-            "Speeds are fractions of the fastest rank's speed."
-        ),
-    )
-    sim.add_argument("--speeds", type=_speeds, help="comma-separated, e.g. 1,0.5,0.25")
-    sim.add_argument("--ranks", type=int, help="number of ranks (speeds drawn from --seed)")
-    sim.add_argument(
-        "--mode",
-        default="cadence",
-        help="sync, cadence, cpu-sync, cpu-cadence, cpu-async (or async)",
-    )
-    sim.add_argument("--epochs", type=int, default=3, help="epochs to simulate")
-    sim.add_argument("--samples", type=int, default=30_000, help="samples per epoch")
-    sim.add_argument("--batch-size", type=int, default=32, help="samples per step")
-    sim.add_argument("--base-ms", type=float, default=10.0, help="solo step time of a speed-1 rank")
-    sim.add_argument("--sync-ms", type=float, default=5.0, help="cost of one averaging round")
-    sim.add_argument(
-        "--jitter", type=float, default=0.0, help="relative std-dev of each step's time"
-    )
-    sim.add_argument("--seed", type=int, default=0, help="seeds the shuffle and the jitter")
-    sim.add_argument(
-        "--kill",
-        action="append",
-        default=[],
-        metavar="RANK@WHEN",
-        help="SIGKILL a rank; WHEN is virtual seconds (1@5) or, after an 'e', training "
-        "progress as epoch.fraction (1@e0.5: just before rank 1 trains a batch at or past "
-        "epoch 0.5, as elche demo --crash 1@0.5 does); repeatable",
-    )
-    sim.add_argument(
-        "--stall",
-        action="append",
-        default=[],
-        metavar="RANK@WHEN",
-        help="hang a rank (no work, no heartbeat); WHEN as for --kill; repeatable",
-    )
-    sim.add_argument(
-        "--faults",
-        default=None,
-        metavar="FILE.json",
-        help="replay a fault plan (FaultPlan.to_json: "
-        '{"faults": [{"kind": "kill", "rank": 1, "at_epoch": 0.5}, ...]}); '
-        "--kill and --stall add to it",
-    )
-    sim.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=30.0,
-        help="seconds of silence before a rank is declared dead",
-    )
-    sim.add_argument(
-        "--max-failures", type=int, default=None, help="save and stop once this many ranks died"
-    )
-    sim.add_argument(
-        "--cost",
-        action="store_true",
-        help="time the coordinator's every decision on the real clock and report the "
-        "microseconds per batch report and per averaging round",
-    )
-    sim.add_argument(
-        "--anchor",
-        type=int,
-        default=None,
-        help="initial ElChe anchor (default: 1 for sync, 10 otherwise)",
-    )
-    sim.add_argument("--json", action="store_true", help="print one JSON object")
-    sim.set_defaults(run=run_sim)
+    _sim_parser(sub)
     demo = sub.add_parser(
         "demo",
         formatter_class=_Help,
@@ -233,6 +162,82 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    sim = sub.add_parser(
+        "sim",
+        formatter_class=_Help,
+        help="simulate a heterogeneous cluster in virtual time",
+        description=(
+            "Run elche's coordinator against simulated ranks in virtual time. "
+            "Speeds are fractions of the fastest rank's speed."
+        ),
+    )
+    sim.add_argument("--speeds", type=_speeds, help="comma-separated, e.g. 1,0.5,0.25")
+    sim.add_argument("--ranks", type=int, help="number of ranks (speeds drawn from --seed)")
+    sim.add_argument(
+        "--mode",
+        default="cadence",
+        help="sync, cadence, cpu-sync, cpu-cadence, cpu-async (or async)",
+    )
+    sim.add_argument("--epochs", type=int, default=3, help="epochs to simulate")
+    sim.add_argument("--samples", type=int, default=30_000, help="samples per epoch")
+    sim.add_argument("--batch-size", type=int, default=32, help="samples per step")
+    sim.add_argument("--base-ms", type=float, default=10.0, help="solo step time of a speed-1 rank")
+    sim.add_argument("--sync-ms", type=float, default=5.0, help="cost of one averaging round")
+    sim.add_argument(
+        "--jitter", type=float, default=0.0, help="relative std-dev of each step's time"
+    )
+    sim.add_argument("--seed", type=int, default=0, help="seeds the shuffle and the jitter")
+    sim.add_argument(
+        "--kill",
+        action="append",
+        default=[],
+        metavar="RANK@WHEN",
+        help="SIGKILL a rank; WHEN is virtual seconds (1@5) or, after an 'e', training "
+        "progress as epoch.fraction (1@e0.5: just before rank 1 trains a batch at or past "
+        "epoch 0.5, as elche demo --crash 1@0.5 does); repeatable",
+    )
+    sim.add_argument(
+        "--stall",
+        action="append",
+        default=[],
+        metavar="RANK@WHEN",
+        help="hang a rank (no work, no heartbeat); WHEN as for --kill; repeatable",
+    )
+    sim.add_argument(
+        "--faults",
+        default=None,
+        metavar="FILE.json",
+        help="replay a fault plan (FaultPlan.to_json: "
+        '{"faults": [{"kind": "kill", "rank": 1, "at_epoch": 0.5}, ...]}); '
+        "--kill and --stall add to it",
+    )
+    sim.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=30.0,
+        help="seconds of silence before a rank is declared dead",
+    )
+    sim.add_argument(
+        "--max-failures", type=int, default=None, help="save and stop once this many ranks died"
+    )
+    sim.add_argument(
+        "--cost",
+        action="store_true",
+        help="time the coordinator's every decision on the real clock and report the "
+        "microseconds per batch report and per averaging round",
+    )
+    sim.add_argument(
+        "--anchor",
+        type=int,
+        default=None,
+        help="initial ElChe anchor (default: 1 for sync, 10 otherwise)",
+    )
+    _add_overlap_arg(sim)
+    sim.add_argument("--json", action="store_true", help="print one JSON object")
+    sim.set_defaults(run=run_sim)
+
+
 def _add_run_args(parser: argparse.ArgumentParser) -> None:
     """The training settings ``demo`` and ``compare`` share."""
     parser.add_argument(
@@ -253,6 +258,10 @@ def _add_averaging_args(parser: argparse.ArgumentParser) -> None:
         help="what elche's averaging payloads travel as: fp32 or bf16 (half the bytes; "
         "the model stays fp32)",
     )
+    _add_overlap_arg(parser)
+
+
+def _add_overlap_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-overlap",
         dest="overlap",

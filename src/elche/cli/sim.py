@@ -95,6 +95,7 @@ def run_sim(args: argparse.Namespace) -> int:
         heartbeat_timeout_s=args.heartbeat_timeout,
         max_failures=args.max_failures,
         scheduler=SchedulerConfig(anchor=args.anchor),
+        overlap=args.overlap,
     )
     timed = None
     if args.cost:

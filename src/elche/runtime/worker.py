@@ -86,6 +86,9 @@ __all__ = ["RankSpec", "UserFns", "Worker", "raise_if_refused", "to_device", "tr
 REPORT_EVERY_S = 0.05
 # How often a rank looks for its peers' start marks (wait_peers_started).
 STARTUP_POLL_S = 0.01
+# How often a rank waiting for its launched round looks at it while it takes
+# messages (work handed out behind the round lets it train on instead).
+LAND_POLL_S = 0.001
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -358,7 +361,7 @@ class Worker:
                 case r.Load():
                     self._apply_update(action)
                 case r.Land():
-                    self._land()
+                    self._await_flight()
                 case r.Average() | r.Upload():
                     self._report()
                     self._report_lr()  # before the round: the epoch it may end records it
@@ -610,6 +613,21 @@ class Worker:
         ack = self.proto.averaged(divergence=div, pre_norm=pre, post_norm=post)
         self._record_spans()
         self._send(ack)
+
+    def _await_flight(self) -> None:
+        """``Land``: wait for the launched collective, taking messages meanwhile;
+        work that arrives (the next window's, behind the round) lets the rank
+        train on instead, and lands the round later."""
+        assert self.bridge is not None
+        while self._flight is not None and not self._flight.completed():
+            item = self.bridge.get(LAND_POLL_S)
+            if item is None:
+                continue
+            self._handle(item)
+            if not isinstance(self.proto.next_action(), r.Land):
+                return  # the loop does what is next (training, or a stop)
+        if self._flight is not None:  # (a rejoin while it waited lands it itself)
+            self._land()
 
     def _land(self) -> None:
         """Wait for the launched collective and apply it (``InFlight.land``)."""

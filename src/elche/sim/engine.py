@@ -13,7 +13,12 @@ state machine the worker drives) and adds only virtual time:
 - collective rounds complete only when every member of the current group has
   entered; a dead member hangs the collective until ``Regroup`` (or a
   shutdown) arrives, which the rank then leaves, as a real collective errors
-  out once its peer is gone;
+  out once its peer is gone. With ``overlap`` (the runtime's default) a rank
+  launches its round and trains on; it lands the round at the first step
+  boundary after the collective completed, or waits for it when its
+  protocol says ``Land`` (work that arrives meanwhile lets it train on). A
+  launched round whose member is killed fails at once, as gloo's does when
+  its peer's sockets close (a stalled member's hangs until ``Regroup``);
 - coordinator-backend rounds upload a snapshot, the "coordinator" averages for
   ``sync_ms``, and the rank loads the result when its step ends.
 
@@ -137,6 +142,8 @@ class SimConfig:
         exit_detect_ms: how fast a killed process is noticed.
         callback_rank: ``"fastest"`` (the default policy) or the rank that
             eval and checkpoint are pinned to.
+        overlap: collective rounds are launched and trained through, as
+            ``elche.train(overlap=True)`` makes them.
     """
 
     speeds: tuple[float, ...]
@@ -163,6 +170,7 @@ class SimConfig:
     resume: CheckpointMeta | None = None
     max_virtual_s: float = 1e7
     callback_rank: int | str = "fastest"
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if not self.speeds:
@@ -179,6 +187,8 @@ class SimConfig:
         if not 0 <= self.jitter < 1:
             raise ConfigError("jitter", f"must be in [0, 1), got {self.jitter}")
         self.faults.check(len(self.speeds), joins=True)
+        if not isinstance(self.overlap, bool):
+            raise ConfigError("overlap", f"must be True or False, got {self.overlap!r}")
         if self.callback_rank != "fastest" and not isinstance(self.callback_rank, int):
             raise ConfigError(
                 "callback_rank", f"must be 'fastest' or a rank, got {self.callback_rank!r}"
@@ -224,6 +234,12 @@ class _Rank:
     working: bool = False
     token: int = 0
     in_collective: bool = False
+    # A launched round: its number and the batches it averages; whether its
+    # collective completed; whether the rank waits for it (``Land``).
+    flight: tuple[int, list[Batch]] | None = None
+    flight_done: bool = False
+    flight_ok: bool = True  # done: completed (True) or failed (False)
+    landing: bool = False
     rejoin_due: bool = False  # a restored coordinator waits for its Hello
     snapshot: list[Batch] = field(default_factory=list)  # ground truth of the upload
     uncommitted: deque[Batch] = field(default_factory=deque)
@@ -428,6 +444,7 @@ class Simulation:
             case Kill():
                 self._stop(rank)
                 rank.alive = False
+                self._break_flights(fault.rank)
                 reason = "process killed by SIGKILL"
                 self._after_ms(
                     self.config.exit_detect_ms,
@@ -522,12 +539,19 @@ class Simulation:
         if isinstance(message, m.Regroup):
             self._group = set(message.members)
             self._collective = None  # abandoned with the old group
-        if r.in_collective and isinstance(message, m.Regroup | m.Shutdown | m.ShutdownWithSave):
+        leaving = isinstance(message, m.Regroup | m.Shutdown | m.ShutdownWithSave)
+        if r.in_collective and not r.flight_done and leaving:
             # The collective hangs on a dead member; a real one errors out
-            # once its peer's process is gone, and the rank moves on.
+            # once its peer's process is gone, and the rank moves on (a
+            # launched one: its step in progress goes on).
             r.proto.average_failed()
-            r.in_collective = r.working = False
+            if r.flight is None or r.landing:
+                r.working = False
+            r.in_collective = r.landing = False
+            r.flight = None
         r.proto.handle(message)
+        if r.landing and not isinstance(r.proto.next_action(), Land):
+            r.landing = r.working = False  # work came behind the round: train on while it travels
         if r.proto.stage is RankStage.DONE:
             self._finished(r)  # a step in flight is never reported, as on a real rank
         self._next(r)
@@ -541,6 +565,9 @@ class Simulation:
         """At a step boundary: do what the rank's protocol says, until it waits."""
         while r.active and not r.working:
             if r.rejoin_due:
+                if r.flight is not None:  # as a real rank does: it lands its round first
+                    self._land_or_wait(r)
+                    continue
                 self._rejoin(r)
             action = r.proto.next_action()
             match action:
@@ -562,6 +589,9 @@ class Simulation:
                     r.snapshot = []
                     self._send(r.rank, ack)
                 case Average(round=number, steps=steps):
+                    if self.config.overlap and len(self._group) > 1:  # a world of one: at once
+                        r.proto.launched()
+                        r.flight = (number, list(r.uncommitted))
                     self._enter_collective(r, number, steps)
                 case Upload():
                     r.snapshot = list(r.uncommitted)
@@ -575,7 +605,7 @@ class Simulation:
                 case StartEpoch():
                     raise AssertionError("simulated ranks run no epoch_fn")
                 case Land():
-                    raise AssertionError("simulated ranks average at once: they never launch")
+                    self._land_or_wait(r)
                 case _:
                     assert_never(action)
 
@@ -597,6 +627,8 @@ class Simulation:
         r.busy_s += duration_ms / 1000.0
         r.uncommitted.append((action.epoch, action.offset, action.size))
         self._send(r.rank, r.proto.trained(action, batch_ms=duration_ms, data_ms=0.0, loss=None))
+        if r.flight_done:  # its round completed during the step
+            self._land(r)
         self._next(r)
 
     def _run_callback(self, r: _Rank, request: m.RunEval | m.RunCheckpoint) -> None:
@@ -626,7 +658,8 @@ class Simulation:
         if self._collective is None or self._collective_round != number:
             self._collective = {}
             self._collective_round = number
-        r.in_collective = r.working = True
+        r.in_collective = True
+        r.working = r.flight is None  # a launched round: the rank trains on
         self._collective[r.rank] = steps
         if set(self._collective) >= self._group:
             entered = dict(self._collective)
@@ -640,10 +673,47 @@ class Simulation:
         self._collective = None
         for rank, steps in sorted(entered.items()):
             r = self.ranks[rank]
+            if r.flight is not None:
+                r.flight_done = True
+                if r.landing:  # else it lands when its step ends
+                    self._land(r)
+                    self._next(r)
+                continue
             self._commit(rank, list(r.uncommitted))
             r.in_collective = r.working = False
             self._send(rank, r.proto.averaged(divergence=self._divergence(steps)))
             self._next(r)
+
+    def _break_flights(self, dead: int) -> None:
+        """Rank ``dead`` was killed: the launched rounds of its group fail (its sockets closed)."""
+        if dead not in self._group:
+            return
+        for r in self.ranks:
+            if r.active and r.flight is not None and not r.flight_done:
+                r.flight_done, r.flight_ok = True, False
+                if r.landing:
+                    self._land(r)
+                    self._next(r)
+
+    def _land_or_wait(self, r: _Rank) -> None:
+        """``Land``: apply the launched round now if it completed, else wait for it."""
+        if r.flight_done:
+            self._land(r)
+        else:
+            r.landing = r.working = True
+
+    def _land(self, r: _Rank) -> None:
+        """The launched round completed: the batches before its launch are in the consensus."""
+        assert r.flight is not None
+        _, batches = r.flight
+        ok, r.flight_ok = r.flight_ok, True
+        r.flight, r.flight_done = None, False
+        r.in_collective = r.landing = r.working = False
+        if not ok:  # the collective failed: its steps count in the round tried next
+            r.proto.average_failed()
+            return
+        self._commit(r.rank, batches)
+        self._send(r.rank, r.proto.averaged(divergence=self._divergence(len(batches))))
 
     # -- result ----------------------------------------------------------------
 
