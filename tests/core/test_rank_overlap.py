@@ -42,8 +42,10 @@ def test_a_launched_round_lets_the_rank_train_on_and_acks_its_own_steps() -> Non
     assert (p.in_flight, p.steps_since_sync) == (3, 0)
     assert train(p).offset == 64  # the window counts from the launch
     assert train(p).offset == 96
-    ack = p.averaged(divergence=0.2, pre_norm=1.0, post_norm=0.9)
-    assert ack == m.SyncAck(round=3, steps=2, divergence=0.2, pre_norm=1.0, post_norm=0.9)
+    ack = p.averaged(divergence=0.2, pre_norm=1.0, post_norm=0.9, through_ms=12.5)
+    assert ack == m.SyncAck(
+        round=3, steps=2, divergence=0.2, pre_norm=1.0, post_norm=0.9, through_ms=12.5
+    )
     assert (p.in_flight, p.steps_since_sync, p.last_round) == (0, 2, 3)
     # The round averaged the batches before the launch; the two after stay unaveraged.
     assert p.held() == m.Held(

@@ -25,6 +25,9 @@ def test_training_through_the_rounds_hides_their_cost() -> None:
         assert (result.lost_samples, result.duplicated_samples) == (0, 0)
     assert fast.virtual_wall_s < slow.virtual_wall_s  # the same work, its rounds hidden
     assert fast.efficiency > slow.efficiency
+    # Waiting, the balancer widens the windows to pay 50 ms a round less often;
+    # trained through (``SyncAck.through_ms``), the rounds cost it little.
+    assert fast.syncs > slow.syncs
 
 
 @pytest.mark.parametrize("speeds", [(1.0, 0.5, 0.25), (1.0, 0.9, 0.8)])

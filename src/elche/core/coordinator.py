@@ -415,13 +415,15 @@ class Coordinator:
             ahead.hand_out(self)
 
     def _on_sync_ack(self, rank: int, msg: m.SyncAck) -> None:
-        if not self.round.on_ack(rank, msg):
+        if not self.round.on_ack(rank, msg, self._now):
             self.stale_messages += 1
             return
         if self.config.backend is Backend.COLLECTIVE:  # the ack committed its steps
             self.planner.averaged(rank, self.round.acks[rank], self._now)
         if self.round.complete(set(self.live)):
-            self._finish_round()
+            # What a rank trained through the round is no cost of it: the
+            # balancer sizes windows by what the round held the ranks.
+            self._finish_round(held_until_s=self.round.held_until_s)
 
     def _on_snapshot(self, rank: int, msg: m.SnapshotReady) -> None:
         if not self.round.on_snapshot(rank, msg):
@@ -439,13 +441,14 @@ class Coordinator:
         if self.round.complete(live):
             self._finish_round()
 
-    def _finish_round(self) -> None:
+    def _finish_round(self, *, held_until_s: float | None = None) -> None:
         rnd = self.round
         rnd.close()
         if self.joins.fresh & rnd.members:  # a joiner holds the consensus now: plan it in
             self.planner.plan_afresh()
         self.joins.averaged(rnd)  # a joiner's first round: its model is no replica's yet
-        sync_ms = (self._now - rnd.started_s) * 1000.0
+        end_s = self._now if held_until_s is None else held_until_s
+        sync_ms = (end_s - rnd.started_s) * 1000.0
         k_used, commands = self.tuner.close_round(
             rnd, sync_ms, self.live, set(self.dead_ranks), planned_ahead=self.planner.planned_ahead
         )

@@ -139,13 +139,18 @@ class Batches(_Msg, frozen=True):
 
 
 class SyncAck(_Msg, frozen=True):
-    """The rank finished averaging ``round``; ``steps`` went into it."""
+    """The rank finished averaging ``round``; ``steps`` went into it.
+
+    ``through_ms``: how long the rank trained between launching the round and
+    acknowledging it (``overlap``): time the round did not cost it.
+    """
 
     round: int
     steps: int
     divergence: float | None = None
     pre_norm: float | None = None
     post_norm: float | None = None
+    through_ms: float = 0.0
 
 
 class SnapshotReady(_Msg, frozen=True):

@@ -260,6 +260,7 @@ class Norms(TypedDict, total=False):
     divergence: float | None  # this rank's relative distance from the average
     pre_norm: float | None  # the parameters' norm before averaging
     post_norm: float | None  # the average's norm
+    through_ms: float  # trained while the launched round travelled (not its cost)
 
 
 class RankProtocol:

@@ -68,6 +68,9 @@ class Round:
         self.number = number
         self.phase = RoundPhase.IDLE
         self.started_s = 0.0
+        # The latest moment an acknowledged member was held by the round: its
+        # ack's arrival less what it trained through (``SyncAck.through_ms``).
+        self.held_until_s = 0.0
         self.members: set[int] = set()
         self.snapshot_steps: dict[int, int] = {}
         self.acks: dict[int, int] = {}
@@ -100,8 +103,9 @@ class Round:
     def close(self) -> None:
         self.phase = RoundPhase.IDLE
 
-    def on_ack(self, rank: int, msg: m.SyncAck) -> bool:
-        """Book ``rank``'s acknowledgement; False if it is stale (nothing changed).
+    def on_ack(self, rank: int, msg: m.SyncAck, now_s: float | None = None) -> bool:
+        """Book ``rank``'s acknowledgement (arrived at ``now_s``, if timed); False
+        if it is stale (nothing changed).
 
         Raises:
             RemoteProtocolError: the rank acknowledged before its update; the
@@ -118,6 +122,9 @@ class Round:
                 f"acknowledged round {msg.round} before its update", rank=rank
             )
         self.acks[rank] = committed
+        if now_s is not None:
+            held = max(now_s - max(msg.through_ms, 0.0) / 1000.0, self.started_s)
+            self.held_until_s = max(self.held_until_s, held)
         if msg.divergence is not None:
             self.divergence[rank] = msg.divergence
         if msg.pre_norm is not None:
@@ -219,7 +226,7 @@ class Round:
     def _open(self, members: set[int], now_s: float) -> int:
         self.number += 1
         self.phase = RoundPhase.COLLECTING
-        self.started_s = now_s
+        self.started_s = self.held_until_s = now_s
         self.members = set(members)
         self.snapshot_steps.clear()
         self.acks.clear()

@@ -197,6 +197,7 @@ class Worker:
         # landed round's callbacks run on the consensus: (the tensors, their values).
         self._local: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.overlapped = 0  # rounds this rank trained on through
+        self._through_s = 0.0  # seconds it trained while its flight travelled
         self.membership = Membership(
             spec.rank, spec.address, spec.group_port, spec.collective_timeout_s
         )
@@ -520,6 +521,8 @@ class Worker:
             self.last_loss = value if finite else self.last_loss
         self.busy_s += done - started
         self.step_s += done - started
+        if self._flight is not None:  # trained through the round: no cost of it
+            self._through_s += done - started
         self.samples += size
         assert self.bridge is not None
         self.bridge.step += 1
@@ -635,6 +638,7 @@ class Worker:
         assert flight is not None  # the protocol lands only a launched round
         started = time.perf_counter()
         moved = self.proto.steps_since_sync > 0
+        through_ms, self._through_s = self._through_s * 1000.0, 0.0
         try:
             (div, pre, post), local = flight.land(moved=moved)
         except RuntimeError as exc:  # as in _serve_round: the model is unchanged
@@ -646,7 +650,9 @@ class Worker:
         self.consensus.keep(self.model, self.proto.in_flight)
         if local is not None:
             self._local = (flight.tensors, local)
-        ack = self.proto.averaged(divergence=div, pre_norm=pre, post_norm=post)
+        ack = self.proto.averaged(
+            divergence=div, pre_norm=pre, post_norm=post, through_ms=through_ms
+        )
         self._record_spans()
         self._send(ack)
 

@@ -239,6 +239,7 @@ class _Rank:
     flight: tuple[int, list[Batch]] | None = None
     flight_done: bool = False
     flight_ok: bool = True  # done: completed (True) or failed (False)
+    through_ms: float = 0.0  # trained while the flight travelled
     landing: bool = False
     rejoin_due: bool = False  # a restored coordinator waits for its Hello
     snapshot: list[Batch] = field(default_factory=list)  # ground truth of the upload
@@ -625,6 +626,8 @@ class Simulation:
             return
         r.working = False
         r.busy_s += duration_ms / 1000.0
+        if r.flight is not None:
+            r.through_ms += duration_ms
         r.uncommitted.append((action.epoch, action.offset, action.size))
         self._send(r.rank, r.proto.trained(action, batch_ms=duration_ms, data_ms=0.0, loss=None))
         if r.flight_done:  # its round completed during the step
@@ -707,13 +710,15 @@ class Simulation:
         assert r.flight is not None
         _, batches = r.flight
         ok, r.flight_ok = r.flight_ok, True
+        through_ms, r.through_ms = r.through_ms, 0.0
         r.flight, r.flight_done = None, False
         r.in_collective = r.landing = r.working = False
         if not ok:  # the collective failed: its steps count in the round tried next
             r.proto.average_failed()
             return
         self._commit(r.rank, batches)
-        self._send(r.rank, r.proto.averaged(divergence=self._divergence(len(batches))))
+        divergence = self._divergence(len(batches))
+        self._send(r.rank, r.proto.averaged(divergence=divergence, through_ms=through_ms))
 
     # -- result ----------------------------------------------------------------
 
