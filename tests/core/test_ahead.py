@@ -183,3 +183,45 @@ def test_a_rank_that_holds_work_as_a_round_starts_hears_its_budget_after_that_av
     _ack(h)
     for rank in (0, 1):  # counted from zero, as the rank counts after its average
         assert _told_budget(h, rank) == h.core.planner.budget[rank]
+
+
+def test_a_member_whose_collective_broke_while_others_got_the_average_is_closed_out() -> None:
+    """A peer lost mid-collective can leave some members with the average and
+    another waiting out its timeout; that one answers ``failed`` and the
+    round closes without its steps, which count in the next round."""
+    ms = {0: 10.0, 1: 20.0, 2: 40.0}
+    h = Harness(world_size=3, num_samples=32 * 60, epochs=2)
+    _a_round_planned_ahead(h, ms)
+    rnd = h.core.round
+    unaveraged = h.core.work.steps_since_sync(2)
+    h.send(0, m.SyncAck(round=rnd.number, steps=h.core.work.steps_since_sync(0)))
+    h.feed(RankLost(rank=1, reason="process killed"))  # rank 0's ack: the round stands
+    assert h.core.round.in_flight  # waiting for rank 2
+    h.inbox[2].clear()
+    h.send(2, m.SyncAck(round=rnd.number, steps=0, failed=True))
+    assert not h.core.round.in_flight and h.core.rounds_done == 1
+    assert h.core.work.steps_since_sync(2) == unaveraged  # nothing of it committed
+    if h.chunks[2]:  # it counts its budget with those steps, as the coordinator does
+        assert _told_budget(h, 2) == h.core.planner.budget[2]
+    h.run_to_end({0: 10.0, 2: 40.0})
+    assert h.core.state is RunState.DONE
+    averaged = sorted(h.in_averages)
+    assert len(averaged) == len(set(averaged))
+    assert sum(size for _, _, size in averaged) == 2 * 32 * 60
+
+
+def test_failed_answers_alone_close_no_round() -> None:
+    ms = {0: 10.0, 1: 20.0, 2: 40.0}
+    h = Harness(world_size=3, num_samples=32 * 60, epochs=2)
+    _a_round_planned_ahead(h, ms)
+    rnd = h.core.round
+    for rank in (0, 2):  # gloo told them at once; the coordinator has not seen the death
+        h.send(rank, m.SyncAck(round=rnd.number, steps=0, failed=True))
+    assert h.core.round.in_flight and h.core.rounds_done == 0
+    h.feed(RankLost(rank=1, reason="process killed"))
+    assert h.core.rounds_done == 0  # abandoned, to be tried again by the survivors
+    h.run_to_end({0: 10.0, 2: 40.0})
+    assert h.core.state is RunState.DONE
+    averaged = sorted(h.in_averages)
+    assert len(averaged) == len(set(averaged))
+    assert sum(size for _, _, size in averaged) == 2 * 32 * 60

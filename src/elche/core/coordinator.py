@@ -418,7 +418,12 @@ class Coordinator:
         if not self.round.on_ack(rank, msg, self._now):
             self.stale_messages += 1
             return
-        if self.config.backend is Backend.COLLECTIVE:  # the ack committed its steps
+        if msg.failed:  # its steps are unaveraged again: it counts its budget with them
+            self.planner.averaged(rank, 0, self._now)
+            if self.work.busy_samples(rank) > 0:
+                budget, window = self.planner.budget[rank], self.planner.window_steps(rank)
+                self._out.append(Send(rank=rank, message=m.SetBudget(budget=budget, window=window)))
+        elif self.config.backend is Backend.COLLECTIVE:  # the ack committed its steps
             self.planner.averaged(rank, self.round.acks[rank], self._now)
         if self.round.complete(set(self.live)):
             # What a rank trained through the round is no cost of it: the

@@ -143,6 +143,10 @@ class SyncAck(_Msg, frozen=True):
 
     ``through_ms``: how long the rank trained between launching the round and
     acknowledging it (``overlap``): time the round did not cost it.
+    ``failed``: the rank's collective broke instead (``steps`` 0): its model
+    holds none of the round, its steps count in the next one. A peer lost
+    mid-collective can leave some members with the average and others
+    waiting out their timeout; this answer is how the round hears of those.
     """
 
     round: int
@@ -151,6 +155,7 @@ class SyncAck(_Msg, frozen=True):
     pre_norm: float | None = None
     post_norm: float | None = None
     through_ms: float = 0.0
+    failed: bool = False
 
 
 class SnapshotReady(_Msg, frozen=True):

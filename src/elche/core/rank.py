@@ -628,10 +628,14 @@ class RankProtocol:
             self.progress.averaged(request.round)
         return m.SyncAck(round=request.round, steps=steps, **norms)
 
-    def average_failed(self) -> None:
+    def average_failed(self) -> m.SyncAck:
         """The collective broke (a peer vanished): drop the round, keep the steps.
 
-        The coordinator abandons the round and sends ``Regroup``.
+        The coordinator abandons the round and sends ``Regroup``, or, if
+        other members got the average, closes it without this rank's steps.
+
+        Returns:
+            The ``failed`` acknowledgement to send.
 
         Raises:
             LocalProtocolError: no collective round is pending or in flight.
@@ -640,9 +644,10 @@ class RankProtocol:
             self.steps_since_sync += self._launched[1]  # unaveraged again
             self._failed = self._launched[0].round
             self._launched = None
-            return
-        self._failed = self._collective("average_failed").round
-        self._request = None
+        else:
+            self._failed = self._collective("average_failed").round
+            self._request = None
+        return m.SyncAck(round=self._failed, steps=0, failed=True)
 
     def uploaded(self) -> m.SnapshotReady:
         """The snapshot the pending ``RequestParams`` asked for is taken.

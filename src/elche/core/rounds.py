@@ -74,6 +74,7 @@ class Round:
         self.members: set[int] = set()
         self.snapshot_steps: dict[int, int] = {}
         self.acks: dict[int, int] = {}
+        self.failed: set[int] = set()  # members whose collective broke (``SyncAck.failed``)
         self.divergence: dict[int, float] = {}
         self.pre_norms: dict[int, float] = {}
         self.post_norm: float | None = None
@@ -113,6 +114,11 @@ class Round:
         """
         if msg.round != self.number or rank not in self.members or rank in self.acks:
             return False
+        if msg.failed:  # its model holds none of the round: nothing committed
+            if rank in self.failed or self.phase is not RoundPhase.COLLECTING:
+                return False
+            self.failed.add(rank)
+            return True
         if self.phase is RoundPhase.COLLECTING and self.config.backend is Backend.COLLECTIVE:
             committed = self.work.commit(rank, msg.steps)
         elif self.phase is RoundPhase.APPLYING:
@@ -219,9 +225,11 @@ class Round:
         )
 
     def complete(self, live: set[int]) -> bool:
-        """Every live member acknowledged the round."""
+        """Every live member acknowledged the round, at least one with the average
+        (a member whose collective broke answered ``failed``)."""
         waiting = self.phase is RoundPhase.COLLECTING or self.phase is RoundPhase.APPLYING
-        return waiting and all(r in self.acks for r in self.members & live)
+        answered = all(r in self.acks or r in self.failed for r in self.members & live)
+        return waiting and bool(self.acks) and answered
 
     def _open(self, members: set[int], now_s: float) -> int:
         self.number += 1
@@ -230,6 +238,7 @@ class Round:
         self.members = set(members)
         self.snapshot_steps.clear()
         self.acks.clear()
+        self.failed.clear()
         self.divergence.clear()
         self.pre_norms.clear()
         self.post_norm = None

@@ -607,9 +607,10 @@ class Worker:
             )
         except RuntimeError as exc:
             # A peer vanished mid-collective. The model is unchanged; the
-            # coordinator will abandon the round and send Regroup.
+            # coordinator abandons the round and sends Regroup, or closes it
+            # without this rank's steps if others got the average.
             print(f"elche rank {self.spec.rank}: collective failed: {exc}", file=sys.stderr)
-            self.proto.average_failed()
+            self._send(self.proto.average_failed())
             return
         self.busy_s += time.perf_counter() - started
         self.consensus.keep(self.model, action.round)
@@ -643,7 +644,7 @@ class Worker:
             (div, pre, post), local = flight.land(moved=moved)
         except RuntimeError as exc:  # as in _serve_round: the model is unchanged
             print(f"elche rank {self.spec.rank}: collective failed: {exc}", file=sys.stderr)
-            self.proto.average_failed()
+            self._send(self.proto.average_failed())
             return
         self.busy_s += time.perf_counter() - started
         self.overlapped += moved

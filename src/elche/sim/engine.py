@@ -545,7 +545,7 @@ class Simulation:
             # The collective hangs on a dead member; a real one errors out
             # once its peer's process is gone, and the rank moves on (a
             # launched one: its step in progress goes on).
-            r.proto.average_failed()
+            self._send(r.rank, r.proto.average_failed())
             if r.flight is None or r.landing:
                 r.working = False
             r.in_collective = r.landing = False
@@ -714,7 +714,7 @@ class Simulation:
         r.flight, r.flight_done = None, False
         r.in_collective = r.landing = r.working = False
         if not ok:  # the collective failed: its steps count in the round tried next
-            r.proto.average_failed()
+            self._send(r.rank, r.proto.average_failed())
             return
         self._commit(r.rank, batches)
         divergence = self._divergence(len(batches))
