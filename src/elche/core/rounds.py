@@ -112,10 +112,11 @@ class Round:
             RemoteProtocolError: the rank acknowledged before its update; the
                 round is unchanged.
         """
-        if msg.round != self.number or rank not in self.members or rank in self.acks:
+        answered = rank in self.acks or rank in self.failed
+        if msg.round != self.number or rank not in self.members or answered:
             return False
         if msg.failed:  # its model holds none of the round: nothing committed
-            if rank in self.failed or self.phase is not RoundPhase.COLLECTING:
+            if self.phase is not RoundPhase.COLLECTING:
                 return False
             self.failed.add(rank)
             return True
