@@ -237,37 +237,21 @@ def collective_average(
             collective returned); the round is redone on a new group (the
             coordinator's ``Regroup``).
     """
-    params = [p for _, p in _named_float_params(model)]
-    buffers = float_buffers(model)
-    anchor = next(iter(params + buffers), None)
-    device = anchor.device if anchor is not None else torch.device("cpu")
-    weights, masses = _weights(params, buffers, steps, gamma)
-    sums, flats = _packed(params + buffers, weights, masses, device)
-    for flat in flats:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    total_param, total_buffer = _summed_masses(flats, len(masses))
-    if total_param <= 0:
-        norm = divergence(params, params)[1]
-        return (0.0, norm, norm)
-    # total_buffer > 0 too: a rank has parameter mass exactly when it moved.
-    averaged = _consensus(sums, (total_param, total_buffer), len(params))
-    post = [r.to(p.dtype) for r, p in zip(averaged, params, strict=False)]
-    result = divergence(params, post)
-    with torch.no_grad():
-        for t, new in zip(params + buffers, post + averaged[len(params) :], strict=True):
-            t.copy_(new)
+    result, _ = _start(model, steps, gamma=gamma, group=group, launch=False).land(moved=False)
     return result
 
 
 class InFlight:
-    """A collective average launched by ``launch_average`` and not applied yet.
+    """A collective average started and not applied yet (``launch_average``;
+    ``collective_average`` lands its own at once).
 
-    It holds a copy of the tensors as they were at the launch (S) and the
-    buffers being summed. ``land`` waits for the sums and applies the
-    consensus C: a rank that did not train since the launch takes C as it
-    is, so every member holds the same model; one that did keeps its own
-    progress since, ``t + (C − S)``, which ``land`` returns for the driver
-    to load once the round's callbacks ran on C.
+    It holds the tensors as they were at the launch (S: a copy, when the
+    rank trains on meanwhile) and the buffers being summed. ``land`` waits
+    for the sums and applies the consensus C: a rank that did not train
+    since the launch takes C as it is, so every member holds the same model;
+    one that did keeps its own progress since, ``t + (C − S)``, which
+    ``land`` returns for the driver to load once the round's callbacks ran
+    on C.
     """
 
     def __init__(
@@ -339,18 +323,30 @@ def launch_average(
     Raises:
         RuntimeError: From ``torch.distributed`` if a collective cannot start.
     """
+    return _start(model, steps, gamma=gamma, group=group, launch=True)
+
+
+def _start(
+    model: nn.Module, steps: int, *, gamma: float, group: dist.ProcessGroup | None, launch: bool
+) -> InFlight:
+    """The round's all-reduces of the model's float tensors: left in flight on
+    copies (``launch``), or made at once, the model's own tensors standing
+    for the launch snapshot (nothing moves them before ``land``)."""
     params = [p for _, p in _named_float_params(model)]
-    buffers = float_buffers(model)
-    tensors = params + buffers
+    tensors = params + float_buffers(model)
     anchor = next(iter(tensors), None)
     device = anchor.device if anchor is not None else torch.device("cpu")
-    weights, masses = _weights(params, buffers, steps, gamma)
-    launch = [t.detach().to(_reduce_dtype(t.dtype), copy=True) for t in tensors]
+    weights, masses = _weights(params, tensors[len(params) :], steps, gamma)
+    if launch:
+        snapshot = [t.detach().to(_reduce_dtype(t.dtype), copy=True) for t in tensors]
+    else:
+        snapshot = [t.detach() for t in tensors]
     sums, flats = _packed(tensors, weights, masses, device)
-    works = [
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True) for flat in flats
+    reduced = [
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=launch) for flat in flats
     ]
-    return InFlight(tensors, len(params), (launch, sums, flats, works))
+    works = [work for work in reduced if work is not None]  # made at once: none to wait for
+    return InFlight(tensors, len(params), (snapshot, sums, flats, works))
 
 
 # --- coordinator backend, rank side (spec §8.2, §8.4) ----------------------------
