@@ -30,6 +30,17 @@ def _first_round(h: Harness) -> list[Command]:
     return h.train_window({0: 10.0, 1: 40.0})
 
 
+def _runs_to_the_end_averaging_every_sample_once(
+    h: Harness, ms: dict[int, float], samples: int
+) -> None:
+    """The survivors train to the end; every sample of the run averaged exactly once."""
+    h.run_to_end(ms)
+    assert h.core.state is RunState.DONE
+    averaged = sorted(h.in_averages)
+    assert len(averaged) == len(set(averaged))  # no batch averaged twice
+    assert sum(size for _, _, size in averaged) == samples  # and every sample once
+
+
 def test_a_mid_epoch_round_hands_every_rank_its_next_work_counted_after_the_average() -> None:
     h = Harness(num_samples=6400, scheduler=SchedulerConfig(max_anchor=10))
     out = _after(_first_round(h), m.SyncNow)
@@ -111,11 +122,7 @@ def test_an_abandoned_round_keeps_the_work_it_handed_out_for_the_round_tried_nex
     assert rnd.in_flight and rnd.number == 2 and rnd.members == {0, 1}
     assert [h.core.work.steps_since_sync(r) for r in (0, 1)] == steps[:2]
     assert all(h.chunks[r] for r in (0, 1))
-    h.run_to_end(ms)
-    assert h.core.state is RunState.DONE
-    averaged = sorted(h.in_averages)
-    assert len(averaged) == len(set(averaged))  # no batch averaged twice
-    assert sum(size for _, _, size in averaged) == 32 * 300  # and every sample once
+    _runs_to_the_end_averaging_every_sample_once(h, ms, 32 * 300)
 
 
 def test_a_death_that_completes_the_round_plans_the_next_window_without_the_dead() -> None:
@@ -130,11 +137,8 @@ def test_a_death_that_completes_the_round_plans_the_next_window_without_the_dead
     assert not h.core.round.in_flight and h.core.rounds_done == 1
     tail = h.core.planner.tail_plan
     assert tail is None or 1 not in tail  # planned afresh, for the survivors
-    h.run_to_end({0: 10.0, 2: 40.0})
-    assert h.core.state is RunState.DONE  # a plan holding the dead rank's share hung here
-    averaged = sorted(h.in_averages)
-    assert len(averaged) == len(set(averaged))
-    assert sum(size for _, _, size in averaged) == 2 * 32 * 60
+    # A plan holding the dead rank's share hung here.
+    _runs_to_the_end_averaging_every_sample_once(h, {0: 10.0, 2: 40.0}, 2 * 32 * 60)
 
 
 def _told_budget(h: Harness, rank: int) -> int:
@@ -165,11 +169,7 @@ def test_an_abandoned_round_tells_each_survivor_its_budget_before_the_plan_again
     for rank in (0, 1):
         assert h.chunks[rank]  # the work handed out ahead stays with them
         assert _told_budget(h, rank) == h.core.planner.budget[rank]
-    h.run_to_end({0: 10.0, 1: 20.0})
-    assert h.core.state is RunState.DONE
-    averaged = sorted(h.in_averages)
-    assert len(averaged) == len(set(averaged))
-    assert sum(size for _, _, size in averaged) == 2 * 32 * 60
+    _runs_to_the_end_averaging_every_sample_once(h, {0: 10.0, 1: 20.0}, 2 * 32 * 60)
 
 
 def test_a_rank_that_holds_work_as_a_round_starts_hears_its_budget_after_that_average() -> None:
@@ -203,11 +203,7 @@ def test_a_member_whose_collective_broke_while_others_got_the_average_is_closed_
     assert h.core.work.steps_since_sync(2) == unaveraged  # nothing of it committed
     if h.chunks[2]:  # it counts its budget with those steps, as the coordinator does
         assert _told_budget(h, 2) == h.core.planner.budget[2]
-    h.run_to_end({0: 10.0, 2: 40.0})
-    assert h.core.state is RunState.DONE
-    averaged = sorted(h.in_averages)
-    assert len(averaged) == len(set(averaged))
-    assert sum(size for _, _, size in averaged) == 2 * 32 * 60
+    _runs_to_the_end_averaging_every_sample_once(h, {0: 10.0, 2: 40.0}, 2 * 32 * 60)
 
 
 def test_failed_answers_alone_close_no_round() -> None:
@@ -220,8 +216,4 @@ def test_failed_answers_alone_close_no_round() -> None:
     assert h.core.round.in_flight and h.core.rounds_done == 0
     h.feed(RankLost(rank=1, reason="process killed"))
     assert h.core.rounds_done == 0  # abandoned, to be tried again by the survivors
-    h.run_to_end({0: 10.0, 2: 40.0})
-    assert h.core.state is RunState.DONE
-    averaged = sorted(h.in_averages)
-    assert len(averaged) == len(set(averaged))
-    assert sum(size for _, _, size in averaged) == 2 * 32 * 60
+    _runs_to_the_end_averaging_every_sample_once(h, {0: 10.0, 2: 40.0}, 2 * 32 * 60)

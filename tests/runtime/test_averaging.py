@@ -8,9 +8,7 @@ The unit tests pin the arithmetic by hand-computed values (floDl core spec
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +39,7 @@ from elche.runtime.snapshots import (
     param_mass,
     save_outer_state,
 )
+from tests.runtime.spawned import run_spawned
 
 # --- masses ------------------------------------------------------------------
 
@@ -390,18 +389,8 @@ def _rank_main(rank: int, plan: RankPlan) -> None:
 
 def run_ranks(tmp_path: Path, steps: list[int], *, poison_idle: bool) -> list[dict[str, Any]]:
     plan = RankPlan(str(tmp_path / "store"), steps, poison_idle, str(tmp_path))
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, plan)) for r in range(len(steps))]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 25  # one budget for all: the test stays under 30 s
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0] * len(steps)
+    # One budget for all: the test stays under 30 s.
+    run_spawned(_rank_main, [(r, plan) for r in range(len(steps))], budget_s=25)
     return [torch.load(plan.out(r), weights_only=True) for r in range(len(steps))]
 
 

@@ -11,9 +11,7 @@ world of one in this process; one integration test spawns three gloo ranks
 from __future__ import annotations
 
 import copy
-import multiprocessing as mp
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from torch.testing import assert_close
 
 from elche.runtime.averaging import collective_average, divergence, launch_average
 from elche.runtime.wire import Wire, average_over, launch_over
+from tests.runtime.spawned import run_spawned
 from tests.runtime.test_averaging import tiny_model
 
 
@@ -135,19 +134,8 @@ def _overlap_rank(rank: int, store: str, out: str) -> None:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_three_ranks_land_on_one_consensus_and_keep_their_own_steps(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
     args = (str(tmp_path / "store"), str(tmp_path))
-    procs = [ctx.Process(target=_overlap_rank, args=(r, *args)) for r in range(3)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 60
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0, 0, 0]
+    run_spawned(_overlap_rank, [(r, *args) for r in range(3)], budget_s=60)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(3)]
     names = [n for n, _ in tiny_model(0).named_parameters()]
     starts = [tiny_model(r) for r in range(3)]

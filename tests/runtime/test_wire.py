@@ -9,9 +9,7 @@ the round in fp32.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import time
 from pathlib import Path
 
 import msgspec
@@ -25,6 +23,7 @@ from elche.runtime.averaging import load_average, snapshot_frames
 from elche.runtime.options import TrainOptions, check_options
 from elche.runtime.snapshots import Layout, SnapshotAverager
 from elche.runtime.wire import Wire, average_over, wire_dtype
+from tests.runtime.spawned import run_spawned
 
 BF16_REL = 2.0**-8  # bfloat16 keeps 8 significant bits: its unit roundoff
 
@@ -190,19 +189,8 @@ def _update(rank: int) -> torch.Tensor:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_three_ranks_agree_on_the_bf16_delta_consensus(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
     args = (str(tmp_path / "store"), str(tmp_path))
-    procs = [ctx.Process(target=_wire_rank, args=(r, *args)) for r in range(3)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 60
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0, 0, 0]
+    run_spawned(_wire_rank, [(r, *args) for r in range(3)], budget_s=60)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(3)]
     want = sum((r + 1) * _update(r).double() for r in range(3)) / 6  # the mean update
     # each mass·update is rounded to bf16, and so is each partial sum on gloo's way
