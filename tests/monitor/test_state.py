@@ -139,3 +139,14 @@ def test_dashboard_addresses(text: str, expected: tuple[str, int]) -> None:
 def test_bad_dashboard_addresses_raise(text: str) -> None:
     with pytest.raises(ConfigError, match="dashboard"):
         parse_address(text)
+
+
+def test_a_lost_ranks_last_window_closing_after_its_loss_leaves_it_at_zero() -> None:
+    """The round after a death books the dead rank's last batches: its window
+    counts its samples, but the rank trains at nothing now."""
+    view = RunView(2)
+    for event in [*RECORDS[:7], RECORDS[8], _window(1, 1.6, 0.3, 90.0)]:
+        view.observe(event)
+    lost = view.state()["ranks"][1]
+    assert (lost["state"], lost["samples_per_s"], lost["share"]) == ("lost", 0.0, 0.0)
+    assert lost["samples"] == 256  # both its windows

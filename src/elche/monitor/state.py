@@ -121,10 +121,11 @@ class RunView:
         entry = self.ranks[w.rank]
         entry["samples"] += w.samples
         entry.update(
-            samples_per_s=w.samples_per_s, share=w.share, idle_pct=w.idle_pct,
-            compute_ms_per_batch=w.compute_ms_per_batch,
+            idle_pct=w.idle_pct, compute_ms_per_batch=w.compute_ms_per_batch,
             loss=w.loss if w.loss is not None else entry["loss"],
         )  # fmt: skip
+        if entry["state"] != "lost":  # a lost rank's last window closes after its loss
+            entry.update(samples_per_s=w.samples_per_s, share=w.share)
         _push(self.series["samples_per_s"][str(w.rank)], [w.t, w.samples_per_s])
         _push(self.series["share"][str(w.rank)], [w.t, w.share])
 
