@@ -25,6 +25,7 @@ from elche.runtime.membership import Membership
 
 ADDRESS = "tcp://127.0.0.1:0"  # the host part is what the store's clients use
 TIMEOUT_S = 30.0  # each process's rendezvous timeout: far above what forming takes
+LONG_TIMEOUT_S = 240.0  # a collective timeout the test must never reach
 
 
 @pytest.fixture(scope="module")
@@ -175,4 +176,49 @@ def test_a_survivor_of_a_superseded_generation_joins_the_newer_one_at_once(
             if proc.is_alive():
                 proc.kill()
     assert got == {0: ([False, True], 2.0), 1: ([True], 2.0)}
+    assert [proc.exitcode for proc in procs] == [0, 0]
+
+
+def _left_or_waiting(rank: int, port: int, results: Any) -> None:
+    """Rank 1 waits in a collective rank 0 never joins; rank 0 leaves the group."""
+    membership = Membership(rank, ADDRESS, port, LONG_TIMEOUT_S)
+    membership.form(11, [0, 1])
+    client = groups.connect(ADDRESS, port, TIMEOUT_S)
+    if rank == 1:
+        work = torch.distributed.all_reduce(torch.ones(4), group=membership.group, async_op=True)
+        client.set("waiting-11", "1")
+        try:
+            work.wait()
+            results.put("completed")
+        except RuntimeError as exc:
+            results.put(str(exc))
+        client.set("done-11", "1")
+    else:
+        client.wait(["waiting-11"])
+        membership.leave()
+        client.wait(["done-11"])  # alive meanwhile: an exit would close the connections too
+
+
+def test_a_rank_that_leaves_its_group_frees_it_so_a_peer_waiting_in_it_fails_at_once(
+    store_port: int,
+) -> None:
+    # A survivor whose collective broke on a lost peer leaves the old group at
+    # the Regroup; another may still wait in that collective for this rank.
+    # Only a freed group closes its connections: one left referenced kept its
+    # peer waiting out the collective timeout, and the new group could not
+    # form without it (a stray reference under torchrun did just that).
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_left_or_waiting, args=(r, store_port, results)) for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        error = results.get(timeout=LONG_TIMEOUT_S / 2)  # far less than its collective timeout
+    finally:
+        for proc in procs:
+            proc.join(timeout=TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+    assert error != "completed"
+    assert "Timed out" not in error  # the connection closed, or was reset
     assert [proc.exitcode for proc in procs] == [0, 0]

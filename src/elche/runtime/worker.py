@@ -830,8 +830,9 @@ def train_rank(
     fingerprint = None
     if not spec.joining:  # a joiner forms the group of its first Regroup, at the next round
         worker.join_group()  # collective modes: the rendezvous, so every peer has started
-        group = worker.membership.group
-        fingerprint = start_from_rank0(worker.model, group)  # (collective) rank 0's
+        # (collective) rank 0's; no reference to the group outlives the call: a
+        # left group must be freed, which closes its connections (Membership.leave)
+        fingerprint = start_from_rank0(worker.model, worker.membership.group)
         worker.wait_peers_started()  # the same, for coordinator modes
     first = min(batch_size, len(fns.dataset))  # the dataset, collate and step_fn:
     with providing(worker.progress):  # the user's code may ask for it (and lr_schedule does)
