@@ -217,3 +217,27 @@ def test_failed_answers_alone_close_no_round() -> None:
     h.feed(RankLost(rank=1, reason="process killed"))
     assert h.core.rounds_done == 0  # abandoned, to be tried again by the survivors
     _runs_to_the_end_averaging_every_sample_once(h, {0: 10.0, 2: 40.0}, 2 * 32 * 60)
+
+
+def test_a_round_that_failed_on_every_member_with_none_lost_is_tried_again_in_a_new_group() -> None:
+    """A member that came to the round later than its peers waited (a long
+    step or eval, a slow link) makes every collective time out, nobody lost:
+    the round waited forever for an average no member had."""
+    ms = {0: 10.0, 1: 20.0, 2: 40.0}
+    h = Harness(world_size=3, num_samples=32 * 60, epochs=2)
+    _a_round_planned_ahead(h, ms)
+    rnd, generation = h.core.round, h.core.generation
+    steps = [h.core.work.steps_since_sync(r) for r in range(3)]
+    for rank in (0, 2):
+        h.send(rank, m.SyncAck(round=rnd.number, steps=0, failed=True))
+    assert h.core.round.in_flight  # rank 1 may still get the average... or fail too
+    out = h.send(1, m.SyncAck(round=rnd.number, steps=0, failed=True))
+    assert h.core.generation == generation + 1
+    regroups = [c.message for c in out if messages([c], m.Regroup)]  # type: ignore[attr-defined]
+    assert regroups == [m.Regroup(generation=generation + 1, members=[0, 1, 2])]
+    assert h.core.rounds_done == 0 and h.core.dead_ranks == []
+    assert [h.core.work.steps_since_sync(r) for r in range(3)] == steps  # nothing committed
+    for rank in range(3):  # the work handed out ahead stays, counted before the plan again
+        if h.chunks[rank]:
+            assert _told_budget(h, rank) == h.core.planner.budget[rank]
+    _runs_to_the_end_averaging_every_sample_once(h, ms, 2 * 32 * 60)

@@ -429,6 +429,26 @@ class Coordinator:
             # What a rank trained through the round is no cost of it: the
             # balancer sizes windows by what the round held the ranks.
             self._finish_round(held_until_s=self.round.held_until_s)
+        elif self.round.broken(set(self.live)):
+            self._regroup_broken_round()
+
+    def _regroup_broken_round(self) -> None:
+        """Every member's collective broke and none was lost: a member came to
+        the round later than its peers waited (the collective timeout), and
+        the group may be out of step. The round is abandoned as at a death
+        and the same members form a new group to try it again."""
+        live = sorted(self.live)
+        self._notice(
+            "warning",
+            f"round {self.round.number}'s collective failed on every rank (none lost: "
+            "a collective timeout); the group re-forms and the round is tried again",
+        )
+        self.round.close()
+        self.planner.plan_afresh()
+        self.generation += 1
+        self._broadcast(m.Regroup(generation=self.generation, members=live))
+        self._retry_abandoned(live)
+        self._unsatisfied = {r for r in self.workers if not self.planner.satisfied(r)}
 
     def _on_snapshot(self, rank: int, msg: m.SnapshotReady) -> None:
         if not self.round.on_snapshot(rank, msg):
@@ -628,15 +648,18 @@ class Coordinator:
             self._broadcast(m.SetEpochCallbackRole(rank=role))
         if self.state is RunState.TRAINING:
             self.planner.forget_tail_plan()
-            if not rnd.in_flight:  # abandoned: a window handed out ahead waits for its retry
-                survivors = sorted(live)
-                for rank, update in zip(survivors, self.planner.undo_ahead(survivors), strict=True):
-                    if update is not None:
-                        self._out.append(Send(rank=rank, message=update))
-                for rank in survivors:
-                    self.planner.note_work_returned(rank)
-                    self._dispatch(rank)
+            if not rnd.in_flight:
+                self._retry_abandoned(sorted(live))
             self._unsatisfied = {r for r in self.workers if not self.planner.satisfied(r)}
+
+    def _retry_abandoned(self, survivors: list[int]) -> None:
+        """The round was abandoned: a window handed out ahead waits for its retry."""
+        for rank, update in zip(survivors, self.planner.undo_ahead(survivors), strict=True):
+            if update is not None:
+                self._out.append(Send(rank=rank, message=update))
+        for rank in survivors:
+            self.planner.note_work_returned(rank)
+            self._dispatch(rank)
 
     def _save(self, reason: SaveReason) -> None:
         """Ask the survivors to save and stop; the meta follows their answers."""

@@ -232,6 +232,12 @@ class Round:
         answered = all(r in self.acks or r in self.failed for r in self.members & live)
         return waiting and bool(self.acks) and answered
 
+    def broken(self, live: set[int]) -> bool:
+        """Every live member answered ``failed``, none with the average (a
+        collective timeout: no member lost, the group out of step)."""
+        waiting = self.members & live
+        return self.phase is RoundPhase.COLLECTING and not self.acks and waiting <= self.failed
+
     def _open(self, members: set[int], now_s: float) -> int:
         self.number += 1
         self.phase = RoundPhase.COLLECTING
