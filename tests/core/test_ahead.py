@@ -241,3 +241,24 @@ def test_a_round_that_failed_on_every_member_with_none_lost_is_tried_again_in_a_
         if h.chunks[rank]:
             assert _told_budget(h, rank) == h.core.planner.budget[rank]
     _runs_to_the_end_averaging_every_sample_once(h, ms, 2 * 32 * 60)
+
+
+def test_a_failed_answer_before_the_death_leaves_the_abandoned_round_its_undo() -> None:
+    """Under torchrun: rank 1 dies while round 1 travels; rank 0's collective
+    breaks at once and it answers failed; rank 2's breaks only when rank 0
+    leaves the group at the Regroup, after the round was abandoned. Rank 0's
+    answer had been taken as a commit that ended the plan ahead, so the death
+    undid nothing: rank 2 kept the budget handed out ahead, below its
+    unaveraged steps, and held while the coordinator waited for its window."""
+    ms = {0: 10.0, 1: 20.0, 2: 40.0}
+    h = Harness(world_size=3, num_samples=32 * 60, epochs=2)
+    _a_round_planned_ahead(h, ms)
+    rnd = h.core.round
+    h.send(0, m.SyncAck(round=rnd.number, steps=0, failed=True))
+    h.feed(RankLost(rank=1, reason="heartbeat stale"))
+    assert not h.core.round.in_flight  # abandoned
+    h.send(2, m.SyncAck(round=rnd.number, steps=0, failed=True))  # stale now
+    for rank in (0, 2):
+        if h.chunks[rank]:
+            assert _told_budget(h, rank) == h.core.planner.budget[rank]
+    _runs_to_the_end_averaging_every_sample_once(h, {0: 10.0, 2: 40.0}, 2 * 32 * 60)

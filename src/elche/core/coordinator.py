@@ -419,7 +419,7 @@ class Coordinator:
             self.stale_messages += 1
             return
         if msg.failed:  # its steps are unaveraged again: it counts its budget with them
-            self.planner.averaged(rank, 0, self._now)
+            self.planner.round_failed(rank, self._now)
             if self.work.busy_samples(rank) > 0:
                 budget, window = self.planner.budget[rank], self.planner.window_steps(rank)
                 self._out.append(Send(rank=rank, message=m.SetBudget(budget=budget, window=window)))

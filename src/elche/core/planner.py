@@ -227,6 +227,15 @@ class Planner:
         self._progress_s[rank] = now_s  # its work waited for its average
         self._before_ahead = None  # a round that committed is not abandoned
 
+    def round_failed(self, rank: int, now_s: float) -> None:
+        """``rank``'s collective broke (``SyncAck.failed``): nothing of its
+        committed, and a window planned ahead counts for it from its last
+        average, its steps in the round included, as the rank now counts.
+        The round may still be abandoned (``undo_ahead``): a member's failed
+        answer commits nothing, so it does not end the plan's undo."""
+        self._pending[rank] = 0
+        self._progress_s[rank] = now_s
+
     def undo_ahead(self, live: Sequence[int]) -> list[m.CoordMessage | None]:
         """The round a window was planned ahead of was abandoned: back to the plan before it.
 

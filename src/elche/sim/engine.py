@@ -17,8 +17,11 @@ state machine the worker drives) and adds only virtual time:
   launches its round and trains on; it lands the round at the first step
   boundary after the collective completed, or waits for it when its
   protocol says ``Land`` (work that arrives meanwhile lets it train on). A
-  launched round whose member is killed fails at once, as gloo's does when
-  its peer's sockets close (a stalled member's hangs until ``Regroup``);
+  member killed while a round travels breaks the ring: on some survivors
+  (seeded, at least one) the round fails at once, as gloo's does when the
+  peer's sockets close; the others' waits on a live peer until the
+  ``Regroup``, when the first leave the old group (a stalled member's round
+  hangs until ``Regroup`` on every survivor);
 - coordinator-backend rounds upload a snapshot, the "coordinator" averages for
   ``sync_ms``, and the rank loads the result when its step ends.
 
@@ -284,6 +287,7 @@ class Simulation:
             proto = RankProtocol(r, mode=config.mode, batch_size=config.batch_size)
             self.ranks.append(_Rank(rank=r, speed=joins.get(r, 1.0), proto=proto, joined=False))
         self.rng = random.Random(config.seed)
+        self._ring_rng = random.Random(config.seed + 1)  # which survivors a broken ring tells first
         self.notices: list[tuple[float, str, str]] = []
         self.timeline: list[tl.TimelineEvent] = []  # stamped with virtual time
         self.trace: list[str] | None = [] if record_trace else None
@@ -688,15 +692,18 @@ class Simulation:
             self._next(r)
 
     def _break_flights(self, dead: int) -> None:
-        """Rank ``dead`` was killed: the launched rounds of its group fail (its sockets closed)."""
+        """Rank ``dead`` was killed: the launched rounds of its group fail, on
+        some survivors at once (their sockets to it closed), on the others at
+        the ``Regroup``."""
         if dead not in self._group:
             return
-        for r in self.ranks:
-            if r.active and r.flight is not None and not r.flight_done:
-                r.flight_done, r.flight_ok = True, False
-                if r.landing:
-                    self._land(r)
-                    self._next(r)
+        waiting = [r for r in self.ranks if r.active and r.flight is not None and not r.flight_done]
+        told = [r for r in waiting if self._ring_rng.random() < 0.5] or waiting[:1]
+        for r in told:  # the rest wait on a live peer until the Regroup (_on_rank_message)
+            r.flight_done, r.flight_ok = True, False
+            if r.landing:
+                self._land(r)
+                self._next(r)
 
     def _land_or_wait(self, r: _Rank) -> None:
         """``Land``: apply the launched round now if it completed, else wait for it."""
