@@ -97,7 +97,7 @@ def train(
     accumulate: int = 1,
     precision: str = "fp32",
     wire: str = "fp32",
-    overlap: bool = False,
+    overlap: bool = True,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     num_workers: int = 0,
     pin_memory: bool = False,
@@ -192,12 +192,11 @@ def train(
             rank's bf16 update since the last consensus, the ``cpu-*`` modes
             bf16 weights). The model's parameters stay fp32. See
             ``docs/training.md``.
-        overlap: True: each collective round on the fp32 wire is launched
-            and the rank trains on while it travels; what it trained
-            meanwhile is applied on top of the consensus the round brings (a
-            copy of the model's float tensors is held meanwhile). It pays
-            across hosts at limited bandwidth. False (default): every rank
-            waits for each round. See ``docs/design.md``.
+        overlap: True (default): each collective round on the fp32 wire is
+            launched and the rank trains on while it travels; what it
+            trained meanwhile is applied on top of the consensus the round
+            brings (a copy of the model's float tensors is held meanwhile).
+            False: every rank waits for each round. See ``docs/design.md``.
         collate_fn: builds a batch from a list of items (default:
             ``default_collate``), as in ``DataLoader``.
         num_workers: loader processes (persistent) that prefetch the rank's

@@ -1,8 +1,8 @@
 """A real run whose collective rounds overlap training, beside one that waits.
 
 Two two-epoch cadence runs on the digits at speeds 1 and 0.5 (real
-coordinator and rank processes on gloo): with ``overlap=True`` the ranks
-train on through their rounds, without it (the default) they never do; both
+coordinator and rank processes on gloo): with ``overlap`` (the default) the
+ranks train on through their rounds, without it they never do; both
 complete, lose nothing and land near each other. Which rank trains which
 batch depends on timing, so two runs differ anyway (see
 ``test_wire_train``); the arithmetic of a landed round is tested exactly in

@@ -1,7 +1,7 @@
 """Ranks that train through their collective rounds, in virtual time.
 
-``SimConfig.overlap`` (``elche.train(overlap=True)``) launches each round and
-trains on; a member killed meanwhile fails the others' rounds at once, as gloo's
+``SimConfig.overlap`` (the runtime's default) launches each round and trains
+on; a member killed meanwhile fails the others' rounds at once, as gloo's
 closed sockets do. Under a kill grid across the epoch end, where the round
 carries the next window's work, every run must end with nothing lost: an
 abandoned round once left a survivor holding on a budget counted after an
@@ -40,7 +40,7 @@ def test_a_rank_killed_while_its_round_travels_leaves_a_run_that_ends_whole(
         config = SimConfig(
             speeds=speeds, mode=Mode.CADENCE, epochs=2, samples=1437, batch_size=32,
             faults=FaultPlan().kill(rank=1, at_epoch=at), heartbeat_timeout_s=5.0,
-            sync_ms=20.0, eval_every=1, jitter=0.2, seed=seed, max_virtual_s=1e4, overlap=True,
+            sync_ms=20.0, eval_every=1, jitter=0.2, seed=seed, max_virtual_s=1e4,
         )  # fmt: skip
         result = simulate(config)  # SimError if it hangs
         assert result.outcome == "completed", (at, result.reason)

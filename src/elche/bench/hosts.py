@@ -57,7 +57,7 @@ def run_on_hosts(
     speed_base_s: float,
     rig: Rig,
     wire: str = "fp32",
-    overlap: bool = False,
+    overlap: bool = True,
 ) -> dict[str, Any]:
     """Train ``plan`` with ``system`` across ``rig``'s hosts, one rank per host.
 

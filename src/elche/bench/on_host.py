@@ -53,7 +53,7 @@ class HostRun:
     run_dir: str
     train_samples: int | None = None  # ``elche.workloads.load_split``'s; None: all
     wire: str = "fp32"  # an elche mode's averaging wire
-    overlap: bool = False  # an elche mode's collective rounds overlap training
+    overlap: bool = True  # an elche mode's collective rounds overlap training
 
     def argv(self) -> list[str]:
         """The command line's arguments that ``parse`` reads back."""

@@ -234,7 +234,7 @@ def run_one(
     speed_base_s: float | None = None,
     hosts: Rig | None = None,
     wire: str = "fp32",
-    overlap: bool = False,
+    overlap: bool = True,
 ) -> Run:
     """Train ``plan`` once with ``system`` on the rig ``speeds``.
 
@@ -250,7 +250,7 @@ def run_one(
             its hosts (``bench.hosts``; not ``solo``); None: on this host.
         wire: an elche mode's averaging wire (``MODE+bf16`` is bf16 whatever it says).
         overlap: an elche mode's collective rounds overlap training (``elche.train``;
-            ``MODE+overlap`` overlaps them whatever it says).
+            ``MODE+wait`` waits for them whatever it says).
 
     Returns:
         The run record; ``error`` holds the message if the run failed.
@@ -456,7 +456,7 @@ def _elche(
     speed_base_s: float | None,
     dashboard: bool = False,
     wire: str = "fp32",
-    overlap: bool = False,
+    overlap: bool = True,
 ) -> Run:
     from elche.api import train
     from elche.bench.watch import Watch, watched_dashboard

@@ -27,11 +27,11 @@ __all__ = [
     "GPT",
     "HEADLINE_SYSTEMS",
     "HOSTS",
-    "OVERLAP_SUFFIX",
     "QUICK",
     "SOLO",
     "SUITES",
     "TORCHFT_SYSTEMS",
+    "WAIT_SUFFIX",
     "WIRE_SUFFIX",
     "Suite",
     "WorkloadPlan",
@@ -68,9 +68,9 @@ HEADLINE_SYSTEMS = ("cadence", DDP)
 DASHBOARD_SUFFIX = "+dashboard"
 # ``cadence+bf16``: cadence with ``wire="bf16"`` whatever the suite's wire (an A/B in one suite).
 WIRE_SUFFIX = "+bf16"
-# ``cadence+overlap``: cadence with ``overlap=True`` (each rank trains on while
-# its round travels) whatever the suite says (an A/B in one suite).
-OVERLAP_SUFFIX = "+overlap"
+# ``cadence+wait``: cadence with ``overlap=False`` (every rank waits for each
+# round) whatever the suite says (an A/B in one suite).
+WAIT_SUFFIX = "+wait"
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +122,8 @@ class Suite:
     link_mbit: tuple[float, ...] = ()
     # Every elche mode's averaging wire, but MODE+bf16's (``elche bench --wire``).
     wire: str = "fp32"
-    # Every elche mode's collective rounds overlap training (``elche bench --overlap``).
-    overlap: bool = False
+    # Every elche mode's collective rounds overlap training (``elche bench --no-overlap``).
+    overlap: bool = True
 
     def links(self) -> tuple[float | None, ...]:
         """The link rates the rigs run at; ``(None,)`` for a suite on this host."""
@@ -267,14 +267,14 @@ def with_dashboard(suite: Suite) -> Suite:
 
 
 def split_averaging(system: str, wire: str, overlap: bool) -> tuple[str, str, bool]:
-    """A system's name as (the system without its ``+bf16`` and ``+overlap``,
-    the wire its elche mode uses, whether its rounds overlap training); ``wire``
+    """A system's name as (the system without its ``+bf16`` and ``+wait``, the
+    wire its elche mode uses, whether its rounds overlap training); ``wire``
     and ``overlap`` are the suite's."""
-    while system.endswith((WIRE_SUFFIX, OVERLAP_SUFFIX)):
+    while system.endswith((WIRE_SUFFIX, WAIT_SUFFIX)):
         if system.endswith(WIRE_SUFFIX):
             system, wire = system.removesuffix(WIRE_SUFFIX), "bf16"
         else:
-            system, overlap = system.removesuffix(OVERLAP_SUFFIX), True
+            system, overlap = system.removesuffix(WAIT_SUFFIX), False
     return system, wire, overlap
 
 
@@ -294,15 +294,15 @@ OVERLAP = Suite(
     name="overlap",
     workloads=(WorkloadPlan("digits-wide", epochs=5),),
     rigs=((1.0, 0.5, 0.25),),
-    systems=("cadence" + OVERLAP_SUFFIX, "cadence"),
+    systems=("cadence", "cadence" + WAIT_SUFFIX),
     repeats=3,
     link_mbit=(100.0,),
     notes=(
         "Every multi-rank run: one network-namespace host per rank on one machine, "
         "links shaped both ways with tc tbf, one torchrun agent per host; solo runs "
         "on the machine itself.",
-        f"MODE{OVERLAP_SUFFIX}: MODE with overlap=True: every rank trains on while its "
-        "averaging round travels instead of waiting for it.",
+        f"MODE{WAIT_SUFFIX}: MODE with overlap=False: every rank waits for each averaging "
+        "round instead of training on while it travels.",
     ),
 )
 

@@ -263,10 +263,11 @@ def _add_averaging_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_overlap_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--overlap",
-        action="store_true",
-        help="each rank trains on while its collective round travels (fp32 wire; it pays "
-        "across hosts at limited bandwidth) instead of waiting for it",
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="every rank waits for each collective round (by default, on the fp32 wire, "
+        "it trains on while the round travels)",
     )
 
 
@@ -500,7 +501,7 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "(1.1 M parameters) on three network-namespace hosts at speeds 1,0.5,0.25, links "
         "shaped to 1000 and 100 Mbit/s, torch DDP against cadence, cpu-cadence and cpu-async "
         "(needs root, ip and unshare); overlap: cadence with and without training through "
-        "its rounds (cadence+overlap), three repeats on those hosts at 100 Mbit/s "
+        "its rounds (cadence+wait), three repeats on those hosts at 100 Mbit/s "
         "(default: quick)",
     )
     _add_averaging_args(bench)
@@ -547,7 +548,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         command += f" --repeats {args.repeats}"
     command += " --dashboard" if args.dashboard else ""
     command += f" --wire {args.wire}" if args.wire != "fp32" else ""
-    command += " --overlap" if args.overlap else ""
+    command += "" if args.overlap else " --no-overlap"
     command += " --json" if args.json else ""
     doc = run_bench(suite, out_dir, command=command, progress=not args.no_progress)
     if args.json:
@@ -615,7 +616,7 @@ def _demo_summary(
     crash: dict[int, float] | None = None, stall: dict[int, float] | None = None,
     faults: FaultPlan | None = None, heartbeat_timeout_s: float = 10.0,
     speed_base_s: float | None = None, dashboard: str | None = None,
-    tensorboard_dir: str | None = None, wire: str = "fp32", overlap: bool = False,
+    tensorboard_dir: str | None = None, wire: str = "fp32", overlap: bool = True,
 ) -> dict[str, object]:  # fmt: skip
     from elche.api import train
     from elche.workloads import digits
@@ -666,7 +667,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         f"elche demo --speeds {','.join(f'{s:g}' for s in speeds)} --mode {args.mode} "
         f"--epochs {args.epochs} --batch-size {args.batch_size} --seed {args.seed} "
         + (f"--wire {args.wire} " if args.wire != "fp32" else "")
-        + ("--overlap " if args.overlap else "")
+        + ("" if args.overlap else "--no-overlap ")
         + "--resume-from "
     )
     hint = RESUME_HINT.set(lambda stem: resume + shlex.quote(stem))

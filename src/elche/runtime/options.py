@@ -12,10 +12,10 @@ imports torch.
   its gradients are scaled).
 - ``wire``: ``"fp32"`` (default) or ``"bf16"``: what the averaging payloads
   travel as (``elche.runtime.wire``); the model's parameters stay as they are.
-- ``overlap``: True: a collective round on the fp32 wire is launched and
-  the rank trains on while it is in flight, its steps since applied on top
-  of the consensus it brings (``elche.runtime.averaging``); False (default):
-  the rank waits for each round.
+- ``overlap``: True (default): a collective round on the fp32 wire is
+  launched and the rank trains on while it is in flight, its steps since
+  applied on top of the consensus it brings (``elche.runtime.averaging``);
+  False: the rank waits for each round.
 - ``lr_schedule``: ``lr_schedule(progress) -> factor`` of each param group's
   base learning rate, before every optimizer step (``elche.runtime.stepping``).
 - ``collate_fn``, ``num_workers``, ``pin_memory``, ``drop_last`` and
@@ -53,7 +53,7 @@ class TrainOptions:
     accumulate: int = 1
     precision: str = "fp32"
     wire: str = "fp32"
-    overlap: bool = False
+    overlap: bool = True
     lr_schedule: Callable[[Progress], float] | None = None
     collate_fn: Callable[[list[Any]], Any] | None = None
     num_workers: int = 0
@@ -74,7 +74,7 @@ def check_options(
     precision: Any,
     lr_schedule: Any,
     wire: Any = "fp32",
-    overlap: Any = False,
+    overlap: Any = True,
     collate_fn: Any,
     num_workers: Any,
     pin_memory: Any,

@@ -13,7 +13,7 @@ state machine the worker drives) and adds only virtual time:
 - collective rounds complete only when every member of the current group has
   entered; a dead member hangs the collective until ``Regroup`` (or a
   shutdown) arrives, which the rank then leaves, as a real collective errors
-  out once its peer is gone. With ``overlap`` (``elche.train(overlap=True)``) a rank
+  out once its peer is gone. With ``overlap`` (the runtime's default) a rank
   launches its round and trains on; it lands the round at the first step
   boundary after the collective completed, or waits for it when its
   protocol says ``Land`` (work that arrives meanwhile lets it train on). A
@@ -173,7 +173,7 @@ class SimConfig:
     resume: CheckpointMeta | None = None
     max_virtual_s: float = 1e7
     callback_rank: int | str = "fastest"
-    overlap: bool = False
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if not self.speeds:
