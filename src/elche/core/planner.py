@@ -228,7 +228,7 @@ class Planner:
         self._before_ahead = None  # a round that committed is not abandoned
 
     def round_failed(self, rank: int, now_s: float) -> None:
-        """``rank``'s collective broke (``SyncAck.failed``): nothing of its
+        """``rank``'s collective broke (``SyncAck.failed``): nothing of it was
         committed, and a window planned ahead counts for it from its last
         average, its steps in the round included, as the rank now counts.
         The round may still be abandoned (``undo_ahead``): a member's failed

@@ -105,7 +105,12 @@ class Membership:
         return True
 
     def leave(self) -> None:
-        """Leave the current group before forming the next one."""
+        """Leave the current group before forming the next one.
+
+        The group is freed here only if nothing else holds it: a reference
+        kept elsewhere keeps its connections open, and a peer still waiting
+        in a broken collective for this rank waits out its timeout.
+        """
         if self.group is not None:
             with contextlib.suppress(Exception):  # the old group may be broken
                 dist.destroy_process_group()
