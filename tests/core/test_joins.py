@@ -55,6 +55,30 @@ def test_a_join_takes_the_consensus_in_the_next_round_then_gets_its_share() -> N
     _every_sample_once(h)
 
 
+def test_a_joiner_whose_first_collective_failed_takes_the_consensus_in_the_next_round() -> None:
+    """A peer lost mid-ring can leave the old members with the average and
+    the joiner without it: the joiner still holds no replica's model, so it
+    gets no work (nor a callback role, nor the final save) until a round it
+    acknowledged; it was taken as holding the consensus for being a member."""
+    h = Harness(world_size=2, join_slots=1, num_samples=3200, epochs=2)
+    h.form()
+    h.feed(RankJoined(rank=2, host="late-host"))
+    h.run_to_end(until=lambda: h.core.round.in_flight and 2 in h.core.round.members)
+    number = h.core.round.number
+    h.send(2, m.SyncAck(round=number, steps=0, failed=True))
+    for rank in (0, 1):
+        h.send(rank, m.SyncAck(round=number, steps=h.core.work.steps_since_sync(rank)))
+    assert not h.core.round.in_flight and h.core.workers == [0, 1]
+    assert not h.received(2, m.AssignChunk)
+    h.run_to_end(until=lambda: h.core.workers == [0, 1, 2])
+    assert h.core.rounds_done > 1  # the next round it acknowledged
+    h.run_to_end(ms={0: 10.0, 1: 10.0, 2: 10.0})
+    end = _run_end(h)
+    assert end.outcome == "completed" and end.lost_samples == 0
+    assert end.samples_per_rank[2] > 0
+    _every_sample_once(h)
+
+
 def test_a_join_during_a_round_waits_for_the_round_to_close() -> None:
     h = Harness(world_size=2, join_slots=1, num_samples=3200, epochs=1)
     h.form()

@@ -469,7 +469,7 @@ class Coordinator:
     def _finish_round(self, *, held_until_s: float | None = None) -> None:
         rnd = self.round
         rnd.close()
-        if self.joins.fresh & rnd.members:  # a joiner holds the consensus now: plan it in
+        if self.joins.fresh & set(rnd.acks):  # a joiner holds the consensus now: plan it in
             self.planner.plan_afresh()
         self.joins.averaged(rnd)  # a joiner's first round: its model is no replica's yet
         end_s = self._now if held_until_s is None else held_until_s

@@ -159,12 +159,14 @@ class Joins:
                 core.roles.on_death(rank, core.workers, core.elche.smoothed_ms_per_batch)
 
     def averaged(self, rnd: Round) -> None:
-        """Round ``rnd`` completed: its fresh members hold the consensus now.
+        """Round ``rnd`` completed: its fresh members that acknowledged it
+        hold the consensus now (one whose collective broke answered
+        ``failed`` and still holds no replica's model: the next round).
 
         What they reported of their models before it (divergence, norm) is
         of a model no replica shared: the guard does not judge it.
         """
-        newcomers = self.fresh & rnd.members
+        newcomers = self.fresh & set(rnd.acks)
         for rank in newcomers:
             rnd.divergence.pop(rank, None)
             rnd.pre_norms[rank] = 0.0
