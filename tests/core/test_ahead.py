@@ -262,3 +262,21 @@ def test_a_failed_answer_before_the_death_leaves_the_abandoned_round_its_undo() 
         if h.chunks[rank]:
             assert _told_budget(h, rank) == h.core.planner.budget[rank]
     _runs_to_the_end_averaging_every_sample_once(h, {0: 10.0, 2: 40.0}, 2 * 32 * 60)
+
+
+def test_a_survivor_that_landed_the_average_after_the_death_abandoned_the_round_keeps_it() -> None:
+    """The collective completed on every member just before rank 1 died;
+    rank 0 landed it (at its step's end) after the coordinator had abandoned
+    the round, so its acknowledgement came after the round closed. It was
+    taken for an ack before any update and rank 0 was evicted with rank 1."""
+    ms = {0: 10.0, 1: 20.0, 2: 40.0}
+    h = Harness(world_size=3, num_samples=32 * 60, epochs=2)
+    _a_round_planned_ahead(h, ms)
+    number = h.core.round.number
+    steps = h.core.work.steps_since_sync(0)
+    h.feed(RankLost(rank=1, reason="process killed"))  # before anyone acknowledged
+    h.send(0, m.SyncAck(round=number, steps=steps))
+    assert h.core.dead_ranks == [1] and h.core.live == [0, 2]
+    assert h.core.work.steps_since_sync(0) == 0  # its steps are in the average it holds
+    h.send(2, m.SyncAck(round=number, steps=0, failed=True))  # the other: broken, stale
+    _runs_to_the_end_averaging_every_sample_once(h, {0: 10.0, 2: 40.0}, 2 * 32 * 60)

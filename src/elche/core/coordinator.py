@@ -415,6 +415,8 @@ class Coordinator:
             ahead.hand_out(self)
 
     def _on_sync_ack(self, rank: int, msg: m.SyncAck) -> None:
+        if self.round.late_ack(rank, msg):
+            return  # its average of a round abandoned at a death: its steps are committed
         if not self.round.on_ack(rank, msg, self._now):
             self.stale_messages += 1
             return

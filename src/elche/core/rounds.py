@@ -78,6 +78,9 @@ class Round:
         self.divergence: dict[int, float] = {}
         self.pre_norms: dict[int, float] = {}
         self.post_norm: float | None = None
+        # The last round abandoned at a death: its number, and the members that
+        # had not answered (one may have landed the average before it heard).
+        self.abandoned: tuple[int, set[int]] | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -214,6 +217,7 @@ class Round:
         """
         if self.config.backend is Backend.COLLECTIVE:
             if self.in_flight and not self.acks:
+                self.abandoned = (self.number, self.members - self.failed)
                 self.close()
             return []
         order = self.average(live)
@@ -231,6 +235,25 @@ class Round:
         waiting = self.phase is RoundPhase.COLLECTING or self.phase is RoundPhase.APPLYING
         answered = all(r in self.acks or r in self.failed for r in self.members & live)
         return waiting and bool(self.acks) and answered
+
+    def late_ack(self, rank: int, msg: m.SyncAck) -> bool:
+        """Book ``rank``'s average of the round abandoned at a death, if that is
+        what ``msg`` is; whether it was.
+
+        The collective can complete on every member just before one dies: a
+        survivor that lands it after the death abandoned the round holds the
+        average and has counted its steps averaged, so they are committed as
+        it says (the round stays abandoned; the dead member's batches, in
+        that average too, go back to the pools with the rest of its work).
+        """
+        if self.abandoned is None or msg.failed:
+            return False
+        number, unanswered = self.abandoned
+        if msg.round != number or rank not in unanswered:
+            return False
+        unanswered.discard(rank)
+        self.work.commit(rank, msg.steps)
+        return True
 
     def broken(self, live: set[int]) -> bool:
         """Every live member answered ``failed``, none with the average (a
