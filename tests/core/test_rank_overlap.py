@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from elche.core import messages as m
+from elche.core.config import Mode
 from elche.core.errors import LocalProtocolError
 from elche.core.rank import (
     Average,
@@ -183,3 +184,28 @@ def test_a_callback_asked_after_the_round_failed_here_waits_for_the_round_tried_
     assert isinstance(p.next_action(), Average)
     p.averaged()
     assert p.next_action() == Callback(request=m.RunEval(epoch=1))
+
+
+def test_the_progress_counts_what_the_rank_trained_through_its_round_as_after_it() -> None:
+    # The round averages the batches before its launch; those trained while it
+    # travelled count after it. Counted from the land, a slow rank's estimate
+    # fell behind its peers' by what it trained through over its share.
+    p = RankProtocol(0, mode=Mode.CADENCE, batch_size=32, planned_samples=10_000, world_size=2)
+    launched(p, steps=2, round_=1)
+    train(p)
+    train(p)  # trained through the round
+    p.averaged()
+    assert p.progress is not None
+    p.progress.confirmed(m.GlobalProgress(round=1, samples=256, share=0.25))
+    assert p.progress.samples() == 256 + 2 * 32 * 4  # its 64 samples since, over its share
+
+
+def test_a_launched_round_that_failed_here_is_not_counted_in_the_progress() -> None:
+    p = RankProtocol(0, mode=Mode.CADENCE, batch_size=32, planned_samples=10_000, world_size=2)
+    launched(p, steps=2, round_=1)
+    train(p)
+    train(p)  # trained through the round
+    p.average_failed()  # the others got the average; this rank's steps count in the next
+    assert p.progress is not None
+    p.progress.confirmed(m.GlobalProgress(round=1, samples=256, share=0.25))
+    assert p.progress.samples() == 256  # counted from now, as for a round it was not part of

@@ -89,6 +89,11 @@ class ProgressTracker:
         """This rank's model took part in the average of ``round_number``."""
         self._own_at_round[round_number] = self.own_samples
 
+    def failed(self, round_number: int) -> None:
+        """The average of ``round_number`` broke on this rank (it counted the
+        round at its launch): it was not part of it after all."""
+        self._own_at_round.pop(round_number, None)
+
     def confirmed(self, message: m.GlobalProgress) -> None:
         """The coordinator's exact count after ``message.round``."""
         self._floor = max(self._floor, self.samples())

@@ -604,6 +604,8 @@ class RankProtocol:
         self._launched = (request, self.steps_since_sync, len(self._since))
         self._request = None
         self.steps_since_sync = 0
+        if self.progress is not None:  # what the round averages: the samples before now
+            self.progress.averaged(request.round)
 
     def averaged(self, **norms: Unpack[Norms]) -> m.SyncAck:
         """The collective completed: the launched one with the steps it was
@@ -615,6 +617,7 @@ class RankProtocol:
         Raises:
             LocalProtocolError: no collective round is pending or in flight.
         """
+        launched = self._launched is not None
         if self._launched is not None:
             request, steps, batches = self._launched
             self._launched = None
@@ -624,7 +627,7 @@ class RankProtocol:
             self._request = None
             self.steps_since_sync = 0
         self._applied(request.round, batches)
-        if self.progress is not None:
+        if self.progress is not None and not launched:  # (a launched one counted at its launch)
             self.progress.averaged(request.round)
         return m.SyncAck(round=request.round, steps=steps, **norms)
 
@@ -644,6 +647,8 @@ class RankProtocol:
             self.steps_since_sync += self._launched[1]  # unaveraged again
             self._failed = self._launched[0].round
             self._launched = None
+            if self.progress is not None:
+                self.progress.failed(self._failed)
         else:
             self._failed = self._collective("average_failed").round
             self._request = None
