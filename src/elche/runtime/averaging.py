@@ -48,7 +48,7 @@ in float32), ~5× cheaper than elementwise float64 on a 150k-parameter CNN.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -267,6 +267,12 @@ class InFlight:
     def completed(self) -> bool:
         """Every collective of the round has finished (or failed): ``land`` will not wait."""
         return all(work.is_completed() for work in self._works)
+
+    def when_completed(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` (from the collective's own thread) as each collective
+        of the round finishes or fails; at once for one that already has."""
+        for work in self._works:
+            work.get_future().add_done_callback(lambda _: wake())
 
     def land(self, *, moved: bool) -> tuple[Divergence, list[torch.Tensor] | None]:
         """Wait for the sums and put the consensus in the model's tensors.

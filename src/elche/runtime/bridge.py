@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import zmq
 
@@ -45,6 +46,7 @@ class CoordinatorLost:
 
 
 Inbound = tuple[m.CoordMessage, list[bytes | memoryview]] | CoordinatorLost
+_WAKE = object()  # ``wake``'s mark on the inbox: nothing to handle
 
 
 class Bridge:
@@ -67,7 +69,7 @@ class Bridge:
         gone_file: Path | None = None,
     ) -> None:
         self.endpoint = endpoint
-        self.inbox: queue.Queue[Inbound] = queue.Queue()
+        self.inbox: queue.Queue[Inbound | object] = queue.Queue()
         self.step = 0  # read by the heartbeat; written by the training thread
         self._heartbeat_s = heartbeat_interval_s
         self._timeout_s = coordinator_timeout_s
@@ -92,11 +94,19 @@ class Bridge:
             self._wake_tx.send(b"", zmq.NOBLOCK)
 
     def get(self, timeout_s: float | None) -> Inbound | None:
-        """The next inbound item, waiting up to ``timeout_s`` (None: forever)."""
+        """The next inbound item, waiting up to ``timeout_s`` (None: forever);
+        None at once after a ``wake`` if nothing else is queued."""
         try:
-            return self.inbox.get(timeout=timeout_s)
+            item = self.inbox.get(timeout=timeout_s)
+            while item is _WAKE:
+                item = self.inbox.get_nowait()
         except queue.Empty:
             return None
+        return cast("Inbound", item)
+
+    def wake(self) -> None:
+        """Cut a ``get`` waiting in the training thread short (any thread may call it)."""
+        self.inbox.put(_WAKE)
 
     def freeze(self) -> None:
         """Testing hook: go silent, as a hung process would (no IO at all)."""

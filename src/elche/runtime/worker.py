@@ -86,9 +86,9 @@ __all__ = ["RankSpec", "UserFns", "Worker", "raise_if_refused", "to_device", "tr
 REPORT_EVERY_S = 0.05
 # How often a rank looks for its peers' start marks (wait_peers_started).
 STARTUP_POLL_S = 0.01
-# How often a rank waiting for its launched round looks at it while it takes
-# messages (work handed out behind the round lets it train on instead).
-LAND_POLL_S = 0.001
+# How often, at least, a rank waiting for its launched round looks at it while
+# it takes messages (the round's completion wakes it at once: Bridge.wake).
+LAND_POLL_S = 0.05
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -599,6 +599,8 @@ class Worker:
                     self.wire, self.model, action.steps, gamma=self.spec.gamma, group=group
                 )
             if self._flight is not None:
+                assert self.bridge is not None
+                self._flight.when_completed(self.bridge.wake)  # ends a Land's wait
                 self.proto.launched()
                 self.busy_s += time.perf_counter() - started
                 return
