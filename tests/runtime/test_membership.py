@@ -158,25 +158,31 @@ def _survivor(rank: int, port: int, results: Any) -> None:
     results.put((rank, outcomes, float(total)))
 
 
-def test_a_survivor_of_a_superseded_generation_joins_the_newer_one_at_once(
-    store_port: int,
-) -> None:
+def _pair(target: Any, port: int, answers: int, wait_s: float) -> tuple[list[Any], list[int]]:
+    """Run ``target(rank, port, results)`` for ranks 0 and 1 in spawned processes:
+    the ``answers`` results they put (each within ``wait_s``) and their exit codes."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_survivor, args=(rank, store_port, results)) for rank in (0, 1)]
+    procs = [ctx.Process(target=target, args=(rank, port, results)) for rank in (0, 1)]
     for proc in procs:
         proc.start()
     try:
-        got = dict((rank, (outcomes, total)) for rank, outcomes, total in (
-            results.get(timeout=TIMEOUT_S) for _ in procs
-        ))  # fmt: skip
+        got = [results.get(timeout=wait_s) for _ in range(answers)]
     finally:
         for proc in procs:
             proc.join(timeout=TIMEOUT_S)
             if proc.is_alive():
                 proc.kill()
-    assert got == {0: ([False, True], 2.0), 1: ([True], 2.0)}
-    assert [proc.exitcode for proc in procs] == [0, 0]
+    return got, [proc.exitcode for proc in procs]
+
+
+def test_a_survivor_of_a_superseded_generation_joins_the_newer_one_at_once(
+    store_port: int,
+) -> None:
+    got, codes = _pair(_survivor, store_port, 2, TIMEOUT_S)
+    outcomes = {rank: (outcome, total) for rank, outcome, total in got}
+    assert outcomes == {0: ([False, True], 2.0), 1: ([True], 2.0)}
+    assert codes == [0, 0]
 
 
 def _left_or_waiting(rank: int, port: int, results: Any) -> None:
@@ -207,18 +213,8 @@ def test_a_rank_that_leaves_its_group_frees_it_so_a_peer_waiting_in_it_fails_at_
     # Only a freed group closes its connections: one left referenced kept its
     # peer waiting out the collective timeout, and the new group could not
     # form without it (a stray reference under torchrun did just that).
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_left_or_waiting, args=(r, store_port, results)) for r in (0, 1)]
-    for proc in procs:
-        proc.start()
-    try:
-        error = results.get(timeout=LONG_TIMEOUT_S / 2)  # far less than its collective timeout
-    finally:
-        for proc in procs:
-            proc.join(timeout=TIMEOUT_S)
-            if proc.is_alive():
-                proc.kill()
+    # (waited for far less than its collective timeout)
+    (error,), codes = _pair(_left_or_waiting, store_port, 1, LONG_TIMEOUT_S / 2)
     assert error != "completed"
     assert "Timed out" not in error  # the connection closed, or was reset
-    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert codes == [0, 0]
