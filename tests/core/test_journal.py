@@ -12,7 +12,7 @@ from elche.core.config import Mode
 from elche.core.coordinator import Coordinator, RankState, RunState
 from elche.core.dispatch import ChunkPool
 from elche.core.errors import ConfigError
-from elche.core.events import RankJoined, Started, TimerFired
+from elche.core.events import RankJoined, RankLost, Started, TimerFired
 from elche.core.journal import JournalRecord, rejoin_timeout_s
 from elche.core.rank import Hold, RankProtocol, Train
 from elche.core.timeline import RunEnd
@@ -108,6 +108,33 @@ def test_a_rank_lost_before_the_restart_stays_lost_and_its_work_is_served_once()
 
     h2 = restart(h, record)
     assert h2.core.rank_state[2] is RankState.DEAD and h2.core.live == [0, 1]
+    h2.run_to_end()
+    assert run_end(h2).lost_samples == 0
+    assert_exactly_once(h, h, h2)
+
+
+def test_a_round_after_an_abandoned_one_that_closed_after_the_last_record_is_booked() -> None:
+    """Rounds are known by number, and an abandoned round spends one: a rank
+    that applied the round tried after it was evicted as "past the journal"."""
+    h = Harness(world_size=3, epochs=2, num_samples=3840)
+    h.form()
+    h.run_to_end(PACE_MS, until=lambda: h.core.rounds_done >= 2)
+    h.train_window(PACE_MS)
+    assert h.core.round.in_flight
+    h.feed(RankLost(rank=2, reason="process killed"))  # before any ack: abandoned
+    if not h.core.round.in_flight:
+        h.train_window({0: 10.0, 1: 20.0})
+    rnd = h.core.round
+    assert rnd.in_flight and rnd.number == h.core.last_round + 2  # the abandoned one's spent
+    record = records(h)[-1]
+    assert record.dead_ranks == (2,) and record.last_round < rnd.number
+    for rank in (0, 1):  # they apply it; the coordinator dies before their acks reach it
+        steps = h.core.work.steps_since_sync(rank)
+        took, h.since[rank] = h.since[rank][:steps], h.since[rank][steps:]
+        h.averaged[rank], h.last_round[rank] = took, rnd.number
+        h.in_averages += took
+    h2 = restart(h, record)
+    assert h2.core.live == [0, 1] and h2.core.rounds_done == record.rounds_done + 1
     h2.run_to_end()
     assert run_end(h2).lost_samples == 0
     assert_exactly_once(h, h, h2)

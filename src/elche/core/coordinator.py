@@ -142,6 +142,10 @@ class Coordinator:
         self.refused: set[int] = set()  # dead ranks told so when they spoke again
         self.generation = 0
         self.rounds_done = 0
+        # The number of the last round that closed (what its ranks hold as
+        # ``Held.last_round``): rounds abandoned at a death have numbers too, so
+        # it runs ahead of ``rounds_done``.
+        self.last_round = 0
         self.global_step = 0
         self.rejected_frames = 0
         self.stale_messages = 0
@@ -151,7 +155,8 @@ class Coordinator:
         self.coordinator_restarts = 0  # coordinators before this one (``journal.restore``)
         self.restored_round: int | None = None  # the journal's round, if restored
         self.restored_dead: tuple[int, ...] = ()  # the ranks the journal had lost
-        self._journaled: tuple[int, tuple[int, ...]] | None = None  # (round, open epochs)
+        # (rounds done, open epochs, last round number) of the last record.
+        self._journaled: tuple[int, tuple[int, ...], int] | None = None
         self._start_epoch = 0
         self._resume = resume
         self._unsatisfied: set[int] = set()
@@ -292,7 +297,7 @@ class Coordinator:
         # At or past this run's plan the run is finished: it completes at once.
         start = self._start_epoch = self.epochs_completed = min(meta.epoch, self.config.epochs)
         self.global_step = meta.global_step
-        self.rounds_done = meta.rounds_done
+        self.rounds_done = self.last_round = meta.rounds_done
         self.round = Round(self.config, self.work, number=meta.rounds_done)
         self.work.resume(start, meta.coverage)
         if start < self.config.epochs and start not in self.work.pools:
@@ -451,6 +456,7 @@ class Coordinator:
         self._broadcast(m.Regroup(generation=self.generation, members=live))
         self._retry_abandoned(live)
         self._unsatisfied = {r for r in self.workers if not self.planner.satisfied(r)}
+        self._journal()  # its number is spent
 
     def _on_snapshot(self, rank: int, msg: m.SnapshotReady) -> None:
         if not self.round.on_snapshot(rank, msg):
@@ -471,6 +477,7 @@ class Coordinator:
     def _finish_round(self, *, held_until_s: float | None = None) -> None:
         rnd = self.round
         rnd.close()
+        self.last_round = rnd.number
         if self.joins.fresh & set(rnd.acks):  # a joiner holds the consensus now: plan it in
             self.planner.plan_afresh()
         self.joins.averaged(rnd)  # a joiner's first round: its model is no replica's yet
@@ -492,14 +499,16 @@ class Coordinator:
         self._journal()  # the epochs it settled: a successor does not settle them again
 
     def _journal(self) -> None:
-        """Append the journal record of a new round or new open epochs (once each).
+        """Append the journal record of a new round, new open epochs or a round
+        abandoned (once each).
 
         Called before any work of the new window or epoch is sent: a rank can
-        only hold batches of epochs the journal knows open.
+        only hold batches of epochs the journal knows open. After an abandoned
+        round: the next round's number is past it, as a successor must know.
         """
         if self.state not in (RunState.TRAINING, RunState.FINISHING, RunState.CLOSING):
             return
-        key = (self.rounds_done, tuple(self.work.open_epochs()))
+        key = (self.rounds_done, tuple(self.work.open_epochs()), self.round.number)
         if key == self._journaled:
             return
         compact = self._journaled is None or key[1] != self._journaled[1]
@@ -652,6 +661,7 @@ class Coordinator:
             self.planner.forget_tail_plan()
             if not rnd.in_flight:
                 self._retry_abandoned(sorted(live))
+                self._journal()  # the abandoned round's number is spent
             self._unsatisfied = {r for r in self.workers if not self.planner.satisfied(r)}
 
     def _retry_abandoned(self, survivors: list[int]) -> None:

@@ -17,8 +17,10 @@ Rules:
   (two heartbeat timeouts) is lost, its work served again. The ranks rejoin
   and say what they hold (``Held``): the
   last averaging round they applied, the batches that round averaged on
-  them, and the batches they trained since. A round the journal does not know
-  (it closed after the last record) is booked as committed; the batches since
+  them, and the batches they trained since. Rounds are known by their number
+  (abandoned rounds have numbers too), the record's being the last one that
+  closed. A round the journal does not know (numbered past it: it closed
+  after the last record) is booked as committed; the batches since
   stay the rank's, uncommitted, for the next average. Everything else no
   average holds is served again, once.
 
@@ -76,6 +78,13 @@ class JournalRecord:
     save_seq: int
     samples_committed: tuple[int, ...]
     coordinator_restarts: int = 0
+    # The number of the last round that closed (``Coordinator.last_round``);
+    # -1 in a record written before it was kept (then ``rounds_done``).
+    last_round: int = -1
+    # The number of the last round opened (closed or abandoned): a round a
+    # rank applied after the record is numbered past ``last_round`` and at
+    # most one past this; -1 in a record written before it was kept.
+    opened_round: int = -1
 
     @property
     def open_epochs(self) -> tuple[int, ...]:
@@ -98,6 +107,8 @@ def record_of(core: Coordinator) -> JournalRecord:
         save_seq=core.saves.seq,
         samples_committed=tuple(core.work.samples_committed),
         coordinator_restarts=core.coordinator_restarts,
+        last_round=core.last_round,
+        opened_round=core.round.number,
     )
 
 
@@ -118,6 +129,7 @@ def restore(config: CoordinatorConfig, record: JournalRecord) -> Coordinator:
     """
     from elche.core.coordinator import Coordinator, RankState
     from elche.core.roles import Role
+    from elche.core.rounds import Round
 
     ws = config.num_slots  # every rank id, the join slots' too
     if len(record.samples_committed) != ws:
@@ -156,7 +168,10 @@ def restore(config: CoordinatorConfig, record: JournalRecord) -> Coordinator:
         core.dead_ranks.append(rank)
         core.elche.retire(rank)
         core.planner.note_rank_lost(rank)
-    core.restored_round = record.rounds_done
+    core.restored_round = record.last_round if record.last_round >= 0 else record.rounds_done
+    core.last_round = core.restored_round
+    opened = max(record.opened_round, core.restored_round)
+    core.round = Round(config, core.work, number=opened)  # new rounds number past it
     core.restored_dead = record.dead_ranks
     return core
 
@@ -172,15 +187,20 @@ def rebook(core: Coordinator, rank: int, held: Held) -> None:
 
     journal_round = core.restored_round
     assert journal_round is not None  # only a restored coordinator rebooks
-    if held.last_round not in (journal_round, journal_round + 1):
+    later = held.last_round > journal_round  # a round that closed after the last record
+    newest = max(core.round.number, core.last_round) + 1  # the first round it did not open
+    if not journal_round <= held.last_round <= newest or (
+        later and core.last_round not in (journal_round, held.last_round)
+    ):
         raise RemoteProtocolError(
             f"rejoined at round {held.last_round}; the journal is at round {journal_round}",
             rank=rank,
         )
-    if held.last_round == journal_round + 1:  # a round that closed after the last record
-        if core.rounds_done == journal_round:
-            core.rounds_done = journal_round + 1
-            core.round = Round(core.config, core.work, number=journal_round + 1)
+    if later:  # (at most one round can: the next one starts once it closed here)
+        if core.last_round == journal_round:
+            core.rounds_done += 1
+            core.last_round = held.last_round
+            core.round = Round(core.config, core.work, number=held.last_round)
         for epoch, offset, size in held.averaged:
             core.work.claim(rank, epoch, offset, size)
         core.work.commit(rank, len(held.averaged))
