@@ -456,7 +456,6 @@ class Coordinator:
         self._broadcast(m.Regroup(generation=self.generation, members=live))
         self._retry_abandoned(live)
         self._unsatisfied = {r for r in self.workers if not self.planner.satisfied(r)}
-        self._journal()  # its number is spent
 
     def _on_snapshot(self, rank: int, msg: m.SnapshotReady) -> None:
         if not self.round.on_snapshot(rank, msg):
@@ -661,11 +660,12 @@ class Coordinator:
             self.planner.forget_tail_plan()
             if not rnd.in_flight:
                 self._retry_abandoned(sorted(live))
-                self._journal()  # the abandoned round's number is spent
             self._unsatisfied = {r for r in self.workers if not self.planner.satisfied(r)}
 
     def _retry_abandoned(self, survivors: list[int]) -> None:
-        """The round was abandoned: a window handed out ahead waits for its retry."""
+        """The round was abandoned: a window handed out ahead waits for its retry,
+        and the journal hears that its number is spent."""
+        self._journal()
         for rank, update in zip(survivors, self.planner.undo_ahead(survivors), strict=True):
             if update is not None:
                 self._out.append(Send(rank=rank, message=update))

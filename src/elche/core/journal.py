@@ -188,7 +188,7 @@ def rebook(core: Coordinator, rank: int, held: Held) -> None:
     journal_round = core.restored_round
     assert journal_round is not None  # only a restored coordinator rebooks
     later = held.last_round > journal_round  # a round that closed after the last record
-    newest = max(core.round.number, core.last_round) + 1  # the first round it did not open
+    newest = core.round.number + 1  # the first round the journal did not open
     if not journal_round <= held.last_round <= newest or (
         later and core.last_round not in (journal_round, held.last_round)
     ):
