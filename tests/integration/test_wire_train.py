@@ -4,8 +4,11 @@ Two two-epoch sync runs on the digits (fp32, then bf16; sync averages every
 few steps, ~40 rounds, so every round but the first must stay light), real
 coordinator and rank processes on gloo. Which rank trains which batch
 depends on timing, so two fp32 runs differ too (~0.1 relative distance
-between their final models, 0.025 in accuracy); the tolerances are set by
-that, and the exact arithmetic is tested in ``tests/runtime/test_wire.py``.
+between their final models; over nine fp32 runs the accuracy spanned
+0.833-0.883, over nine bf16 runs 0.831-0.858, so two runs of either wire
+can land 0.05 apart by chance). The tolerances are set well past that noise
+and far inside what a broken wire does (accuracy near chance, a distance
+near 1); the exact arithmetic is tested in ``tests/runtime/test_wire.py``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,6 @@ def test_a_bf16_wire_run_completes_light_and_near_the_fp32_one(tmp_path: Path) -
         assert rank["wire"] == "bf16" and rank["wire_rounds"] > 10
         # every round light but the first (the ranks agreed on their last consensus)
         assert rank["wire_bytes"] == rank["wire_rounds"] * (params * 2 + 48) + params * 4 + 16
-    assert abs(light.summary["eval"] - full.summary["eval"]) <= 0.05  # type: ignore[operator]
+    assert abs(light.summary["eval"] - full.summary["eval"]) <= 0.1  # type: ignore[operator]
     assert all(v.dtype != torch.bfloat16 for v in light.state_dict.values())  # the model: fp32
     assert _distance(light.state_dict, full.state_dict) < 0.25
