@@ -242,7 +242,7 @@ def _spawn_ranks(
 
 def _in_environment(rank: int, fn: Callable[[int, P], None], env: dict[str, str], plan: P) -> None:
     """A spawned rank: the spawning process's environment, then ``fn(rank, plan)``."""
-    from elche.runtime.launch import take_environment
+    from elche.runtime.lifetimes import take_environment
 
     take_environment(env)
     fn(rank, plan)

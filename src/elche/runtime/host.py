@@ -12,7 +12,8 @@ one the core returned earlier. Its main thread never imports torch, so it
 starts in a fraction of a second; in the collective modes a thread serves
 the store the ranks' groups form through (``elche.runtime.groups``).
 
-Run it as ``python -m elche.runtime.host RUN_DIR``: it reads
+Run it as ``python -m elche.runtime.host RUN_DIR`` (a local run forks it
+from its fork server instead, torch loaded: ``forked_main``): it reads
 ``RUN_DIR/coordinator.json`` (the config), binds, prints one line
 ``ELCHE_COORDINATOR <address> [groups=<port>]`` on stdout for the launcher, and writes
 ``RUN_DIR/summary.json``, ``RUN_DIR/timeline.jsonl`` and, on save, the meta
@@ -36,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TextIO, assert_never
+from typing import TYPE_CHECKING, NoReturn, TextIO, assert_never
 
 import msgspec
 import numpy as np
@@ -80,7 +81,12 @@ from elche.runtime.addresses import BIND_ENV
 from elche.runtime.frames import SECRET_ENV, secret_from_env
 from elche.runtime.groups import GROUPS_FIELD, GROUPS_PORT_ENV, GroupStoreServer, listen
 from elche.runtime.journal_file import JOURNAL_FILE, JournalWriter, read_journal
-from elche.runtime.lifetimes import EXIT_ORPHANED, ORPHAN_GRACE_S
+from elche.runtime.lifetimes import (
+    EXIT_ORPHANED,
+    ORPHAN_GRACE_S,
+    take_environment,
+    take_stream,
+)
 from elche.runtime.lookout import Lookout
 from elche.runtime.snapshots import (
     Layout,
@@ -90,6 +96,9 @@ from elche.runtime.snapshots import (
 )
 from elche.runtime.transport import LINGER_MS, CoordinatorEndpoint, Joined, Received, Rejected
 
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
 __all__ = [
     "ADDRESS_LINE",
     "FAILED_EXIT",
@@ -97,6 +106,7 @@ __all__ = [
     "Host",
     "config_from_json",
     "config_to_json",
+    "forked_main",
     "main",
 ]
 
@@ -638,14 +648,37 @@ def _exit_after_grace() -> None:
     os._exit(EXIT_ORPHANED)
 
 
-if __name__ == "__main__":
-    code = main()
-    # Everything this process writes is durable by now (the summary, the journal
-    # fsynced per record, the timeline closed), and its last frames leave as the
-    # ZeroMQ context ends (each socket's linger). The interpreter's own teardown,
-    # with torch loaded for the group store, takes 1-1.5 s more, which every
-    # launcher would wait out after every run: it is skipped.
+def forked_main(args: Sequence[str], env: dict[str, str], streams: Sequence[Connection]) -> None:
+    """The coordinator forked from a local run's fork server (``runtime.launch``).
+
+    What ``python -m elche.runtime.host`` would be, with torch already
+    loaded: a process group of its own, the launcher's environment, and
+    ``streams`` as its stdin, stdout and stderr (the launcher's pipes and its
+    own stderr).
+    """
+    os.setpgid(0, 0)  # SIGINT and SIGTERM are still ignored here (the fork server's)
+    take_environment(env)
+    for fd, stream in enumerate(streams):
+        take_stream(fd, stream)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115  # the process's own
+    _end(main(args))
+
+
+def _end(code: int) -> NoReturn:
+    """Exit with ``code`` once the last frames have left.
+
+    Everything this process writes is durable by now (the summary, the
+    journal fsynced per record, the timeline closed), and its last frames
+    leave as the ZeroMQ context ends (each socket's linger). The
+    interpreter's own teardown, with torch loaded for the group store, takes
+    1-1.5 s more, which every launcher would wait out after every run: it is
+    skipped.
+    """
     zmq.Context.instance().destroy(linger=LINGER_MS)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    _end(main())

@@ -1,19 +1,23 @@
 """Launching a local run: the coordinator process plus one process per rank.
 
-Theory of operation. ``launch_local`` starts the coordinator (its own
-process, no torch), then starts the ranks with the ``forkserver`` start
-method where the platform has it (``spawn`` elsewhere): the fork server
-imports torch (and torch._dynamo, which a rank's first optimizer would
-import) and elche's rank code once, and every rank forks from it instead of
-importing them again: a 3-rank run on 2 cores starts in ~0.4 s instead of
-~2.7 s once the fork server is up (~2.9 s for the first run of a process
-instead of ~4.3). The fork server holds no threads, sockets or CUDA state,
-so forking it is safe. Each rank takes the launcher's environment as it is
-at launch (a fork would otherwise see the fork server's, from the first run
-in this process); settings read while torch imports, such as
-``OMP_NUM_THREADS``, come from the first run. As with ``spawn``, the user's
-functions must be importable, top-level callables and the script must guard
-its entry with ``if __name__ == "__main__":``.
+Theory of operation. ``launch_local`` starts the coordinator, then the
+ranks, with the ``forkserver`` start method where the platform has it: the
+fork server imports torch (and torch._dynamo, which a rank's first optimizer
+would import) and elche's rank and coordinator code once, and every rank
+forks from it instead of importing them again: a 3-rank run on 2 cores
+starts in ~0.4 s instead of ~2.7 s once the fork server is up (~2.9 s for
+the first run of a process instead of ~4.3). The coordinator forks from it
+too (``ForkedCoordinator``), so in the collective modes the group store it
+serves is up at once, not after a fresh process imported torch (which kept
+the ranks waiting ~1.7 s at every run). Elsewhere the ranks start with
+``spawn`` and the coordinator as ``python -m elche.runtime.host``. The fork
+server holds no threads, sockets or CUDA state, so forking it is safe. Each
+rank, and the coordinator, takes the launcher's environment and stderr (a
+rank its stdout too) as they are at launch (a fork would otherwise see the
+fork server's, from the first run in this process); settings read while
+torch imports, such as ``OMP_NUM_THREADS``, come from the first run. As with
+``spawn``, the user's functions must be importable, top-level callables and
+the script must guard its entry with ``if __name__ == "__main__":``.
 
 While the run goes on, the launcher follows the coordinator's timeline to
 drive the progress display and the user's ``eval_result_fn``/``metrics_fn``,
@@ -40,9 +44,9 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 from elche.core import timeline as tl
 from elche.core.checkpoint import CheckpointMeta
@@ -64,6 +68,9 @@ from elche.runtime.lifetimes import (
     StopSignals,
     announce,
     ignore_stop_signals,
+    launcher_stream,
+    take_environment,
+    take_stream,
     watch_launcher,
 )
 from elche.runtime.options import check_picklable as check_options_picklable
@@ -77,7 +84,9 @@ from elche.runtime.salvage import (
 )
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
     from multiprocessing.context import ForkServerContext, SpawnContext
+    from multiprocessing.process import BaseProcess
 
     from elche.monitor.dashboard import Dashboard
     from elche.monitor.tensorboard import TensorBoardLog
@@ -95,7 +104,6 @@ __all__ = [
     "rank_spec",
     "start_coordinator",
     "start_watching",
-    "take_environment",
     "tell_coordinator",
     "with_bundle",
 ]
@@ -114,22 +122,12 @@ SUPERVISE_EVERY_S = 0.1
 # Imported once by the fork server, so ranks fork with them loaded. torch.optim
 # imports torch._dynamo when it builds its first optimizer: ~1 s on one core,
 # that every rank would otherwise pay at once, on every run.
-# (elche.runtime.forkserved keeps the fork server alive through SIGTERM.)
+# (elche.runtime.forkserved keeps the fork server alive through SIGTERM.) The
+# coordinator forks from it too (``ForkedCoordinator``).
 FORKSERVER_PRELOAD = (
     "elche.runtime.forkserved", "torch", "torch.distributed", "torch._dynamo",
-    "elche.runtime.worker",
+    "elche.runtime.worker", "elche.runtime.host",
 )  # fmt: skip
-
-
-def take_environment(env: Mapping[str, str]) -> None:
-    """Make ``env`` this process's environment.
-
-    A process forked from the fork server inherits the server's environment,
-    from when it started (the first run of the launching process); the
-    launcher's environment at launch, ``env``, is the one that counts.
-    """
-    os.environ.clear()
-    os.environ.update(env)
 
 
 def _rank_process(
@@ -140,11 +138,15 @@ def _rank_process(
     launcher_pid: int,
     *,
     state_out: str | None = None,
+    streams: Sequence[Connection] = (),
 ) -> None:
-    """The body of a rank process; ``state_out``: where its final model goes."""
+    """The body of a rank process; ``state_out``: where its final model goes;
+    ``streams``: the launcher's stdout and stderr, to take (``launcher_stream``)."""
     ignore_stop_signals()  # the launcher orders the stop
     watch_launcher(launcher_pid)
     take_environment(env)
+    for fd, stream in enumerate(streams, start=1):
+        take_stream(fd, stream)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["ELCHE_RANK"] = str(spec.rank)  # lets user callbacks know where they run
     from elche.runtime.worker import train_rank
@@ -236,8 +238,12 @@ def explain_outcome(summary: dict[str, object], save_path: str | None) -> None:
 
 
 def restart_coordinator(
-    config: CoordinatorConfig, run_dir: Path, secret: bytes, address: tuple[str, int | None]
-) -> subprocess.Popen[str] | None:
+    config: CoordinatorConfig,
+    run_dir: Path,
+    secret: bytes,
+    address: tuple[str, int | None],
+    forks: ForkServerContext | None = None,
+) -> CoordinatorProcess | None:
     """Start a lost coordinator's successor from the run's journal, on ``address``
     (its control address and its group store's port).
 
@@ -253,7 +259,7 @@ def restart_coordinator(
         flush=True,
     )
     try:
-        return start_coordinator(config, run_dir, secret, None, restore_at=address)[0]
+        return start_coordinator(config, run_dir, secret, None, restore_at=address, forks=forks)[0]
     except RuntimeError as exc:
         print(f"elche: {exc}", file=sys.stderr, flush=True)
         return None
@@ -263,13 +269,14 @@ def restart_coordinator(
 class Supervised:
     """The run's coordinator process, replaced from the journal when it is lost."""
 
-    host: subprocess.Popen[str]
+    host: CoordinatorProcess
     address: str
     group_port: int | None  # its collective groups' store (``elche.runtime.groups``)
     config: CoordinatorConfig
     run_dir: Path
     secret: bytes
     restarts: int = 0
+    forks: ForkServerContext | None = None  # where its successor forks from (``start_coordinator``)
 
     def running(self, lost_ranks: dict[int, int | None]) -> bool:
         """It is up, or it was lost and its successor is (``replaced``)."""
@@ -294,7 +301,7 @@ class Supervised:
             give_up_coordinator(self.run_dir, f"restarts used up ({self.restarts})")
             return False
         successor = restart_coordinator(
-            self.config, self.run_dir, self.secret, (self.address, self.group_port)
+            self.config, self.run_dir, self.secret, (self.address, self.group_port), self.forks
         )
         if successor is None:
             give_up_coordinator(self.run_dir, "its successor could not start")
@@ -305,7 +312,20 @@ class Supervised:
         return True
 
 
-def coordinator_lost(host: subprocess.Popen[str], run_dir: Path) -> bool:
+def supervised(
+    config: CoordinatorConfig,
+    run_dir: Path,
+    secret: bytes,
+    resume_from: str | None,
+    ctx: ForkServerContext | SpawnContext,
+) -> Supervised:
+    """Start the coordinator of a local run whose ranks start from ``ctx``, supervised."""
+    forks = cast("ForkServerContext", ctx) if ctx.get_start_method() == "forkserver" else None
+    started = start_coordinator(config, run_dir, secret, resume_from, forks=forks)
+    return Supervised(*started, config, run_dir, secret, forks=forks)
+
+
+def coordinator_lost(host: CoordinatorProcess, run_dir: Path) -> bool:
     """The coordinator process ended without its summary (killed, crashed)."""
     return host.poll() is not None and not (run_dir / SUMMARY_FILE).exists()
 
@@ -317,9 +337,14 @@ def start_coordinator(
     resume_from: str | None,
     *,
     restore_at: tuple[str, int | None] | None = None,
-) -> tuple[subprocess.Popen[str], str, int | None]:
-    """Start ``python -m elche.runtime.host``; it, its address and its group store's port.
+    forks: ForkServerContext | None = None,
+) -> tuple[CoordinatorProcess, str, int | None]:
+    """Start the coordinator; it, its address and its group store's port.
 
+    ``python -m elche.runtime.host`` by default; with ``forks`` (a local
+    run's fork server, torch loaded) it is forked from there instead, so the
+    group store the collective ranks form through serves at once rather than
+    after the new process has imported torch (~2 s on 2 cores).
     The port is None where no collective group forms (``elche.runtime.groups``).
     ``restore_at``: the lost coordinator's address and store port; the new one
     binds them and goes on from the run's journal.
@@ -335,22 +360,26 @@ def start_coordinator(
     if restore_at is None:
         forget_lost_coordinator(run_dir, config.world_size)
     env = dict(os.environ, **{SECRET_ENV: secret.hex()})
-    restore = []
+    args = [str(run_dir)]
     if restore_at is not None:
         env[BIND_ENV], port = restore_at
         if port is not None:
             env[GROUPS_PORT_ENV] = str(port)
-        restore = ["--restore"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "elche.runtime.host", str(run_dir), *restore],
-        stdin=subprocess.PIPE,  # the launcher reports rank exits and stops here
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-        # Its own process group: Ctrl-C (to the launcher's group) does not reach
-        # it, even while it starts; its launcher tells it to stop.
-        process_group=0 if os.name == "posix" else None,
-    )
+        args.append("--restore")
+    proc: CoordinatorProcess
+    if forks is not None:
+        proc = ForkedCoordinator(forks, args, env)
+    else:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "elche.runtime.host", *args],
+            stdin=subprocess.PIPE,  # the launcher reports rank exits and stops here
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            # Its own process group: Ctrl-C (to the launcher's group) does not reach
+            # it, even while it starts; its launcher tells it to stop.
+            process_group=0 if os.name == "posix" else None,
+        )
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
     if not line.startswith(ADDRESS_LINE):
@@ -358,6 +387,65 @@ def start_coordinator(
         raise RuntimeError(f"the coordinator failed to start (said {line!r}); see stderr")
     address, group_port = parse_address_line(line.split()[1:])
     return proc, address, group_port
+
+
+class ForkedCoordinator:
+    """The coordinator forked from the fork server: what the launcher uses of ``Popen``.
+
+    Its stdin and stdout are pipes to the launcher and its stderr is the
+    launcher's, as a ``Popen``'s would be (``host.forked_main`` makes them
+    its standard streams); it puts
+    itself in a process group of its own before it does anything else, and
+    until then it ignores SIGINT and SIGTERM as the fork server does.
+    """
+
+    def __init__(self, forks: ForkServerContext, args: list[str], env: dict[str, str]) -> None:
+        from elche.runtime.host import forked_main
+
+        their_stdin, our_stdin = forks.Pipe(duplex=False)
+        our_stdout, their_stdout = forks.Pipe(duplex=False)
+        streams = (their_stdin, their_stdout, launcher_stream(2))
+        self._process = forks.Process(
+            target=forked_main, args=(args, env, streams), name="elche-coordinator"
+        )
+        self._process.start()
+        for stream in streams:
+            stream.close()
+        self.stdin = open(os.dup(our_stdin.fileno()), "w", encoding="utf-8")  # noqa: SIM115
+        self.stdout = open(os.dup(our_stdout.fileno()), encoding="utf-8")  # noqa: SIM115
+        our_stdin.close()
+        our_stdout.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        """Its exit code (negative: the signal that ended it), or None while it runs."""
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for it to exit; its exit code.
+
+        Raises:
+            subprocess.TimeoutExpired: it still ran after ``timeout`` seconds.
+        """
+        self._process.join(timeout)
+        code = self._process.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired("elche-coordinator", timeout or 0.0)
+        return code
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
+# The coordinator process, however it was started.
+CoordinatorProcess: TypeAlias = "subprocess.Popen[str] | ForkedCoordinator"
 
 
 class Watchers:
@@ -497,12 +585,10 @@ def _supervise(
     """Start the coordinator and the ranks, follow the run to its end; its epochs."""
     cfg = plan.config
     secret = secret_from_env(os.environ) or new_secret()
-    coordinator = Supervised(
-        *start_coordinator(cfg, run_dir, secret, plan.resume_from), cfg, run_dir, secret
-    )
+    ctx = rank_context()
+    coordinator = supervised(cfg, run_dir, secret, plan.resume_from, ctx)
     announce_join(coordinator.address, coordinator.group_port, run_dir, secret, cfg)
     board = start_watching(plan, run_dir, dashboard, tensorboard_dir)
-    ctx = rank_context()
     procs: list[Any] = []
     timeline = TimelineReader(run_dir)
     epochs = epoch_log(plan)
@@ -518,15 +604,7 @@ def _supervise(
                 plan, rank, coordinator.address, secret, run_dir, max_grad_norm=max_grad_norm,
                 group_port=coordinator.group_port,
             )  # fmt: skip
-            proc = ctx.Process(
-                target=_rank_process,
-                # Pickled here, by value: the process pickler would send every tensor
-                # in the dataset as a shared-memory fd (too many fds for a list of them).
-                args=(spec, pickle.dumps(fns), cfg.batch_size, dict(os.environ), os.getpid()),
-                name=f"elche-rank{rank}",
-            )
-            proc.start()
-            procs.append(proc)
+            procs.append(_start_rank(ctx, spec, fns, cfg.batch_size))
         while (
             time.monotonic() < stop_by
             and not failed
@@ -566,6 +644,26 @@ def _supervise(
     for event in timeline.new_records():
         on_record(event, epochs, hooks, display)
     return epochs
+
+
+def _start_rank(
+    ctx: ForkServerContext | SpawnContext, spec: RankSpec, fns: UserFns, batch_size: int
+) -> BaseProcess:
+    """Start rank ``spec.rank``'s process; a forked one takes the launcher's stdout and stderr."""
+    forked = ctx.get_start_method() == "forkserver"
+    streams = (launcher_stream(1), launcher_stream(2)) if forked else ()
+    proc = ctx.Process(
+        target=_rank_process,
+        # Pickled here, by value: the process pickler would send every tensor
+        # in the dataset as a shared-memory fd (too many fds for a list of them).
+        args=(spec, pickle.dumps(fns), batch_size, dict(os.environ), os.getpid()),
+        kwargs={"streams": streams},
+        name=f"elche-rank{spec.rank}",
+    )
+    proc.start()
+    for stream in streams:
+        stream.close()
+    return proc
 
 
 def keep_report(plan: Plan, run_dir: Path) -> str | None:

@@ -38,7 +38,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -61,6 +60,7 @@ from elche.runtime.frames import new_secret, secret_from_env
 from elche.runtime.handoff import is_handoff
 from elche.runtime.joining import announce_join
 from elche.runtime.launch import (
+    CoordinatorProcess,
     Supervised,
     _rank_process,
     _report_lost,
@@ -115,7 +115,7 @@ def train_launched(
         Interrupted: a signal (or the launcher's death) stopped the run.
     """
     rank = int(os.environ["RANK"])
-    host: list[subprocess.Popen[str]] = []  # rank 0's coordinator, once started
+    host: list[CoordinatorProcess] = []  # rank 0's coordinator, once started
     whole_lines()
 
     def ask_stop(reason: str) -> None:
@@ -159,7 +159,7 @@ def _train(
     hooks: Hooks,
     *,
     rank: int,
-    host_box: list[subprocess.Popen[str]],
+    host_box: list[CoordinatorProcess],
     signals: StopSignals,
     max_grad_norm: float | None,
     run_dir: str | None,
@@ -223,7 +223,7 @@ def _train(
 class _Rank0:
     """What rank 0 starts for the run: the coordinator and who follows it."""
 
-    host: subprocess.Popen[str]
+    host: CoordinatorProcess
     watcher: threading.Thread  # replaces a lost coordinator; ends with the last one
     results: ResultBoard  # where the other ranks read the run's result
     board: Any  # the dashboard and TensorBoard log (launch.Watchers)
@@ -232,7 +232,7 @@ class _Rank0:
 
 def _start_on_rank0(
     plan: Plan,
-    host_box: list[subprocess.Popen[str]],
+    host_box: list[CoordinatorProcess],
     signals: StopSignals,
     *,
     run_dir: str | None,
@@ -364,7 +364,7 @@ def _collect_on_rank0(
 
 
 def _watch_coordinator(
-    coordinator: Supervised, host_box: list[subprocess.Popen[str]]
+    coordinator: Supervised, host_box: list[CoordinatorProcess]
 ) -> threading.Thread:
     """Wait on the coordinator on a thread, replacing it while it is lost; ends with it."""
 
@@ -384,7 +384,7 @@ def _run_rank(
     spec: RankSpec,
     fns: UserFns,
     batch_size: int,
-    host: subprocess.Popen[str] | None,
+    host: CoordinatorProcess | None,
 ) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     """Train the rank, here or in a child (``_supervises``); its report and model."""
     if _supervises(fns):
@@ -421,7 +421,7 @@ def _supervises(fns: UserFns) -> bool:
 
 
 def _train_in_child(
-    spec: RankSpec, fns: UserFns, batch_size: int, host: subprocess.Popen[str] | None
+    spec: RankSpec, fns: UserFns, batch_size: int, host: CoordinatorProcess | None
 ) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     """Run rank ``spec.rank`` in a child process; its report and final model.
 

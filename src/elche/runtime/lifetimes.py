@@ -40,8 +40,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
+from multiprocessing.connection import Connection
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -53,7 +54,10 @@ __all__ = [
     "StopSignals",
     "announce",
     "ignore_stop_signals",
+    "launcher_stream",
     "relay_stop_signals",
+    "take_environment",
+    "take_stream",
     "watch_launcher",
 ]
 
@@ -239,6 +243,36 @@ def ignore_stop_signals() -> None:
     """SIGINT and SIGTERM do nothing here: the launching process orders the stop."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def take_environment(env: Mapping[str, str]) -> None:
+    """Make ``env`` this process's environment.
+
+    A process forked from the fork server inherits the server's environment,
+    from when it started (the first run of the launching process); the
+    launcher's environment at launch, ``env``, is the one that counts.
+    """
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def launcher_stream(fd: int) -> Connection:
+    """A copy of this process's file descriptor ``fd`` (1: stdout, 2: stderr), to send.
+
+    A process forked from the fork server inherits the server's streams, as
+    they were when it started (the first run of the launching process,
+    maybe under another redirection since); it takes the launcher's with
+    ``take_stream``.
+    """
+    return Connection(os.dup(fd))
+
+
+def take_stream(fd: int, stream: Connection) -> None:
+    """Make ``stream`` (``launcher_stream``, or a pipe end) this process's ``fd``; close it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(stream.fileno(), fd)
+    stream.close()
 
 
 def watch_launcher(
