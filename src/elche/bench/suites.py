@@ -168,9 +168,9 @@ class Suite:
 #   Its target, 4.0 bits per character, is about what the lock-step systems
 #   reach in it.
 #
-# Every system's ranks fork from elche's warm fork server (torch loaded), so
-# a multi-rank run pays ~0.5–1.5 s of process start-up and teardown (DDP's
-# spawned ranks paid 4.5 s, 20–40 s on a loaded machine). One repeat: three
+# Every system's ranks (and elche's coordinator) fork from elche's warm fork
+# server (torch loaded), so a multi-rank run pays ~0.2–0.7 s of process
+# start-up (DDP's spawned ranks paid 4.5 s, 20–40 s on a loaded machine). One repeat: three
 # interleaved repeats of the digits alone took 4m49s with both torchft peers
 # (quiet machine, 2026-12-02); the headline cells (digits-cnn and tiny-gpt)
 # show their spread over three seeds instead. The whole invocation took

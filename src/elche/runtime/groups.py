@@ -9,7 +9,8 @@ it as well as local ones: nothing of a run's rendezvous lies in files.
 The coordinator binds the store's socket as it binds its control socket
 (``listen``, same interface, any free port) and says the port on its
 address line; only then does it import torch and serve the store on that
-socket (``serve``, in a thread), so the launcher does not wait for torch.
+socket (``serve``, in a thread), so the launcher does not wait for torch
+(a local run's coordinator forks with torch loaded and serves at once).
 A rank that connects before the store serves waits in the socket's
 backlog. Generation ``g`` of the group (the first one, and the one formed
 after each ``Regroup``) rendezvous under the prefix ``group-g`` of the
