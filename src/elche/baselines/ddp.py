@@ -73,6 +73,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, TypeVar
@@ -218,15 +219,21 @@ def _spawn_ranks(
             ``timeout_s`` (all are terminated).
     """
     from elche.runtime.launch import rank_context  # the launcher's side only
+    from elche.runtime.lifetimes import launcher_stream
 
     method = rank_context().get_start_method()  # elche's warm fork server, where there is one
-    context: ProcessContext = start_processes(  # type: ignore[no-untyped-call]  # untyped in torch
-        _in_environment,
-        args=(fn, dict(os.environ), plan),
-        nprocs=nprocs,
-        join=False,
-        start_method=method,
-    )
+    streams = (launcher_stream(1), launcher_stream(2)) if method == "forkserver" else ()
+    try:
+        context: ProcessContext = start_processes(  # type: ignore[no-untyped-call]  # untyped
+            _in_environment,
+            args=(fn, dict(os.environ), streams, plan),
+            nprocs=nprocs,
+            join=False,
+            start_method=method,
+        )
+    finally:
+        for stream in streams:
+            stream.close()
     deadline_s = time.monotonic() + timeout_s
     try:
         while not context.join(
@@ -240,11 +247,20 @@ def _spawn_ranks(
         _stop_all(context.processes)
 
 
-def _in_environment(rank: int, fn: Callable[[int, P], None], env: dict[str, str], plan: P) -> None:
-    """A spawned rank: the spawning process's environment, then ``fn(rank, plan)``."""
-    from elche.runtime.lifetimes import take_environment
+def _in_environment(
+    rank: int,
+    fn: Callable[[int, P], None],
+    env: dict[str, str],
+    streams: Sequence[Connection],
+    plan: P,
+) -> None:
+    """A rank: the spawning process's environment and ``streams`` (its stdout and
+    stderr, when forked: ``lifetimes.launcher_stream``), then ``fn(rank, plan)``."""
+    from elche.runtime.lifetimes import take_environment, take_stream
 
     take_environment(env)
+    for fd, stream in enumerate(streams, start=1):
+        take_stream(fd, stream)
     fn(rank, plan)
 
 
