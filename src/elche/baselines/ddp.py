@@ -211,7 +211,8 @@ def _spawn_ranks(
     The ranks fork from elche's fork server (``runtime.launch.rank_context``:
     torch preloaded), as elche's own local ranks do, so neither system pays
     for importing torch in every rank of every run; and as theirs, each takes
-    this process's environment as it is now, not the fork server's.
+    this process's environment, stdout and stderr as they are now, not the
+    fork server's.
 
     Raises:
         RuntimeError: a process raised or died (the others are terminated
@@ -219,11 +220,10 @@ def _spawn_ranks(
             ``timeout_s`` (all are terminated).
     """
     from elche.runtime.launch import rank_context  # the launcher's side only
-    from elche.runtime.lifetimes import launcher_stream
+    from elche.runtime.lifetimes import launcher_streams
 
     method = rank_context().get_start_method()  # elche's warm fork server, where there is one
-    streams = (launcher_stream(1), launcher_stream(2)) if method == "forkserver" else ()
-    try:
+    with launcher_streams(method) as streams:
         context: ProcessContext = start_processes(  # type: ignore[no-untyped-call]  # untyped
             _in_environment,
             args=(fn, dict(os.environ), streams, plan),
@@ -231,9 +231,6 @@ def _spawn_ranks(
             join=False,
             start_method=method,
         )
-    finally:
-        for stream in streams:
-            stream.close()
     deadline_s = time.monotonic() + timeout_s
     try:
         while not context.join(
@@ -255,12 +252,11 @@ def _in_environment(
     plan: P,
 ) -> None:
     """A rank: the spawning process's environment and ``streams`` (its stdout and
-    stderr, when forked: ``lifetimes.launcher_stream``), then ``fn(rank, plan)``."""
-    from elche.runtime.lifetimes import take_environment, take_stream
+    stderr, when forked: ``lifetimes.launcher_streams``), then ``fn(rank, plan)``."""
+    from elche.runtime.lifetimes import take_environment, take_streams
 
     take_environment(env)
-    for fd, stream in enumerate(streams, start=1):
-        take_stream(fd, stream)
+    take_streams(streams)
     fn(rank, plan)
 
 

@@ -617,8 +617,7 @@ class RankProtocol:
         Raises:
             LocalProtocolError: no collective round is pending or in flight.
         """
-        launched = self._launched is not None
-        if self._launched is not None:
+        if self._launched is not None:  # (counted in progress at its launch)
             request, steps, batches = self._launched
             self._launched = None
         else:
@@ -626,9 +625,9 @@ class RankProtocol:
             steps, batches = self.steps_since_sync, len(self._since)
             self._request = None
             self.steps_since_sync = 0
+            if self.progress is not None:
+                self.progress.averaged(request.round)
         self._applied(request.round, batches)
-        if self.progress is not None and not launched:  # (a launched one counted at its launch)
-            self.progress.averaged(request.round)
         return m.SyncAck(round=request.round, steps=steps, **norms)
 
     def average_failed(self) -> m.SyncAck:

@@ -85,7 +85,7 @@ from elche.runtime.lifetimes import (
     EXIT_ORPHANED,
     ORPHAN_GRACE_S,
     take_environment,
-    take_stream,
+    take_streams,
 )
 from elche.runtime.lookout import Lookout
 from elche.runtime.snapshots import (
@@ -658,8 +658,7 @@ def forked_main(args: Sequence[str], env: dict[str, str], streams: Sequence[Conn
     """
     os.setpgid(0, 0)  # SIGINT and SIGTERM are still ignored here (the fork server's)
     take_environment(env)
-    for fd, stream in enumerate(streams):
-        take_stream(fd, stream)
+    take_streams(streams, first_fd=0)
     sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115  # the process's own
     _end(main(args))
 

@@ -60,7 +60,13 @@ from elche.runtime.addresses import BIND_ENV
 from elche.runtime.epochs import EpochLog, with_bundles
 from elche.runtime.frames import SECRET_ENV, new_secret, secret_from_env
 from elche.runtime.groups import GROUPS_PORT_ENV, parse_address_line
-from elche.runtime.host import ADDRESS_LINE, FAILED_EXIT, RESUME_OUTER, config_to_json
+from elche.runtime.host import (
+    ADDRESS_LINE,
+    FAILED_EXIT,
+    RESUME_OUTER,
+    config_to_json,
+    forked_main,
+)
 from elche.runtime.joining import announce_join
 from elche.runtime.journal_file import JOURNAL_FILE
 from elche.runtime.lifetimes import (
@@ -69,8 +75,9 @@ from elche.runtime.lifetimes import (
     announce,
     ignore_stop_signals,
     launcher_stream,
+    launcher_streams,
     take_environment,
-    take_stream,
+    take_streams,
     watch_launcher,
 )
 from elche.runtime.options import check_picklable as check_options_picklable
@@ -141,12 +148,11 @@ def _rank_process(
     streams: Sequence[Connection] = (),
 ) -> None:
     """The body of a rank process; ``state_out``: where its final model goes;
-    ``streams``: the launcher's stdout and stderr, to take (``launcher_stream``)."""
+    ``streams``: the launcher's stdout and stderr, to take (``launcher_streams``)."""
     ignore_stop_signals()  # the launcher orders the stop
     watch_launcher(launcher_pid)
     take_environment(env)
-    for fd, stream in enumerate(streams, start=1):
-        take_stream(fd, stream)
+    take_streams(streams)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["ELCHE_RANK"] = str(spec.rank)  # lets user callbacks know where they run
     from elche.runtime.worker import train_rank
@@ -394,14 +400,12 @@ class ForkedCoordinator:
 
     Its stdin and stdout are pipes to the launcher and its stderr is the
     launcher's, as a ``Popen``'s would be (``host.forked_main`` makes them
-    its standard streams); it puts
-    itself in a process group of its own before it does anything else, and
-    until then it ignores SIGINT and SIGTERM as the fork server does.
+    its standard streams); it puts itself in a process group of its own
+    before it does anything else, and until then it ignores SIGINT and
+    SIGTERM as the fork server does.
     """
 
     def __init__(self, forks: ForkServerContext, args: list[str], env: dict[str, str]) -> None:
-        from elche.runtime.host import forked_main
-
         their_stdin, our_stdin = forks.Pipe(duplex=False)
         our_stdout, their_stdout = forks.Pipe(duplex=False)
         streams = (their_stdin, their_stdout, launcher_stream(2))
@@ -415,14 +419,6 @@ class ForkedCoordinator:
         self.stdout = open(os.dup(our_stdout.fileno()), encoding="utf-8")  # noqa: SIM115
         our_stdin.close()
         our_stdout.close()
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._process.exitcode
 
     def poll(self) -> int | None:
         """Its exit code (negative: the signal that ended it), or None while it runs."""
@@ -650,19 +646,16 @@ def _start_rank(
     ctx: ForkServerContext | SpawnContext, spec: RankSpec, fns: UserFns, batch_size: int
 ) -> BaseProcess:
     """Start rank ``spec.rank``'s process; a forked one takes the launcher's stdout and stderr."""
-    forked = ctx.get_start_method() == "forkserver"
-    streams = (launcher_stream(1), launcher_stream(2)) if forked else ()
-    proc = ctx.Process(
-        target=_rank_process,
-        # Pickled here, by value: the process pickler would send every tensor
-        # in the dataset as a shared-memory fd (too many fds for a list of them).
-        args=(spec, pickle.dumps(fns), batch_size, dict(os.environ), os.getpid()),
-        kwargs={"streams": streams},
-        name=f"elche-rank{spec.rank}",
-    )
-    proc.start()
-    for stream in streams:
-        stream.close()
+    with launcher_streams(ctx.get_start_method()) as streams:
+        proc = ctx.Process(
+            target=_rank_process,
+            # Pickled here, by value: the process pickler would send every tensor
+            # in the dataset as a shared-memory fd (too many fds for a list of them).
+            args=(spec, pickle.dumps(fns), batch_size, dict(os.environ), os.getpid()),
+            kwargs={"streams": streams},
+            name=f"elche-rank{spec.rank}",
+        )
+        proc.start()
     return proc
 
 

@@ -40,7 +40,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from multiprocessing.connection import Connection
 from types import FrameType, TracebackType
@@ -55,9 +55,10 @@ __all__ = [
     "announce",
     "ignore_stop_signals",
     "launcher_stream",
+    "launcher_streams",
     "relay_stop_signals",
     "take_environment",
-    "take_stream",
+    "take_streams",
     "watch_launcher",
 ]
 
@@ -262,17 +263,33 @@ def launcher_stream(fd: int) -> Connection:
     A process forked from the fork server inherits the server's streams, as
     they were when it started (the first run of the launching process,
     maybe under another redirection since); it takes the launcher's with
-    ``take_stream``.
+    ``take_streams``.
     """
     return Connection(os.dup(fd))
 
 
-def take_stream(fd: int, stream: Connection) -> None:
-    """Make ``stream`` (``launcher_stream``, or a pipe end) this process's ``fd``; close it."""
+@contextlib.contextmanager
+def launcher_streams(start_method: str) -> Iterator[tuple[Connection, ...]]:
+    """This process's stdout and stderr (``launcher_stream``) for the processes
+    started inside, if they fork from the fork server (none otherwise: a
+    spawned process inherits them); closed here once they are started."""
+    forked = start_method == "forkserver"
+    streams = (launcher_stream(1), launcher_stream(2)) if forked else ()
+    try:
+        yield streams
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+def take_streams(streams: Sequence[Connection], *, first_fd: int = 1) -> None:
+    """Make ``streams`` (``launcher_streams``, or pipe ends) this process's
+    file descriptors from ``first_fd`` on, in order; close them."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os.dup2(stream.fileno(), fd)
-    stream.close()
+    for fd, stream in enumerate(streams, start=first_fd):
+        os.dup2(stream.fileno(), fd)
+        stream.close()
 
 
 def watch_launcher(
