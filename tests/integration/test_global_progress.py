@@ -77,5 +77,10 @@ def test_ranks_follow_one_schedule_on_global_progress(tmp_path: Path) -> None:
     assert all(isinstance(e["lr"], float) for e in result.epochs)
     last = result.epochs[-1]
     assert last["progress"] == {"samples": planned, "step": planned // 32, "fraction": 1.0}
-    shares = [r["share"] for r in last["per_rank"]]  # type: ignore[attr-defined]
-    assert sum(shares) == pytest.approx(1.0, abs=1e-3) and shares[0] > shares[2]
+    # A share is of the samples the epoch's windows trained. Which rank trains
+    # more follows what the machine delivers, not the rig: under a loaded 2-core
+    # CI run the speed-0.25 rank (mostly asleep) outran the starved speed-1 one.
+    ranks = last["per_rank"]  # type: ignore[attr-defined]
+    trained = sum(r["samples"] for r in ranks)
+    for r in ranks:
+        assert r["share"] == pytest.approx(r["samples"] / trained, abs=1e-4)
