@@ -572,6 +572,7 @@ class Coordinator:
         total, count = self._epoch_loss.pop(epoch, (0.0, 0))
         loss = total / count if count else None
         self.epochs_completed = max(self.epochs_completed, epoch + 1)
+        self._out += self.telemetry.epoch_ended(self._now, self.live, epoch)
         end = tl.EpochEnd(epoch=epoch, loss=loss, rounds_done=self.rounds_done, lr=self.tuner.lr)
         self._emit(end)
         self._broadcast(m.EpochDone(epoch=epoch, loss=loss))

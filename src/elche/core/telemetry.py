@@ -8,6 +8,10 @@ Rules:
   every rank that was live during the span gets a ``RankWindow`` record and
   the records start again. So a record spans whole rounds, and an epoch
   gives about ``REPORTS_PER_EPOCH`` of them whatever the number of rounds.
+- An epoch's end records whatever the running records hold, due or not,
+  before the epoch's ``EpochEnd``: every trained batch is in exactly one
+  ``RankWindow``, none straddles an epoch's end, and the last epoch's tail
+  is not dropped.
 - A rank that has trained its whole budget, holds no work and waits for the
   round is *throttled*: one ``Throttle`` per rank per round (none under
   ``sync``, where every rank waits every step by design).
@@ -95,6 +99,12 @@ class Telemetry:
         if sum(s.batches for s in self._spans) < self.every_batches or self._since_s is None:
             return out
         return self._records(now_s, live, epoch) + out
+
+    def epoch_ended(self, now_s: float, live: Collection[int], epoch: int) -> list[Command]:
+        """``epoch`` ended at ``now_s``: the batches not yet in a record go into one, for it."""
+        if self._since_s is None or not any(s.batches for s in self._spans):
+            return []
+        return self._records(now_s, live, epoch)
 
     def roles_moved(self) -> list[Command]:
         """A ``RolesMoved`` if the holders changed since the last one."""
