@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -14,7 +15,17 @@ from elche.core.rank import SaveKind
 from elche.core.saves import SaveRound
 
 
-def config(**overrides: object) -> CoordinatorConfig:
+def config(*, fill_wait: bool = False, **overrides: object) -> CoordinatorConfig:
+    """A test run's configuration.
+
+    ``fill_wait`` is off unless asked for: the harness's clock stands still
+    while a rank trains, so a rank out of budget would see every peer's
+    steps left as time still ahead of it and fill it, where a real rank's
+    peers train on meanwhile (the fill has its own tests, with a clock).
+    """
+    scheduler = overrides.pop("scheduler", None) or SchedulerConfig()
+    assert isinstance(scheduler, SchedulerConfig)
+    overrides["scheduler"] = dataclasses.replace(scheduler, fill_wait=fill_wait)
     base: dict[str, object] = {
         "mode": Mode.CADENCE,
         "world_size": 2,

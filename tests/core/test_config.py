@@ -117,6 +117,8 @@ def test_defaults_are_valid() -> None:
         ({"gamma": math.inf}, "gamma"),
         ({"gamma": -math.inf}, "gamma"),
         ({"gamma": math.nan}, "gamma"),
+        ({"fill_wait": "no"}, "fill_wait"),
+        ({"fill_wait": 0}, "fill_wait"),
     ],
     ids=lambda v: repr(v) if isinstance(v, dict) else v,
 )

@@ -233,6 +233,13 @@ def _sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         default=None,
         help="initial ElChe anchor (default: 1 for sync, 10 otherwise)",
     )
+    sim.add_argument(
+        "--no-fill-wait",
+        dest="fill_wait",
+        action="store_false",
+        help="cadence: a rank that trained its budget holds for the round (by default it "
+        "trains on while a slower peer is expected to finish its own)",
+    )
     _add_overlap_arg(sim)
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.set_defaults(run=run_sim)

@@ -94,7 +94,7 @@ def run_sim(args: argparse.Namespace) -> int:
         faults=plan,
         heartbeat_timeout_s=args.heartbeat_timeout,
         max_failures=args.max_failures,
-        scheduler=SchedulerConfig(anchor=args.anchor),
+        scheduler=SchedulerConfig(anchor=args.anchor, fill_wait=args.fill_wait),
         overlap=args.overlap,
     )
     timed = None

@@ -130,6 +130,10 @@ class SchedulerConfig:
     meta_controller: bool = True  # reference default since 0.7.0
     max_overshoot: int | None = None  # None: auto, 3 growing to 15 (async)
     gamma: float = 1.0  # parameter mass = steps ** gamma
+    # cadence: a rank out of budget mid-epoch trains on while its peers are
+    # expected to finish theirs (``elche.core.planner``); False: it holds,
+    # and every window is exactly its ElChe counts.
+    fill_wait: bool = True
 
     def __post_init__(self) -> None:
         _check_int("anchor", self.anchor, minimum=1, optional=True)
@@ -151,6 +155,8 @@ class SchedulerConfig:
             raise ConfigError(
                 "divergence_threshold", f"must be > 0, got {self.divergence_threshold}"
             )
+        if not isinstance(self.fill_wait, bool):
+            raise ConfigError("fill_wait", f"must be True or False, got {self.fill_wait!r}")
         if not math.isfinite(self.gamma):
             raise ConfigError("gamma", f"must be finite, got {self.gamma}")
 

@@ -558,7 +558,7 @@ class Coordinator:
             return
         if self.planner.needs_next_epoch(rank):
             self._stream_ahead()
-        chunk = self.planner.next_chunk(rank, len(self.workers), self._now)
+        chunk = self.planner.next_chunk(rank, self.workers, self._now)
         if chunk is not None:
             self._out.append(Send(rank=rank, message=chunk))
 

@@ -40,6 +40,15 @@ Rules:
   if that busy rank ran late. A fixed split cannot follow a step that runs
   long or short; the reserve is spent by whoever is actually ahead, so the
   ranks end the epoch closer together.
+- Under ``cadence``, a rank that trained its budget mid-epoch while a peer
+  still has steps left trains on instead of holding (``fill_wait``, on by
+  default): as many of its own steps as end before the last such peer is
+  expected to end its budget (each at its smoothed pace, from its last
+  report), at most one more window. A step's time varies on a shared
+  machine, so budgets sized by the paces end apart; the fast ranks fill the
+  gap and the round fires when it would have. (``elche sim`` with 10 % step
+  jitter: efficiency 0.966 -> 0.985 on speeds 1, 0.5, 0.25.) The epoch
+  tail has its reserve instead.
 - The averaging gate waits for each rank's window (``cadence``: its budget,
   so the epoch tail is averaged in one round; ``sync``: one step). A rank
   with nothing it may take is *quiesced*: the gate does not wait for it.
@@ -318,13 +327,16 @@ class Planner:
             and self.work.serving_epoch() is None
         )
 
-    def next_chunk(self, rank: int, live_count: int, now_s: float = 0.0) -> m.AssignChunk | None:
+    def next_chunk(
+        self, rank: int, live: Sequence[int], now_s: float = 0.0
+    ) -> m.AssignChunk | None:
         """The chunk ``rank`` should train next, if it is idle and may take one.
 
         Args:
             rank: a live rank.
-            live_count: how many ranks are live (to split reclaimed work).
-            now_s: the coordinator's clock, to time the epoch tail's reserve.
+            live: the live ranks (to split reclaimed work, to time the gate).
+            now_s: the coordinator's clock, to time the epoch tail's reserve
+                and the gate a rank's budget ran out before.
         """
         if self.work.busy_samples(rank) > 0:
             return None  # one chunk in flight per rank
@@ -334,14 +346,44 @@ class Planner:
         if left <= 0 and self.probing:
             self.budget[rank] += 1 - left  # streams on until the calibration
             left = 1
+        if left <= 0 and (fill := self._fill(rank, live, now_s)) > 0:
+            self.budget[rank] += fill - left
+            left = fill
         if left <= 0:
             return None  # holds for the next average
         epoch = self.work.serving_epoch()
-        span = None if epoch is None else self._take(rank, epoch, left, live_count)
+        span = None if epoch is None else self._take(rank, epoch, left, len(live))
         self.quiesced[rank] = span is None
         if epoch is None or span is None:
             return None
         return self._assign(rank, epoch, span, now_s)
+
+    def _fill(self, rank: int, live: Sequence[int], now_s: float) -> int:
+        """Steps ``rank``, out of budget mid-epoch, may train while the gate waits (0: it holds).
+
+        The gate fires once every live rank trained its budget; each peer with
+        steps left is expected to end them at its smoothed pace, counted from
+        its last report. ``rank`` gets the whole steps of its own pace that
+        fit before the last of those ends, at most one more window.
+        """
+        if (
+            not self.config.scheduler.fill_wait
+            or self.config.policy is not Policy.CADENCE
+            or self.planned_ahead  # out of the next window's work while its round flies
+        ):
+            return 0
+        ms = self.elche.ms_per_batch()
+        if ms[rank] <= 0:
+            return 0
+        gate_ms = now_ms = now_s * 1000.0
+        for q in live:
+            left = self.budget[q] - self.work.steps_since_sync(q)
+            if q == rank or left <= 0 or self.quiesced[q]:
+                continue
+            if ms[q] <= 0:
+                return 0
+            gate_ms = max(gate_ms, self._progress_s[q] * 1000.0 + left * ms[q])
+        return min(int((gate_ms - now_ms) // ms[rank]), self.window_steps(rank))
 
     def _assign(self, rank: int, epoch: int, span: Span, now_s: float) -> m.AssignChunk:
         self.work.assign(rank, epoch, span)
