@@ -377,13 +377,17 @@ class Planner:
             return 0
         gate_ms = now_ms = now_s * 1000.0
         for q in live:
-            left = self.budget[q] - self.work.steps_since_sync(q)
-            if q == rank or left <= 0 or self.quiesced[q]:
+            if q == rank or self.satisfied(q):
                 continue
             if ms[q] <= 0:
                 return 0
-            gate_ms = max(gate_ms, self._progress_s[q] * 1000.0 + left * ms[q])
+            left = self.budget[q] - self.work.steps_since_sync(q)
+            gate_ms = max(gate_ms, self._ends_ms(q, left, ms))
         return min(int((gate_ms - now_ms) // ms[rank]), self.window_steps(rank))
+
+    def _ends_ms(self, rank: int, batches: int, ms: Sequence[float]) -> float:
+        """When ``rank`` ends ``batches`` more at its pace ``ms``, counted from its last report."""
+        return self._progress_s[rank] * 1000.0 + batches * ms[rank]
 
     def _assign(self, rank: int, epoch: int, span: Span, now_s: float) -> m.AssignChunk:
         self.work.assign(rank, epoch, span)
@@ -456,7 +460,7 @@ class Planner:
             if ms[q] <= 0:
                 return 1
             ahead = -(-busy(q) // bs) + planned  # queued batches (a short one counts)
-            free_ms = self._progress_s[q] * 1000.0 + ahead * ms[q] if ahead > 0 else now_ms
+            free_ms = self._ends_ms(q, ahead, ms) if ahead > 0 else now_ms
             if free_ms + ms[q] <= last_mine:  # a later one can win none of these batches
                 ends.append((free_ms + ms[q], True, i, q))
         heapq.heapify(ends)
@@ -501,7 +505,7 @@ class Planner:
         ends = []
         for r in live:
             ahead = -(-self.work.busy_samples(r) // bs)
-            free_ms = max(now_ms, self._progress_s[r] * 1000.0 + ahead * ms[r]) if ahead else now_ms
+            free_ms = max(now_ms, self._ends_ms(r, ahead, ms)) if ahead else now_ms
             ends.append((free_ms + ms[r], r))
         heapq.heapify(ends)
         alloc = [0] * self.config.world_size
