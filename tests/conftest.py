@@ -1,21 +1,42 @@
-"""The suite's process-wide setting (bytecode caches are written) and its order.
+"""The suite's process-wide settings (bytecode caches, temporary files) and its order.
 
 With ``PYTHONDONTWRITEBYTECODE`` set (as some CI images set it), every
 pytest worker would rewrite and compile all ~100 test modules anew at
 collection (about 7 s of CPU each), and every rank process a test starts
 would compile elche's modules anew. Caches are written here, for pytest's
 workers and the processes the tests start, as they are by default.
+
+A run given no directory keeps its record in a fresh ``elche-run-*`` under
+the temporary directory, as a user's run does (``elche.api``); the suite makes
+about two hundred. Its processes' temporary directory is one under pytest's
+own base (``TMPDIR``), which pytest prunes as it prunes its other runs' files,
+instead of ``/tmp`` itself.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import pytest
 
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's tmp_path plugin set up its factory
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller's ``TMPDIR``, inherited by its workers and every process they start."""
+    if hasattr(config, "workerinput"):  # an xdist worker: its controller set it
+        return
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None:  # pytest run with -p no:tmpdir
+        return
+    scratch = factory.getbasetemp() / "tmp"
+    scratch.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = str(scratch)
+    tempfile.tempdir = None  # computed again from TMPDIR
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,30 @@ def test_a_snapshot_equal_to_the_one_before_is_not_evaluated_again(
     changed = {k: v + 1 if v.is_floating_point() else v for k, v in first.items()}
     evals = eval_snapshots("digits-ae", [first, snapshot(model), changed, first], test_set)
     assert evals == [1.0, 1.0, 2.0, 3.0]  # equal neighbours share one pass; not-neighbours do not
+
+
+def test_snapshots_are_evaluated_on_every_core_and_the_rank_keeps_its_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import elche.workloads.digits_ae as module
+
+    work = get_workload("digits-ae")
+    _, test_set = work.load_split(0)
+    seen: list[int] = []
+
+    def threads_seen(m: torch.nn.Module, dataset: object) -> float:
+        seen.append(torch.get_num_threads())
+        return 0.0
+
+    monkeypatch.setattr(module, "eval_fn", threads_seen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a rank trains
+    try:
+        eval_snapshots("digits-ae", [snapshot(work.make_model("cpu"))], test_set)
+        assert torch.get_num_threads() == 1  # the rank's own setting, back
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [len(os.sched_getaffinity(0))]
 
 
 def test_each_epoch_gets_the_eval_of_the_copy_it_names() -> None:
