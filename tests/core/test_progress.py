@@ -8,11 +8,12 @@ import pytest
 
 from elche.core import messages as m
 from elche.core.checkpoint import CheckpointMeta
-from elche.core.commands import Send
+from elche.core.commands import Broadcast, Command, Send
 from elche.core.config import Mode
 from elche.core.coordinator import Coordinator
 from elche.core.progress import ProgressTracker
 from elche.core.rank import RankProtocol, Train
+from elche.core.states import RunState
 from tests.core.harness import Harness, messages
 from tests.core.test_issue12_promises import meta_doc
 
@@ -99,3 +100,70 @@ def test_a_resumed_run_starts_from_the_samples_its_bundle_covers() -> None:
     h.core = Coordinator(h.cfg, resume=meta)
     first = messages(h.form(), m.GlobalProgress)[0]
     assert (first.round, first.samples) == (8, 640 + 320)  # type: ignore[attr-defined]
+
+
+def test_the_estimate_holds_at_the_end_of_the_window_until_the_round_confirms() -> None:
+    t = ProgressTracker(planned_samples=1000, reference_batch=10, world_size=2)
+    t.confirmed(m.GlobalProgress(round=0, samples=0, share=0.5, horizon=100))
+    t.trained(40)
+    assert t.now().samples == 80
+    t.trained(30)  # faster than its share said, or filling a late peer's wait
+    assert t.now().samples == 100  # the window's end, not 140: the peers are not past it
+    t.averaged(1)
+    t.trained(10)  # the next window, trained through the round
+    assert t.now().samples == 100
+    t.confirmed(m.GlobalProgress(round=1, samples=120, share=0.25, horizon=200))
+    assert t.now().samples == 120 + 10 * 4
+    t.trained(100)
+    assert t.now().samples == 200
+    t.confirmed(m.GlobalProgress(round=2, samples=90, share=0.5, horizon=150))  # a death
+    assert t.now().samples == 200  # never backwards
+
+
+def test_the_next_window_goes_out_with_the_progress_its_steps_count_from() -> None:
+    h = Harness(world_size=2, num_samples=6400, epochs=2)
+    h.form()
+    handed = 0
+    horizon = None  # where the window being trained ends, as the last close said
+    while h.core.state is RunState.TRAINING:
+        started = h.train_window({0: 10.0, 1: 30.0})
+        rnd = h.core.round
+        assert rnd.in_flight
+        closed: list[Command] = []
+        for rank in sorted(rnd.members):
+            steps = h.core.work.steps_since_sync(rank)
+            closed += h.send(rank, m.SyncAck(round=rnd.number, steps=steps))
+        exact = _progress_of(closed, rnd.number)
+        if horizon is not None:  # the window ended where its horizon said
+            assert all(p.samples == horizon for p in exact.values())
+        # Behind the round's order, before each rank's first chunk of the next
+        # window: the progress its steps count from, as the close confirms it.
+        ahead = _progress_of(started, rnd.number)
+        if ahead:
+            handed += 1
+            assert ahead == exact
+            order = next(i for i, c in enumerate(started) if _message(c, m.SyncNow))
+            for rank, progress in ahead.items():
+                sent = [c for c in started[order:] if isinstance(c, Send) and c.rank == rank]
+                told = [c.message for c in sent]
+                chunks = [i for i, x in enumerate(told) if isinstance(x, m.AssignChunk)]
+                assert all(told.index(progress) < i for i in chunks)
+        if exact:
+            (horizon,) = {p.horizon for p in exact.values()}
+            assert all(p.samples <= horizon for p in exact.values())
+    assert handed >= 3
+
+
+def _message(command: Command, kind: type) -> bool:
+    return isinstance(command, Send | Broadcast) and isinstance(command.message, kind)
+
+
+def _progress_of(commands: list[Command], round_number: int) -> dict[int, m.GlobalProgress]:
+    """Each rank's ``GlobalProgress`` on ``round_number`` among ``commands``."""
+    return {
+        c.rank: c.message
+        for c in commands
+        if isinstance(c, Send)
+        and isinstance(c.message, m.GlobalProgress)
+        and c.message.round == round_number
+    }

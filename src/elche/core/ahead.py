@@ -69,6 +69,9 @@ def hand_out(core: Coordinator) -> None:
     for rank, update in zip(core.workers, plan, strict=True):
         if update is not None:  # a rank that holds work: its budget after the average
             core._out.append(Send(rank=rank, message=update))
+    # Before the work: the progress a rank counts the new window's steps from.
+    core._send_progress(core.round.number, expected=True)
+    for rank in core.workers:
         core._dispatch(rank)
 
 

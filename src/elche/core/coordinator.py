@@ -769,11 +769,28 @@ class Coordinator:
 
     # -- output helpers --------------------------------------------------------
 
-    def _send_progress(self, round_number: int) -> None:
-        """Tell each live rank the exact global progress and its share of the next window."""
-        samples = self.work.samples_averaged()
-        for rank, share in self.planner.shares(self.workers).items():
-            message = m.GlobalProgress(round=round_number, samples=samples, share=share)
+    def _send_progress(self, round_number: int, *, expected: bool = False) -> None:
+        """Tell each live rank the global progress after ``round_number``, its share
+        of the next window and where that window ends (``m.GlobalProgress``).
+
+        ``expected``: the round has just started, with the next window handed
+        out behind it: the samples are those it averages if every member takes
+        part (its close says the exact count).
+        """
+        work = self.work
+        samples = work.samples_reported() if expected else work.samples_averaged()
+        counts = self.planner.window_counts(self.workers)
+        total = sum(counts.values())
+        horizon = 0  # while the probe streams, the first window's size is not known yet
+        if not self.planner.probing:
+            horizon = samples + total * self.config.batch_size
+            opened = work.open_epochs()
+            if opened:  # a window ends by the end of its epoch (its tail is one window)
+                horizon = min(horizon, (opened[-1] + 1) * work.num_samples)
+        for rank, count in counts.items():
+            message = m.GlobalProgress(
+                round=round_number, samples=samples, share=count / total, horizon=horizon
+            )
             self._out.append(Send(rank=rank, message=message))
 
     def _broadcast(self, message: m.CoordMessage) -> None:

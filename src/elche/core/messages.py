@@ -389,16 +389,20 @@ class ShutdownWithSave(_Msg, frozen=True):
 
 
 class GlobalProgress(_Msg, frozen=True):
-    """The run's exact progress once ``round`` closed (0: at the start of training).
+    """The run's progress once ``round`` closed (0: at the start of training).
 
     ``samples``: samples the consensus holds, cluster-wide, out of the plan
-    (``epochs x num_samples``); ``share``: the receiving rank's share of the
-    cluster's samples in the next window (see ``elche.core.progress``).
+    (``epochs x num_samples``): exact when the round closed, expected when the
+    round just started and the next window went out with it; ``share``: the
+    receiving rank's share of the cluster's samples in the next window;
+    ``horizon``: the samples the consensus will hold once every rank trained
+    that window (0: not known). See ``elche.core.progress``.
     """
 
     round: int
     samples: int
     share: float
+    horizon: int = 0
 
 
 class CoordHeartbeat(_Msg, frozen=True):

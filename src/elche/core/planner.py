@@ -150,16 +150,18 @@ class Planner:
         count = self.elche.batch_counts[rank]
         return count if self.elche.is_calibrated else min(count, PROBE_STEPS)
 
-    def shares(self, live: Sequence[int]) -> dict[int, float]:
-        """Each live rank's share of the cluster's samples in a window (ElChe counts)."""
+    def window_counts(self, live: Sequence[int]) -> dict[int, int]:
+        """The steps each live rank trains in the window now planned (ElChe
+        counts; a window planned ahead without the steps its round commits):
+        its share of the cluster's samples is its count over their sum."""
         if self.config.policy is Policy.SYNC:  # one step each per window
-            steps = {rank: 1 for rank in live}
-        elif self.config.policy is Policy.CADENCE:  # each trains its budget (tail included)
-            steps = {rank: max(self.budget[rank], self.window_steps(rank), 1) for rank in live}
-        else:
-            steps = {rank: max(self.window_steps(rank), 1) for rank in live}
-        total = sum(steps.values())
-        return {rank: count / total for rank, count in steps.items()}
+            return {rank: 1 for rank in live}
+        if self.config.policy is Policy.CADENCE:  # each trains its budget (tail included)
+            return {
+                rank: max(max(self.budget[rank], self.window_steps(rank)) - self._pending[rank], 1)
+                for rank in live
+            }
+        return {rank: max(self.window_steps(rank) - self._pending[rank], 1) for rank in live}
 
     def satisfied(self, rank: int) -> bool:
         """Whether the averaging gate may fire as far as ``rank`` is concerned.

@@ -16,6 +16,16 @@ Rules:
   samples since that round's average, divided by its share. In a window
   every rank trains its share in the same wall time, so all ranks' estimates
   advance together and meet the exact value at the next average.
+- The estimate never runs past the window the rank trains: each confirmation
+  names the samples the consensus will hold once every rank trained the next
+  window (its *horizon*), and a rank that trains faster than its share said
+  (or trains on while a late peer finishes, ``Planner``'s fill) holds there
+  until the round's confirmation, instead of running ahead of its peers.
+- Under ``cadence`` the next window goes out as its round starts, and the
+  confirmation goes with it: the samples the round averages if every member
+  takes part, and the new window's shares and horizon; the round's close
+  confirms the exact count. So a rank training through the round counts the
+  new window at the new window's share.
 - The estimate never runs past the plan, and never backwards: a confirmation
   below the estimate so far holds the estimate until the ranks catch up.
 
@@ -80,6 +90,7 @@ class ProgressTracker:
         self._exact_round = 0  # the round of the last confirmation
         self._own_at_round: dict[int, int] = {}  # averages not confirmed yet
         self._floor = 0  # the estimate never goes below what it showed before
+        self._horizon = 0  # where the window being trained ends (0: not known)
 
     def trained(self, samples: int) -> None:
         """This rank trained ``samples`` more."""
@@ -108,11 +119,15 @@ class ProgressTracker:
         self._exact = min(max(message.samples, 0), self.planned_samples)
         if message.share > 0:
             self._share = min(message.share, 1.0)
+        self._horizon = max(message.horizon, 0)
 
     def samples(self) -> int:
         """Cluster-wide samples now: exact at an average, estimated between."""
         since = (self.own_samples - self._own_at_exact) / self._share
-        estimate = max(self._exact + int(since), self._floor)
+        estimate = self._exact + int(since)
+        if self._horizon > self._exact:
+            estimate = min(estimate, self._horizon)
+        estimate = max(estimate, self._floor)
         if self._exact >= self.planned_samples:
             return self.planned_samples
         # Short of the coordinator's word that the plan is done, stay below its end.

@@ -124,6 +124,12 @@ class WorkBook:
         finished = sum(1 for epoch in range(self._next_open) if epoch not in self.pools)
         return finished * self.num_samples + sum(p.committed() for p in self.pools.values())
 
+    def samples_reported(self) -> int:
+        """What ``samples_averaged`` will be once every batch reported so far is averaged."""
+        return self.samples_averaged() + sum(
+            size for pending in self._uncommitted for _, size in pending
+        )
+
     def open_epochs(self) -> list[int]:
         """Epochs opened and not finished, in ascending order."""
         return sorted(self.pools)
