@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,24 @@ def test_a_round_nobody_moved_for_changes_nothing_even_on_a_rank_that_trained_si
     assert local is None and div == 0.0 and pre == post
     for name, value in model.state_dict().items():
         assert torch.equal(value, trained[name]), name
+
+
+def test_a_wake_from_the_round_finds_it_completed(world_of_one: None) -> None:
+    # gloo runs a collective's future callbacks before it marks the work
+    # itself finished: a rank woken from one must see the round land-ready,
+    # or it sleeps a whole poll before landing it.
+    flight = launch_average(tiny_model(3), 2)
+    seen: list[bool] = []
+    woken = threading.Event()
+
+    def wake() -> None:
+        seen.append(flight.completed())
+        woken.set()
+
+    flight.when_completed(wake)
+    assert woken.wait(timeout=30)
+    flight.land(moved=False)
+    assert any(seen), seen
 
 
 def test_the_fp32_wire_launches_and_weighs_as_it_averages_and_the_bf16_wire_waits(

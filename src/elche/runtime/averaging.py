@@ -263,9 +263,16 @@ class InFlight:
         self.tensors = tensors
         self.num_params = num_params
         self._launch, self._sums, self._flats, self._works = flight
+        # A CPU collective's future holds its result once done, and gloo marks
+        # it done (running its callbacks, a rank's wake) before the work: asked
+        # the work, the woken rank would find it unfinished and sleep on. A
+        # CUDA collective's future is done at its launch; only the work knows.
+        self._on_host = all(flat.device.type == "cpu" for flat in self._flats)
 
     def completed(self) -> bool:
         """Every collective of the round has finished (or failed): ``land`` will not wait."""
+        if self._on_host:
+            return all(work.get_future().done() for work in self._works)
         return all(work.is_completed() for work in self._works)
 
     def when_completed(self, wake: Callable[[], None]) -> None:
