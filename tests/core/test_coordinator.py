@@ -162,13 +162,33 @@ def test_acks_close_the_round_and_calibrate_counts_by_speed() -> None:
     assert any(isinstance(c, Emit) and isinstance(c.event, tl.SyncEnd) for c in out)
 
 
-def test_roles_follow_pace_at_first_calibration() -> None:
+def _first_round(probe_ms: dict[int, float], window_ms: dict[int, float]) -> Harness:
+    """Two ranks' probes at ``probe_ms``, the rest of the first window at
+    ``window_ms``, then the round's acks; the roles checked before the acks."""
     h = Harness(num_samples=6400)
     h.form()
-    h.train(0, PROBE_STEPS, batch_ms=40.0)
-    h.train(1, PROBE_STEPS, batch_ms=10.0)  # the first calibration, mid-window
+    for rank, ms in probe_ms.items():
+        h.train(rank, PROBE_STEPS, batch_ms=ms)  # the probe calibrates, mid-window
+    assert h.core.elche.is_calibrated
+    assert {h.core.roles.holder(role) for role in Role} == {0}  # not on the probe's pace
+    assert not h.core.roles.elected
+    h.train_window(window_ms)
+    acked_round(h, 1, {r: h.core.work.steps_since_sync(r) for r in (0, 1)})
+    assert h.core.rounds_done == 1 and h.core.roles.elected
+    return h
+
+
+def test_roles_follow_pace_at_the_first_round_close() -> None:
+    h = _first_round({0: 40.0, 1: 10.0}, {0: 40.0, 1: 10.0})
     assert {h.core.roles.holder(role) for role in Role} == {1}
     assert h.core.roles.epoch_role_dirty
+
+
+def test_a_probe_of_two_steps_does_not_hand_the_roles_to_a_slower_rank() -> None:
+    # The probe's two steps said rank 1 by far (a busy moment on rank 0); the
+    # whole window says rank 0, if only just: the roles stay on it.
+    h = _first_round({0: 400.0, 1: 10.0}, {0: 8.0, 1: 10.0})
+    assert {h.core.roles.holder(role) for role in Role} == {0}
 
 
 def _tail_of_51() -> Harness:

@@ -14,8 +14,10 @@ Rules:
 - At an epoch's end the next epoch opens then, and the callbacks of the
   epoch end are asked with the round: a rank runs a callback asked while a
   round is pending once it applied that round, before its new work.
-- Not before the balancer's first calibration (the callback roles may still
-  move), not for the run's last round, and not when the round ends an epoch
+- Not before the balancer's first calibration (no pace to size the window
+  by; the callback roles, elected as the first calibrated round closes, may
+  move then: a rank runs whatever callback it is asked, and results count
+  from any rank), not for the run's last round, and not when the round ends an epoch
   whose bundle is due (its ranks must save the consensus alone) or whose next
   one starts with callback slack (``Tuner.boundary_slack``).
 - Each acknowledgement (collective) or the average (coordinator backend)

@@ -56,6 +56,14 @@ class WindowReport:
         ]
         return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
 
+    def ms_per_batch(self, rank: int) -> float | None:
+        """``rank``'s ms per batch in this window, on ``select_feed``'s scale
+        (None: no timed batch of it)."""
+        ms, batches = self.select_feed()
+        if not 0 <= rank < len(batches) or batches[rank] <= 0 or ms[rank] <= 0:
+            return None
+        return ms[rank] / batches[rank]
+
 
 class WindowLedger:
     """Per-rank accumulators for the current reduce window.

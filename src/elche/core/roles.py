@@ -7,7 +7,9 @@ Rules (the reference coordinator's callback-role election, restated):
 2. ``FASTEST`` resolves to the live rank with the lowest smoothed ms/batch
    (strictly lower wins, so ties go to the lowest index); before any rank has
    a timing sample it falls back to the lowest live rank.
-3. Roles are *sticky*: they are elected once at the first calibration and
+3. Roles are *sticky*: they are elected once, at the first round that
+   closes calibrated (under ``cadence`` the probe calibrates before it: its
+   one or two steps a rank size a window but are too few to rank paces), and
    re-resolved only when the rank holding one dies. Balancer drift never
    moves them (callbacks may keep per-process state).
 4. Under ``PINNED`` eval and epoch roles never move; only the checkpoint role
