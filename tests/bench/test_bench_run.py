@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -38,11 +39,16 @@ def test_tiny_bench_writes_json_report_and_charts(
 ) -> None:
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
     monkeypatch.setitem(suites.SUITES, "quick", TINY)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     out = tmp_path / "bench"
 
     code = main(["bench", "--suite", "quick", "--json", "--no-progress", "--out", str(out)])
 
     assert code == 0
+    # Every run's directory went with it (torch's and multiprocessing's own may stay).
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("elche-")] == []
     doc = json.loads(capsys.readouterr().out)  # stdout is exactly the results JSON
     assert doc == json.loads((out / "results.json").read_text())
     rows = doc["rows"]

@@ -412,14 +412,16 @@ def _solo(workload: Workload, plan: WorkloadPlan, seed: int, split: Split) -> Ru
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank process runs (honest efficiency denominator)
     try:
-        with tempfile.TemporaryDirectory(prefix="elche-bench-kept-") as kept:
+        with tempfile.TemporaryDirectory(prefix="elche-bench-") as tmp:  # as elche's runs
+            kept = Path(tmp) / "kept"
+            kept.mkdir()
             result = train(
                 workload.make_model, workload.make_optimizer, step, split[0],
                 batch_size=plan.batch_size, epochs=plan.epochs, ranks=1, speeds=[1.0], seed=seed,
-                eval_fn=KeepWeights(kept), eval_dataset=split[1], eval_every=1,
-                metrics_fn=on_epoch, progress=False,
+                eval_fn=KeepWeights(str(kept)), eval_dataset=split[1], eval_every=1,
+                metrics_fn=on_epoch, progress=False, run_dir=tmp,
             )  # fmt: skip
-            evals, metric = evaluate_kept(plan.name, Path(kept), split[1], final=result.state_dict)
+            evals, metric = evaluate_kept(plan.name, kept, split[1], final=result.state_dict)
     finally:
         torch.set_num_threads(threads)
     summary = result.summary
