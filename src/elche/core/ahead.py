@@ -17,9 +17,9 @@ Rules:
 - Not before the balancer's first calibration (no pace to size the window
   by; the callback roles, elected as the first calibrated round closes, may
   move then: a rank runs whatever callback it is asked, and results count
-  from any rank), not for the run's last round, and not when the round ends an epoch
-  whose bundle is due (its ranks must save the consensus alone) or whose next
-  one starts with callback slack (``Tuner.boundary_slack``).
+  from any rank), not for the run's last round, and not when the round ends
+  an epoch whose bundle is due (its ranks must save the consensus alone) or
+  whose next one starts with callback slack (``Tuner.boundary_slack``).
 - Each acknowledgement (collective) or the average (coordinator backend)
   rebases the rank's window to count from zero (``Planner.averaged``).
   Batches and callback results reported while the round is in flight are

@@ -112,9 +112,10 @@ class Tuner:
         on the window's own pace: a probe of one or two steps a rank is
         enough to size a window, but on steps of a millisecond or less it
         named a slower rank the fastest in 2 of 11 runs (and 1 of 10 once
-        averaged with the window's), and the role is sticky. The window's timing starts afresh (its
-        steps are kept), so the round's report holds only what came after.
-        Returns whether ElChe is calibrated (a probe without timing is not).
+        averaged with the window's), and the roles are sticky. The window's
+        timing starts afresh (its steps are kept), so the round's report
+        holds only what came after. Returns whether ElChe is calibrated (a
+        probe without timing is not).
         """
         report = self.ledger.build_window_report(dead=dead, delivered_capable=True, sync_ms=0.0)
         self.elche.report_window(report)
