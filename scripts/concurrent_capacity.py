@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 
 from elche.bench.capacity import measure_capacity
-from elche.bench.runner import measure_speed_base_s
+from elche.bench.runner import measure_speed_base_s, run_one
+from elche.bench.suites import QUICK
 from elche.workloads import get as get_workload
+from elche.workloads import load_split
 
 
 def main() -> None:
@@ -22,6 +24,8 @@ def main() -> None:
     parser.add_argument("--speeds", default="1,0.5,0.25")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--pairs", type=int, default=0, help="probe/run pairs after it")
+    parser.add_argument("--system", default="cadence", help="what the pairs run")
     args = parser.parse_args()
     speeds = [float(s) for s in args.speeds.split(",")]
     workload = get_workload(args.workload)
@@ -37,6 +41,33 @@ def main() -> None:
         f"capacity: {capacity.samples_per_s:.0f} of {capacity.nominal_samples_per_s:.0f} "
         f"samples/s = {capacity.fraction:.3f}"
     )
+    if args.pairs:
+        _pairs(args, speeds, base_s)
+
+
+def _pairs(args: argparse.Namespace, speeds: list[float], base_s: float) -> None:
+    """Alternate probes with runs of ``args.system``; each run over the probe before it."""
+    (plan,) = [p for p in QUICK.workloads if p.name == args.workload]
+    split = load_split(plan.name, 0, train_samples=plan.train_samples)
+    ratios = []
+    for pair in range(args.pairs):
+        capacity = measure_capacity(
+            args.workload, speeds, speed_base_s=base_s, batch_size=plan.batch_size,
+            seconds=args.seconds,
+        )  # fmt: skip
+        run = run_one(args.system, plan, speeds, seed=0, split=split, speed_base_s=base_s)
+        if run["error"] is not None:
+            raise SystemExit(f"{args.system} failed: {run['error']}")
+        ratios.append(run["samples_per_s"] / capacity.samples_per_s)
+        print(
+            f"pair {pair}: probe {capacity.samples_per_s:.0f} samples/s "
+            f"(steps {', '.join(f'{ms:.2f}' for ms in capacity.step_ms)} ms), "
+            f"{args.system} {run['wall_s']:.2f} s, {run['samples_per_s']:.0f} samples/s "
+            f"= {ratios[-1]:.3f} of it"
+        )
+    ratios.sort()
+    print(f"{args.system} of the adjacent probe: median {ratios[len(ratios) // 2]:.3f} "
+          f"({ratios[0]:.3f}-{ratios[-1]:.3f})")  # fmt: skip
 
 
 if __name__ == "__main__":
