@@ -157,8 +157,9 @@ def test_a_coordinator_that_may_not_be_restarted_leaves_a_bundle_that_resumes(
     data: tuple[object, object], tmp_path: Path
 ) -> None:
     stem = str(tmp_path / "bundle" / "run")
-    # Rank 0's share of an epoch starts at its front (``ChunkPool``), so it fires
-    # ~0.4 epochs into its epoch-1 work, long after epoch 0's round was journaled.
+    # Rank 0's share of an epoch starts at its front (``ChunkPool``), so it never
+    # fires on its first batch of an epoch: at 1.4 inside its share, or later on a
+    # batch it takes from a peer (1.40-1.94 seen), long after epoch 0's round.
     # Rank 1's share starts past 0.4: it fired on its first batch of epoch 1,
     # which on a loaded machine raced that round's journal record (a bundle of
     # round 0, epoch 0: honest, but not what this test is about).
