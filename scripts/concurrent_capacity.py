@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from elche.bench.capacity import measure_capacity
+from elche.bench.metrics import spread
 from elche.bench.runner import measure_speed_base_s, run_one
 from elche.bench.suites import QUICK
 from elche.workloads import get as get_workload
@@ -42,13 +43,21 @@ def main() -> None:
         f"samples/s = {capacity.fraction:.3f}"
     )
     if args.pairs:
-        _pairs(args, speeds, base_s)
+        _pairs(args, speeds)
 
 
-def _pairs(args: argparse.Namespace, speeds: list[float], base_s: float) -> None:
-    """Alternate probes with runs of ``args.system``; each run over the probe before it."""
-    (plan,) = [p for p in QUICK.workloads if p.name == args.workload]
+def _pairs(args: argparse.Namespace, speeds: list[float]) -> None:
+    """Alternate probes with runs of ``args.system``; each run over the probe before it.
+
+    As ``elche bench`` does, on the quick suite's cut of the workload, with its
+    batch size, and paced by a solo step measured on that cut and batch.
+    """
+    plans = {p.name: p for p in QUICK.workloads}
+    if args.workload not in plans:
+        raise SystemExit(f"--pairs runs the quick suite's workloads: {', '.join(plans)}")
+    plan = plans[args.workload]
     split = load_split(plan.name, 0, train_samples=plan.train_samples)
+    base_s = measure_speed_base_s(get_workload(plan.name), split, plan.batch_size)
     ratios = []
     for pair in range(args.pairs):
         capacity = measure_capacity(
@@ -65,9 +74,10 @@ def _pairs(args: argparse.Namespace, speeds: list[float], base_s: float) -> None
             f"{args.system} {run['wall_s']:.2f} s, {run['samples_per_s']:.0f} samples/s "
             f"= {ratios[-1]:.3f} of it"
         )
-    ratios.sort()
-    print(f"{args.system} of the adjacent probe: median {ratios[len(ratios) // 2]:.3f} "
-          f"({ratios[0]:.3f}-{ratios[-1]:.3f})")  # fmt: skip
+    summary = spread(ratios)
+    assert summary is not None  # one ratio a pair, at least one pair
+    print(f"{args.system} of the adjacent probe: median {summary['median']:.3f} "
+          f"({summary['min']:.3f}-{summary['max']:.3f})")  # fmt: skip
 
 
 if __name__ == "__main__":
