@@ -198,6 +198,7 @@ def _left_or_waiting(rank: int, port: int, results: Any) -> None:
             results.put("completed")
         except RuntimeError as exc:
             results.put(str(exc))
+        membership.leave()  # as a survivor does at the Regroup
         client.set("done-11", "1")
     else:
         client.wait(["waiting-11"])
