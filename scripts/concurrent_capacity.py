@@ -5,6 +5,9 @@ runs (``elche.bench.capacity``) and divides each row by it
 (``of_capacity``); this prints it alone:
 
     python scripts/concurrent_capacity.py --workload digits-cnn --speeds 1,0.5,0.25
+
+or, with ``--pairs N``, N probes alternating with runs of a system on the
+quick suite's cut, each run over the probe just before it.
 """
 
 from __future__ import annotations
@@ -24,11 +27,14 @@ def main() -> None:
     parser.add_argument("--workload", default="digits-cnn")
     parser.add_argument("--speeds", default="1,0.5,0.25")
     parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--pairs", type=int, default=0, help="probe/run pairs after it")
+    parser.add_argument("--batch-size", type=int, default=32, help="(pairs: the quick suite's)")
+    parser.add_argument("--pairs", type=int, default=0, help="probe/run pairs instead")
     parser.add_argument("--system", default="cadence", help="what the pairs run")
     args = parser.parse_args()
     speeds = [float(s) for s in args.speeds.split(",")]
+    if args.pairs:
+        _pairs(args, speeds)
+        return
     workload = get_workload(args.workload)
     base_s = measure_speed_base_s(workload, workload.load_split(0), args.batch_size)
     capacity = measure_capacity(
@@ -42,8 +48,6 @@ def main() -> None:
         f"capacity: {capacity.samples_per_s:.0f} of {capacity.nominal_samples_per_s:.0f} "
         f"samples/s = {capacity.fraction:.3f}"
     )
-    if args.pairs:
-        _pairs(args, speeds)
 
 
 def _pairs(args: argparse.Namespace, speeds: list[float]) -> None:
@@ -58,6 +62,8 @@ def _pairs(args: argparse.Namespace, speeds: list[float]) -> None:
     plan = plans[args.workload]
     split = load_split(plan.name, 0, train_samples=plan.train_samples)
     base_s = measure_speed_base_s(get_workload(plan.name), split, plan.batch_size)
+    print(f"{plan.name}, the quick cut at batch {plan.batch_size}, solo step "
+          f"{1000 * base_s:.2f} ms, speeds {args.speeds}:")  # fmt: skip
     ratios = []
     for pair in range(args.pairs):
         capacity = measure_capacity(
