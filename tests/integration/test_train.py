@@ -171,6 +171,9 @@ def test_one_rank_trains_in_process(data: tuple[object, object], tmp_path: Path)
     assert isinstance(end, tl.RunEnd) and end.outcome == "completed"
     assert result.summary["report"] == str(tmp_path / "run" / "report.html")
     assert '"phase": "done"' in (tmp_path / "run" / "report.html").read_text(encoding="utf-8")
+    kept = json.loads((tmp_path / "run" / "summary.json").read_text(encoding="utf-8"))
+    assert kept["outcome"] == "completed" and kept["world_size"] == 1  # as several ranks leave one
+    assert kept["report"] == result.summary["report"]
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
 
 

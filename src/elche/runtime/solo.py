@@ -9,7 +9,9 @@ as still to do.
 from __future__ import annotations
 
 import functools
+import json
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +24,8 @@ from torch import nn
 from elche.core import messages as m
 from elche.core.errors import TrainingError
 from elche.core.progress import ProgressTracker
+from elche.monitor.summary import SUMMARY_FILE
+from elche.runtime import bundle
 from elche.runtime.current import providing
 from elche.runtime.loading import Loader, StepPlan
 from elche.runtime.pacing import Pacer, pacer_for
@@ -186,7 +190,18 @@ def train_solo(
         outcome="completed", reason="", epochs=plan.config.epochs,
         samples=int(summary["per_rank"][0]["samples"]),  # type: ignore[index]  # JSON-shaped
     )  # fmt: skip
+    _keep_summary(Path(run_dir), summary)
     return result
+
+
+def _keep_summary(run_dir: Path, summary: dict[str, object]) -> None:
+    """``RUN_DIR/summary.json``, as a run of several ranks leaves one; a failure is said:
+    the run's result does not depend on it."""
+    text = json.dumps(summary, indent=2, default=str).encode()
+    try:
+        bundle.write_file(run_dir / SUMMARY_FILE, lambda f: f.write(text), kind="summary")
+    except OSError as exc:
+        print(f"elche: no {SUMMARY_FILE} for this run ({exc})", file=sys.stderr, flush=True)
 
 
 def _train_solo(
