@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elche.api import _beat_every, _dashboard, _faults, _tensorboard_dir
+from elche.api import JOIN_SLOTS, _beat_every, _dashboard, _faults, _join_slots, _tensorboard_dir
 from elche.core.config import CoordinatorConfig, Mode
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan, Kill, SlowDown, Stall
@@ -115,3 +115,11 @@ def test_ranks_beat_and_the_timer_fires_at_least_four_times_a_timeout(
             heartbeat_timeout_s=0.0, heartbeat_interval_s=_beat_every(0.0),
         )  # fmt: skip
     assert info.value.field == "heartbeat_timeout_s"
+
+
+def test_join_slots_are_kept_on_collective_runs_of_two_ranks_unless_the_user_sets_them() -> None:
+    assert _join_slots(Mode.CADENCE, 3, None) == _join_slots(Mode.SYNC, 2, None) == JOIN_SLOTS
+    assert _join_slots(Mode.CPU_CADENCE, 3, None) == _join_slots(Mode.CADENCE, 1, None) == 0
+    assert _join_slots(Mode.CADENCE, 3, 0) == 0  # a run no rank may join
+    assert _join_slots(Mode.CADENCE, 3, 20) == 20
+    assert _join_slots(Mode.CADENCE, 1, 0) == 0

@@ -103,6 +103,7 @@ def train(
     pin_memory: bool = False,
     drop_last: bool = False,
     batch_sampler: Callable[[list[int]], Iterable[Sequence[int]]] | None = None,
+    join_slots: int | None = None,
 ) -> TrainResult:
     """Train ``model_fn``'s model on ``dataset`` over ``ranks`` unequal workers.
 
@@ -206,6 +207,10 @@ def train(
         batch_sampler: ``batch_sampler(indices) -> batches``: splits the
             dataset indices of one optimizer step into its micro-batches
             (each index exactly once; default: slices of ``batch_size``).
+        join_slots: rank ids kept for ranks that join the running run
+            (``elche join``; ``docs/launching.md``). Default: 8 for a
+            collective run (``sync``, ``cadence``) of two ranks or more, else
+            0; 0 keeps none, and no join command is printed.
         crash: testing hook: ``{rank: epoch.fraction}`` — that rank kills
             itself with SIGKILL when its training reaches that point
             (shorthand for ``FaultPlan().kill(rank=r, at_epoch=e)``).
@@ -254,7 +259,7 @@ def train(
         max_coordinator_restarts=max_coordinator_restarts,
         checkpoint_every=checkpoint_every, save_path=save_path, resume_from=resume_from,
         crash=crash, stall=stall, faults=faults, outer_lr=outer_lr,
-        outer_momentum=outer_momentum, nonfinite=nonfinite,
+        outer_momentum=outer_momentum, nonfinite=nonfinite, join_slots=join_slots,
     )  # fmt: skip
     from elche.runtime.worker import UserFns
 
@@ -326,6 +331,7 @@ def _plan(
     outer_lr: float | None,
     outer_momentum: float,
     nonfinite: str,
+    join_slots: int | None,
 ) -> Plan:
     check_dataset(dataset)  # a stream without shards
     try:
@@ -366,7 +372,7 @@ def _plan(
         save_path=save_path, easgd_alpha=easgd_alpha, outer_lr=outer_lr,
         outer_momentum=outer_momentum, nonfinite=nonfinite,
         max_coordinator_restarts=max_coordinator_restarts,
-        join_slots=_join_slots(Mode.parse(mode), world),
+        join_slots=_join_slots(Mode.parse(mode), world, join_slots),
     )  # fmt: skip
     return Plan(
         config=config, speeds=speeds_t, speed_base_s=_speed_base(speed_base_s),
@@ -479,10 +485,18 @@ def _speed_base(base_s: float | None) -> float | None:
     return check_speed_base_s(base_s)
 
 
-def _join_slots(mode: Mode, world: int) -> int:
-    """Rank ids kept for ranks that join the run (``elche join``): collective runs of
-    two ranks or more (a coordinator and a group store)."""
-    return JOIN_SLOTS if mode.backend is Backend.COLLECTIVE and world >= 2 else 0
+def _join_slots(mode: Mode, world: int, given: int | None) -> int:
+    """Rank ids kept for ranks that join the run (``elche join``): ``given``, else
+    ``JOIN_SLOTS`` for collective runs of two ranks or more (a coordinator and a
+    group store), else none. The coordinator's config checks the mode."""
+    joinable = mode.backend is Backend.COLLECTIVE and world >= 2
+    if given is None:
+        return JOIN_SLOTS if joinable else 0
+    if world == 1 and given:
+        raise ConfigError(
+            "join_slots", f"a run of one rank has no coordinator to join; got {given!r}"
+        )
+    return given
 
 
 def _world_size(
@@ -558,11 +572,11 @@ def _train_one(
         dashboard=dashboard, tensorboard_dir=tensorboard_dir,
     )  # fmt: skip
     if run_dir is None:
-        _tidy(result, directory)
+        tidy_run_dir(result, directory)
     return result
 
 
-# What a completed run's temporary directory keeps (``_tidy``).
+# What a completed run's directory keeps (``tidy_run_dir``).
 KEPT_FILES = frozenset({"report.html", "timeline.jsonl", "summary.json"})
 
 
@@ -588,12 +602,12 @@ def _train_cluster(
         dashboard=dashboard, tensorboard_dir=tensorboard_dir,
     )  # fmt: skip
     if run_dir is None:
-        _tidy(result, directory)
+        tidy_run_dir(result, directory)
     return result
 
 
-def _tidy(result: TrainResult, directory: Path) -> None:
-    """Trim a completed run's temporary directory to its record; keep any other run's whole.
+def tidy_run_dir(result: TrainResult, directory: Path) -> None:
+    """Trim a completed run's directory to its record; keep any other run's whole.
 
     A completed run has nothing to resume, so its bundle, model states and
     logs go; its report, timeline and summary (``KEPT_FILES``, a few hundred

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from elche.api import KEPT_FILES
 from elche.bench import suites
 from elche.bench.suites import Suite, WorkloadPlan
 from elche.cli import main
@@ -49,7 +50,17 @@ def test_tiny_bench_writes_json_report_and_charts(
     assert code == 0
     # Every run's directory went with it (torch's and multiprocessing's own may stay).
     assert [p.name for p in scratch.iterdir() if p.name.startswith("elche-")] == []
-    doc = json.loads(capsys.readouterr().out)  # stdout is exactly the results JSON
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)  # stdout is exactly the results JSON
+    # elche's runs keep their record in the bench's folder, where stderr said; none is joinable.
+    runs = out / "runs"
+    solo, cadence = runs / "00-digits-logreg-solo", runs / "02-digits-logreg-cadence"
+    assert set(runs.iterdir()) == {solo, cadence}  # torch DDP's run keeps none
+    assert [run.get("run_dir") for run in doc["runs"]] == [str(solo), None, str(cadence)]
+    for folder in (solo, cadence):
+        assert {p.name for p in folder.iterdir()} == KEPT_FILES
+        assert f"elche: run directory {folder}\n" in captured.err
+    assert "elche: join with" not in captured.err
     assert doc == json.loads((out / "results.json").read_text())
     rows = doc["rows"]
     assert [(r["system"], r["speeds"]) for r in rows] == [
@@ -77,6 +88,7 @@ def test_tiny_bench_writes_json_report_and_charts(
     report = (out / "report.md").read_text()
     assert "Speed injection: every system's paced ranks wait by one solo step of" in report
     assert "| **torch-ddp** |" in report and "| cadence |" in report
+    assert "`runs/NN-WORKLOAD-SYSTEM/`" in report
     for kind in ("loss", "share", "idle"):
         png = out / f"digits-logreg-{kind}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

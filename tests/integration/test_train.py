@@ -191,6 +191,9 @@ def test_one_rank_trains_in_process(data: tuple[object, object], tmp_path: Path)
         ({"faults": FaultPlan().kill(rank=3, at_epoch=0.5)}, "faults"),
         ({"crash": {3: 0.5}}, "crash"),
         ({"stall": {1: -1.0}}, "stall"),
+        ({"join_slots": -1}, "join_slots"),
+        ({"join_slots": 2, "mode": "cpu-cadence"}, "join_slots"),
+        ({"join_slots": 2, "speeds": None, "ranks": 1}, "join_slots"),
     ],
 )
 def test_bad_config_fails_fast_naming_the_field(

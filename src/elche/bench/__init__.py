@@ -89,7 +89,7 @@ def run_bench(
     started = time.perf_counter()
     suite = available_suite(suite, say=lambda text: print(text, file=sys.stderr))
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    runs = run_suite(suite, progress=progress)
+    runs = run_suite(suite, progress=progress, runs_dir=out_dir / "runs")
     rows = build_rows(suite, runs)
     out_dir.mkdir(parents=True, exist_ok=True)
     charts = write_charts(rows, out_dir)

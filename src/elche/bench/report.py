@@ -91,6 +91,7 @@ def render(doc: Mapping[str, Any]) -> str:
         f"- machine: {doc['machine']['description']}",
         f"- whole invocation: {doc['total_s']:.0f} s; repeats per cell: {doc['repeats']} "
         "(the run of median wall time is shown; systems interleaved, DDP in every repeat)",
+        *_runs_line(doc),
         "",
         "Columns: *wall* is each system's training clock (first batch to the end of "
         "training, start-up excluded); *× DDP* is wall ÷ torch DDP's wall on the same "
@@ -114,6 +115,16 @@ def render(doc: Mapping[str, Any]) -> str:
     for note in doc.get("notes") or []:
         lines.append(f"- {note}")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _runs_line(doc: Mapping[str, Any]) -> list[str]:
+    """Where each elche and solo run's own record is, when the bench kept them."""
+    if not any(run.get("run_dir") for run in doc.get("runs") or []):
+        return []
+    return [
+        "- each elche and solo run's own report, timeline and summary: "
+        "`runs/NN-WORKLOAD-SYSTEM/` (`report.html`; `elche timeline` reads the folder)"
+    ]
 
 
 def _workload_section(name: str, rows: Sequence[Row], doc: Mapping[str, Any]) -> list[str]:

@@ -60,6 +60,14 @@ apart. ``syncs`` counts averaging rounds for elche and gradient all-reduces
 
 A run that raises is recorded with ``error`` set and no numbers; the suite
 goes on.
+
+Run directories. Given ``runs_dir``, each elche and solo run writes its files
+to ``runs_dir/NN-WORKLOAD-SYSTEM`` (``NN`` its place in the suite) and a
+completed one is trimmed to its record (report, timeline, summary: what
+``elche timeline`` and a browser read), which its ``Run``'s ``run_dir`` names;
+a failed one keeps every file. Without it each run writes to a temporary
+directory that goes with the run. Either way the runs are not joinable
+(``join_slots=0``): a rank joining a measured run would change what it measures.
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -114,6 +123,7 @@ def run_suite(
     *,
     progress: bool = True,
     on_run: Callable[[Run], None] | None = None,
+    runs_dir: Path | None = None,
 ) -> list[Run]:
     """Run every cell of ``suite``; return the runs in the order they ran.
 
@@ -121,6 +131,8 @@ def run_suite(
         suite: what to run.
         progress: show a live display on stderr (cell, elapsed time).
         on_run: called with each run record as soon as it exists.
+        runs_dir: where each elche and solo run keeps its record (see the
+            module docstring); None: nowhere.
 
     Returns:
         One ``Run`` per training run, ``suite.num_runs()`` in all.
@@ -153,6 +165,7 @@ def run_suite(
                         system, plan, speeds, seed=suite.seed, split=splits[plan],
                         speed_base_s=bases[plan.name], hosts=hosts, wire=suite.wire,
                         overlap=suite.overlap,
+                        run_dir=_named(runs_dir, len(runs), plan.name, system),
                     )  # fmt: skip
                     run["repeat"] = repeat
                     run["capacity"] = capacities.get((plan.name, tuple(speeds)))  # solo: None
@@ -164,6 +177,7 @@ def run_suite(
             run = run_one(
                 system, plan, speeds, seed=seed, split=_load(plan, seed),
                 speed_base_s=bases[plan.name], wire=suite.wire, overlap=suite.overlap,
+                run_dir=_named(runs_dir, len(runs), plan.name, f"{system}-seed{seed}"),
             )  # fmt: skip
             run["repeat"] = 0
             run["capacity"] = capacities.get((plan.name, tuple(speeds)))  # solo: None
@@ -171,6 +185,11 @@ def run_suite(
             if on_run is not None:
                 on_run(run)
     return runs
+
+
+def _named(runs_dir: Path | None, index: int, workload: str, system: str) -> Path | None:
+    """The directory of the suite's ``index``-th run in ``runs_dir``, if any."""
+    return None if runs_dir is None else runs_dir / f"{index:02d}-{workload}-{system}"
 
 
 def _load(plan: WorkloadPlan, seed: int) -> Split:
@@ -235,6 +254,7 @@ def run_one(
     hosts: Rig | None = None,
     wire: str = "fp32",
     overlap: bool = True,
+    run_dir: Path | None = None,
 ) -> Run:
     """Train ``plan`` once with ``system`` on the rig ``speeds``.
 
@@ -251,6 +271,9 @@ def run_one(
         wire: an elche mode's averaging wire (``MODE+bf16`` is bf16 whatever it says).
         overlap: an elche mode's collective rounds overlap training (``elche.train``;
             ``MODE+wait`` waits for them whatever it says).
+        run_dir: where an elche or solo run on this host keeps its record
+            (replaced if it exists; the record's ``run_dir``); None: a
+            temporary directory.
 
     Returns:
         The run record; ``error`` holds the message if the run failed.
@@ -288,7 +311,7 @@ def run_one(
         elif system in TORCHFT_SYSTEMS:
             record.update(_torchft(system, plan, speeds, seed, speed_base_s))
         elif system == SOLO:
-            record.update(_solo(workload, plan, seed, data))
+            record.update(_solo(workload, plan, seed, data, run_dir))
         else:
             named, dashboard = split_system(system)
             mode, wire, overlap = split_averaging(named, wire, overlap)
@@ -297,6 +320,7 @@ def run_one(
                 _elche(
                     workload, plan=plan, mode=mode, speeds=speeds, seed=seed, split=data,
                     speed_base_s=speed_base_s, dashboard=dashboard, wire=wire, overlap=overlap,
+                    keep_in=run_dir,
                 )
             )  # fmt: skip
     except Exception as exc:  # a failed cell is reported, the suite goes on
@@ -392,7 +416,9 @@ def _baseline_record(result: dict[str, Any]) -> Run:
     }
 
 
-def _solo(workload: Workload, plan: WorkloadPlan, seed: int, split: Split) -> Run:
+def _solo(
+    workload: Workload, plan: WorkloadPlan, seed: int, split: Split, keep_in: Path | None
+) -> Run:
     """One rank in this process, one thread, speed 1; eval after the clock."""
     import torch
 
@@ -412,16 +438,17 @@ def _solo(workload: Workload, plan: WorkloadPlan, seed: int, split: Split) -> Ru
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank process runs (honest efficiency denominator)
     try:
-        with tempfile.TemporaryDirectory(prefix="elche-bench-") as tmp:  # as elche's runs
-            kept = Path(tmp) / "kept"
+        with _run_dir(keep_in) as tmp:  # as elche's runs
+            kept = tmp / "kept"
             kept.mkdir()
             result = train(
                 workload.make_model, workload.make_optimizer, step, split[0],
                 batch_size=plan.batch_size, epochs=plan.epochs, ranks=1, speeds=[1.0], seed=seed,
                 eval_fn=KeepWeights(str(kept)), eval_dataset=split[1], eval_every=1,
-                metrics_fn=on_epoch, progress=False, run_dir=tmp,
+                metrics_fn=on_epoch, progress=False, run_dir=str(tmp),
             )  # fmt: skip
             evals, metric = evaluate_kept(plan.name, kept, split[1], final=result.state_dict)
+            _trim(result, keep_in)
     finally:
         torch.set_num_threads(threads)
     summary = result.summary
@@ -444,6 +471,7 @@ def _solo(workload: Workload, plan: WorkloadPlan, seed: int, split: Split) -> Ru
             evals,
         ),
         "per_rank": [{"rank": 0, "speed": 1.0, "samples": samples, "busy_s": summary["wall_s"]}],
+        "run_dir": None if keep_in is None else str(keep_in),
     }
 
 
@@ -459,31 +487,53 @@ def _elche(
     dashboard: bool = False,
     wire: str = "fp32",
     overlap: bool = True,
+    keep_in: Path | None = None,
 ) -> Run:
     from elche.api import train
     from elche.bench.watch import Watch, watched_dashboard
 
     watching = watched_dashboard() if dashboard else contextlib.nullcontext(None)
-    with tempfile.TemporaryDirectory(prefix="elche-bench-") as tmp, watching as watch:
-        kept = Path(tmp) / "kept"
+    with _run_dir(keep_in) as run_dir, watching as watch:
+        kept = run_dir / "kept"
         kept.mkdir()
         result = train(
             workload.make_model, workload.make_optimizer, workload.step_fn, split[0],
             batch_size=plan.batch_size, epochs=plan.epochs, mode=mode, speeds=list(speeds),
             speed_base_s=speed_base_s, eval_fn=KeepWeights(str(kept)), eval_dataset=split[1],
-            eval_every=1,
-            seed=seed, progress=False, run_dir=tmp, wire=wire, overlap=overlap,
+            eval_every=1, join_slots=0,
+            seed=seed, progress=False, run_dir=str(run_dir), wire=wire, overlap=overlap,
             dashboard=watch.address if isinstance(watch, Watch) else None,
         )  # fmt: skip
-        run_dir = Path(tmp)
         timeline = read_timeline(run_dir)
         reports = [_read_json(rank_report_file(run_dir, r)) for r in range(len(speeds))]
         evals, final = evaluate_kept(plan.name, kept, split[1], final=result.state_dict)
+        _trim(result, keep_in)
     record = elche_record(mode, dict(result.summary), timeline, reports)
     record["per_epoch"] = _kept_evals(record["per_epoch"], evals)
     record["eval"] = final
     record["dashboard_polls"] = watch.polls if isinstance(watch, Watch) else None
+    record["run_dir"] = None if keep_in is None else str(keep_in)
     return record
+
+
+@contextmanager
+def _run_dir(keep_in: Path | None) -> Iterator[Path]:
+    """Where one run writes: ``keep_in``, emptied first, or a temporary directory."""
+    if keep_in is None:
+        with tempfile.TemporaryDirectory(prefix="elche-bench-") as tmp:
+            yield Path(tmp)
+        return
+    shutil.rmtree(keep_in, ignore_errors=True)  # an earlier bench's run of this name
+    keep_in.mkdir(parents=True)
+    yield keep_in
+
+
+def _trim(result: Any, keep_in: Path | None) -> None:
+    """A kept run directory of a completed run, trimmed to its record (``tidy_run_dir``)."""
+    from elche.api import tidy_run_dir
+
+    if keep_in is not None:
+        tidy_run_dir(result, keep_in)
 
 
 def _kept_evals(per_epoch: list[dict[str, Any]], evals: Sequence[float]) -> list[dict[str, Any]]:

@@ -492,7 +492,8 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             "DiLoCo (skipped, saying so, without elche[peers]), every elche mode and one "
             "solo rank, in this invocation, and write report.md, results.json and PNG "
             "charts with the ratios against DDP, each system's final eval and its time "
-            "to the workload's target eval."
+            "to the workload's target eval, and each elche and solo run's own report, "
+            "timeline and summary to runs/NN-WORKLOAD-SYSTEM/."
         ),
     )
     bench.add_argument(
