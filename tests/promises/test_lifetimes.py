@@ -71,7 +71,8 @@ if __name__ == "__main__":
     rank = int(os.environ["RANK"])
     elche.train(
         digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
-        batch_size=32, epochs=8, speeds=[0.05, 0.02], progress=False, save_path=sys.argv[1],
+        batch_size=32, epochs=8, speeds=[0.05, 0.02], progress=False,
+        save_path=sys.argv[1] or None,
     )
 """
 
@@ -272,14 +273,16 @@ def test_issue12_item12_a_run_that_finished_before_ctrl_c_is_returned(tmp_path: 
 
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143)])
-@pytest.mark.parametrize("loop", ["train", "session"])
+@pytest.mark.parametrize(
+    ("loop", "save_path"), [("train", True), ("session", True), ("train", False)]
+)
 def test_issue12_item12_a_signal_to_elche_runs_group_saves_a_bundle_and_exits_quietly(
-    tmp_path: Path, sig: signal.Signals, code: int, loop: str
+    tmp_path: Path, sig: signal.Signals, code: int, loop: str, save_path: bool
 ) -> None:
     script = tmp_path / "train.py"
     script.write_text(RUN_SCRIPT if loop == "train" else SESSION_RUN_SCRIPT)
-    save = tmp_path / "bundle"
-    args = [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", str(script), str(save)]
+    given = str(tmp_path / "bundle") if save_path else ""  # else RUN_DIR/checkpoint
+    args = [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", str(script), given]
     with session(args, tmp_path) as proc:
         wait_mid_run(proc, tmp_path)
         os.killpg(proc.pid, sig)
@@ -287,7 +290,11 @@ def test_issue12_item12_a_signal_to_elche_runs_group_saves_a_bundle_and_exits_qu
     assert returncode == code, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     line = only_line(err)
-    assert f"resume_from={str(save)!r}" in line
+    found = re.search(r"the run is saved under (\S+);", line)
+    assert found is not None, line  # not 'nothing was saved': the ranks saved it
+    save = found.group(1)
+    assert save == given if save_path else save.endswith("/checkpoint")
+    assert f"resume_from={save!r}" in line
     assert Path(f"{save}.meta.json").exists()
 
 

@@ -134,9 +134,11 @@ def train_launched(
     if stopped != f"saved: {SaveReason.GRACEFUL_SHUTDOWN.value}":  # not stopped on request
         return result
     signum = signals.received if signals.received is not None else signal.SIGTERM
+    stem = result.summary.get("bundle")  # RUN_DIR/checkpoint where the user named no save_path
+    bundle = stem if isinstance(stem, str) else None
     if rank == 0:
-        raise interrupted(signum, result, plan.config.save_path)
-    raise Interrupted(signum, plan.config.save_path, result)
+        raise interrupted(signum, result, bundle)
+    raise Interrupted(signum, bundle, result)
 
 
 def whole_lines() -> None:
