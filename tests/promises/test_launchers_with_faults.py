@@ -43,9 +43,9 @@ if __name__ == "__main__":
 
 
 LAUNCHERS = {
-    # elche run exits with the killed rank's status (-9: 247); torchrun's worker
-    # outlives its rank's process and exits 0, so the agent keeps the others.
-    "elche-run": (["-m", "elche.cli", "run", "--nproc", "3"], ["RETURNED 0", "RETURNED 2"], 247),
+    # elche run exits as a shell says a process killed by SIGKILL did (128 + 9); torchrun's
+    # worker outlives its rank's process and exits 0, so the agent keeps the others.
+    "elche-run": (["-m", "elche.cli", "run", "--nproc", "3"], ["RETURNED 0", "RETURNED 2"], 137),
     "torchrun": (
         ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"],
         ["RETURNED 0", "RETURNED 1", "RETURNED 2"],
@@ -69,6 +69,8 @@ def test_issue12_item01_survivors_of_a_killed_rank_under_a_launcher_return(
         capture_output=True, text=True, timeout=240, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == code, done.stderr[-4000:]
+    if launcher == "elche-run":
+        assert "elche run: rank 1 was killed by SIGKILL" in done.stderr
     returned = sorted(re.findall(r"RETURNED \d", done.stdout))
     assert returned == expected, done.stderr[-4000:]
     assert "Process group cannot be None" not in done.stderr

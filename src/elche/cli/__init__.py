@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -335,7 +337,6 @@ def _run_timeline(args: argparse.Namespace) -> int:
 
 
 def _run_script(args: argparse.Namespace) -> int:
-    import contextlib
     import os
     import socket
     import subprocess
@@ -390,10 +391,20 @@ def _run_script(args: argparse.Namespace) -> int:
     stopped = None if signals.received is None else 128 + signals.received
     failed = [(rank, code) for rank, code in enumerate(codes) if code not in (0, stopped)]
     for rank, code in failed:
-        print(f"elche run: rank {rank} exited with code {code}", file=sys.stderr)
+        print(f"elche run: rank {rank} {_ended(code)}", file=sys.stderr)
     if failed:
-        return failed[0][1]
+        code = failed[0][1]
+        return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says
     return stopped if stopped in codes else 0
+
+
+def _ended(code: int) -> str:
+    """How a rank process ended, from its ``Popen.returncode``."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def _join_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
