@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elche import FaultPlan
+from elche import FaultPlan, cli
 from elche.cli import _parser, draw_speeds, main
 
 CONTRACT = {
@@ -194,3 +194,24 @@ def test_a_bad_wire_exits_2_naming_the_field_and_the_wires(
     err = capsys.readouterr().err
     assert err.startswith(f"elche {command}: error: wire:")
     assert "'fp32', 'bf16'" in err
+
+
+@pytest.mark.parametrize(("stopped", "code"), [("completed", 0), ("coordinator lost", 3)])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_demo_that_joined_a_run_reports_its_rank_not_a_failed_run(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    stopped: str,
+    code: int,
+    as_json: bool,
+) -> None:
+    # Under `elche join ... elche demo`, elche.train returns the joined rank's own summary.
+    joined = {"joined_as": 3, "stopped": stopped, "samples": 640, "speed": 1.0}
+    monkeypatch.setattr(cli, "_demo_summary", lambda **_: joined)
+    assert main(["demo", "--no-progress", *(["--json"] if as_json else [])]) == code
+    captured = capsys.readouterr()
+    assert "the run failed" not in captured.err
+    if as_json:
+        assert json.loads(captured.out) == joined
+    else:
+        assert f"joined the run as rank 3, trained 640 samples, stopped: {stopped}" in captured.out

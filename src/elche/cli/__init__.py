@@ -705,6 +705,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         return int(stop.code)  # type: ignore[arg-type]  # Interrupted's code is an int
     finally:
         RESUME_HINT.reset(hint)
+    if "joined_as" in summary:  # elche join ... elche demo: one rank's summary, not the run's
+        return _joined_demo(summary, as_json=args.json)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -717,6 +719,20 @@ def _run_demo(args: argparse.Namespace) -> int:
         print(f"elche demo: to continue this run: {resume}{stem}", file=sys.stderr)
         return 3
     return 0
+
+
+def _joined_demo(summary: dict[str, object], *, as_json: bool) -> int:
+    """A demo that joined a running run (``elche join``): its rank's summary; 0 if it
+    trained to the run's end (the run's own summary is rank 0's)."""
+    stopped = summary.get("stopped")
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        print(
+            f"elche demo: joined the run as rank {summary['joined_as']}, trained "
+            f"{summary.get('samples')} samples, stopped: {stopped}"
+        )
+    return 0 if stopped == "completed" else 3
 
 
 def _print_demo(summary: dict[str, object]) -> None:
