@@ -105,7 +105,7 @@ class Callbacks:
         self.roles.record_cost(Role.EVAL, msg.elapsed_ms, rank=rank)
         self.pending_evals.pop(msg.epoch, None)
         if msg.error is not None:
-            text = f"eval_fn failed on rank {rank} (epoch {msg.epoch}): {msg.error}"
+            text = f"eval_fn failed on rank {rank} after epoch {msg.epoch - 1}: {msg.error}"
             failed = tl.EvalFailed(
                 epoch=msg.epoch, rank=rank, duration_ms=msg.elapsed_ms, error=msg.error
             )
@@ -149,7 +149,7 @@ class Callbacks:
         rank = self.roles.holder(Role.EVAL)
         if rank not in live:
             text = (
-                f"eval_fn for epoch {epoch} not run: its pinned rank {rank} is gone "
+                f"eval_fn after epoch {epoch - 1} not run: its pinned rank {rank} is gone "
                 "(callback_rank pins the eval role; it does not fail over)"
             )
             return Notice(level="error", text=text)

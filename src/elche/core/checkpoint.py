@@ -205,12 +205,13 @@ class CheckpointMeta:
             saved, ours = getattr(self, field), getattr(config, field)
             if saved != ours:
                 raise ConfigError(
-                    field, f"the checkpoint was saved with {field}={saved}, this run has {ours}"
+                    field,
+                    f"the checkpoint was saved with {field}={saved}, this run has {field}={ours}",
                 )
         if self.mode is not None and self.mode != config.mode.value:
             raise ConfigError(
                 "mode", f"the checkpoint was saved with mode={self.mode}, this run has "
-                f"{config.mode.value}",
+                f"mode={config.mode.value}",
             )  # fmt: skip
         for started in self.coverage:
             if started.total_samples != config.num_samples:

@@ -14,8 +14,10 @@ other hosts reach, chosen in this order:
    address when rank 0 is there and the one the others reach otherwise
    (under ``c10d`` rendezvous rank 0 may sit on any host).
 
-A choice that is loopback is refused with a ``ConfigError`` naming
-``ELCHE_ADVERTISE``: the other hosts could not reach it.
+A loopback address found by 2 or 3 is passed over, and when nothing else is
+found a ``ConfigError`` names ``ELCHE_ADVERTISE``: the other hosts could not
+reach it. ``ELCHE_ADVERTISE`` is taken as given, loopback too (several
+launchers on one machine).
 """
 
 from __future__ import annotations
