@@ -11,7 +11,7 @@ from elche.core.checkpoint import CheckpointMeta
 from elche.core.commands import Broadcast, Command, Send
 from elche.core.config import Mode
 from elche.core.coordinator import Coordinator
-from elche.core.progress import ProgressTracker
+from elche.core.progress import Progress, ProgressTracker
 from elche.core.rank import RankProtocol, Train
 from elche.core.states import RunState
 from tests.core.harness import Harness, messages
@@ -68,6 +68,16 @@ def test_the_estimate_never_goes_back_nor_past_the_plan_until_confirmed() -> Non
     assert t.now().samples == 99  # the plan's end only when the coordinator says so
     t.confirmed(m.GlobalProgress(round=2, samples=100, share=1.0))
     assert t.now().fraction == 1.0
+
+
+def test_a_rank_alone_says_the_plan_is_done_itself() -> None:
+    t = ProgressTracker(planned_samples=100, reference_batch=10, world_size=1)
+    t.trained(100)
+    assert t.now().samples == 99  # no coordinator's word
+    t.finished()
+    assert t.now() == Progress(
+        samples=100, step=10, fraction=1.0, planned_samples=100, exact_samples=100
+    )
 
 
 def test_the_rank_protocol_feeds_its_tracker() -> None:

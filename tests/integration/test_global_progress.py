@@ -84,3 +84,19 @@ def test_ranks_follow_one_schedule_on_global_progress(tmp_path: Path) -> None:
     trained = sum(r["samples"] for r in ranks)
     for r in ranks:
         assert r["share"] == pytest.approx(r["samples"] / trained, abs=1e-4)
+
+
+def test_one_rank_ends_at_the_schedules_final_value_and_the_plans_end(tmp_path: Path) -> None:
+    # A rank alone has no coordinator to confirm the plan's end: it knows it itself.
+    train_set, _ = digits.load_digits_split(seed=0)
+    planned = 2 * len(train_set)
+    result = elche.train(
+        digits.make_model, lt.traced_optimizer, functools.partial(lt.traced_step, str(tmp_path)),
+        train_set, batch_size=32, epochs=2, ranks=1, lr_schedule=lt.warmup_cosine, progress=False,
+    )  # fmt: skip
+    assert result.summary["outcome"] == "completed"
+    (rank,) = result.summary["per_rank"]  # type: ignore[misc]  # JSON value
+    assert rank["lr"] == lt.BASE_LR * lt.schedule_at(1.0)
+    assert result.epochs[-1]["progress"] == {
+        "samples": planned, "step": planned // 32, "fraction": 1.0,
+    }  # fmt: skip

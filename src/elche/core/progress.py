@@ -121,6 +121,10 @@ class ProgressTracker:
             self._share = min(message.share, 1.0)
         self._horizon = max(message.horizon, 0)
 
+    def finished(self) -> None:
+        """The plan is done (a rank alone knows it): the progress is its end."""
+        self._exact = self._floor = self.planned_samples
+
     def samples(self) -> int:
         """Cluster-wide samples now: exact at an average, estimated between."""
         since = (self.own_samples - self._own_at_exact) / self._share

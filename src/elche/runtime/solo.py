@@ -271,6 +271,7 @@ def _train(solo: _Solo, hooks: Hooks) -> None:
     finally:
         solo.loader.close()
     # The progress is the plan's end: the optimizer ends at the schedule's last value.
+    solo.tracker.finished()
     _user(cfg.epochs - 1, solo.stepper.apply_schedule)
 
 
