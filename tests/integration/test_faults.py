@@ -171,6 +171,10 @@ def test_a_coordinator_that_may_not_be_restarted_leaves_a_bundle_that_resumes(
     meta = CheckpointMeta.from_json(Path(f"{stem}.meta.json").read_text(encoding="utf-8"))
     assert meta.reason is SaveReason.COORDINATOR_LOST and 1 <= meta.epoch < 3
     assert meta.rounds_done == summary["syncs"] and meta.rounds_done > 0
+    # Listed with every bundle of the run, as a coordinator's own saves are.
+    assert summary["bundles"][-1] == {  # type: ignore[index]  # JSON value
+        "stem": stem, "seq": meta.save_seq, "reason": "coordinator_lost",
+    }  # fmt: skip
     files = bundle_on_disk(stem)
     assert files.model.exists() and sorted(files.optim) == [0, 1, 2]
     assert not list((tmp_path / "bundle").glob("*.local.*"))  # moved into the bundle

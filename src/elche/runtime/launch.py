@@ -552,8 +552,6 @@ def launch_local(
             plan, fns, hooks, run_dir, signals, max_grad_norm=max_grad_norm, progress=progress,
             dashboard=dashboard, tensorboard_dir=tensorboard_dir,
         )  # fmt: skip
-        if not (run_dir / SUMMARY_FILE).exists():  # lost, not restarted: commit what ranks kept
-            salvage_run(plan.config, run_dir, start_round=start_round(plan.resume_from))
         try:
             result = collect(plan, run_dir, t0, epochs)
         except RuntimeError:  # the coordinator left no summary
@@ -578,7 +576,8 @@ def _supervise(
     dashboard: str | None,
     tensorboard_dir: str | None,
 ) -> list[dict[str, object]]:
-    """Start the coordinator and the ranks, follow the run to its end; its epochs."""
+    """Start the coordinator and the ranks, follow the run to its end (committing what
+    the ranks kept if its coordinator was lost for good); its epochs."""
     cfg = plan.config
     secret = secret_from_env(os.environ) or new_secret()
     ctx = rank_context()
@@ -637,7 +636,9 @@ def _supervise(
         if host.poll() is None:
             host.kill()
         board.stop()
-    for event in timeline.new_records():
+    if not (run_dir / SUMMARY_FILE).exists():  # lost, not restarted: commit what ranks kept
+        salvage_run(cfg, run_dir, start_round=start_round(plan.resume_from))
+    for event in timeline.new_records():  # the salvage's bundle and the run's end too
         on_record(event, epochs, hooks, display)
     return epochs
 

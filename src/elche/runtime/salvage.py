@@ -166,12 +166,13 @@ def salvage_run(config: CoordinatorConfig, run_dir: Path, *, start_round: int = 
         record = read_journal(run_dir / JOURNAL_FILE)
         states = _read_states(run_dir, config.world_size)
         plan = salvage(config, record, [_state(s) for s in states], start_round=start_round)
-        _commit(stem, plan, states)
+        seq = _commit(stem, plan, states)
     except (SalvageRefused, ConfigError, OSError) as exc:
         where = f"; each rank's own state is in {stem}.rank<R>.local.*" if stem else ""
         _write_summary(config, run_dir, record, None, f"coordinator_lost: {exc}{where}")
         return None
-    _write_summary(config, run_dir, record, plan, "coordinator_lost")
+    written = tl.BundleWritten(stem=stem, seq=seq, reason=plan.meta.reason.value)
+    _write_summary(config, run_dir, record, plan, "coordinator_lost", written=written)
     return stem
 
 
@@ -182,8 +183,9 @@ def _state(record: _LocalRecord) -> LocalState:
     )  # fmt: skip
 
 
-def _commit(stem: str, plan: Salvage, states: list[_LocalRecord]) -> None:
-    """Rename the files to one more save's names and write the meta that names them.
+def _commit(stem: str, plan: Salvage, states: list[_LocalRecord]) -> int:
+    """Rename the files to one more save's names and write the meta that names them;
+    the save's number.
 
     Raises:
         OSError: a rename or the meta's write failed (the meta before stays).
@@ -207,6 +209,7 @@ def _commit(stem: str, plan: Salvage, states: list[_LocalRecord]) -> None:
         if state.model is not None and state.rank != plan.writer:
             with contextlib.suppress(OSError):
                 (folder / state.model).unlink()
+    return seq
 
 
 def _move(src: Path, dst: Path, kind: str) -> BundleFile:
@@ -236,8 +239,11 @@ def _write_summary(
     record: JournalRecord | None,
     plan: Salvage | None,
     reason: str,
+    *,
+    written: tl.BundleWritten | None = None,
 ) -> None:
-    """The summary (and the timeline's last record) a coordinator would have written."""
+    """The summary (and the timeline's last records: the bundle ``written``, the
+    run's end) a coordinator would have written."""
     started = _read_float(run_dir / _RUN_START_FILE) or 0.0
     stats = RunStats(first_dispatch_s=_read_float(run_dir / _FIRST_DISPATCH_FILE))
     for event in read_timeline(run_dir):
@@ -266,6 +272,8 @@ def _write_summary(
     stats.observe(end, started)
     with contextlib.suppress(OSError):
         writer = TimelineWriter(run_dir, started_s=started)
+        if written is not None:  # summary["bundles"] lists it, as a coordinator's saves
+            writer.write(written, time.monotonic())
         writer.write(end, time.monotonic())
         writer.close()
     summary = coordinator_summary(stats, mode=config.mode.value, world_size=config.world_size)
