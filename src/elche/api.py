@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import shutil
 import sys
@@ -240,6 +241,13 @@ def train(
             training was over when the signal came completes and returns.
     """
     _check_user_fns(model_fn=model_fn, eval_fn=eval_fn, eval_dataset=eval_dataset)
+    if max_grad_norm is not None and not (_finite(max_grad_norm) and max_grad_norm > 0):
+        # torch clips to a negative norm by turning every gradient around
+        raise ConfigError(
+            "max_grad_norm", f"must be a positive finite number or None, got {max_grad_norm!r}"
+        )
+    if run_dir is not None:
+        _check_writable(Path(run_dir), "run_dir")
     dashboard = _dashboard(dashboard)
     tensorboard_dir = _tensorboard_dir(tensorboard_dir)
     options = check_options(
@@ -285,6 +293,8 @@ def train(
     # One run writes at a save path at a time: the process that starts the run holds it.
     owner = not launched or os.environ["RANK"] == "0"
     with hold_save_path(plan.config.save_path if owner else None):
+        if owner:
+            _say_replaced_bundle(plan.config.save_path, plan.resume_from)
         if launched:
             from elche.runtime.launched import train_launched
 
@@ -358,8 +368,16 @@ def _plan(
     else:
         policy, pinned = CallbackPolicy.PINNED, callback_rank
     _check_devices(devices_t)
+    if not (_finite(heartbeat_timeout_s) and HEARTBEAT_TIMEOUT_RANGE_S[0] <= heartbeat_timeout_s
+            <= HEARTBEAT_TIMEOUT_RANGE_S[1]):  # fmt: skip
+        low, high = HEARTBEAT_TIMEOUT_RANGE_S
+        raise ConfigError(
+            "heartbeat_timeout_s",
+            f"must be a number of seconds in [{low:g}, {high:g}] (a live rank beats "
+            f"{BEATS_PER_TIMEOUT} times a timeout), got {heartbeat_timeout_s!r}",
+        )
     if save_path is not None:
-        _check_writable(save_path)
+        _check_writable(Path(save_path).parent, "save_path")
     if resume_from is not None and not meta_path(resume_from).exists():
         raise ConfigError("resume_from", f"no checkpoint meta at {meta_path(resume_from)}")
     config = CoordinatorConfig(
@@ -407,6 +425,9 @@ def _check_user_fns(*, model_fn: Any, eval_fn: Any, eval_dataset: Any) -> None:
 # must not be spent by one late beat of a loaded machine.
 BEATS_PER_TIMEOUT = 4
 HEARTBEAT_INTERVAL_S = 1.0  # the rank's beat and the coordinator's timer, at most
+# Timeouts a run takes: under a second a loaded machine's scheduling alone declares
+# live ranks dead; past a day a lost rank is never noticed (and timers overflow).
+HEARTBEAT_TIMEOUT_RANGE_S = (1.0, 86_400.0)
 
 
 def _beat_every(heartbeat_timeout_s: float) -> float:
@@ -435,9 +456,27 @@ def _check_devices(devices: Sequence[str]) -> None:
             raise ConfigError("devices", f"{device!r}: accepted are 'cpu' and 'cuda[:N]'")
 
 
-def _check_writable(save_path: str) -> None:
-    """The bundle's directory exists (or can be made) and takes a byte, before training."""
-    folder = Path(save_path).parent
+def _say_replaced_bundle(save_path: str | None, resume_from: str | None) -> None:
+    """Say so when this run's first save will replace an earlier run's bundle at ``save_path``."""
+    if save_path is None or not meta_path(save_path).exists():
+        return
+    if resume_from is not None and Path(resume_from).resolve() == Path(save_path).resolve():
+        return
+    print(
+        f"elche: save_path {save_path} holds the bundle of an earlier run; this run's first "
+        f"save replaces it (resume_from={save_path!r} continues that run instead)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _finite(value: object) -> bool:
+    """A real number (not a bool), neither NaN nor infinite."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_writable(folder: Path, field: str) -> None:
+    """``folder`` exists (or can be made) and takes a byte, before training."""
     probe = folder / f".elche-probe-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -448,7 +487,7 @@ def _check_writable(save_path: str) -> None:
             os.close(fd)
             probe.unlink(missing_ok=True)
     except OSError as exc:
-        raise ConfigError("save_path", f"cannot write in {folder}: {exc}") from None
+        raise ConfigError(field, f"cannot write in {folder}: {exc}") from None
 
 
 def _faults(

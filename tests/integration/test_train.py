@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import elche
+from elche.api import _say_replaced_bundle
 from elche.core import timeline as tl
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
@@ -192,6 +193,13 @@ def test_one_rank_trains_in_process(data: tuple[object, object], tmp_path: Path)
         ({"crash": {3: 0.5}}, "crash"),
         ({"stall": {1: -1.0}}, "stall"),
         ({"join_slots": -1}, "join_slots"),
+        ({"max_grad_norm": -1.0}, "max_grad_norm"),
+        ({"max_grad_norm": float("nan")}, "max_grad_norm"),
+        ({"heartbeat_timeout_s": float("inf")}, "heartbeat_timeout_s"),
+        ({"heartbeat_timeout_s": 1e-6}, "heartbeat_timeout_s"),
+        ({"heartbeat_timeout_s": 1e12}, "heartbeat_timeout_s"),
+        ({"seed": 2**70}, "seed"),
+        ({"run_dir": "/proc/version/run"}, "run_dir"),
         ({"join_slots": 2, "mode": "cpu-cadence"}, "join_slots"),
         ({"join_slots": 2, "speeds": None, "ranks": 1}, "join_slots"),
     ],
@@ -202,6 +210,31 @@ def test_bad_config_fails_fast_naming_the_field(
     with pytest.raises(ConfigError) as info:
         run(data, tmp_path, **kw)
     assert info.value.field == field
+
+
+def test_a_meta_that_is_not_text_is_refused_naming_resume_from(
+    data: tuple[object, object], tmp_path: Path
+) -> None:
+    stem = tmp_path / "bundle"
+    Path(f"{stem}.meta.json").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError) as info:
+        run(data, tmp_path, resume_from=str(stem))
+    assert info.value.field == "resume_from" and "not a checkpoint meta" in str(info.value)
+
+
+def test_a_fresh_run_says_it_will_replace_an_earlier_runs_bundle(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stem = str(tmp_path / "bundle")
+    _say_replaced_bundle(stem, None)  # nothing there yet
+    assert capsys.readouterr().err == ""
+    Path(f"{stem}.meta.json").write_text("{}", encoding="utf-8")
+    _say_replaced_bundle(stem, str(tmp_path / "." / "bundle"))  # resuming it: nothing to say
+    assert capsys.readouterr().err == ""
+    _say_replaced_bundle(stem, None)
+    err = capsys.readouterr().err
+    assert f"save_path {stem} holds the bundle of an earlier run" in err
+    assert f"resume_from={stem!r} continues that run instead" in err
 
 
 def test_diloco_outer_optimizer_trains_and_its_momentum_resumes(

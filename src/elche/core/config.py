@@ -181,6 +181,8 @@ NONFINITE_POLICIES = ("stop", "skip")
 NUMPY_PERMUTATION = "numpy-permutation"
 RANDOM_SHUFFLE = "random-shuffle"
 ORDERS = (NUMPY_PERMUTATION, RANDOM_SHUFFLE)
+# The largest seed a run takes: each rank seeds torch with ``seed + rank``.
+MAX_RUN_SEED = 2**63 - 1
 
 
 def check_order(value: object) -> str:
@@ -263,6 +265,8 @@ class CoordinatorConfig:
         _check_int("batch_size", self.batch_size, minimum=1)
         _check_int("epochs", self.epochs, minimum=1)
         _check_int("seed", self.seed, minimum=0)
+        if self.seed > MAX_RUN_SEED:  # each rank seeds torch with seed + rank (64 bits)
+            raise ConfigError("seed", f"must be an integer in [0, 2**63 - 1], got {self.seed}")
         check_order(self.order)
         _check_int("max_failures", self.max_failures, minimum=1, optional=True)
         _check_int("max_coordinator_restarts", self.max_coordinator_restarts, minimum=0)

@@ -535,7 +535,7 @@ def _read_meta(stem: str | None) -> CheckpointMeta | None:
         return None
     try:
         return CheckpointMeta.from_json(bundle.meta_path(stem).read_text(encoding="utf-8"))
-    except (OSError, ConfigError):
+    except (OSError, ValueError):  # ConfigError, or not text
         return None
 
 

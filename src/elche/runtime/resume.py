@@ -37,11 +37,13 @@ def check_resume(
         ConfigError: no readable meta, a mismatch with the run, a file that is
             missing or changed, or a model of other keys or shapes.
     """
+    where = bundle.meta_path(stem)
     try:
-        text = bundle.meta_path(stem).read_text(encoding="utf-8")
+        text = where.read_text(encoding="utf-8")
     except OSError as exc:
-        where = bundle.meta_path(stem)
         raise ConfigError("resume_from", f"no checkpoint meta at {where}: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError("resume_from", f"{where} is not a checkpoint meta (not text)") from None
     meta = CheckpointMeta.from_json(text)
     meta.check_fits(config)
     paths = bundle.locate(stem, meta, config.world_size)
