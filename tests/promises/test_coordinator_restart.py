@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from elche.core.config import CoordinatorConfig, Mode
+from elche.runtime import launch
 from elche.runtime.launch import Supervised
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -111,3 +112,28 @@ def test_issue13_a_coordinator_lost_past_its_restarts_is_not_restarted(
     assert "lost again after 1 restart(s) (max_coordinator_restarts=1)" in capsys.readouterr().err
     (tmp_path / "summary.json").write_text("{}")  # it wrote its summary: it ended, not lost
     assert not Supervised(gone, "tcp://127.0.0.1:1", None, config, tmp_path, b"0" * 32).running({})
+
+
+def test_issue13_a_stop_asked_as_the_coordinator_died_reaches_its_successor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ctrl-C as the coordinator dies: the stop line finds a broken pipe. Its successor,
+    # restored from the journal, must be asked too, or the run trains on to the
+    # launcher's deadline and is killed with nothing saved.
+    config = CoordinatorConfig(
+        mode=Mode.CADENCE, world_size=2, num_samples=64, batch_size=8, epochs=1
+    )
+    dying = subprocess.Popen([sys.executable, "-c", "pass"], stdin=subprocess.PIPE, text=True)
+    dying.wait()
+    echo = (
+        "import sys; sys.stdout.write(sys.stdin.read())"  # what it was told, once its stdin closes
+    )
+    successor = subprocess.Popen(
+        [sys.executable, "-c", echo], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    monkeypatch.setattr(launch, "restart_coordinator", lambda *_: successor)
+    watched = Supervised(dying, "tcp://127.0.0.1:1", None, config, tmp_path, b"0" * 32)
+    watched.ask_stop("SIGINT")  # told to the dying one: lost in its pipe
+    assert watched.replaced({1: -9})
+    told, _ = successor.communicate(timeout=30)
+    assert told.splitlines() == ["lost 1 process ended (killed by signal 9)", "stop SIGINT"]

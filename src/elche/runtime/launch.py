@@ -283,6 +283,13 @@ class Supervised:
     secret: bytes
     restarts: int = 0
     forks: ForkServerContext | None = None  # where its successor forks from (``start_coordinator``)
+    stop_line: str | None = None  # the stop asked for (``ask_stop``), told to each successor too
+
+    def ask_stop(self, reason: str) -> None:
+        """Ask the coordinator to stop the run, saving; one that replaces it is asked too
+        (a stop told to a coordinator as it died would otherwise be lost)."""
+        self.stop_line = f"stop {reason}"
+        tell_coordinator(self.host, self.stop_line)
 
     def running(self, lost_ranks: dict[int, int | None]) -> bool:
         """It is up, or it was lost and its successor is (``replaced``)."""
@@ -315,6 +322,8 @@ class Supervised:
         self.host, self.restarts = successor, self.restarts + 1
         for rank, code in sorted(lost_ranks.items()):  # gone while it was away
             _report_lost(successor, rank, code)
+        if self.stop_line is not None:  # (after ``host``: an ask_stop meanwhile tells it)
+            tell_coordinator(successor, self.stop_line)
         return True
 
 
@@ -608,7 +617,7 @@ def _supervise(
             time.sleep(SUPERVISE_EVERY_S)  # supervision cadence, not synchronisation
             if signals.received is not None and stop_by == math.inf:
                 stop_by = time.monotonic() + cfg.heartbeat_timeout_s + STOP_SLACK_S
-                tell_coordinator(coordinator.host, f"stop {signal.Signals(signals.received).name}")
+                coordinator.ask_stop(signal.Signals(signals.received).name)
             for event in timeline.new_records():
                 on_record(event, epochs, hooks, display)
                 if isinstance(event, tl.RankLost) and event.rank < len(procs):

@@ -60,7 +60,6 @@ from elche.runtime.frames import new_secret, secret_from_env
 from elche.runtime.handoff import is_handoff
 from elche.runtime.joining import announce_join
 from elche.runtime.launch import (
-    CoordinatorProcess,
     Supervised,
     _rank_process,
     _report_lost,
@@ -73,7 +72,6 @@ from elche.runtime.launch import (
     rank_spec,
     start_coordinator,
     start_watching,
-    tell_coordinator,
     with_bundle,
 )
 from elche.runtime.lifetimes import Interrupted, StopSignals, watch_launcher
@@ -115,12 +113,12 @@ def train_launched(
         Interrupted: a signal (or the launcher's death) stopped the run.
     """
     rank = int(os.environ["RANK"])
-    host: list[CoordinatorProcess] = []  # rank 0's coordinator, once started
+    host: list[Supervised] = []  # rank 0's coordinator, once started
     whole_lines()
 
     def ask_stop(reason: str) -> None:
         if host:
-            tell_coordinator(host[0], f"stop {reason}")
+            host[0].ask_stop(reason)
 
     with StopSignals(
         on_signal=lambda signum: ask_stop(signal.Signals(signum).name), force_on_repeat=False
@@ -161,7 +159,7 @@ def _train(
     hooks: Hooks,
     *,
     rank: int,
-    host_box: list[CoordinatorProcess],
+    host_box: list[Supervised],
     signals: StopSignals,
     max_grad_norm: float | None,
     run_dir: str | None,
@@ -225,7 +223,7 @@ def _train(
 class _Rank0:
     """What rank 0 starts for the run: the coordinator and who follows it."""
 
-    host: CoordinatorProcess
+    host: Supervised  # the coordinator, and each successor of a lost one
     watcher: threading.Thread  # replaces a lost coordinator; ends with the last one
     results: ResultBoard  # where the other ranks read the run's result
     board: Any  # the dashboard and TensorBoard log (launch.Watchers)
@@ -234,7 +232,7 @@ class _Rank0:
 
 def _start_on_rank0(
     plan: Plan,
-    host_box: list[CoordinatorProcess],
+    host_box: list[Supervised],
     signals: StopSignals,
     *,
     run_dir: str | None,
@@ -260,19 +258,18 @@ def _start_on_rank0(
     host, address, group_port = start_coordinator(
         bundled.config, directory, secret, plan.resume_from
     )
-    host_box.append(host)
-    watcher = _watch_coordinator(
-        Supervised(host, address, group_port, bundled.config, directory, secret), host_box
-    )
+    coordinator = Supervised(host, address, group_port, bundled.config, directory, secret)
+    host_box.append(coordinator)
+    watcher = _watch_coordinator(coordinator)
     if signals.received is not None:  # the signal came while the coordinator started
-        tell_coordinator(host, f"stop {signal.Signals(signals.received).name}")
+        coordinator.ask_stop(signal.Signals(signals.received).name)
     if advertise is not None:
         address = f"tcp://{advertise}:{address.rsplit(':', 1)[1]}"
     announce_join(address, group_port, directory, secret, bundled.config)
     results = ResultBoard.serve()
     board = start_watching(bundled, directory, dashboard, tensorboard_dir)
     shared: list[object] = [address, secret.hex(), str(directory), results.port, group_port]
-    return _Rank0(host=host, watcher=watcher, results=results, board=board, shared=shared)
+    return _Rank0(host=coordinator, watcher=watcher, results=results, board=board, shared=shared)
 
 
 def _other_rank_result(
@@ -365,9 +362,7 @@ def _collect_on_rank0(
     return result
 
 
-def _watch_coordinator(
-    coordinator: Supervised, host_box: list[CoordinatorProcess]
-) -> threading.Thread:
+def _watch_coordinator(coordinator: Supervised) -> threading.Thread:
     """Wait on the coordinator on a thread, replacing it while it is lost; ends with it."""
 
     def watch() -> None:
@@ -375,7 +370,6 @@ def _watch_coordinator(
             coordinator.host.wait()
             if not coordinator.replaced({}):
                 return
-            host_box[0] = coordinator.host  # a stop request reaches the successor
 
     thread = threading.Thread(target=watch, name="elche-coordinator-watch", daemon=True)
     thread.start()
@@ -386,7 +380,7 @@ def _run_rank(
     spec: RankSpec,
     fns: UserFns,
     batch_size: int,
-    host: CoordinatorProcess | None,
+    host: Supervised | None,
 ) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     """Train the rank, here or in a child (``_supervises``); its report and model."""
     if _supervises(fns):
@@ -423,7 +417,7 @@ def _supervises(fns: UserFns) -> bool:
 
 
 def _train_in_child(
-    spec: RankSpec, fns: UserFns, batch_size: int, host: CoordinatorProcess | None
+    spec: RankSpec, fns: UserFns, batch_size: int, host: Supervised | None
 ) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     """Run rank ``spec.rank`` in a child process; its report and final model.
 
@@ -446,7 +440,7 @@ def _train_in_child(
         report = json.loads(rank_report_file(Path(spec.run_dir), spec.rank).read_text())
         return report, state
     if host is not None:
-        _report_lost(host, spec.rank, child.exitcode)
+        _report_lost(host.host, spec.rank, child.exitcode)  # the one up now
     print(f"elche: rank {spec.rank} was lost (its process ended with {child.exitcode}); "
           "the run goes on without it", file=sys.stderr, flush=True)  # fmt: skip
     return {"stopped": "lost"}, {}
