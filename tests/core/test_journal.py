@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -12,11 +13,11 @@ from elche.core.config import Mode
 from elche.core.coordinator import Coordinator, RankState, RunState
 from elche.core.dispatch import ChunkPool
 from elche.core.errors import ConfigError
-from elche.core.events import RankJoined, RankLost, Started, TimerFired
+from elche.core.events import RankJoined, RankLost, Started, StopRequested, TimerFired
 from elche.core.journal import JournalRecord, rejoin_timeout_s
 from elche.core.rank import Hold, RankProtocol, Train
 from elche.core.timeline import RunEnd
-from tests.core.harness import Harness, config, of
+from tests.core.harness import Harness, config, messages, of
 
 
 def records(h: Harness) -> list[JournalRecord]:
@@ -266,3 +267,25 @@ def test_a_rank_that_does_not_rejoin_in_two_heartbeat_timeouts_is_lost_its_work_
     assert run_end(h2).lost_samples == 0 and run_end(h2).dead_ranks == (2,)
     assert_exactly_once(h, h, h2)
     assert rejoin_timeout_s(config(heartbeat_timeout_s=40.0)) == 60.0  # formation_timeout_s caps it
+
+
+def test_a_stop_while_the_ranks_rejoin_a_restored_coordinator_saves_once_they_have() -> None:
+    # Ctrl-C just after the coordinator was lost: its successor is forming again, but
+    # the ranks hold what the run trained. Failing it as "never formed" lost all of it.
+    h, _ = trained_past_round(Mode.CADENCE, STOP)
+    saving = dataclasses.replace(h.cfg, save_path="/tmp/bundle")
+    record = records(h)[-1]
+    h2 = Harness(saving)
+    h2.core = Coordinator.restore(saving, record)
+    h2.feed(Started())
+    out = h2.feed(StopRequested(reason="SIGINT"))
+    assert h2.core.state is RunState.FORMING and not of(out, Finish)
+    for rank in range(3):
+        h2.last_round[rank] = h.last_round[rank]
+        h2.since[rank] = list(h.since[rank])
+        out = h2.feed(RankJoined(rank=rank, held=h.held(rank)))
+    assert h2.core.state is RunState.SAVING
+    assert [s.reason for s in messages(out, m.ShutdownWithSave)] == ["graceful_shutdown"]
+    assert of(h2.answer_saves(), Finish) == [
+        Finish(outcome="saved_and_shutdown", reason="graceful_shutdown")
+    ]

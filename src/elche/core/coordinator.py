@@ -160,7 +160,9 @@ class Coordinator:
         self._start_epoch = 0
         self._resume = resume
         self._unsatisfied: set[int] = set()
-        self._stop_after_round = False  # asked to stop while a round was in flight
+        # Asked to stop while a round was in flight, or while a coordinator restored
+        # from the journal waited for its ranks: it saves once the run trains again.
+        self._stop_after_round = False
         self._epoch_loss: dict[int, tuple[float, int]] = {}
         # Batches of a window handed out ahead, and callback results, reported
         # while its round is in flight: their timing belongs to that window,
@@ -723,9 +725,14 @@ class Coordinator:
         A round in flight ends first: a rank already inside its collective
         cannot hear the save order until its peers join it, and peers told to
         save instead never would (it would wait out the collective timeout,
-        and the stop would save nothing).
+        and the stop would save nothing). A coordinator restored from the
+        journal saves once its ranks have rejoined: they hold what the run
+        trained, which a stop before forming would throw away.
         """
-        if self.state is RunState.FORMING:
+        if self.state is RunState.FORMING and self.restored_round is not None:
+            self._stop_after_round = True  # its ranks hold the run: save once they rejoin
+            self._notice("info", "stopping on request once the ranks have rejoined")
+        elif self.state is RunState.FORMING:
             failures.fail(self, f"stopped before the run formed ({reason})")
         elif self.state is RunState.TRAINING and self.round.in_flight:
             self._stop_after_round = True
