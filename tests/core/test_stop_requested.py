@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from elche.core import messages as m
 from elche.core.checkpoint import SaveReason
-from elche.core.commands import Finish, Notice, WriteMeta
+from elche.core.commands import Finish, Notice, Send, WriteMeta
 from elche.core.coordinator import RunState
-from elche.core.events import RankJoined, Started, StopRequested
+from elche.core.events import RankJoined, RankLost, Started, StopRequested
 from tests.core.harness import Harness, messages, of
 
 
@@ -73,3 +75,27 @@ def test_a_stop_during_an_averaging_round_saves_once_the_round_is_over() -> None
     assert of(h.answer_saves(), Finish) == [
         Finish(outcome="saved_and_shutdown", reason="graceful_shutdown")
     ]
+
+
+@pytest.mark.parametrize("dead", [0, 1])
+def test_a_rank_lost_once_training_is_over_leaves_the_survivor_to_finish(dead: int) -> None:
+    # Two ranks: the eval rank dies during the final eval. Training is over and the
+    # survivor holds the final consensus: it runs the eval and the run completes
+    # (a bundle saved as 'single_survivor' resumed to a run that never ran that eval).
+    h = Harness(world_size=2, epochs=1, has_eval_fn=True, save_path="/tmp/bundle")
+    h.form()
+    h.run_to_end()
+    assert h.core.state is RunState.FINISHING
+    evaluator = eval_ranks(h)[-1]
+    out = h.feed(RankLost(rank=evaluator if dead == 0 else 1 - evaluator, reason="killed"))
+    survivor = 1 - evaluator if dead == 0 else evaluator
+    if dead == 0:  # the eval it owed is asked of the survivor
+        assert messages(out, m.RunEval) == [m.RunEval(epoch=1)]
+        assert eval_ranks(h)[-1] == survivor
+    h.send(survivor, m.EvalResult(epoch=1, metric=0.9, elapsed_ms=1.0))
+    assert of(h.answer_saves(), Finish) == [Finish(outcome="completed")]
+
+
+def eval_ranks(h: Harness) -> list[int]:
+    """The ranks asked for an eval, in order."""
+    return [c.rank for c in of(h.log, Send) if isinstance(c.message, m.RunEval)]  # type: ignore[attr-defined]

@@ -635,7 +635,11 @@ class Coordinator:
         )
         self.roles.on_death(rank, live, self.elche.smoothed_ms_per_batch)
         self._out += self.telemetry.roles_moved()
-        reason_to_save = reason_to_stop(self.config, len(self.dead_ranks), len(live))
+        # Training over, a lone survivor holds the final consensus: it finishes the run.
+        over = self.state is RunState.FINISHING
+        reason_to_save = (
+            None if over else reason_to_stop(self.config, len(self.dead_ranks), len(live))
+        )
         if reason_to_save is not None:
             self._save(reason_to_save)
             return
