@@ -105,3 +105,43 @@ def test_issue12_item10_a_full_disk_is_refused_before_training(tmp_path: Path) -
             elche.train(make_model, make_optimizer, step, DATA, batch_size=16, epochs=1,
                         ranks=2, save_path=str(disk / "bundle"), progress=False)  # fmt: skip
     assert info.value.field == "save_path"
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_run_directory_that_fills_up_ends_the_run_with_one_clear_error(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The run directory holds the journal, the summary and the ranks' reports: a full
+    # one ends the run. It used to end in a dozen tracebacks, a coordinator restarted
+    # three times into the same full disk, and a raw OSError from elche.train.
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        run_dir = disk / "run"
+        outcome: list[object] = []
+
+        def go() -> None:
+            try:
+                outcome.append(elche.train(
+                    make_model, make_optimizer, step, DATA, batch_size=16, epochs=200, ranks=2,
+                    save_path=str(tmp_path / "bundle"), run_dir=str(run_dir), progress=False,
+                ))  # fmt: skip
+            except BaseException as exc:
+                outcome.append(exc)
+
+        runner = threading.Thread(target=go)
+        runner.start()
+        reader, waited = TimelineReader(run_dir), threading.Event()
+        for _ in range(600):  # up to 60 s for the first epoch to end
+            if any(isinstance(e, tl.EpochEnd) for e in reader.new_records()) or outcome:
+                break
+            waited.wait(0.1)
+        fill(disk)
+        runner.join(timeout=120)
+    assert not runner.is_alive()
+    (result,) = outcome
+    assert isinstance(result, RuntimeError), result
+    assert str(run_dir) in str(result)
+    err = capfd.readouterr().err
+    assert f"cannot write in the run directory {run_dir}" in err, err[-3000:]
+    assert "restarting it from the journal" not in err  # a successor would fail the same way
+    assert "Traceback" not in err, err[-3000:]

@@ -103,6 +103,7 @@ __all__ = [
     "ADDRESS_LINE",
     "FAILED_EXIT",
     "RESUME_OUTER",
+    "UNWRITABLE_EXIT",
     "Host",
     "config_from_json",
     "config_to_json",
@@ -114,6 +115,9 @@ ADDRESS_LINE = "ELCHE_COORDINATOR"
 # The coordinator's exit code when the run failed (nothing to save): the
 # launcher stops the ranks at once instead of waiting for them.
 FAILED_EXIT = 4
+# Its exit code when the run directory could not be written (full, read-only):
+# the run stops; a successor restored there would fail the same way.
+UNWRITABLE_EXIT = 5
 # In the run dir: the bundle's outer momentum, copied there by the launcher.
 RESUME_OUTER = "resume.outer.npz"
 # The loop never sleeps longer than this, so a lost timer costs at most this.
@@ -238,7 +242,8 @@ class Host:
         finally:
             self.lookout.close()
             self._timeline.close()
-            self._journal.close()
+            with contextlib.suppress(OSError):  # a failed append was said when it failed
+                self._journal.close()
         self._write_summary()
         if self.core.failure is not None:
             self._tell_late_joiners(self.core.failure)
@@ -630,7 +635,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             host.request_stop(reason)
         if not sys.stdin.isatty():
             host.watch(sys.stdin, on_eof=_exit_after_grace)
-        finish = host.run()
+        try:
+            finish = host.run()
+        except OSError as exc:  # its summary (or timeline) could not be written
+            print(
+                f"elche coordinator [error] cannot write in the run directory {run_dir} "
+                f"({exc}); the run stops",
+                file=sys.stderr,
+                flush=True,
+            )
+            return UNWRITABLE_EXIT
     return {"completed": 0, "failed": FAILED_EXIT}.get(finish.outcome, 3)
 
 

@@ -32,7 +32,9 @@ ranks outlive the launcher by at most ``ORPHAN_GRACE_S``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import math
 import multiprocessing as mp
@@ -64,6 +66,7 @@ from elche.runtime.host import (
     ADDRESS_LINE,
     FAILED_EXIT,
     RESUME_OUTER,
+    UNWRITABLE_EXIT,
     config_to_json,
     forked_main,
 )
@@ -166,9 +169,12 @@ def _rank_process(
 
             torch.save(state, state_out)
     except BaseException as exc:
-        # The user's own error: its traceback is the useful part, not elche's frames.
-        text = str(exc) if isinstance(exc, TrainingError) else traceback.format_exc()
-        (Path(spec.run_dir) / f"rank{spec.rank}.error").write_text(text)
+        # The user's own error: its traceback is the useful part, not elche's frames;
+        # of a full or read-only disk (the run directory's), none helps.
+        storage = isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS
+        text = str(exc) if isinstance(exc, TrainingError) or storage else traceback.format_exc()
+        with contextlib.suppress(OSError):  # said below either way
+            (Path(spec.run_dir) / f"rank{spec.rank}.error").write_text(text)
         print(f"elche rank {spec.rank} failed:\n{text}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
@@ -178,6 +184,10 @@ def _report_lost(host: Any, rank: int, code: int | None) -> None:
     how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
     print(f"elche: rank {rank} process ended ({how})", file=sys.stderr, flush=True)
     tell_coordinator(host, f"lost {rank} process ended ({how})")
+
+
+# A disk that is full, over quota or read-only.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 def tell_coordinator(host: Any, line: str) -> None:
@@ -341,8 +351,10 @@ def supervised(
 
 
 def coordinator_lost(host: CoordinatorProcess, run_dir: Path) -> bool:
-    """The coordinator process ended without its summary (killed, crashed)."""
-    return host.poll() is not None and not (run_dir / SUMMARY_FILE).exists()
+    """The coordinator process ended without its summary (killed, crashed), not for a
+    run directory it could not write (``UNWRITABLE_EXIT``: a successor would fail too)."""
+    code = host.poll()
+    return code not in (None, UNWRITABLE_EXIT) and not (run_dir / SUMMARY_FILE).exists()
 
 
 def start_coordinator(

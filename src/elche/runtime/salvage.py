@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -169,11 +170,30 @@ def salvage_run(config: CoordinatorConfig, run_dir: Path, *, start_round: int = 
         seq = _commit(stem, plan, states)
     except (SalvageRefused, ConfigError, OSError) as exc:
         where = f"; each rank's own state is in {stem}.rank<R>.local.*" if stem else ""
-        _write_summary(config, run_dir, record, None, f"coordinator_lost: {exc}{where}")
+        _try_summary(config, run_dir, record, None, f"coordinator_lost: {exc}{where}")
         return None
     written = tl.BundleWritten(stem=stem, seq=seq, reason=plan.meta.reason.value)
-    _write_summary(config, run_dir, record, plan, "coordinator_lost", written=written)
+    _try_summary(config, run_dir, record, plan, "coordinator_lost", written=written)
     return stem
+
+
+def _try_summary(
+    config: CoordinatorConfig,
+    run_dir: Path,
+    record: JournalRecord | None,
+    plan: Salvage | None,
+    reason: str,
+    *,
+    written: tl.BundleWritten | None = None,
+) -> None:
+    """``_write_summary``, or a line on stderr when the run directory takes no file."""
+    try:
+        _write_summary(config, run_dir, record, plan, reason, written=written)
+    except OSError as exc:
+        print(
+            f"elche: cannot write the run's summary in {run_dir} ({exc}); the run ended: {reason}",
+            file=sys.stderr,
+        )
 
 
 def _state(record: _LocalRecord) -> LocalState:
