@@ -91,3 +91,15 @@ def test_an_interrupted_run_whose_bundle_did_not_fit_says_why(
     )
     announce(Interrupted(signal.SIGINT, None, None))
     assert "SIGINT before the run formed; nothing was saved" in capsys.readouterr().err
+
+
+def test_a_resumed_run_stopped_before_it_saved_points_back_at_its_bundle(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    announce(Interrupted(signal.SIGINT, None, None), resumed_from="/tmp/b/run")
+    assert capsys.readouterr().err == (
+        "elche: interrupted by SIGINT before the run formed; nothing was saved; the bundle "
+        "it resumed from is as it was: resume with: resume_from='/tmp/b/run'\n"
+    )
+    announce(Interrupted(signal.SIGINT, "/tmp/b/run", None), resumed_from="/tmp/b/run")
+    assert "as it was" not in capsys.readouterr().err  # it saved anew: that is the line

@@ -578,9 +578,13 @@ def launch_local(
         except RuntimeError:  # the coordinator left no summary
             if signals.received is None:
                 raise
-            raise interrupted(signals.received, None, plan.config.save_path) from None
+            raise interrupted(
+                signals.received, None, plan.config.save_path, resumed_from=plan.resume_from
+            ) from None
     if signals.received is not None and result.summary.get("outcome") != "completed":
-        raise interrupted(signals.received, result, plan.config.save_path)
+        raise interrupted(
+            signals.received, result, plan.config.save_path, resumed_from=plan.resume_from
+        )
     explain_outcome(result.summary, plan.config.save_path)
     return result
 
@@ -694,11 +698,17 @@ def keep_report(plan: Plan, run_dir: Path) -> str | None:
     return str(path)
 
 
-def interrupted(signum: int, result: TrainResult | None, save_path: str | None) -> Interrupted:
+def interrupted(
+    signum: int,
+    result: TrainResult | None,
+    save_path: str | None,
+    *,
+    resumed_from: str | None = None,
+) -> Interrupted:
     """The ``Interrupted`` to raise for a run ``signum`` stopped, announced on stderr."""
     saved = result is not None and result.summary.get("outcome") == "saved_and_shutdown"
     stop = Interrupted(signum, save_path if saved else None, result)
-    announce(stop)
+    announce(stop, resumed_from)
     return stop
 
 

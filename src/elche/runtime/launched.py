@@ -135,7 +135,7 @@ def train_launched(
     stem = result.summary.get("bundle")  # RUN_DIR/checkpoint where the user named no save_path
     bundle = stem if isinstance(stem, str) else None
     if rank == 0:
-        raise interrupted(signum, result, bundle)
+        raise interrupted(signum, result, bundle, resumed_from=plan.resume_from)
     raise Interrupted(signum, bundle, result)
 
 

@@ -109,8 +109,10 @@ class Interrupted(SystemExit, KeyboardInterrupt):
         return f"interrupted by {self.signal.name}; {saved}"
 
 
-def announce(stop: Interrupted) -> None:
-    """The one line on stderr an interrupted run prints: where it is and how to resume."""
+def announce(stop: Interrupted, resumed_from: str | None = None) -> None:
+    """The one line on stderr an interrupted run prints: where it is and how to resume
+    (``resumed_from``: the bundle the run started from, which a stop saving nothing
+    leaves as it was)."""
     name = stop.signal.name
     summary = getattr(stop.result, "summary", None) or {}
     if stop.bundle is None and summary.get("outcome") == "failed":  # it trained; no bundle fit
@@ -121,6 +123,11 @@ def announce(stop: Interrupted) -> None:
         text = (
             f"elche: interrupted by {name}; the run is saved under {stop.bundle}; "
             f"resume with: {RESUME_HINT.get()(stop.bundle)}"
+        )
+    if stop.bundle is None and resumed_from is not None:
+        text += (
+            f"; the bundle it resumed from is as it was: resume with: "
+            f"{RESUME_HINT.get()(resumed_from)}"
         )
     print(text, file=sys.stderr, flush=True)
 
