@@ -58,4 +58,8 @@ def test_without_a_journal_nothing_is_committed_and_the_summary_says_why(tmp_pat
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["outcome"] == "failed"
     assert summary["reason"].startswith("coordinator_lost: journal")
-    assert f"{cfg.save_path}.rank<R>.local" in summary["reason"]
+    assert ".local" not in summary["reason"]  # no rank kept a state: none is named
+    Path(f"{cfg.save_path}.rank1.local.model.pt").write_bytes(b"kept")
+    assert salvage_run(cfg, tmp_path) is None
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert f"{cfg.save_path}.rank<R>.local" in summary["reason"]  # where what they kept is

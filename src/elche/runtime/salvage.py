@@ -169,7 +169,8 @@ def salvage_run(config: CoordinatorConfig, run_dir: Path, *, start_round: int = 
         plan = salvage(config, record, [_state(s) for s in states], start_round=start_round)
         seq = _commit(stem, plan, states)
     except (SalvageRefused, ConfigError, OSError) as exc:
-        where = f"; each rank's own state is in {stem}.rank<R>.local.*" if stem else ""
+        kept = stem is not None and any(Path(stem).parent.glob(f"{Path(stem).name}.rank*.local.*"))
+        where = f"; each rank's own state is in {stem}.rank<R>.local.*" if kept else ""
         _try_summary(config, run_dir, record, None, f"coordinator_lost: {exc}{where}")
         return None
     written = tl.BundleWritten(stem=stem, seq=seq, reason=plan.meta.reason.value)
