@@ -246,8 +246,6 @@ def train(
         raise ConfigError(
             "max_grad_norm", f"must be a positive finite number or None, got {max_grad_norm!r}"
         )
-    if run_dir is not None:
-        _check_writable(Path(run_dir), "run_dir")
     dashboard = _dashboard(dashboard)
     tensorboard_dir = _tensorboard_dir(tensorboard_dir)
     options = check_options(
@@ -283,6 +281,8 @@ def train(
         meta = check_resume(plan.resume_from, plan.config, model_fn)  # before anything starts
         # A resumed run draws each epoch's order as its bundle's run did.
         plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, order=meta.order))
+    if run_dir is not None:  # the last check: it makes the folder, as the run would
+        _check_writable(Path(run_dir), "run_dir")
     from elche.runtime.joining import JOIN_ENV
 
     if JOIN_ENV in os.environ:  # elche join: one new rank of a running run
