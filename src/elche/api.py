@@ -368,9 +368,8 @@ def _plan(
     else:
         policy, pinned = CallbackPolicy.PINNED, callback_rank
     _check_devices(devices_t)
-    if not (_finite(heartbeat_timeout_s) and HEARTBEAT_TIMEOUT_RANGE_S[0] <= heartbeat_timeout_s
-            <= HEARTBEAT_TIMEOUT_RANGE_S[1]):  # fmt: skip
-        low, high = HEARTBEAT_TIMEOUT_RANGE_S
+    low, high = HEARTBEAT_TIMEOUT_RANGE_S
+    if not (_finite(heartbeat_timeout_s) and low <= heartbeat_timeout_s <= high):
         raise ConfigError(
             "heartbeat_timeout_s",
             f"must be a number of seconds in [{low:g}, {high:g}] (a live rank beats "
