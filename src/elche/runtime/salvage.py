@@ -171,30 +171,11 @@ def salvage_run(config: CoordinatorConfig, run_dir: Path, *, start_round: int = 
     except (SalvageRefused, ConfigError, OSError) as exc:
         kept = stem is not None and any(Path(stem).parent.glob(f"{Path(stem).name}.rank*.local.*"))
         where = f"; each rank's own state is in {stem}.rank<R>.local.*" if kept else ""
-        _try_summary(config, run_dir, record, None, f"coordinator_lost: {exc}{where}")
+        _write_summary(config, run_dir, record, None, f"coordinator_lost: {exc}{where}")
         return None
     written = tl.BundleWritten(stem=stem, seq=seq, reason=plan.meta.reason.value)
-    _try_summary(config, run_dir, record, plan, "coordinator_lost", written=written)
+    _write_summary(config, run_dir, record, plan, "coordinator_lost", written=written)
     return stem
-
-
-def _try_summary(
-    config: CoordinatorConfig,
-    run_dir: Path,
-    record: JournalRecord | None,
-    plan: Salvage | None,
-    reason: str,
-    *,
-    written: tl.BundleWritten | None = None,
-) -> None:
-    """``_write_summary``, or a line on stderr when the run directory takes no file."""
-    try:
-        _write_summary(config, run_dir, record, plan, reason, written=written)
-    except OSError as exc:
-        print(
-            f"elche: cannot write the run's summary in {run_dir} ({exc}); the run ended: {reason}",
-            file=sys.stderr,
-        )
 
 
 def _state(record: _LocalRecord) -> LocalState:
@@ -299,7 +280,13 @@ def _write_summary(
         writer.close()
     summary = coordinator_summary(stats, mode=config.mode.value, world_size=config.world_size)
     text = json.dumps(summary, indent=2)
-    bundle.write_file(run_dir / SUMMARY_FILE, lambda f: f.write(text.encode()), kind="summary")
+    try:
+        bundle.write_file(run_dir / SUMMARY_FILE, lambda f: f.write(text.encode()), kind="summary")
+    except OSError as exc:  # a full or read-only run directory: said, the launcher reports it
+        print(
+            f"elche: cannot write the run's summary in {run_dir} ({exc}); the run ended: {reason}",
+            file=sys.stderr,
+        )
 
 
 def _read_float(path: Path) -> float | None:
