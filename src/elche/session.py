@@ -76,7 +76,7 @@ class Session:
         self._thread: threading.Thread | None = None
         self._autocast: Any = None  # the loop's torch.autocast, from a batch to its step
         self._result: TrainResult | None = None
-        self._relay: Any = None  # the main thread's stop signals, for the rank (launched)
+        self._relay: Any = None  # the main thread's stop signals, for the rank
 
     @property
     def result(self) -> TrainResult:
@@ -92,9 +92,9 @@ class Session:
     def __enter__(self) -> Session:
         if self._thread is not None:
             raise RuntimeError("a Session trains once; make a new one for another run")
-        if _launched():  # the launched rank stops on SIGINT/SIGTERM as elche.train does
-            self._relay = relay_stop_signals()
-            self._relay.__enter__()
+        # The rank (launched, or a run of one) stops on SIGINT/SIGTERM as elche.train does.
+        self._relay = relay_stop_signals()
+        self._relay.__enter__()
         self._thread = threading.Thread(target=self._train, name="elche-session", daemon=True)
         self._thread.start()
         return self

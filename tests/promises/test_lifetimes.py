@@ -242,11 +242,12 @@ def test_issue12_item12_kill_9_of_the_launcher_leaves_no_elche_process(
     assert Path(f"{save}.meta.json").exists()
 
 
+@pytest.mark.parametrize("speeds", ["[0.05, 0.02]", "[0.05]"])  # one rank: in the script's process
 def test_issue12_item12_ctrl_c_in_a_script_raises_interrupted_with_the_bundle(
-    tmp_path: Path,
+    tmp_path: Path, speeds: str
 ) -> None:
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT.replace("FINAL_HOOK", "None"))
+    script.write_text(SCRIPT.replace("FINAL_HOOK", "None").replace("[0.05, 0.02]", speeds))
     save = tmp_path / "bundle"
     with session([sys.executable, str(script), str(save), "8"], tmp_path) as proc:
         wait_mid_run(proc, tmp_path)

@@ -112,6 +112,11 @@ class BundleFiles:
     optim: tuple[tuple[int, BundleFile], ...] = ()  # (rank, file), by rank
     outer: BundleFile | None = None
 
+    def names(self) -> set[str]:
+        """The names of every file the bundle holds."""
+        names = {self.model.name, *(f.name for _, f in self.optim)}
+        return names | ({self.outer.name} if self.outer is not None else set())
+
     def optim_of(self, rank: int) -> BundleFile | None:
         """Rank ``rank``'s optimizer state, or None if the bundle has none for it."""
         return dict(self.optim).get(rank)

@@ -40,12 +40,15 @@ __all__ = [
     "locate",
     "meta_path",
     "model_name",
+    "next_seq",
     "optim_name",
     "outer_name",
     "prune",
+    "read_meta",
     "rename_file",
     "verify",
     "write_file",
+    "write_meta",
 ]
 
 # Read in pieces this large when hashing, so a big model is never held twice.
@@ -112,6 +115,40 @@ def write_file(path: Path, write: Callable[[BinaryIO], object], *, kind: str) ->
     fsync_dir(path.parent)
     size, digest = _digest(path)
     return SavedFile(kind=kind, name=path.name, size=size, sha256=digest)
+
+
+def write_meta(stem: str, meta: CheckpointMeta) -> None:
+    """Commit a bundle: write the meta that names its files, durably, last.
+
+    Raises:
+        OSError: the folder is full, read-only or gone (the meta before stays).
+    """
+    text = meta.to_json().encode("utf-8")
+    write_file(meta_path(stem), lambda f: f.write(text), kind="meta")
+
+
+def read_meta(stem: str | None) -> CheckpointMeta | None:
+    """The meta at ``stem`` if there is a readable one."""
+    if stem is None:
+        return None
+    try:
+        return CheckpointMeta.from_json(meta_path(stem).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # ConfigError, or not text
+        return None
+
+
+def next_seq(stem: str, at_least: int) -> int:
+    """A save number above ``at_least`` that no file or meta at ``stem`` uses yet."""
+    base = Path(stem)
+    pattern = re.compile(rf"{re.escape(base.name)}\.s(\d+)\.")
+    seen = [at_least]
+    with contextlib.suppress(OSError):
+        for entry in base.parent.iterdir():
+            if match := pattern.match(entry.name):
+                seen.append(int(match.group(1)))
+    if (meta := read_meta(stem)) is not None:
+        seen.append(meta.save_seq)
+    return max(seen) + 1
 
 
 def rename_file(src: Path, dst: Path, *, kind: str) -> SavedFile:

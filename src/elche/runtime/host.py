@@ -154,7 +154,7 @@ class Host:
         log: TextIO = sys.stderr,
     ) -> None:
         # The meta at the save path now: its files go once a newer meta is written.
-        self._committed = _read_meta(config.save_path)
+        self._committed = bundle.read_meta(config.save_path)
         last = 0 if self._committed is None else self._committed.save_seq
         if restore is not None:
             self.core = Coordinator.restore(config, restore)
@@ -382,8 +382,7 @@ class Host:
             if self.outer is not None and meta.files is not None:
                 outer = self._write_outer(stem, meta.save_seq)
                 meta = dataclasses.replace(meta, files=dataclasses.replace(meta.files, outer=outer))
-            text = meta.to_json().encode("utf-8")
-            bundle.write_file(bundle.meta_path(stem), lambda f: f.write(text), kind="meta")
+            bundle.write_meta(stem, meta)
         except OSError as exc:
             what = "checkpoint" if meta.reason is SaveReason.CHECKPOINT else "bundle"
             if what == "bundle":
@@ -434,8 +433,8 @@ class Host:
         if old is None or old.files is None or meta.files is None:
             return
         folder = Path(stem).parent
-        new = _names(meta.files)
-        for name in _names(old.files) - new:
+        new = meta.files.names()
+        for name in old.files.names() - new:
             with contextlib.suppress(OSError):
                 (folder / name).unlink()
 
@@ -527,21 +526,6 @@ def _due(point: str, command: Command) -> bool:
     if kind == "averaging" and isinstance(message, m.SyncNow | m.RequestParams):
         return message.round >= int(number)
     return kind == "final" and isinstance(message, m.Shutdown) and message.writer >= 0
-
-
-def _names(files: BundleFiles) -> set[str]:
-    names = {files.model.name, *(f.name for _, f in files.optim)}
-    return names | ({files.outer.name} if files.outer is not None else set())
-
-
-def _read_meta(stem: str | None) -> CheckpointMeta | None:
-    """The meta at ``stem`` if there is a readable one."""
-    if stem is None:
-        return None
-    try:
-        return CheckpointMeta.from_json(bundle.meta_path(stem).read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # ConfigError, or not text
-        return None
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -193,7 +192,8 @@ def _commit(stem: str, plan: Salvage, states: list[_LocalRecord]) -> int:
         OSError: a rename or the meta's write failed (the meta before stays).
     """
     folder = Path(stem).parent
-    seq = _next_seq(stem, plan.meta.save_seq)
+    seq = bundle.next_seq(stem, plan.meta.save_seq)  # the dead coordinator may have
+    # started saves after its journal's last record
     by_rank = {s.rank: s for s in states}
     writer = by_rank[plan.writer]
     assert writer.model is not None  # the core picks a writer whose model is on disk
@@ -204,9 +204,7 @@ def _commit(stem: str, plan: Salvage, states: list[_LocalRecord]) -> int:
             target = folder / bundle.optim_name(stem, seq, rank)
             optim.append((rank, _move(folder / state.optim, target, "optim")))
     files = BundleFiles(model=model, optim=tuple(optim))
-    meta = dataclasses.replace(plan.meta, save_seq=seq, files=files)
-    text = meta.to_json().encode("utf-8")
-    bundle.write_file(bundle.meta_path(stem), lambda f: f.write(text), kind="meta")
+    bundle.write_meta(stem, dataclasses.replace(plan.meta, save_seq=seq, files=files))
     for state in states:  # the other ranks' copies of a consensus: the bundle has one
         if state.model is not None and state.rank != plan.writer:
             with contextlib.suppress(OSError):
@@ -217,22 +215,6 @@ def _commit(stem: str, plan: Salvage, states: list[_LocalRecord]) -> int:
 def _move(src: Path, dst: Path, kind: str) -> BundleFile:
     saved = bundle.rename_file(src, dst, kind=kind)
     return BundleFile(name=saved.name, size=saved.size, sha256=saved.sha256)
-
-
-def _next_seq(stem: str, journal_seq: int) -> int:
-    """A save number no file or meta at ``stem`` uses yet (the dead coordinator may
-    have started saves after its journal's last record)."""
-    base = Path(stem)
-    pattern = re.compile(rf"{re.escape(base.name)}\.s(\d+)\.")
-    seen = [journal_seq]
-    with contextlib.suppress(OSError):
-        for entry in base.parent.iterdir():
-            if match := pattern.match(entry.name):
-                seen.append(int(match.group(1)))
-    with contextlib.suppress(OSError, ConfigError):
-        text = bundle.meta_path(stem).read_text(encoding="utf-8")
-        seen.append(CheckpointMeta.from_json(text).save_seq)
-    return max(seen) + 1
 
 
 def _write_summary(

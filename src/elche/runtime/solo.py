@@ -3,7 +3,10 @@
 The epoch order is the same seeded permutation the cluster uses, ``epoch_fn``
 runs at the start of each epoch, evals run after every ``eval_every`` epochs
 and after the last, and a resumed run trains only the samples its bundle lists
-as still to do.
+as still to do. It writes the bundles a run of several ranks writes
+(``elche.runtime.solo_saves``): every ``checkpoint_every`` epochs, and when
+SIGINT or SIGTERM stops it (between two steps; then ``Interrupted``, as a run
+of several ranks raises). A second signal stops at once, saving nothing.
 """
 
 from __future__ import annotations
@@ -22,16 +25,21 @@ import torch
 from torch import nn
 
 from elche.core import messages as m
+from elche.core.checkpoint import CheckpointMeta, SaveReason
+from elche.core.dispatch import Span
 from elche.core.errors import TrainingError
 from elche.core.progress import ProgressTracker
 from elche.monitor.summary import SUMMARY_FILE
 from elche.runtime import bundle
 from elche.runtime.current import providing
+from elche.runtime.launch import interrupted
+from elche.runtime.lifetimes import StopSignals
 from elche.runtime.loading import Loader, StepPlan
 from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.resume import load_bundle
 from elche.runtime.shards import epoch_order
+from elche.runtime.solo_saves import SoloSaves
 from elche.runtime.stepping import MicroBatch, Stepper
 from elche.runtime.user_errors import describe
 from elche.runtime.worker import UserFns, _with_collate
@@ -65,6 +73,11 @@ class _Solo:
     batches: int = 0  # this epoch's
     compute_s: float = 0.0  # this epoch's, in the steps, the speed injection's waits excluded
     epoch_trained: int = 0  # samples trained before this epoch
+    steps: int = 0  # optimizer steps this run
+    holes: dict[int, tuple[Span, ...]] = field(default_factory=dict)  # the resumed bundle's
+    saves: SoloSaves | None = None  # None: no save_path and no run directory
+    bundles: list[dict[str, object]] = field(default_factory=list)  # those committed
+    stop_asked: Callable[[], bool] = lambda: False
 
     def train_epoch(self, epoch: int, spans: Sequence[tuple[int, int]]) -> float | None:
         cfg = self.plan.config
@@ -76,6 +89,8 @@ class _Solo:
         ]
         losses: list[float] = []
         for i, (_, start, size) in enumerate(plan):
+            if self.stop_asked():
+                raise _Stopped(epoch, [(at, n) for _, at, n in plan[i:]])
             self.first_step_s = self.first_step_s or time.monotonic()
             upcoming = functools.partial(_rest, plan, i)
             value = self.step(self.loader.step(epoch, start, size, upcoming))
@@ -95,6 +110,7 @@ class _Solo:
         started_s = time.monotonic()
         injected_s = self.pacer.injected_s if self.pacer is not None else 0.0
         self.batches += 1
+        self.steps += 1
         try:
             return self._step(micro)
         finally:
@@ -119,6 +135,27 @@ class _Solo:
                 batches=self.batches, samples=self.trained - self.epoch_trained,
                 compute_s=self.compute_s,
             )  # fmt: skip
+
+    def save(self, reason: SaveReason, epoch: int, holes: dict[int, tuple[Span, ...]]) -> str:
+        """Write a bundle (``SoloSaves.save``); what went wrong, or "" once it is committed."""
+        if self.saves is None:
+            return "the run has no save_path and no run directory to write it in"
+        try:
+            seq = self.saves.save(
+                self.model, self.optimizer, reason=reason, epoch=epoch, holes=holes,
+                steps=self.steps,
+            )  # fmt: skip
+        except (OSError, RuntimeError) as exc:  # torch.save: RuntimeError on a full disk
+            what = "checkpoint" if reason is SaveReason.CHECKPOINT else "bundle"
+            error = f"the {what} could not be written (rank 0: {type(exc).__name__}: {exc})"
+            more = "; training goes on" if reason is SaveReason.CHECKPOINT else ""
+            print(f"elche: {error}{more}", file=sys.stderr, flush=True)
+            return error
+        stem = self.saves.stem
+        self.bundles.append({"stem": stem, "seq": seq, "reason": reason.value})
+        if self.record is not None:
+            self.record.saved(stem, seq, reason.value)
+        return ""
 
     def after_epoch(
         self, epoch: int, loss: float | None, hooks: Hooks, *, samples: int, span_s: float
@@ -150,8 +187,11 @@ class _Solo:
             if hooks.eval_result_fn is not None:  # numbered as metrics_fn numbers epochs
                 hooks.eval_result_fn(epoch, self.eval_metric)
         every = cfg.checkpoint_every
-        if self.fns.checkpoint_fn is not None and every and done % every == 0:
-            self.fns.checkpoint_fn(done, self.model)
+        if every and done % every == 0:
+            if self.fns.checkpoint_fn is not None:
+                self.fns.checkpoint_fn(done, self.model)
+            if done < cfg.epochs:  # the last epoch's model is the result
+                self.save(SaveReason.CHECKPOINT, done, self.holes)
         self.epochs.append(record)
         if hooks.metrics_fn is not None:
             hooks.metrics_fn(record)
@@ -173,21 +213,48 @@ def train_solo(
     served by the dashboard and the TensorBoard log if asked for, and its
     report at the end (``summary["report"]``).
     """
+    with StopSignals() as signals:
+        result = _train_recorded(
+            plan, fns, hooks, signals, max_grad_norm=max_grad_norm, run_dir=run_dir,
+            dashboard=dashboard, tensorboard_dir=tensorboard_dir,
+        )  # fmt: skip
+    if signals.received is not None and result.summary["outcome"] != "completed":
+        bundle_stem = result.summary["bundle"]
+        raise interrupted(
+            signals.received, result, str(bundle_stem) if bundle_stem else None,
+            resumed_from=plan.resume_from,
+        )  # fmt: skip
+    return result
+
+
+def _train_recorded(
+    plan: Plan,
+    fns: UserFns,
+    hooks: Hooks,
+    signals: StopSignals,
+    *,
+    max_grad_norm: float | None,
+    run_dir: str | None,
+    dashboard: str | None,
+    tensorboard_dir: str | None,
+) -> TrainResult:
+    """``_train_solo``, its timeline, report and summary in ``run_dir`` if there is one."""
     if run_dir is None:
-        return _train_solo(plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=None)
+        return _train_solo(plan, fns, hooks, signals, max_grad_norm=max_grad_norm, run_dir=None)
     from elche.runtime.solo_record import SoloRecord
 
     record = SoloRecord(plan, Path(run_dir), dashboard=dashboard, tensorboard_dir=tensorboard_dir)
     try:
-        result = _train_solo(plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir,
-                             record=record)  # fmt: skip
+        result = _train_solo(plan, fns, hooks, signals, max_grad_norm=max_grad_norm,
+                             run_dir=run_dir, record=record)  # fmt: skip
     except BaseException as exc:
         record.ended(outcome="failed", reason=f"{type(exc).__name__}: {exc}", epochs=0, samples=0)
         raise
     summary = result.summary
     summary["run_dir"] = run_dir
     summary["report"] = record.ended(
-        outcome="completed", reason="", epochs=plan.config.epochs,
+        outcome=str(summary["outcome"]), reason=str(summary["reason"]),
+        epochs=int(summary["epochs_completed"]),  # type: ignore[call-overload]  # JSON-shaped
         samples=int(summary["per_rank"][0]["samples"]),  # type: ignore[index]  # JSON-shaped
     )  # fmt: skip
     _keep_summary(Path(run_dir), summary)
@@ -208,20 +275,48 @@ def _train_solo(
     plan: Plan,
     fns: UserFns,
     hooks: Hooks,
+    signals: StopSignals,
     *,
     max_grad_norm: float | None,
     run_dir: str | None,
     record: SoloRecord | None = None,
 ) -> TrainResult:
+    """The run; a stop signal ends it between two steps, its bundle saved."""
     t0 = time.monotonic()
     device = torch.device(plan.devices[0])
     model = _user(0, lambda: fns.model_fn(device))
     optimizer = _user(0, lambda: fns.optimizer_fn(model.parameters()))
     solo = _solo(plan, fns, model, optimizer, max_grad_norm)
     solo.record = record
+    solo.stop_asked = lambda: signals.received is not None
     with providing(solo.tracker.now):
-        _train(solo, hooks)
+        try:
+            _train(solo, hooks, run_dir)
+        except _Stopped as stop:
+            return _stopped(solo, stop, t0, run_dir)
     return _result(solo, t0, run_dir)
+
+
+class _Stopped(BaseException):  # not an Exception: it passes the user's code (``_user``)
+    """A stop signal came; ``rest`` of ``epoch`` is still to train."""
+
+    def __init__(self, epoch: int, rest: list[Span]) -> None:
+        super().__init__(epoch)
+        self.epoch, self.rest = epoch, tuple(rest)
+
+
+def _stopped(solo: _Solo, stop: _Stopped, t0: float, run_dir: str | None) -> TrainResult:
+    """Save the stopped run's bundle; its result (``saved_and_shutdown``, or ``failed``)."""
+    reason = SaveReason.GRACEFUL_SHUTDOWN
+    error = solo.save(reason, stop.epoch, {**solo.holes, stop.epoch: stop.rest})
+    result = _result(solo, t0, run_dir)
+    result.summary.update(
+        outcome="failed" if error else "saved_and_shutdown",
+        reason=f"{reason.value}: {error}" if error else reason.value,
+        epochs_completed=stop.epoch,
+        bundle=None if error else solo.bundles[-1]["stem"],
+    )  # fmt: skip
+    return result
 
 
 def _solo(
@@ -256,10 +351,14 @@ def _solo(
     return _Solo(plan, fns, model, optimizer, device, stepper, loader, tracker)
 
 
-def _train(solo: _Solo, hooks: Hooks) -> None:
+def _train(solo: _Solo, hooks: Hooks, run_dir: str | None) -> None:
     plan, model = solo.plan, solo.model
     cfg = plan.config
-    start_epoch, holes = _resume(solo, plan.resume_from)
+    meta = _resume(solo, plan.resume_from)
+    start_epoch = meta.epoch if meta is not None else 0
+    solo.holes = {c.epoch: c.uncovered for c in meta.coverage} if meta else {}
+    stem = cfg.save_path or (str(Path(run_dir) / "checkpoint") if run_dir is not None else None)
+    solo.saves = SoloSaves(stem, cfg, meta) if stem is not None else None
     _user(start_epoch, solo.stepper.apply_schedule)  # the first step's lr, for the warm-up too
     first = _user(0, lambda: solo.loader.direct(0, 0, min(cfg.batch_size, cfg.num_samples)))
     solo.pacer = _user(0, lambda: pacer_for(
@@ -267,7 +366,7 @@ def _train(solo: _Solo, hooks: Hooks) -> None:
         base_s=plan.speed_base_s,
     ))  # fmt: skip
     try:
-        _epochs(solo, hooks, start_epoch, holes)
+        _epochs(solo, hooks, start_epoch)
     finally:
         solo.loader.close()
     # The progress is the plan's end: the optimizer ends at the schedule's last value.
@@ -275,11 +374,11 @@ def _train(solo: _Solo, hooks: Hooks) -> None:
     _user(cfg.epochs - 1, solo.stepper.apply_schedule)
 
 
-def _epochs(
-    solo: _Solo, hooks: Hooks, start_epoch: int, holes: dict[int, tuple[tuple[int, int], ...]]
-) -> None:
-    cfg, fns, model = solo.plan.config, solo.fns, solo.model
+def _epochs(solo: _Solo, hooks: Hooks, start_epoch: int) -> None:
+    cfg, fns, model, holes = solo.plan.config, solo.fns, solo.model, solo.holes
     for epoch in range(start_epoch, cfg.epochs):
+        if solo.stop_asked():
+            raise _Stopped(epoch, list(holes.get(epoch, ((0, cfg.num_samples),))))
         solo.begin_epoch(epoch)
         if fns.epoch_fn is not None:
             epoch_fn = fns.epoch_fn
@@ -311,8 +410,9 @@ def _result(solo: _Solo, t0: float, run_dir: str | None) -> TrainResult:
         "lost_samples": 0,
         "dead_ranks": [],
         "outcome": "completed",
+        "reason": "",
         "bundle": None,
-        "bundles": [],
+        "bundles": solo.bundles,
         "per_rank": [
             {"rank": 0, "speed": plan.speeds[0], "samples": solo.trained, "idle_s": 0.0,
              "lr": solo.stepper.lr}
@@ -351,10 +451,10 @@ def _user(epoch: int, user_code: Callable[[], T]) -> T:
         ) from exc
 
 
-def _resume(solo: _Solo, stem: str | None) -> tuple[int, dict[int, tuple[tuple[int, int], ...]]]:
-    """Load a bundle; returns the epoch to start at and the holes to train."""
+def _resume(solo: _Solo, stem: str | None) -> CheckpointMeta | None:
+    """Load a bundle; its meta (None: a fresh run)."""
     if stem is None:
-        return 0, {}
+        return None
     meta = load_bundle(stem, solo.model, solo.optimizer, rank=0, world_size=1, device=solo.device)
     holes = {c.epoch: c.uncovered for c in meta.coverage}
     cfg = solo.plan.config
@@ -364,4 +464,4 @@ def _resume(solo: _Solo, stem: str | None) -> tuple[int, dict[int, tuple[tuple[i
     )
     done = cfg.epochs * cfg.num_samples - to_do
     solo.tracker.confirmed(m.GlobalProgress(round=0, samples=done, share=1.0))
-    return meta.epoch, holes
+    return meta

@@ -71,6 +71,9 @@ class SoloRecord:
         self._write(tl.Eval(epoch=epochs_done, metric=metric, rank=0,
                             duration_ms=round(duration_ms, 3)))  # fmt: skip
 
+    def saved(self, stem: str, seq: int, reason: str) -> None:
+        self._write(tl.BundleWritten(stem=stem, seq=seq, reason=reason))
+
     def ended(self, *, outcome: str, reason: str, epochs: int, samples: int) -> str | None:
         """Write ``RunEnd``, stop the watchers, write the report; the report's path."""
         self._write(tl.RunEnd(
