@@ -198,11 +198,18 @@ def test_issue12_item15_skip_leaves_nan_steps_out_and_the_weights_finite() -> No
 
 
 @pytest.mark.slow
-def test_issue12_item15_one_rank_stops_on_a_nan_loss_too(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_issue12_item15_one_rank_stops_on_a_nan_loss_too(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv("ELCHE_RANK", "1")  # nan_after_a_few turns NaN on "rank 1"
+    stem = str(tmp_path / "run")
     with pytest.raises(elche.TrainingError) as info:
-        train(step_fn=faulty.nan_after_a_few, ranks=1, epochs=3)
+        train(step_fn=faulty.nan_after_a_few, ranks=1, epochs=3, save_path=stem)
     assert info.value.error_type == "NonFiniteLoss"
+    assert info.value.bundle == stem  # as several ranks save one (it used to save nothing)
+    assert all_finite(torch.load(bundle_on_disk(stem).model))
+    resumed = train(resume_from=stem, ranks=1, epochs=3)
+    assert resumed.summary["outcome"] == "completed"
     result = train(step_fn=faulty.nan_after_a_few, ranks=1, epochs=3, nonfinite="skip")
     assert all_finite(result.state_dict)
 

@@ -99,7 +99,8 @@ class _Solo:
             elif math.isfinite(value):
                 losses.append(value)
             elif cfg.nonfinite == "stop":  # the step was not applied: the model is finite
-                raise _nonfinite(epoch)
+                rest = [(at, n) for _, at, n in plan[i:]]
+                raise _Stopped(epoch, rest, reason=SaveReason.NONFINITE)
             self.trained += size
             self.tracker.trained(size)
         return sum(losses) / len(losses) if losses else None
@@ -293,21 +294,26 @@ def _train_solo(
         try:
             _train(solo, hooks, run_dir)
         except _Stopped as stop:
+            if stop.reason is SaveReason.NONFINITE:
+                raise _nonfinite(solo, stop) from None
             return _stopped(solo, stop, t0, run_dir)
     return _result(solo, t0, run_dir)
 
 
 class _Stopped(BaseException):  # not an Exception: it passes the user's code (``_user``)
-    """A stop signal came; ``rest`` of ``epoch`` is still to train."""
+    """The run stops for ``reason`` (a stop signal, or a non-finite loss); ``rest`` of
+    ``epoch`` is still to train."""
 
-    def __init__(self, epoch: int, rest: list[Span]) -> None:
+    def __init__(
+        self, epoch: int, rest: list[Span], *, reason: SaveReason = SaveReason.GRACEFUL_SHUTDOWN
+    ) -> None:
         super().__init__(epoch)
-        self.epoch, self.rest = epoch, tuple(rest)
+        self.epoch, self.rest, self.reason = epoch, tuple(rest), reason
 
 
 def _stopped(solo: _Solo, stop: _Stopped, t0: float, run_dir: str | None) -> TrainResult:
     """Save the stopped run's bundle; its result (``saved_and_shutdown``, or ``failed``)."""
-    reason = SaveReason.GRACEFUL_SHUTDOWN
+    reason = stop.reason
     error = solo.save(reason, stop.epoch, {**solo.holes, stop.epoch: stop.rest})
     result = _result(solo, t0, run_dir)
     result.summary.update(
@@ -426,11 +432,15 @@ def _rest(plan: list[StepPlan], first: int) -> list[StepPlan]:
     return plan[first:]
 
 
-def _nonfinite(epoch: int) -> TrainingError:
+def _nonfinite(solo: _Solo, stop: _Stopped) -> TrainingError:
+    """The error a non-finite loss ends the run with, once its bundle is saved (if it can be)."""
+    error = solo.save(stop.reason, stop.epoch, {**solo.holes, stop.epoch: stop.rest})
+    held = "the bundle holds" if not error else f"no bundle ({error}); the model is"
     return TrainingError(
-        rank=0, epoch=epoch, error_type="NonFiniteLoss",
-        message=f"the loss is not finite on rank 0 in epoch {epoch}; the model is the last "
-        "finite one (nonfinite='skip' skips such steps instead)",
+        rank=0, epoch=stop.epoch, error_type="NonFiniteLoss",
+        message=f"the loss is not finite on rank 0 in epoch {stop.epoch}; {held} the last "
+        "finite step (nonfinite='skip' skips such steps instead)",
+        bundle=None if error else str(solo.bundles[-1]["stem"]),
     )  # fmt: skip
 
 
