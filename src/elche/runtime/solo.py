@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -39,13 +39,11 @@ from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.resume import load_bundle
 from elche.runtime.shards import epoch_order
+from elche.runtime.solo_record import SoloRecord
 from elche.runtime.solo_saves import SoloSaves
 from elche.runtime.stepping import MicroBatch, Stepper
 from elche.runtime.user_errors import describe
 from elche.runtime.worker import UserFns, _with_collate
-
-if TYPE_CHECKING:
-    from elche.runtime.solo_record import SoloRecord
 
 __all__ = ["train_solo"]
 
@@ -214,11 +212,20 @@ def train_solo(
     served by the dashboard and the TensorBoard log if asked for, and its
     report at the end (``summary["report"]``).
     """
+    record = None if run_dir is None else SoloRecord(
+        plan, Path(run_dir), dashboard=dashboard, tensorboard_dir=tensorboard_dir
+    )  # fmt: skip
     with StopSignals() as signals:
-        result = _train_recorded(
-            plan, fns, hooks, signals, max_grad_norm=max_grad_norm, run_dir=run_dir,
-            dashboard=dashboard, tensorboard_dir=tensorboard_dir,
-        )  # fmt: skip
+        try:
+            result = _train_solo(plan, fns, hooks, signals, max_grad_norm=max_grad_norm,
+                                 run_dir=run_dir, record=record)  # fmt: skip
+        except BaseException as exc:
+            if record is not None:
+                reason = f"{type(exc).__name__}: {exc}"
+                record.ended(outcome="failed", reason=reason, epochs=0, samples=0)
+            raise
+    if record is not None:
+        _end_record(record, result.summary, Path(str(run_dir)))
     if signals.received is not None and result.summary["outcome"] != "completed":
         bundle_stem = result.summary["bundle"]
         raise interrupted(
@@ -228,38 +235,15 @@ def train_solo(
     return result
 
 
-def _train_recorded(
-    plan: Plan,
-    fns: UserFns,
-    hooks: Hooks,
-    signals: StopSignals,
-    *,
-    max_grad_norm: float | None,
-    run_dir: str | None,
-    dashboard: str | None,
-    tensorboard_dir: str | None,
-) -> TrainResult:
-    """``_train_solo``, its timeline, report and summary in ``run_dir`` if there is one."""
-    if run_dir is None:
-        return _train_solo(plan, fns, hooks, signals, max_grad_norm=max_grad_norm, run_dir=None)
-    from elche.runtime.solo_record import SoloRecord
-
-    record = SoloRecord(plan, Path(run_dir), dashboard=dashboard, tensorboard_dir=tensorboard_dir)
-    try:
-        result = _train_solo(plan, fns, hooks, signals, max_grad_norm=max_grad_norm,
-                             run_dir=run_dir, record=record)  # fmt: skip
-    except BaseException as exc:
-        record.ended(outcome="failed", reason=f"{type(exc).__name__}: {exc}", epochs=0, samples=0)
-        raise
-    summary = result.summary
-    summary["run_dir"] = run_dir
+def _end_record(record: SoloRecord, summary: dict[str, object], run_dir: Path) -> None:
+    """End the timeline, write the report, keep the summary (naming both)."""
+    summary["run_dir"] = str(run_dir)
     summary["report"] = record.ended(
         outcome=str(summary["outcome"]), reason=str(summary["reason"]),
         epochs=int(summary["epochs_completed"]),  # type: ignore[call-overload]  # JSON-shaped
         samples=int(summary["per_rank"][0]["samples"]),  # type: ignore[index]  # JSON-shaped
     )  # fmt: skip
-    _keep_summary(Path(run_dir), summary)
-    return result
+    _keep_summary(run_dir, summary)
 
 
 def _keep_summary(run_dir: Path, summary: dict[str, object]) -> None:
