@@ -48,6 +48,34 @@ def fill(disk: Path) -> None:
             fh.write(b"\0" * 65536)
 
 
+def filled_after_an_epoch(disk: Path, run_dir: Path, **train: object) -> object:
+    """Train two ranks on a thread, fill ``disk`` once the first epoch ended; what
+    ``elche.train`` returned or raised."""
+    outcome: list[object] = []
+
+    def go() -> None:
+        try:
+            outcome.append(elche.train(
+                make_model, make_optimizer, step, DATA, batch_size=16, ranks=2,
+                run_dir=str(run_dir), progress=False, **train,  # type: ignore[arg-type]
+            ))  # fmt: skip
+        except BaseException as exc:
+            outcome.append(exc)
+
+    runner = threading.Thread(target=go)
+    runner.start()
+    reader, waited = TimelineReader(run_dir), threading.Event()
+    for _ in range(600):  # up to 60 s for the first epoch to end
+        if any(isinstance(e, tl.EpochEnd) for e in reader.new_records()) or outcome:
+            break
+        waited.wait(0.1)
+    fill(disk)
+    runner.join(timeout=120)
+    assert not runner.is_alive()
+    (result,) = outcome
+    return result
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_issue12_item10_a_save_location_that_fills_up_mid_run_does_not_end_it(
@@ -55,29 +83,9 @@ def test_issue12_item10_a_save_location_that_fills_up_mid_run_does_not_end_it(
 ) -> None:
     run_dir = tmp_path / "run"
     with small_disk(tmp_path / "disk", "1m") as disk:
-        outcome: list[object] = []
-
-        def go() -> None:
-            try:
-                outcome.append(elche.train(
-                    make_model, make_optimizer, step, DATA, batch_size=16, epochs=30, ranks=2,
-                    save_path=str(disk / "bundle"), checkpoint_every=1, run_dir=str(run_dir),
-                    progress=False,
-                ))  # fmt: skip
-            except BaseException as exc:
-                outcome.append(exc)
-
-        runner = threading.Thread(target=go)
-        runner.start()
-        reader, waited = TimelineReader(run_dir), threading.Event()
-        for _ in range(600):  # up to 60 s for the first epoch to end
-            if any(isinstance(e, tl.EpochEnd) for e in reader.new_records()) or outcome:
-                break
-            waited.wait(0.1)
-        fill(disk)
-        runner.join(timeout=120)
-    assert not runner.is_alive()
-    (result,) = outcome
+        result = filled_after_an_epoch(
+            disk, run_dir, epochs=30, save_path=str(disk / "bundle"), checkpoint_every=1
+        )
     assert isinstance(result, elche.TrainResult), result
     assert result.summary["outcome"] == "completed"
     assert result.summary["epochs_completed"] == 30
@@ -117,28 +125,9 @@ def test_a_run_directory_that_fills_up_ends_the_run_with_one_clear_error(
     # three times into the same full disk, and a raw OSError from elche.train.
     with small_disk(tmp_path / "disk", "1m") as disk:
         run_dir = disk / "run"
-        outcome: list[object] = []
-
-        def go() -> None:
-            try:
-                outcome.append(elche.train(
-                    make_model, make_optimizer, step, DATA, batch_size=16, epochs=200, ranks=2,
-                    save_path=str(tmp_path / "bundle"), run_dir=str(run_dir), progress=False,
-                ))  # fmt: skip
-            except BaseException as exc:
-                outcome.append(exc)
-
-        runner = threading.Thread(target=go)
-        runner.start()
-        reader, waited = TimelineReader(run_dir), threading.Event()
-        for _ in range(600):  # up to 60 s for the first epoch to end
-            if any(isinstance(e, tl.EpochEnd) for e in reader.new_records()) or outcome:
-                break
-            waited.wait(0.1)
-        fill(disk)
-        runner.join(timeout=120)
-    assert not runner.is_alive()
-    (result,) = outcome
+        result = filled_after_an_epoch(
+            disk, run_dir, epochs=200, save_path=str(tmp_path / "bundle")
+        )
     assert isinstance(result, RuntimeError), result
     assert str(run_dir) in str(result)
     err = capfd.readouterr().err
