@@ -147,14 +147,18 @@ class _Solo:
         except (OSError, RuntimeError) as exc:  # torch.save: RuntimeError on a full disk
             what = "checkpoint" if reason is SaveReason.CHECKPOINT else "bundle"
             error = f"the {what} could not be written (rank 0: {type(exc).__name__}: {exc})"
-            more = "; training goes on" if reason is SaveReason.CHECKPOINT else ""
-            print(f"elche: {error}{more}", file=sys.stderr, flush=True)
+            if reason is SaveReason.CHECKPOINT:  # a stop's error says it itself
+                print(f"elche: {error}; training goes on", file=sys.stderr, flush=True)
             return error
         stem = self.saves.stem
         self.bundles.append({"stem": stem, "seq": seq, "reason": reason.value})
         if self.record is not None:
             self.record.saved(stem, seq, reason.value)
         return ""
+
+    def save_stopped(self, stop: _Stopped) -> str:
+        """The bundle of a run ``stop`` ended (``save``)."""
+        return self.save(stop.reason, stop.epoch, {**self.holes, stop.epoch: stop.rest})
 
     def after_epoch(
         self, epoch: int, loss: float | None, hooks: Hooks, *, samples: int, span_s: float
@@ -298,7 +302,7 @@ class _Stopped(BaseException):  # not an Exception: it passes the user's code (`
 def _stopped(solo: _Solo, stop: _Stopped, t0: float, run_dir: str | None) -> TrainResult:
     """Save the stopped run's bundle; its result (``saved_and_shutdown``, or ``failed``)."""
     reason = stop.reason
-    error = solo.save(reason, stop.epoch, {**solo.holes, stop.epoch: stop.rest})
+    error = solo.save_stopped(stop)
     result = _result(solo, t0, run_dir)
     result.summary.update(
         outcome="failed" if error else "saved_and_shutdown",
@@ -418,7 +422,7 @@ def _rest(plan: list[StepPlan], first: int) -> list[StepPlan]:
 
 def _nonfinite(solo: _Solo, stop: _Stopped) -> TrainingError:
     """The error a non-finite loss ends the run with, once its bundle is saved (if it can be)."""
-    error = solo.save(stop.reason, stop.epoch, {**solo.holes, stop.epoch: stop.rest})
+    error = solo.save_stopped(stop)
     held = "the bundle holds" if not error else f"no bundle ({error}); the model is"
     return TrainingError(
         rank=0, epoch=stop.epoch, error_type="NonFiniteLoss",
