@@ -23,10 +23,14 @@ import enum
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from elche.core.config import RANDOM_SHUFFLE, CoordinatorConfig, check_order
 from elche.core.elche_state import ElCheState, check_range
 from elche.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from elche.core.messages import SavedFile
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -98,6 +102,11 @@ class BundleFile:
         check_range("files.size", self.size, 0)
         if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256):
             raise ConfigError("files", f"{self.name}: {self.sha256!r} is not a SHA-256 hex digest")
+
+    @classmethod
+    def from_saved(cls, saved: SavedFile) -> BundleFile:
+        """The entry of a file a writer reported on disk."""
+        return cls(name=saved.name, size=saved.size, sha256=saved.sha256)
 
     def to_json(self) -> dict[str, object]:
         return {"name": self.name, "size": self.size, "sha256": self.sha256}

@@ -162,7 +162,7 @@ class SaveRound:
             text = f"rank {rank} could not write save {self.seq}: {msg.error}"
             out.append(Notice(level="error", text=text))
         for saved in msg.files:
-            entry = BundleFile(name=saved.name, size=saved.size, sha256=saved.sha256)
+            entry = BundleFile.from_saved(saved)
             if saved.kind == "optim" and self.kind is not SaveKind.FINAL:
                 self.optim[rank] = entry
             elif saved.kind in ("model", "final") and rank == self.writer and msg.writer:

@@ -425,8 +425,9 @@ class Host:
         if not isinstance(velocity, list):
             return None
         path = Path(stem).parent / bundle.outer_name(stem, seq)
-        saved = bundle.write_file(path, lambda f: np.savez(f, *velocity), kind="outer")
-        return BundleFile(name=saved.name, size=saved.size, sha256=saved.sha256)
+        return BundleFile.from_saved(
+            bundle.write_file(path, lambda f: np.savez(f, *velocity), kind="outer")
+        )
 
     def _drop_superseded(self, stem: str, meta: CheckpointMeta) -> None:
         old, self._committed = self._committed, meta

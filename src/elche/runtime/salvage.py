@@ -213,8 +213,7 @@ def _commit(stem: str, plan: Salvage, states: list[_LocalRecord]) -> int:
 
 
 def _move(src: Path, dst: Path, kind: str) -> BundleFile:
-    saved = bundle.rename_file(src, dst, kind=kind)
-    return BundleFile(name=saved.name, size=saved.size, sha256=saved.sha256)
+    return BundleFile.from_saved(bundle.rename_file(src, dst, kind=kind))
 
 
 def _write_summary(

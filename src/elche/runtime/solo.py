@@ -229,7 +229,7 @@ def train_solo(
                 record.ended(outcome="failed", reason=reason, epochs=0, samples=0)
             raise
     if record is not None:
-        _end_record(record, result.summary, Path(str(run_dir)))
+        _end_record(record, result.summary, record.run_dir)
     if signals.received is not None and result.summary["outcome"] != "completed":
         bundle_stem = result.summary["bundle"]
         raise interrupted(
@@ -350,7 +350,6 @@ def _train(solo: _Solo, hooks: Hooks, run_dir: str | None) -> None:
     cfg = plan.config
     meta = _resume(solo, plan.resume_from)
     start_epoch = meta.epoch if meta is not None else 0
-    solo.holes = {c.epoch: c.uncovered for c in meta.coverage} if meta else {}
     stem = cfg.save_path or (str(Path(run_dir) / "checkpoint") if run_dir is not None else None)
     solo.saves = SoloSaves(stem, cfg, meta) if stem is not None else None
     _user(start_epoch, solo.stepper.apply_schedule)  # the first step's lr, for the warm-up too
@@ -450,11 +449,11 @@ def _user(epoch: int, user_code: Callable[[], T]) -> T:
 
 
 def _resume(solo: _Solo, stem: str | None) -> CheckpointMeta | None:
-    """Load a bundle; its meta (None: a fresh run)."""
+    """Load a bundle and take its holes (``solo.holes``); its meta (None: a fresh run)."""
     if stem is None:
         return None
     meta = load_bundle(stem, solo.model, solo.optimizer, rank=0, world_size=1, device=solo.device)
-    holes = {c.epoch: c.uncovered for c in meta.coverage}
+    holes = solo.holes = {c.epoch: c.uncovered for c in meta.coverage}
     cfg = solo.plan.config
     to_do = sum(
         sum(size for _, size in holes[e]) if e in holes else cfg.num_samples

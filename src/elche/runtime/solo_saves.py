@@ -89,12 +89,13 @@ class SoloSaves:
             optim_file = self._write(
                 folder / bundle.optim_name(self.stem, seq, 0), optimizer, written
             )
+            files = BundleFiles(model=model_file, optim=((0, optim_file),))
             meta = CheckpointMeta(
                 epoch=epoch, global_step=self._base_step + steps, rounds_done=self._rounds,
                 world_size=1, reason=reason, seed=self.config.seed,
                 batch_size=self.config.batch_size, epochs=self.config.epochs,
                 coverage=_coverage(holes, epoch, self.config), mode=self.config.mode.value,
-                save_seq=seq, files=BundleFiles(model=model_file, optim=((0, optim_file),)),
+                save_seq=seq, files=files,
                 order=self.config.order,
             )  # fmt: skip
             bundle.write_meta(self.stem, meta)
@@ -105,7 +106,7 @@ class SoloSaves:
             raise
         old, self._committed = self._committed, meta
         if old is not None and old.files is not None:
-            for name in old.files.names() - meta.files.names():  # type: ignore[union-attr]
+            for name in old.files.names() - files.names():
                 with contextlib.suppress(OSError):
                     (folder / name).unlink()
         return seq
@@ -116,7 +117,7 @@ class SoloSaves:
     ) -> BundleFile:
         written.append(path)
         saved = bundle.write_file(path, lambda f: torch.save(owner.state_dict(), f), kind="file")
-        return BundleFile(name=saved.name, size=saved.size, sha256=saved.sha256)
+        return BundleFile.from_saved(saved)
 
 
 def _coverage(
