@@ -107,6 +107,41 @@ def test_a_member_superseded_once_every_member_has_arrived_forms_with_them(
     )
 
 
+def _serve_store(ports: Any) -> None:
+    """A group store in a process of its own, as the coordinator serves one, until killed."""
+    server = groups.GroupStoreServer(groups.listen(ADDRESS)).start()
+    ports.put(server.port)
+    while True:
+        time.sleep(1)
+
+
+def test_a_member_gathering_when_the_store_dies_waits_for_the_news_of_it() -> None:
+    """The coordinator serves the store: it dying under a gathering member broke the
+    member's connection, and the error ended the rank before the successor's Rejoin
+    came (a chaos run lost both survivors so). Now the member waits for the news."""
+    ctx = mp.get_context("fork")
+    ports = ctx.Queue()
+    server = ctx.Process(target=_serve_store, args=(ports,), daemon=True)
+    server.start()
+    try:
+        store = groups.generation_store(groups.connect(ADDRESS, ports.get(timeout=30), 5.0), 1)
+        polls: list[bool] = []
+
+        def news(wait_s: float) -> bool:  # the Rejoin comes a few polls after the death
+            time.sleep(wait_s)
+            if len(polls) == 2:
+                server.kill()
+                server.join(timeout=10)
+            polls.append(not server.is_alive())
+            return polls.count(True) > 3
+
+        assert not groups.gather(store, 0, [0, 1], timeout_s=5.0, superseded=news)
+        assert polls.count(True) == 4  # it waited through the broken store for the news
+    finally:
+        server.kill()
+        server.join(timeout=10)
+
+
 def test_a_store_that_takes_connections_but_does_not_serve_yet_does_not_hold_a_member() -> None:
     """A restarted coordinator takes connections before it serves its store (it imports
     torch first) and may end the run meanwhile: the member reads the news as it waits."""

@@ -81,6 +81,9 @@ ARRIVED = "arrived/"  # + a member's rank: it has come to gather for its generat
 OUTCOME = "outcome"  # FORMED or ABANDONED, claimed once (compare-and-set) for every member
 FORMED = "formed"
 ABANDONED = "abandoned"
+# Not a claim: the store stopped answering (its server, the coordinator, died). A
+# gathering member then waits for the news that comes of it, as for a newer order.
+GONE = "gone"
 GATHER_POLL_S = 0.05  # how often a gathering member looks at the store
 
 
@@ -237,6 +240,10 @@ def gather(
     coordinator orders a newer generation, which ends it sooner, when a
     member is lost).
 
+    A store that stops answering (the coordinator that serves it died) is
+    waited out the same way: its successor's ``Rejoin``, or the news that the
+    coordinator is lost, supersedes the generation.
+
     Returns:
         True when the gathering was claimed formed: enter the rendezvous.
         False when this member's generation was superseded and not formed.
@@ -245,21 +252,32 @@ def gather(
         RuntimeError: the gathering was not claimed formed in ``2 * timeout_s``
             (members that did not arrive are named).
     """
-    store.set(f"{ARRIVED}{rank}", "1")
     keys = [f"{ARRIVED}{member}" for member in members]
     deadline = time.monotonic() + 2 * timeout_s
-    while (outcome := _outcome(store, keys)) != FORMED:
+    outcome = _answer(store.set, f"{ARRIVED}{rank}", "1")
+    while outcome == GONE or (outcome := _answer(_outcome, store, keys)) != FORMED:
         if superseded(GATHER_POLL_S):
             return outcome is None and _claim(store, ABANDONED) == FORMED
         if time.monotonic() > deadline:
+            waited = f"{2 * timeout_s:.0f} s"
+            if outcome == GONE:
+                raise RuntimeError(f"the group store stopped answering; no news came in {waited}")
             if outcome is None and _claim(store, ABANDONED) == FORMED:
                 return True  # the last member came just now
             missing = [m for m, key in zip(members, keys, strict=True) if not store.check([key])]
-            waited = f"{2 * timeout_s:.0f} s"
             if missing:
                 raise RuntimeError(f"rank(s) {missing} did not come to form the group in {waited}")
             raise RuntimeError(f"a member gave the group up and no newer order came in {waited}")
     return True
+
+
+def _answer(ask: Callable[..., object], *args: object) -> str | None:
+    """``ask(*args)``'s outcome (None for no claim yet), or ``GONE`` if the store broke."""
+    try:
+        answer = ask(*args)
+    except RuntimeError:  # torch's DistNetworkError: the connection to its server broke
+        return GONE
+    return answer if isinstance(answer, str) else None
 
 
 def _outcome(store: Store, keys: list[str]) -> str | None:
