@@ -6,9 +6,10 @@ Each test is named after the item it pins down and failed before its fix.
 from __future__ import annotations
 
 from elche.core import messages as m
-from elche.core.commands import Finish, WriteMeta
+from elche.core.checkpoint import SaveReason
+from elche.core.commands import Command, Finish, WriteMeta
 from elche.core.coordinator import RunState
-from elche.core.events import RankLost
+from elche.core.events import RankLost, TimerFired
 from elche.core.rank import SaveKind
 from tests.core.harness import Harness, messages, of, state_saved
 
@@ -39,6 +40,72 @@ def test_issue12_item07_a_final_model_nobody_could_write_fails_the_run() -> None
     assert finish.outcome == "failed"  # type: ignore[attr-defined]
     assert "final model could not be written" in finish.reason  # type: ignore[attr-defined]
     assert "No space left" in finish.reason  # type: ignore[attr-defined]
+
+
+ENOSPC = "OSError: [Errno 28] No space left on device"
+
+
+def unwritten_final(stem: str | None = "/bundles/run") -> tuple[Harness, list[Command]]:
+    """Two ranks trained to the end; neither could write the final model."""
+    h = Harness(world_size=2, save_path=stem, epochs=2)
+    h.form()
+    h.run_to_end(final=False)
+    final = h.core.saves.rounds[SaveKind.FINAL]
+    h.send(0, state_saved(final, 0, error=ENOSPC))
+    return h, h.send(1, state_saved(final, 1, error=ENOSPC))
+
+
+def test_a_final_model_nobody_could_write_is_kept_as_a_bundle_with_nothing_left_to_train() -> None:
+    # It used to fail the run, and the trained model went with the ranks' processes.
+    h, out = unwritten_final()
+    assert not of(out, Finish)
+    assert h.core.state is RunState.SAVING
+    (order,) = messages(out, m.ShutdownWithSave)
+    assert order.reason == SaveReason.FINAL_MODEL_UNWRITTEN.value
+    assert order.writer == 0
+    out = h.answer_saves()
+    (write,) = of(out, WriteMeta)
+    meta = write.meta  # type: ignore[attr-defined]
+    assert meta.epoch == meta.epochs == 2  # nothing left: resuming writes the final model
+    assert not meta.coverage
+    assert meta.reason is SaveReason.FINAL_MODEL_UNWRITTEN
+    (finish,) = of(out, Finish)
+    assert finish.outcome == "saved_and_shutdown"  # type: ignore[attr-defined]
+    assert "final model could not be written" in finish.reason  # type: ignore[attr-defined]
+    assert "No space left" in finish.reason  # type: ignore[attr-defined]
+    assert messages(out, m.Shutdown) == [m.Shutdown(writer=-1)]  # the held ranks exit
+
+
+def test_a_final_model_whose_bundle_cannot_be_written_either_fails_naming_both() -> None:
+    h, out = unwritten_final()
+    save = h.core.saves.rounds[SaveKind.SHUTDOWN]
+    h.send(0, state_saved(save, 0, error=ENOSPC))
+    out = h.send(1, state_saved(save, 1, error="PermissionError: [Errno 13] Permission denied"))
+    (finish,) = of(out, Finish)
+    assert finish.outcome == "failed"  # type: ignore[attr-defined]
+    reason = finish.reason  # type: ignore[attr-defined]
+    assert "final model could not be written (rank 0: OSError" in reason
+    assert "the bundle could not be written (rank 0: OSError" in reason
+    assert "Permission denied" in reason
+
+
+def test_a_final_model_whose_writers_never_answered_fails_without_a_second_wait() -> None:
+    h = Harness(world_size=2, save_path="/bundles/run")
+    h.form()
+    h.run_to_end(final=False)
+    out: list[Command] = []
+    for _ in range(2):  # rank 0 is silent past its deadline, then rank 1, asked instead
+        if SaveKind.FINAL not in h.core.saves:
+            break
+        deadline = h.core.saves.rounds[SaveKind.FINAL].deadline_s
+        while h.now < deadline + 1:  # both ranks beat meanwhile: alive, but not writing
+            h.now += 1.0
+            out += h.send(0, m.Heartbeat()) + h.send(1, m.Heartbeat())
+            out += h.feed(TimerFired())
+    assert SaveKind.SHUTDOWN not in h.core.saves  # a second wait would be as silent
+    (finish,) = of(out, Finish)
+    assert finish.outcome == "failed"  # type: ignore[attr-defined]
+    assert "the writer never answered" in finish.reason  # type: ignore[attr-defined]
 
 
 def test_issue12_item08_a_dead_bundle_writer_is_replaced_and_its_answer_counts_only_as_writer() -> (

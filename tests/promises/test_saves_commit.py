@@ -155,16 +155,35 @@ def test_issue12_item11_a_resume_is_checked_before_anything_starts(tmp_path: Pat
     assert not (tmp_path / "b").exists()  # nothing started
 
 
-def test_issue12_item10_a_final_save_that_fails_says_so(tmp_path: Path) -> None:
+def test_issue12_item10_a_final_save_that_fails_keeps_the_trained_model_as_a_bundle(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     # Every writer finds a directory where its temporary file should go.
-    (run_dir / f"{bundle.FINAL_MODEL}.tmp").mkdir()
-    result = train(tmp_path, model_fn=make_model)
-    assert result.summary["outcome"] == "failed"
-    assert "final model could not be written" in str(result.summary["reason"])
-    assert "IsADirectoryError" in str(result.summary["reason"])  # each writer's own error
+    obstacle = run_dir / f"{bundle.FINAL_MODEL}.tmp"
+    obstacle.mkdir()
+    stem = str(tmp_path / "bundle" / "run")
+    result = train(tmp_path, model_fn=make_model, save_path=stem)
+    reason = str(result.summary["reason"])
+    # It used to fail the run, and the two trained epochs went with the ranks.
+    assert result.summary["outcome"] == "saved_and_shutdown"
+    assert "final model could not be written" in reason
+    assert "IsADirectoryError" in reason  # each writer's own error
+    assert result.summary["bundle"] == stem
     assert result.run_dir == str(run_dir)  # kept, with the ranks' reports
+    meta = json.loads(bundle.meta_path(stem).read_text())
+    assert (meta["epoch"], meta["epochs"], meta["save_reason"]) == (2, 2, "final_model_unwritten")
+    err = capfd.readouterr().err
+    assert f"resume_from={stem!r}" in err
+    # Resuming it trains nothing and writes the final model: the trained one.
+    obstacle.rmdir()
+    resumed = train(tmp_path / "again", model_fn=make_model, resume_from=stem)
+    assert resumed.summary["outcome"] == "completed"
+    assert resumed.summary["epochs_completed"] == 2
+    saved = torch.load(bundle_on_disk(stem).model, map_location="cpu")
+    assert saved.keys() == resumed.state_dict.keys()
+    assert all(torch.equal(saved[k], resumed.state_dict[k]) for k in saved)
 
 
 def test_issue12_item11_a_bundle_resumes_on_another_world_size(

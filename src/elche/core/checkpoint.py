@@ -62,6 +62,9 @@ class SaveReason(enum.Enum):
     CHECKPOINT = "checkpoint"
     NONFINITE = "nonfinite"  # a loss or an average went NaN/inf: the last finite consensus
     COORDINATOR_LOST = "coordinator_lost"  # not restartable: the launcher commits the ranks' state
+    # No rank could write the completed run's final model: the trained model, as a bundle
+    # with nothing left to train (resuming it writes the final model).
+    FINAL_MODEL_UNWRITTEN = "final_model_unwritten"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

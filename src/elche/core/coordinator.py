@@ -8,7 +8,9 @@ Rules:
   commands.
 - Run states move forward only: ``FORMING -> TRAINING -> (FINISHING) ->
   CLOSING -> DONE`` (the run is complete once its final model is on disk),
-  or ``-> SAVING -> DONE`` when the run cannot go on.
+  or ``-> SAVING -> DONE`` when the run cannot go on (from ``CLOSING`` too,
+  when no rank could write the final model: the trained model is then kept
+  as a bundle with nothing left to train).
 - A rank is ``JOINING``, ``LIVE``, ``DEAD`` or ``ERRORED``; a join slot
   (``config.join_slots``) is ``VACANT`` until a rank joins the running run
   in it (``elche.core.joins``). A rank that sends
@@ -81,7 +83,7 @@ from elche.core.planner import Planner
 from elche.core.rank import SaveKind
 from elche.core.roles import CallbackRoles
 from elche.core.rounds import Round
-from elche.core.saves import Saves, reason_to_stop
+from elche.core.saves import SaveRound, Saves, reason_to_stop
 from elche.core.scheduler import ElChe
 from elche.core.stall import StallWatch
 from elche.core.states import RankState, RankStates, RunState
@@ -706,9 +708,13 @@ class Coordinator:
                     self._out.append(self.saves.commit(stem, save.meta, save))
                 self._maybe_close()
                 continue
+            if save.kind is SaveKind.FINAL and not save.committed and self._keep_trained(save):
+                continue
             self._broadcast(m.Shutdown(writer=-1))  # the held ranks exit
             cause = save.reason or SaveReason.GRACEFUL_SHUTDOWN
             reason = cause.value
+            if cause is SaveReason.FINAL_MODEL_UNWRITTEN:
+                reason += f": the final model could not be written ({self.saves.unwritten_final})"
             if not save.committed:
                 what = "the final model" if save.kind is SaveKind.FINAL else f"{reason}: the bundle"
                 self._finish("failed", f"{what} could not be written ({save.failure()})")
@@ -722,6 +728,24 @@ class Coordinator:
                 if stem is not None:
                     self._out.append(self.saves.commit(stem, self._meta(cause), save))
                 self._finish("saved_and_shutdown", reason)
+
+    def _keep_trained(self, final: SaveRound) -> bool:
+        """No rank could write the final model: the trained model is saved as a
+        bundle with nothing left to train instead (resuming it writes the final
+        model), unless its writers never answered or no rank is left. Returns
+        whether that save started.
+        """
+        if final.timed_out or not self.workers or self.config.save_path is None:
+            return False
+        self.saves.unwritten_final = final.failure()
+        self._notice(
+            "error", f"the final model could not be written ({self.saves.unwritten_final}); "
+            "saving the trained model as a bundle instead",
+        )  # fmt: skip
+        self.state = RunState.SAVING
+        reason = SaveReason.FINAL_MODEL_UNWRITTEN
+        self._out += self.saves.start(SaveKind.SHUTDOWN, self.workers, self._now, reason=reason)
+        return True
 
     def _stop(self, reason: str) -> None:
         """Asked to stop: a training run saves; one whose training is over completes.

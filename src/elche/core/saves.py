@@ -21,7 +21,9 @@ Rules:
   answered go with it.
 - The writer that dies or fails before its model is in is replaced by the
   lowest live rank not yet tried, asked again; once every live rank was
-  tried, the save settles uncommitted.
+  tried, the save settles uncommitted. A ``FINAL`` that settles so (unless
+  its writers never answered) is followed by a ``SHUTDOWN`` bundle of the
+  trained model (``FINAL_MODEL_UNWRITTEN``): the ranks still hold it.
 - The run cannot go on once ``max_failures`` ranks have died, when no rank
   is left, or when fewer ranks are live than the backend needs
   (``min_live_ranks``: a collective group needs two).
@@ -224,6 +226,7 @@ class Saves:
         self.seq = last_save  # the last number given out
         self.committed = last_save  # the last save whose meta was written
         self.rounds: dict[SaveKind, SaveRound] = {}
+        self.unwritten_final = ""  # why no rank could write the final model, once none could
 
     def __contains__(self, kind: SaveKind) -> bool:
         return kind in self.rounds

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 from elche.core import timeline as tl
-from elche.core.checkpoint import CheckpointMeta
+from elche.core.checkpoint import CheckpointMeta, SaveReason
 from elche.core.config import CoordinatorConfig
 from elche.core.errors import TrainingError
 from elche.monitor.progress import Progress
@@ -244,10 +244,18 @@ def explain_outcome(summary: dict[str, object], save_path: str | None) -> None:
     if summary.get("outcome") == "failed":
         print(f"elche: the run failed: {summary.get('reason')}", file=sys.stderr, flush=True)
     if summary.get("outcome") == "saved_and_shutdown":
+        reason = str(summary.get("reason"))
+        unwritten = SaveReason.FINAL_MODEL_UNWRITTEN.value + ": "
+        said = (
+            f"the run trained to its end, but {reason.removeprefix(unwritten)}; the trained "
+            "model is saved"
+            if reason.startswith(unwritten)
+            else f"the run could not continue ({reason}); its state is saved"
+        )
         print(
-            f"elche: the run could not continue ({summary.get('reason')}); its state is saved "
-            f"as the bundle {save_path} ({save_path}.meta.json names its files). Resume it "
-            f"with resume_from={save_path!r} (elche demo: --resume-from {save_path}).",
+            f"elche: {said} as the bundle {save_path} ({save_path}.meta.json names its "
+            f"files). Resume it with resume_from={save_path!r} (elche demo: --resume-from "
+            f"{save_path}).",
             file=sys.stderr,
             flush=True,
         )
