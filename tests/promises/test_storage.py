@@ -7,6 +7,7 @@ filled by the test once the run has finished its first epoch.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import threading
@@ -21,6 +22,7 @@ import elche
 from elche.core import timeline as tl
 from elche.core.errors import ConfigError
 from elche.monitor.timeline import TimelineReader
+from elche.runtime.bundle import meta_path
 from elche.runtime.plan import hold_save_path
 from tests.promises.tiny import make_model, make_optimizer, step
 
@@ -122,15 +124,28 @@ def test_a_run_directory_that_fills_up_ends_the_run_with_one_clear_error(
 ) -> None:
     # The run directory holds the journal, the summary and the ranks' reports: a full
     # one ends the run. It used to end in a dozen tracebacks, a coordinator restarted
-    # three times into the same full disk, and a raw OSError from elche.train.
+    # three times into the same full disk, and a raw OSError from elche.train; then in
+    # a run that trained on until its final model could not be written, and nothing
+    # resumable (the ranks' local states are described in the run directory too).
+    stem = str(tmp_path / "bundle")
     with small_disk(tmp_path / "disk", "1m") as disk:
         run_dir = disk / "run"
-        result = filled_after_an_epoch(
-            disk, run_dir, epochs=200, save_path=str(tmp_path / "bundle")
-        )
+        result = filled_after_an_epoch(disk, run_dir, epochs=200, save_path=stem)
     assert isinstance(result, RuntimeError), result
     assert str(run_dir) in str(result)
+    assert f"saved as the bundle {stem}: resume_from={stem!r}" in str(result)
     err = capfd.readouterr().err
     assert f"cannot write in the run directory {run_dir}" in err, err[-3000:]
+    assert "so the run stops and saves its state" in err
+    assert err.count("could not write the timeline") <= 1  # said once
     assert "restarting it from the journal" not in err  # a successor would fail the same way
     assert "Traceback" not in err, err[-3000:]
+    # The bundle resumes: the run stopped mid-way, so it goes on a little and completes.
+    meta = json.loads(meta_path(stem).read_text())
+    assert 1 <= meta["epoch"] < 200
+    resumed = elche.train(
+        make_model, make_optimizer, step, DATA, batch_size=16, ranks=2, progress=False,
+        epochs=meta["epoch"] + 1, resume_from=stem, run_dir=str(tmp_path / "again"),
+    )  # fmt: skip
+    assert resumed.summary["outcome"] == "completed"
+    assert resumed.summary["lost_samples"] == 0

@@ -162,6 +162,8 @@ class Host:
             self.core = Coordinator(config, resume=resume, last_save=last)
         self._journal = JournalWriter(run_dir / JOURNAL_FILE)
         self._journal_round = 0  # the round of the last record appended
+        self._journal_refused = False  # the run directory refused it (the run stops)
+        self._timeline_refused = False  # ... refused the timeline (said once)
         self._kill_at = os.environ.get(FAULT_ENV, "")
         self._writers: dict[str, int] = {}  # a bundle file's name: the rank that wrote it
         self.endpoint = endpoint
@@ -369,8 +371,18 @@ class Host:
             )
 
     def _journal_failed(self, what: str, exc: OSError) -> None:
-        self._print("error", f"{what} ({exc}); a lost coordinator could not be restarted from it")
-        self._journal.close()
+        """The run directory refused the journal: the run stops and saves while its
+        ranks still can (its summary, its reports and its final model go there too)."""
+        with contextlib.suppress(OSError):  # what it still buffered cannot reach the disk
+            self._journal.close()
+        if self._journal_refused:
+            return  # said once; the stop is asked
+        self._journal_refused = True
+        self._print(
+            "error", f"{what} ({exc}); a lost coordinator could not be restarted from it, "
+            "so the run stops and saves its state",
+        )  # fmt: skip
+        self.request_stop(f"the run directory {self.run_dir} cannot be written ({exc})")
 
     def _write_meta(self, stem: str, meta: CheckpointMeta) -> None:
         """Commit a bundle: its outer momentum, then the meta that names every file.
@@ -491,7 +503,9 @@ class Host:
         try:
             self._timeline.write(event, time.monotonic())
         except OSError as exc:  # the timeline is for watching; the run goes on
-            self._print("warning", f"could not write the timeline: {exc}")
+            if not self._timeline_refused:  # said once: the next write would say the same
+                self._print("warning", f"could not write the timeline: {exc}")
+            self._timeline_refused = True
 
     def _print(self, level: str, text: str) -> None:
         self.stats.notices.append(f"{level}: {text}")
@@ -532,8 +546,12 @@ def _due(point: str, command: Command) -> bool:
 def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:  # a full or read-only run directory: no half-written file stays
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def config_to_json(config: CoordinatorConfig) -> str:

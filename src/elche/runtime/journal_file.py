@@ -104,10 +104,12 @@ class JournalWriter:
             fsync_dir(self.path.parent)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Close the file; the writer forgets it even when its last bytes could not
+        be flushed (a full disk: ``OSError``), so the next ``append`` starts anew."""
+        file, self._file = self._file, None
         self._unsynced = self._renamed = False
+        if file is not None:
+            file.close()
 
 
 def read_journal(path: Path) -> JournalRecord:

@@ -91,6 +91,7 @@ from elche.runtime.salvage import (
     give_up_coordinator,
     salvage_run,
     start_round,
+    wait_local_states,
 )
 
 if TYPE_CHECKING:
@@ -356,6 +357,20 @@ def supervised(
     forks = cast("ForkServerContext", ctx) if ctx.get_start_method() == "forkserver" else None
     started = start_coordinator(config, run_dir, secret, resume_from, forks=forks)
     return Supervised(*started, config, run_dir, secret, forks=forks)
+
+
+def salvage_if_lost(
+    plan: Plan, run_dir: Path, host: CoordinatorProcess, *, wait_s: float = 0.0
+) -> None:
+    """The coordinator left no summary because it was lost for good (not restarted):
+    commit what the ranks kept, once they described it (up to ``wait_s``: ranks
+    in other processes). One that could not write the run directory
+    (``UNWRITABLE_EXIT``) was not lost: the bundle it committed stands."""
+    if (run_dir / SUMMARY_FILE).exists() or host.poll() == UNWRITABLE_EXIT:
+        return
+    if wait_s > 0:
+        wait_local_states(plan.config, run_dir, wait_s)
+    salvage_run(plan.config, run_dir, start_round=start_round(plan.resume_from))
 
 
 def coordinator_lost(host: CoordinatorProcess, run_dir: Path) -> bool:
@@ -669,8 +684,7 @@ def _supervise(
         if host.poll() is None:
             host.kill()
         board.stop()
-    if not (run_dir / SUMMARY_FILE).exists():  # lost, not restarted: commit what ranks kept
-        salvage_run(cfg, run_dir, start_round=start_round(plan.resume_from))
+    salvage_if_lost(plan, run_dir, coordinator.host)
     for event in timeline.new_records():  # the salvage's bundle and the run's end too
         on_record(event, epochs, hooks, display)
     return epochs
@@ -771,6 +785,18 @@ def _call_hook(name: str, fn: Callable[..., object], *args: object) -> None:
         )
 
 
+def _bundle_since(stem: str | None, t0: float) -> str:
+    """Where a bundle committed since ``t0`` (monotonic) is, said as the end of an
+    error ("" when there is none)."""
+    began = time.time() - (time.monotonic() - t0)
+    if stem is None or bundle.read_meta(stem) is None:
+        return ""
+    with contextlib.suppress(OSError):
+        if bundle.meta_path(stem).stat().st_mtime < began:
+            return ""
+    return f"; the run's state is saved as the bundle {stem}: resume_from={stem!r} continues it"
+
+
 def epoch_log(plan: Plan) -> EpochLog:
     """The run's per-epoch metrics, filled from its timeline."""
     cfg = plan.config
@@ -786,7 +812,10 @@ def collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]
     """
     import torch
 
-    host, ranks = read_run(run_dir, plan.config.world_size)
+    try:
+        host, ranks = read_run(run_dir, plan.config.world_size)
+    except RuntimeError as exc:  # no summary: a bundle of this run's still resumes it
+        raise RuntimeError(f"{exc}{_bundle_since(plan.config.save_path, t0)}") from None
     summary = run_summary(
         host, ranks, speeds=plan.speeds, launched_s=t0, save_path=plan.config.save_path
     )

@@ -53,7 +53,7 @@ from elche.core.checkpoint import SaveReason
 from elche.core.errors import ConfigError, RankExcluded, TrainingError
 from elche.core.rank import COORDINATOR_LOST
 from elche.monitor.progress import Progress
-from elche.monitor.summary import SUMMARY_FILE, rank_report_file
+from elche.monitor.summary import rank_report_file
 from elche.monitor.timeline import read_timeline
 from elche.runtime.addresses import BIND_ENV, EVERY_INTERFACE, advertised_host
 from elche.runtime.frames import new_secret, secret_from_env
@@ -70,13 +70,13 @@ from elche.runtime.launch import (
     interrupted,
     on_record,
     rank_spec,
+    salvage_if_lost,
     start_coordinator,
     start_watching,
     with_bundle,
 )
 from elche.runtime.lifetimes import Interrupted, StopSignals, watch_launcher
 from elche.runtime.plan import Hooks, Plan, TrainResult
-from elche.runtime.salvage import salvage_run, start_round, wait_local_states
 from elche.runtime.shared_result import HOLD_S, ResultBoard
 from elche.runtime.worker import raise_if_refused, train_rank
 
@@ -208,7 +208,13 @@ def _train(
         return _other_rank_result(report, state, results, directory), stopped
     try:
         result = _collect_on_rank0(
-            plan, hooks, rank0.watcher, board=rank0.board, directory=directory, t0=t0
+            plan,
+            hooks,
+            rank0.host,
+            rank0.watcher,
+            board=rank0.board,
+            directory=directory,
+            t0=t0,
         )
     except BaseException as exc:
         results.publish({"error": f"{type(exc).__name__}: {exc}"}, readers=world - 1)
@@ -339,6 +345,7 @@ def _shared_result(
 def _collect_on_rank0(
     plan: Plan,
     hooks: Hooks,
+    coordinator: Supervised,
     watcher: threading.Thread,
     *,
     board: Any,
@@ -349,9 +356,7 @@ def _collect_on_rank0(
     watcher.join(timeout=COORDINATOR_EXIT_S)
     if board is not None:
         board.stop()
-    if not (directory / SUMMARY_FILE).exists():  # lost, not restarted: commit what ranks kept
-        wait_local_states(plan.config, directory, LOCAL_STATE_WAIT_S)
-        salvage_run(plan.config, directory, start_round=start_round(plan.resume_from))
+    salvage_if_lost(plan, directory, coordinator.host, wait_s=LOCAL_STATE_WAIT_S)
     epochs = epoch_log(plan)
     quiet = Progress(plan.config.epochs, enabled=False)
     for event in read_timeline(directory):
