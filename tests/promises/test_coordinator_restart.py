@@ -98,6 +98,31 @@ def test_issue13_a_killed_coordinator_is_restarted_and_the_run_completes(
     assert summary["wall_s"] > 0
 
 
+@pytest.mark.parametrize("launcher", ["elche.train", "elche-run"])
+def test_a_coordinator_lost_before_the_run_began_fails_it_saying_nothing_was_trained(
+    tmp_path: Path, launcher: str
+) -> None:
+    # No journal yet, so no successor: the run fails. It used to say the journal
+    # "cannot be read: [Errno 2] No such file", after the launcher had given ranks
+    # that trained nothing 30 s to keep their state.
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    args, expected = LAUNCHERS[launcher]
+    env = dict(os.environ, ELCHE_RUN_DIR=str(tmp_path / "run"), ELCHE_FAULT_COORDINATOR="start")
+    done = subprocess.run(
+        [sys.executable, *args, str(script), "cadence", "start"],
+        capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert sorted(re.findall(r"RETURNED \d", done.stdout)) == expected, done.stderr[-4000:]
+    assert "the coordinator was lost before the run began" in done.stderr
+    (line,) = re.findall(r"SUMMARY (\{.*\})", done.stdout)
+    summary = json.loads(line)
+    assert summary["outcome"] == "failed"
+    assert "lost before the run began; nothing was trained" in summary["reason"], summary
+    assert summary["epochs_completed"] == 0
+
+
 def test_issue13_a_coordinator_lost_past_its_restarts_is_not_restarted(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -540,6 +540,8 @@ def _due(point: str, command: Command) -> bool:
         return command.record.rounds_done >= int(number)
     if kind == "averaging" and isinstance(message, m.SyncNow | m.RequestParams):
         return message.round >= int(number)
+    if kind == "start":  # its first command: before any rank joined, no journal yet
+        return True
     return kind == "final" and isinstance(message, m.Shutdown) and message.writer >= 0
 
 

@@ -670,10 +670,11 @@ def _supervise(
             failed = _run_failed(run_dir)
     finally:
         display.close()
-        # A failed run has nothing left to save: no rank is waited for.
+        # A failed run has nothing left to save: no rank is waited for. Nor is one
+        # of a run whose coordinator was lost before it began (nothing trained).
         grace_s = RANK_EXIT_GRACE_S if signals.received is None else STOPPED_RANK_GRACE_S
         host = coordinator.host
-        if failed or host.poll() == FAILED_EXIT:
+        if failed or host.poll() == FAILED_EXIT or _never_began(run_dir):
             grace_s = 0.0
         deadline = time.monotonic() + grace_s
         for proc in procs:
@@ -688,6 +689,12 @@ def _supervise(
     for event in timeline.new_records():  # the salvage's bundle and the run's end too
         on_record(event, epochs, hooks, display)
     return epochs
+
+
+def _never_began(run_dir: Path) -> bool:
+    """The coordinator left neither a summary nor a journal: it was lost before any
+    work went out (the journal's first record precedes it), so no rank trained."""
+    return not (run_dir / SUMMARY_FILE).exists() and not (run_dir / JOURNAL_FILE).exists()
 
 
 def _start_rank(

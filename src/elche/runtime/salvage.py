@@ -163,6 +163,8 @@ def salvage_run(config: CoordinatorConfig, run_dir: Path, *, start_round: int = 
     try:
         if stem is None:
             raise SalvageRefused("the run has no save path")
+        if not (run_dir / JOURNAL_FILE).exists():  # its first record precedes any work
+            raise SalvageRefused("it was lost before the run began; nothing was trained")
         record = read_journal(run_dir / JOURNAL_FILE)
         states = _read_states(run_dir, config.world_size)
         plan = salvage(config, record, [_state(s) for s in states], start_round=start_round)
