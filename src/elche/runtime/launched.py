@@ -207,15 +207,7 @@ def _train(
     if rank0 is None:
         return _other_rank_result(report, state, results, directory), stopped
     try:
-        result = _collect_on_rank0(
-            plan,
-            hooks,
-            rank0.host,
-            rank0.watcher,
-            board=rank0.board,
-            directory=directory,
-            t0=t0,
-        )
+        result = _collect_on_rank0(plan, hooks, rank0, directory, t0)
     except BaseException as exc:
         results.publish({"error": f"{type(exc).__name__}: {exc}"}, readers=world - 1)
         raise
@@ -343,20 +335,13 @@ def _shared_result(
 
 
 def _collect_on_rank0(
-    plan: Plan,
-    hooks: Hooks,
-    coordinator: Supervised,
-    watcher: threading.Thread,
-    *,
-    board: Any,
-    directory: Path,
-    t0: float,
+    plan: Plan, hooks: Hooks, rank0: _Rank0, directory: Path, t0: float
 ) -> TrainResult:
     """Rank 0: wait for the coordinator (and its successors), then build the result."""
-    watcher.join(timeout=COORDINATOR_EXIT_S)
-    if board is not None:
-        board.stop()
-    salvage_if_lost(plan, directory, coordinator.host, wait_s=LOCAL_STATE_WAIT_S)
+    rank0.watcher.join(timeout=COORDINATOR_EXIT_S)
+    if rank0.board is not None:
+        rank0.board.stop()
+    salvage_if_lost(plan, directory, rank0.host.host, wait_s=LOCAL_STATE_WAIT_S)
     epochs = epoch_log(plan)
     quiet = Progress(plan.config.epochs, enabled=False)
     for event in read_timeline(directory):
