@@ -355,7 +355,8 @@ def _run_script(args: argparse.Namespace) -> int:
         MASTER_PORT=str(port),
         WORLD_SIZE=str(args.nproc),
         LOCAL_WORLD_SIZE=str(args.nproc),
-        ELCHE_RUN_DIR=tempfile.mkdtemp(prefix="elche-run-"),
+        # The user's, as rank 0 under torchrun takes it; else a new one.
+        ELCHE_RUN_DIR=os.environ.get("ELCHE_RUN_DIR") or tempfile.mkdtemp(prefix="elche-run-"),
     )
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if args.dashboard is not None:

@@ -792,16 +792,16 @@ def _call_hook(name: str, fn: Callable[..., object], *args: object) -> None:
         )
 
 
-def _bundle_since(stem: str | None, t0: float) -> str:
-    """Where a bundle committed since ``t0`` (monotonic) is, said as the end of an
-    error ("" when there is none)."""
+def fresh_bundle(stem: str | None, t0: float) -> str | None:
+    """``stem`` if a bundle was committed there since ``t0`` (monotonic), else None:
+    what a run whose summary never came saved (its summary would name it)."""
     began = time.time() - (time.monotonic() - t0)
     if stem is None or bundle.read_meta(stem) is None:
-        return ""
-    with contextlib.suppress(OSError):
-        if bundle.meta_path(stem).stat().st_mtime < began:
-            return ""
-    return f"; the run's state is saved as the bundle {stem}: resume_from={stem!r} continues it"
+        return None
+    try:
+        return stem if bundle.meta_path(stem).stat().st_mtime >= began else None
+    except OSError:  # gone since it was read
+        return None
 
 
 def epoch_log(plan: Plan) -> EpochLog:
@@ -822,7 +822,9 @@ def collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]
     try:
         host, ranks = read_run(run_dir, plan.config.world_size)
     except RuntimeError as exc:  # no summary: a bundle of this run's still resumes it
-        raise RuntimeError(f"{exc}{_bundle_since(plan.config.save_path, t0)}") from None
+        saved = fresh_bundle(plan.config.save_path, t0)
+        where = f"; the run's state is saved as the bundle {saved}: resume_from={saved!r}"
+        raise RuntimeError(f"{exc}{where + ' continues it' if saved else ''}") from None
     summary = run_summary(
         host, ranks, speeds=plan.speeds, launched_s=t0, save_path=plan.config.save_path
     )

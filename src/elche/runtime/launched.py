@@ -67,6 +67,7 @@ from elche.runtime.launch import (
     collect,
     epoch_log,
     explain_outcome,
+    fresh_bundle,
     interrupted,
     on_record,
     rank_spec,
@@ -112,6 +113,7 @@ def train_launched(
     Raises:
         Interrupted: a signal (or the launcher's death) stopped the run.
     """
+    t0 = time.monotonic()
     rank = int(os.environ["RANK"])
     host: list[Supervised] = []  # rank 0's coordinator, once started
     whole_lines()
@@ -129,11 +131,20 @@ def train_launched(
             max_grad_norm=max_grad_norm, run_dir=run_dir, dashboard=dashboard,
             tensorboard_dir=tensorboard_dir,
         )  # fmt: skip
-    if stopped != f"saved: {SaveReason.GRACEFUL_SHUTDOWN.value}":  # not stopped on request
+    asked = stopped == f"saved: {SaveReason.GRACEFUL_SHUTDOWN.value}"  # stopped on request
+    signalled = signals.received is not None and result.summary.get("outcome") != "completed"
+    if not (asked or signalled):  # (a signal before the run formed: it failed, nothing saved)
         return result
     signum = signals.received if signals.received is not None else signal.SIGTERM
     stem = result.summary.get("bundle")  # RUN_DIR/checkpoint where the user named no save_path
     bundle = stem if isinstance(stem, str) else None
+    if bundle is None and asked and rank != 0:  # rank 0 is gone, and the line it would say
+        directory = Path(result.run_dir or ".")  # (a rank's result always names it)
+        bundle = fresh_bundle(with_bundle(plan, directory).config.save_path, t0)
+        if bundle is not None:
+            print(f"elche rank {rank}: rank 0 shared no result; the run stopped and is saved "
+                  f"under {bundle}; resume_from={bundle!r} continues it", file=sys.stderr,
+                  flush=True)  # fmt: skip
     if rank == 0:
         raise interrupted(signum, result, bundle, resumed_from=plan.resume_from)
     raise Interrupted(signum, bundle, result)
@@ -314,12 +325,15 @@ def _shared_result(
     Raises:
         RankExcluded: this rank lost its coordinator (``cut_off``: why) and
             rank 0 shared nothing either: a host cut off for good.
+        RuntimeError: rank 0 ended with an error (it said which) instead.
     """
     doc = results.read(COORDINATOR_EXIT_S + HOLD_S)
     summary = doc.get("summary") if doc else None
     epochs = doc.get("epochs") if doc else None
     if not isinstance(summary, dict):
         why = doc.get("error") if doc else "none came"
+        if doc and why and not cut_off:  # rank 0 raised it, and said it: so does every rank
+            raise RuntimeError(f"rank 0 ended with {why}")
         print(f"elche: rank 0 shared no run summary ({why})", file=sys.stderr, flush=True)
         if cut_off:  # neither the coordinator nor rank 0 reached: the run is elsewhere
             rank = int(os.environ["RANK"])
@@ -427,8 +441,8 @@ def _train_in_child(
     if child.exitcode == 0:
         state = torch.load(out, map_location="cpu")
         out.unlink(missing_ok=True)
-        report = json.loads(rank_report_file(Path(spec.run_dir), spec.rank).read_text())
-        return report, state
+        written = rank_report_file(Path(spec.run_dir), spec.rank)  # not in a full run dir
+        return (json.loads(written.read_text()) if written.exists() else {}), state
     if host is not None:
         _report_lost(host.host, spec.rank, child.exitcode)  # the one up now
     print(f"elche: rank {spec.rank} was lost (its process ended with {child.exitcode}); "

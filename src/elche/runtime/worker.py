@@ -852,7 +852,13 @@ def train_rank(
         worker.membership.close()
     report = worker.report()
     report["last_loss"] = worker.last_loss
-    rank_report_file(Path(spec.run_dir), spec.rank).write_text(json.dumps(report))
+    text = json.dumps(report).encode()
+    try:
+        bundle.write_file(rank_report_file(Path(spec.run_dir), spec.rank), lambda f: f.write(text),
+                          kind="report")  # fmt: skip
+    except OSError as exc:  # a full or read-only run dir: its coordinator stopped the run
+        print(f"elche rank {spec.rank}: cannot write its report in the run directory "
+              f"{spec.run_dir} ({exc})", file=sys.stderr, flush=True)  # fmt: skip
     state = {k: v.detach().cpu().clone() for k, v in worker.model.state_dict().items()}
     return report, state
 

@@ -1,0 +1,142 @@
+"""``elche run`` keeps the promises ``elche.train(ranks=N)`` keeps, off its tested path.
+
+Real processes, each run in a session of its own (``test_lifetimes.session``):
+a signal before the run formed, rank 0 (the coordinator's host) SIGKILLed
+mid-run, and a run directory that fills up mid-run. Each failed before its fix:
+the first exited 0 with an untrained model, the second told the survivors
+"nothing saved" beside a committed bundle, the third ended in a traceback from
+every rank and named no bundle.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.promises.test_lifetimes import (
+    MID_RUN_WITHIN_S,
+    STOP_WITHIN_S,
+    session,
+    wait_exit,
+    wait_mid_run,
+    worker_of,
+)
+from tests.promises.test_storage import fill, small_disk
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SCRIPT = """
+import os, sys, time
+from pathlib import Path
+import elche
+from elche.workloads import digits
+
+GATE = Path(sys.argv[1]) / "go"
+
+def gated_model(device):  # holds every rank before it joins, until the test opens it
+    while not GATE.exists():
+        time.sleep(0.02)
+    return digits.make_model(device)
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    rank = os.environ["RANK"]
+    try:
+        result = elche.train(
+            gated_model, digits.make_optimizer, digits.step_fn, train_set, batch_size=32,
+            epochs=int(sys.argv[2]), speeds=[0.05, 0.05, 0.02][: int(os.environ["WORLD_SIZE"])],
+            heartbeat_timeout_s=3.0, progress=False, save_path=sys.argv[1] + "/bundle",
+        )
+    except KeyboardInterrupt as stop:
+        print(f"STOPPED {rank} bundle={stop.bundle} code={stop.code}", flush=True)
+        raise
+    except RuntimeError as exc:
+        print(f"RAISED {rank} {exc}", flush=True)
+        raise SystemExit(1)
+    print(f"RETURNED {rank} {result.summary['outcome']}", flush=True)
+"""
+
+
+def launch(tmp_path: Path, nproc: int, epochs: int) -> list[str]:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    args = [sys.executable, "-m", "elche.cli", "run", "--nproc", str(nproc), str(script)]
+    return [*args, str(tmp_path), str(epochs)]
+
+
+def wait_for(path: Path, proc: object) -> None:
+    """Until ``path`` exists (the run's own file), with a deadline."""
+    deadline = time.monotonic() + MID_RUN_WITHIN_S
+    while not path.exists():
+        assert proc.poll() is None, "the run ended first"  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)  # polling for a condition, with a deadline
+
+
+def test_a_signal_before_the_run_formed_interrupts_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It used to return the untrained model from elche.train, and elche run exited 0.
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("ELCHE_RUN_DIR", str(run_dir))
+    with session(launch(tmp_path, 2, 2), tmp_path) as proc:
+        wait_for(run_dir / "coordinator.pid", proc)  # the ranks wait at the gate
+        os.killpg(proc.pid, signal.SIGTERM)
+        wait_for(run_dir / "summary.json", proc)  # the coordinator failed the run
+        (tmp_path / "go").touch()
+        returncode, out, err = wait_exit(proc, STOP_WITHIN_S)
+    assert returncode == 143, err[-3000:]
+    assert "RETURNED" not in out, out
+    assert sorted(re.findall(r"STOPPED \d bundle=None code=143", out)) == [
+        "STOPPED 0 bundle=None code=143", "STOPPED 1 bundle=None code=143",
+    ], out + err[-3000:]  # fmt: skip
+    assert "stopped before the run formed (SIGTERM)" in err
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_rank_0_killed_mid_run_leaves_its_survivors_naming_the_bundle(tmp_path: Path) -> None:
+    # Rank 0 hosts the coordinator: its successor-less stop saves through the others,
+    # who used to say "nothing saved" beside the committed bundle.
+    (tmp_path / "go").touch()
+    with session(launch(tmp_path, 3, 8), tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        rank0 = worker_of(proc.pid, 0)
+        assert rank0 is not None, "no rank 0 process"
+        os.kill(rank0, signal.SIGKILL)
+        _, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    stem = str(tmp_path / "bundle")
+    assert sorted(re.findall(r"STOPPED \d bundle=\S+ code=143", out)) == [
+        f"STOPPED 1 bundle={stem} code=143", f"STOPPED 2 bundle={stem} code=143",
+    ], out + err[-3000:]  # fmt: skip
+    for rank in (1, 2):
+        assert f"elche rank {rank}: rank 0 shared no result; the run stopped and is saved " \
+               f"under {stem}; resume_from={stem!r}" in err, err[-3000:]  # fmt: skip
+    assert Path(f"{stem}.meta.json").exists()
+
+
+def test_a_run_directory_that_fills_up_says_where_the_bundle_is_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each rank's report write used to raise a traceback into the user's script.
+    (tmp_path / "go").touch()
+    stem = str(tmp_path / "bundle")
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        monkeypatch.setenv("ELCHE_RUN_DIR", str(disk / "run"))
+        with session(launch(tmp_path, 2, 200), tmp_path) as proc:
+            wait_mid_run(proc, disk)
+            fill(disk)
+            returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    assert returncode == 1, err[-3000:]
+    saved = f"the run's state is saved as the bundle {stem}: resume_from={stem!r}"
+    raised = re.findall(r"RAISED (\d) (.*)", out)
+    assert sorted(rank for rank, _ in raised) == ["0", "1"], out + err[-3000:]
+    assert all(saved in text for _, text in raised), raised
+    assert "Traceback" not in err, err[-3000:]
+    assert "cannot write its report in the run directory" in err
+    assert Path(f"{stem}.meta.json").exists()
