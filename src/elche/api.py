@@ -280,7 +280,8 @@ def train(
 
         meta = check_resume(plan.resume_from, plan.config, model_fn)  # before anything starts
         # A resumed run draws each epoch's order as its bundle's run did.
-        plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, order=meta.order))
+        config = dataclasses.replace(plan.config, order=meta.order)
+        plan = dataclasses.replace(plan, config=config, resume_seq=meta.save_seq)
     if run_dir is not None:  # the last check: it makes the folder, as the run would
         _check_writable(Path(run_dir), "run_dir")
     from elche.runtime.joining import JOIN_ENV

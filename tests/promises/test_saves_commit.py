@@ -9,6 +9,7 @@ the FIFO so the next writer writes a plain file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -202,6 +203,44 @@ def test_issue12_item11_a_bundle_resumes_on_another_world_size(
     err = capfd.readouterr().err
     assert "saved by 3 ranks and resumes on 2" in err
     assert "the optimizer states of ranks [2] are not used" in err
+
+
+class SavedOverOnStart:
+    """A ``model_fn`` whose first call in a rank process makes the bundle at ``stem``
+    another run's newer save, as a run saving there meanwhile would."""
+
+    def __init__(self, stem: str) -> None:
+        self.stem = stem
+
+    def __call__(self, device: torch.device) -> nn.Module:
+        if "ELCHE_RANK" in os.environ:  # in a rank, not the launcher's check
+            with contextlib.suppress(FileExistsError):  # the first rank does it
+                os.close(os.open(f"{self.stem}.saved-over", os.O_CREAT | os.O_EXCL))
+                meta = json.loads(bundle.meta_path(self.stem).read_text())
+                meta["save_seq"] += 1
+                bundle.meta_path(self.stem).write_text(json.dumps(meta))
+        return make_model(device)
+
+
+def test_a_bundle_saved_over_while_the_run_starts_is_refused_by_every_rank(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The coordinator planned from the save the launcher checked; the ranks loaded
+    # whatever save the stem held when they got there. Another run saving at the
+    # stem in between made them train its samples twice, reported "lost 0".
+    stem = str(tmp_path / "bundle" / "run")
+    first = train(tmp_path / "a", epochs=1, checkpoint_every=1, save_path=stem,
+                  model_fn=make_model)  # fmt: skip
+    seq = json.loads(bundle.meta_path(stem).read_text())["save_seq"]
+    capfd.readouterr()
+    assert first.summary["outcome"] == "completed"
+    result = train(tmp_path / "b", epochs=2, resume_from=stem, model_fn=SavedOverOnStart(stem))
+    assert result.summary["outcome"] == "failed"
+    assert result.summary["epochs_completed"] == 1  # nothing trained past the bundle
+    err = capfd.readouterr().err
+    changed = f"the bundle at {stem} changed after this run checked it (save {seq} then, save"
+    assert changed in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]  # elche's own refusal: its line says it all
 
 
 def test_issue12_item08_a_stop_whose_meta_cannot_be_written_is_not_announced_as_saved(

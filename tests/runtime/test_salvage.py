@@ -57,7 +57,7 @@ def test_without_a_journal_nothing_is_committed_and_the_summary_says_why(tmp_pat
     assert not bundle.meta_path(str(cfg.save_path)).exists()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["outcome"] == "failed"
-    assert summary["reason"].startswith("coordinator_lost: journal")
+    assert summary["reason"].startswith("coordinator_lost: it was lost before the run began")
     assert ".local" not in summary["reason"]  # no rank kept a state: none is named
     Path(f"{cfg.save_path}.rank1.local.model.pt").write_bytes(b"kept")
     assert salvage_run(cfg, tmp_path) is None

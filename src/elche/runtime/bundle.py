@@ -36,6 +36,7 @@ from elche.core.messages import SavedFile
 __all__ = [
     "FINAL_MODEL",
     "BundlePaths",
+    "check_unchanged",
     "fsync_dir",
     "locate",
     "meta_path",
@@ -125,6 +126,24 @@ def write_meta(stem: str, meta: CheckpointMeta) -> None:
     """
     text = meta.to_json().encode("utf-8")
     write_file(meta_path(stem), lambda f: f.write(text), kind="meta")
+
+
+def check_unchanged(stem: str, meta: CheckpointMeta, seq: int | None) -> None:
+    """``meta``, read at ``stem`` now, is of the save the run was checked at (``seq``).
+
+    Every save has its own number and files, so a bundle that another run
+    saved over since names other files and other coverage: starting from it
+    would train its samples again, or skip others.
+
+    Raises:
+        ConfigError: it is another save.
+    """
+    if seq is not None and meta.save_seq != seq:
+        raise ConfigError(
+            "resume_from",
+            f"the bundle at {stem} changed after this run checked it (save {seq} then, save "
+            f"{meta.save_seq} now): another run saved there; resume again to start from it",
+        )
 
 
 def read_meta(stem: str | None) -> CheckpointMeta | None:

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, cast
 from elche.core import timeline as tl
 from elche.core.checkpoint import CheckpointMeta, SaveReason
 from elche.core.config import CoordinatorConfig
-from elche.core.errors import TrainingError
+from elche.core.errors import ConfigError, TrainingError
 from elche.monitor.progress import Progress
 from elche.monitor.summary import SUMMARY_FILE, read_run, run_summary
 from elche.monitor.timeline import TimelineReader
@@ -171,9 +171,11 @@ def _rank_process(
             torch.save(state, state_out)
     except BaseException as exc:
         # The user's own error: its traceback is the useful part, not elche's frames;
-        # of a full or read-only disk (the run directory's), none helps.
+        # of a full or read-only disk (the run directory's), or of a bundle that is no
+        # longer the one checked (ConfigError), none helps.
         storage = isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS
-        text = str(exc) if isinstance(exc, TrainingError) or storage else traceback.format_exc()
+        said = isinstance(exc, TrainingError | ConfigError) or storage
+        text = str(exc) if said else traceback.format_exc()
         with contextlib.suppress(OSError):  # said below either way
             (Path(spec.run_dir) / f"rank{spec.rank}.error").write_text(text)
         print(f"elche rank {spec.rank} failed:\n{text}", file=sys.stderr, flush=True)
@@ -220,7 +222,7 @@ def rank_spec(
         speed=plan.speeds[rank],
         speed_base_s=plan.speed_base_s, device=plan.devices[rank], gamma=cfg.scheduler.gamma,
         max_grad_norm=max_grad_norm,
-        save_path=cfg.save_path, resume_from=plan.resume_from,
+        save_path=cfg.save_path, resume_from=plan.resume_from, resume_seq=plan.resume_seq,
         heartbeat_interval_s=cfg.heartbeat_interval_s,
         coordinator_timeout_s=max(cfg.heartbeat_timeout_s, 10.0),
         collective_timeout_s=max(2 * cfg.heartbeat_timeout_s, 60.0),
@@ -352,10 +354,14 @@ def supervised(
     secret: bytes,
     resume_from: str | None,
     ctx: ForkServerContext | SpawnContext,
+    *,
+    resume_seq: int | None = None,
 ) -> Supervised:
     """Start the coordinator of a local run whose ranks start from ``ctx``, supervised."""
     forks = cast("ForkServerContext", ctx) if ctx.get_start_method() == "forkserver" else None
-    started = start_coordinator(config, run_dir, secret, resume_from, forks=forks)
+    started = start_coordinator(
+        config, run_dir, secret, resume_from, forks=forks, resume_seq=resume_seq
+    )
     return Supervised(*started, config, run_dir, secret, forks=forks)
 
 
@@ -388,6 +394,7 @@ def start_coordinator(
     *,
     restore_at: tuple[str, int | None] | None = None,
     forks: ForkServerContext | None = None,
+    resume_seq: int | None = None,
 ) -> tuple[CoordinatorProcess, str, int | None]:
     """Start the coordinator; it, its address and its group store's port.
 
@@ -397,14 +404,20 @@ def start_coordinator(
     after the new process has imported torch (~2 s on 2 cores).
     The port is None where no collective group forms (``elche.runtime.groups``).
     ``restore_at``: the lost coordinator's address and store port; the new one
-    binds them and goes on from the run's journal.
+    binds them and goes on from the run's journal. ``resume_seq``: the save of
+    ``resume_from`` the run was checked at (``Plan.resume_seq``).
+
+    Raises:
+        ConfigError: ``resume_from`` holds another save by now.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "coordinator.json").write_text(config_to_json(config), encoding="utf-8")
     if resume_from is not None:
         text = bundle.meta_path(resume_from).read_text(encoding="utf-8")
+        meta = CheckpointMeta.from_json(text)
+        bundle.check_unchanged(resume_from, meta, resume_seq)
         (run_dir / "resume.meta.json").write_text(text, encoding="utf-8")
-        outer = bundle.locate(resume_from, CheckpointMeta.from_json(text), config.world_size).outer
+        outer = bundle.locate(resume_from, meta, config.world_size).outer
         if config.outer_lr is not None and outer is not None:
             shutil.copyfile(outer, run_dir / RESUME_OUTER)
     if restore_at is None:
@@ -629,7 +642,9 @@ def _supervise(
     cfg = plan.config
     secret = secret_from_env(os.environ) or new_secret()
     ctx = rank_context()
-    coordinator = supervised(cfg, run_dir, secret, plan.resume_from, ctx)
+    coordinator = supervised(
+        cfg, run_dir, secret, plan.resume_from, ctx, resume_seq=plan.resume_seq
+    )
     announce_join(coordinator.address, coordinator.group_port, run_dir, secret, cfg)
     board = start_watching(plan, run_dir, dashboard, tensorboard_dir)
     procs: list[Any] = []

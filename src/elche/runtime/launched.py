@@ -42,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -186,7 +186,7 @@ def _train(
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     rank0 = None
-    shared: list[object] = [None, None, None, None, None]
+    shared: list[object] = [None] * 6
     if rank == 0:
         rank0 = _start_on_rank0(
             plan, host_box, signals, run_dir=run_dir, multi_host=multi_host,
@@ -196,6 +196,9 @@ def _train(
     dist.broadcast_object_list(shared, src=0)
     address, secret_hex, directory_text, port = (str(x) for x in shared[:4])
     group_port = shared[4] if isinstance(shared[4], int) else None
+    # Every rank starts from the save rank 0 checked (another run may have saved
+    # at the stem between two ranks' checks).
+    plan = replace(plan, resume_seq=shared[5] if isinstance(shared[5], int) else None)
     host = None if rank0 is None else rank0.host
     if rank0 is None:
         results = ResultBoard.join(_board_host(multi_host), int(port), COORDINATOR_EXIT_S)
@@ -265,7 +268,7 @@ def _start_on_rank0(
         os.environ.setdefault(BIND_ENV, EVERY_INTERFACE)
     bundled = with_bundle(plan, directory)
     host, address, group_port = start_coordinator(
-        bundled.config, directory, secret, plan.resume_from
+        bundled.config, directory, secret, plan.resume_from, resume_seq=plan.resume_seq
     )
     coordinator = Supervised(host, address, group_port, bundled.config, directory, secret)
     host_box.append(coordinator)
@@ -277,7 +280,9 @@ def _start_on_rank0(
     announce_join(address, group_port, directory, secret, bundled.config)
     results = ResultBoard.serve()
     board = start_watching(bundled, directory, dashboard, tensorboard_dir)
-    shared: list[object] = [address, secret.hex(), str(directory), results.port, group_port]
+    shared: list[object] = [
+        address, secret.hex(), str(directory), results.port, group_port, plan.resume_seq,
+    ]  # fmt: skip
     return _Rank0(host=coordinator, watcher=watcher, results=results, board=board, shared=shared)
 
 

@@ -91,3 +91,6 @@ class Plan:
     devices: tuple[str, ...]
     resume_from: str | None
     faults: FaultPlan  # testing hook: what each rank does wrong, and when
+    # The save number of the bundle ``resume_from`` named when it was checked: the
+    # coordinator and every rank start from that save, or refuse to start.
+    resume_seq: int | None = None

@@ -87,12 +87,18 @@ def load_bundle(
     rank: int,
     world_size: int,
     device: torch.device,
+    seq: int | None = None,
 ) -> CheckpointMeta:
     """Load the bundle's model, and rank ``rank``'s optimizer state if it has one.
 
-    The files were checked by ``check_resume`` before the run started.
+    The files were checked by ``check_resume`` before the run started, at save
+    ``seq`` (``Plan.resume_seq``): the one the coordinator plans from.
+
+    Raises:
+        ConfigError: another run committed a newer save at ``stem`` since.
     """
     meta = CheckpointMeta.from_json(bundle.meta_path(stem).read_text(encoding="utf-8"))
+    bundle.check_unchanged(stem, meta, seq)
     paths = bundle.locate(stem, meta, world_size)
     model.load_state_dict(torch.load(paths.model, map_location=device))
     optim = paths.optim.get(rank)

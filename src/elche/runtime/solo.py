@@ -452,7 +452,10 @@ def _resume(solo: _Solo, stem: str | None) -> CheckpointMeta | None:
     """Load a bundle and take its holes (``solo.holes``); its meta (None: a fresh run)."""
     if stem is None:
         return None
-    meta = load_bundle(stem, solo.model, solo.optimizer, rank=0, world_size=1, device=solo.device)
+    meta = load_bundle(
+        stem, solo.model, solo.optimizer, rank=0, world_size=1, device=solo.device,
+        seq=solo.plan.resume_seq,
+    )  # fmt: skip
     holes = solo.holes = {c.epoch: c.uncovered for c in meta.coverage}
     cfg = solo.plan.config
     to_do = sum(

@@ -130,6 +130,7 @@ class RankSpec:
     coordinator_timeout_s: float = 30.0
     save_path: str | None = None
     resume_from: str | None = None
+    resume_seq: int | None = None  # the save it was checked at (``Plan.resume_seq``)
     threads: int = 1
     collective_timeout_s: float = 120.0
     faults: tuple[Fault, ...] = ()  # testing: this rank's faults (elche.core.faults)
@@ -826,7 +827,7 @@ def train_rank(
     worker = guarded(spec, lambda: Worker(spec, fns, batch_size))  # model_fn, optimizer_fn
     if spec.resume_from is not None:
         load_bundle(
-            spec.resume_from, worker.model, worker.optimizer, rank=spec.rank,
+            spec.resume_from, worker.model, worker.optimizer, rank=spec.rank, seq=spec.resume_seq,
             world_size=spec.world_size, device=worker.device,
         )  # fmt: skip
     fingerprint = None
