@@ -267,6 +267,30 @@ def test_boolean_in_an_uncovered_span_is_refused() -> None:
     assert info.value.field == "coverage"
 
 
+def test_overlapping_uncovered_spans_are_refused() -> None:
+    # They resumed to "completed, lost 0" training the shared samples twice.
+    spans = [[0, 3000], [1000, 3000]]
+    with pytest.raises(ConfigError, match=r"\(0, 3000\) and \(1000, 3000\) of epoch 3 overlap"):
+        CheckpointMeta.from_json(
+            doc(coverage=[{"epoch": 3, "total_samples": 5000, "uncovered": spans}])
+        )
+    touching = EpochCoverage(epoch=3, total_samples=5000, uncovered=((2000, 10), (0, 2000)))
+    assert touching.uncovered_samples == 2010  # adjacent, in any order: fine
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 20)), max_size=6))
+def test_coverage_is_refused_exactly_when_two_spans_share_a_sample(
+    spans: list[tuple[int, int]],
+) -> None:
+    taken = [i for offset, size in spans for i in range(offset, offset + size)]
+    try:
+        EpochCoverage(epoch=0, total_samples=70, uncovered=tuple(spans))
+    except ConfigError:
+        assert len(taken) != len(set(taken))
+    else:
+        assert len(taken) == len(set(taken))
+
+
 def test_deeply_nested_json_is_refused_as_config_error() -> None:
     # Regression: json.loads' RecursionError used to escape from_json.
     with pytest.raises(ConfigError) as info:
@@ -298,12 +322,11 @@ def elche_states(draw: st.DrawFn) -> ElCheState:
 
 @st.composite
 def coverage_of(draw: st.DrawFn, epoch: int) -> EpochCoverage:
-    """A valid coverage entry: every span lies inside the epoch."""
+    """A valid coverage entry: disjoint spans inside the epoch."""
     total = draw(st.integers(min_value=1, max_value=MAX_COUNT))
-    spans = []
-    for _ in range(draw(st.integers(min_value=0, max_value=4))):
-        offset = draw(st.integers(min_value=0, max_value=total))
-        spans.append((offset, draw(st.integers(min_value=0, max_value=total - offset))))
+    cuts = sorted(draw(st.lists(st.integers(min_value=0, max_value=total), max_size=8)))
+    spans = [(a, b - a) for a, b in zip(cuts[::2], cuts[1::2], strict=False)]
+    spans = draw(st.permutations(spans))
     return EpochCoverage(epoch=epoch, total_samples=total, uncovered=tuple(spans))
 
 

@@ -20,6 +20,7 @@ file is a ``ConfigError`` naming the field, never a hang or a crash.
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -84,6 +85,13 @@ class EpochCoverage:
                     "coverage",
                     f"uncovered span ({offset}, {size}) of epoch {self.epoch} must lie in "
                     f"[0, {self.total_samples}]",
+                )
+        spans = sorted(span for span in self.uncovered if span[1])  # an empty one holds none
+        for before, after in itertools.pairwise(spans):
+            if after[0] < before[0] + before[1]:  # its samples would train twice
+                raise ConfigError(
+                    "coverage",
+                    f"uncovered spans {before} and {after} of epoch {self.epoch} overlap",
                 )
 
     @property
