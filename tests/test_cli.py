@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from elche import FaultPlan, cli
-from elche.cli import _parser, draw_speeds, main
+from elche.cli import _available_mib, _parser, draw_speeds, main
 
 CONTRACT = {
     "mode", "world_size", "epochs_completed", "samples_trained", "virtual_wall_s",
@@ -179,6 +179,34 @@ def test_every_subcommand_reports_bad_input_in_one_format(
     with pytest.raises(SystemExit):  # argparse's own errors have the same shape
         main(["run", "--nproc"])
     assert capsys.readouterr().err.splitlines()[-1].startswith("elche run: error: ")
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["demo", "--ranks", "-1"], "elche demo: error: ranks: must be >= 1, got -1"),
+        (["sim", "--faults", "{bin}"], "elche sim: error: faults: {bin} is not a fault plan"),
+        (["demo", "--faults", "{bin}"], "elche demo: error: faults: {bin} is not a fault plan"),
+        (["chaos", "--dir", "{file}/runs"], "elche chaos: error: dir: cannot make {file}/runs"),
+        # It forked until the kernel refused, then hung (refused before any process starts):
+        (
+            ["run", "--nproc", "99999999999999", "x.py"],
+            "elche run: error: nproc: 99999999999999 rank processes do not fit this machine",
+        ),
+    ],
+)
+def test_bad_input_found_off_the_tested_path_is_one_line_naming_the_field(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], said: str
+) -> None:
+    # Each of these ended in a traceback (or, for --ranks -1, blamed --speeds).
+    if args[0] == "run" and _available_mib() is None:
+        pytest.skip("no /proc/meminfo: elche run cannot tell what fits, and would start them")
+    binary, file = tmp_path / "faults.json", tmp_path / "a-file"
+    binary.write_bytes(b"\xff\xfe")
+    file.write_text("")
+    where = {"bin": str(binary), "file": str(file)}
+    assert main([arg.format(**where) for arg in args]) == 2
+    assert capsys.readouterr().err.startswith(said.format(**where))
 
 
 def test_elche_run_takes_torchruns_spelling_of_nproc() -> None:

@@ -336,6 +336,24 @@ def _run_timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+# The least memory an `elche run` rank process takes of its own: Python with torch
+# imported held ~205 MiB private on this project's CPU build; a floor below that
+# refuses only what surely cannot start (a typo's --nproc forked until EAGAIN).
+RANK_FLOOR_MIB = 128
+
+
+def _available_mib() -> int | None:
+    """The memory this machine has available (``MemAvailable``), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _run_script(args: argparse.Namespace) -> int:
     import os
     import socket
@@ -346,6 +364,14 @@ def _run_script(args: argparse.Namespace) -> int:
 
     if args.nproc < 1:
         raise ConfigError("nproc", f"must be >= 1, got {args.nproc}")
+    available = _available_mib()
+    if available is not None and args.nproc * RANK_FLOOR_MIB > available:
+        raise ConfigError(
+            "nproc",
+            f"{args.nproc} rank processes do not fit this machine: each imports torch (at "
+            f"least {RANK_FLOOR_MIB} MiB of its own) and {available} MiB are available, "
+            f"room for at most {available // RANK_FLOOR_MIB}",
+        )
     with socket.socket() as probe:  # an ephemeral port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -460,6 +486,10 @@ def _run_chaos(args: argparse.Namespace) -> int:
     from elche import chaos
 
     workdir = Path(args.dir or tempfile.mkdtemp(prefix="elche-chaos-"))
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("dir", f"cannot make {workdir}: {exc}") from None
 
     def print_row(row: chaos.ChaosRun) -> None:  # --json: each row as its run ends
         print(json.dumps(chaos.rows_json([row])[0]), flush=True)
@@ -678,6 +708,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     check_wire(args.wire)  # before the digits load
 
     speeds = args.speeds
+    if args.ranks is not None and args.ranks < 1:
+        raise ConfigError("ranks", f"must be >= 1, got {args.ranks}")
     if speeds is None:
         count = 3 if args.ranks is None else args.ranks
         speeds = (1.0, 0.5, 0.25)[:count] if count <= 3 else (1.0,) * count

@@ -47,6 +47,8 @@ def read_faults(path: str | None) -> FaultPlan:
             text = fh.read()
     except OSError as exc:
         raise ConfigError("faults", f"cannot read {path}: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError("faults", f"{path} is not a fault plan (not UTF-8 text)") from None
     return FaultPlan.from_json(text)
 
 
