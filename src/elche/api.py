@@ -278,7 +278,9 @@ def train(
     if plan.resume_from is not None:
         from elche.runtime.resume import check_resume
 
-        meta = check_resume(plan.resume_from, plan.config, model_fn)  # before anything starts
+        # Before anything starts; said once, by the process that starts the run.
+        say = os.environ.get("RANK", "0") == "0"
+        meta = check_resume(plan.resume_from, plan.config, model_fn, say=say)
         # A resumed run draws each epoch's order as its bundle's run did.
         config = dataclasses.replace(plan.config, order=meta.order)
         plan = dataclasses.replace(plan, config=config, resume_seq=meta.save_seq)

@@ -29,9 +29,14 @@ _SHOWN = 5
 
 
 def check_resume(
-    stem: str, config: CoordinatorConfig, model_fn: Callable[[Any], torch.nn.Module]
+    stem: str,
+    config: CoordinatorConfig,
+    model_fn: Callable[[Any], torch.nn.Module],
+    *,
+    say: bool = True,
 ) -> CheckpointMeta:
-    """The meta of the bundle at ``stem``, once it is known to resume ``config``.
+    """The meta of the bundle at ``stem``, once it is known to resume ``config``;
+    with ``say``, a line for each way the resumed ranks differ from the saved ones.
 
     Raises:
         ConfigError: no readable meta, a mismatch with the run, a file that is
@@ -55,7 +60,8 @@ def check_resume(
             bundle.verify(paths.outer, meta.files.outer, what="outer momentum")
     elif not paths.model.exists():
         raise ConfigError("resume_from", f"the bundle's model {paths.model} is missing")
-    _say_what_resumes(meta, config.world_size, sorted(paths.optim))
+    if say:
+        _say_what_resumes(meta, config.world_size, sorted(paths.optim))
     _check_model(paths.model, model_fn)
     return meta
 
