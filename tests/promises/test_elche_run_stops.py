@@ -22,6 +22,7 @@ import pytest
 from tests.promises.test_lifetimes import (
     MID_RUN_WITHIN_S,
     STOP_WITHIN_S,
+    elche_lines,
     session,
     wait_exit,
     wait_mid_run,
@@ -96,7 +97,11 @@ def test_a_signal_before_the_run_formed_interrupts_every_rank(
     assert sorted(re.findall(r"STOPPED \d bundle=None code=143", out)) == [
         "STOPPED 0 bundle=None code=143", "STOPPED 1 bundle=None code=143",
     ], out + err[-3000:]  # fmt: skip
-    assert "stopped before the run formed (SIGTERM)" in err
+    said = [line for line in elche_lines(err) if line.startswith("elche: ")]
+    assert said == [  # one line, the stop's (the run's failure is not said again)
+        "elche: interrupted by SIGTERM; nothing could be saved: stopped before the run formed "
+        "(SIGTERM)"
+    ], err[-3000:]
     assert "Traceback" not in err, err[-3000:]
 
 

@@ -221,7 +221,7 @@ def _train(
     if rank0 is None:
         return _other_rank_result(report, state, results, directory), stopped
     try:
-        result = _collect_on_rank0(plan, hooks, rank0, directory, t0)
+        result = _collect_on_rank0(plan, hooks, rank0, directory, t0, signals=signals)
     except BaseException as exc:
         results.publish({"error": f"{type(exc).__name__}: {exc}"}, readers=world - 1)
         raise
@@ -354,9 +354,10 @@ def _shared_result(
 
 
 def _collect_on_rank0(
-    plan: Plan, hooks: Hooks, rank0: _Rank0, directory: Path, t0: float
+    plan: Plan, hooks: Hooks, rank0: _Rank0, directory: Path, t0: float, *, signals: StopSignals
 ) -> TrainResult:
-    """Rank 0: wait for the coordinator (and its successors), then build the result."""
+    """Rank 0: wait for the coordinator (and its successors), then build the result, and
+    say how a run that did not complete can go on (a signalled one: ``interrupted`` says)."""
     rank0.watcher.join(timeout=COORDINATOR_EXIT_S)
     if rank0.board is not None:
         rank0.board.stop()
@@ -366,7 +367,8 @@ def _collect_on_rank0(
     for event in read_timeline(directory):
         on_record(event, epochs, hooks, quiet)
     result = collect(plan, directory, t0, epochs)
-    if result.summary.get("reason") != SaveReason.GRACEFUL_SHUTDOWN.value:
+    stopped = result.summary.get("reason") == SaveReason.GRACEFUL_SHUTDOWN.value
+    if not stopped and signals.received is None:
         explain_outcome(result.summary, plan.config.save_path)
     return result
 
