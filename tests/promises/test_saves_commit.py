@@ -47,6 +47,15 @@ def train(tmp_path: Path, **overrides: object) -> elche.TrainResult:
     return elche.train(model_fn, make_optimizer, step, DATA, **args)  # type: ignore[arg-type]
 
 
+def one_epoch_bundle(tmp_path: Path) -> str:
+    """The stem of the bundle a completed one-epoch run (three ranks) saved after its epoch."""
+    stem = str(tmp_path / "bundle" / "run")
+    first = train(tmp_path / "a", epochs=1, checkpoint_every=1, save_path=stem,
+                  model_fn=make_model)  # fmt: skip
+    assert first.summary["outcome"] == "completed"
+    return stem
+
+
 def holder_of(path: Path) -> int | None:
     """The pid of the process (not this one) that has ``path`` open."""
     for entry in Path("/proc").iterdir():
@@ -190,10 +199,7 @@ def test_issue12_item10_a_final_save_that_fails_keeps_the_trained_model_as_a_bun
 def test_issue12_item11_a_bundle_resumes_on_another_world_size(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    stem = str(tmp_path / "bundle" / "run")
-    first = train(tmp_path / "a", epochs=1, checkpoint_every=1, save_path=stem,
-                  model_fn=make_model)  # fmt: skip
-    assert first.summary["outcome"] == "completed"
+    stem = one_epoch_bundle(tmp_path)
     capfd.readouterr()
     second = train(tmp_path / "b", epochs=3, speeds=[1.0, 0.5], resume_from=stem,
                    model_fn=make_model)  # fmt: skip
@@ -228,12 +234,9 @@ def test_a_bundle_saved_over_while_the_run_starts_is_refused_by_every_rank(
     # The coordinator planned from the save the launcher checked; the ranks loaded
     # whatever save the stem held when they got there. Another run saving at the
     # stem in between made them train its samples twice, reported "lost 0".
-    stem = str(tmp_path / "bundle" / "run")
-    first = train(tmp_path / "a", epochs=1, checkpoint_every=1, save_path=stem,
-                  model_fn=make_model)  # fmt: skip
+    stem = one_epoch_bundle(tmp_path)
     seq = json.loads(bundle.meta_path(stem).read_text())["save_seq"]
     capfd.readouterr()
-    assert first.summary["outcome"] == "completed"
     result = train(tmp_path / "b", epochs=2, resume_from=stem, model_fn=SavedOverOnStart(stem))
     assert result.summary["outcome"] == "failed"
     assert result.summary["epochs_completed"] == 1  # nothing trained past the bundle
