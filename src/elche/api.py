@@ -293,6 +293,8 @@ def train(
 
         return train_joined(plan, fns, hooks, max_grad_norm=max_grad_norm)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched and run_dir is None and os.environ.get("ELCHE_RUN_DIR"):  # rank 0 makes it
+        _check_writable(Path(os.environ["ELCHE_RUN_DIR"]), "ELCHE_RUN_DIR")
     # One run writes at a save path at a time: the process that starts the run holds it.
     owner = not launched or os.environ["RANK"] == "0"
     with hold_save_path(plan.config.save_path if owner else None):

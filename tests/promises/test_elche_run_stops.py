@@ -2,10 +2,11 @@
 
 Real processes, each run in a session of its own (``test_lifetimes.session``):
 a signal before the run formed, rank 0 (the coordinator's host) SIGKILLed
-mid-run, and a run directory that fills up mid-run. Each failed before its fix:
-the first exited 0 with an untrained model, the second told the survivors
-"nothing saved" beside a committed bundle, the third ended in a traceback from
-every rank and named no bundle.
+mid-run, a run directory that fills up mid-run, and rank 0 unable to start the
+run. Each failed before its fix: the first exited 0 with an untrained model, the
+second told the survivors "nothing saved" beside a committed bundle, the third
+ended in a traceback from every rank and named no bundle, the fourth left the
+others with gloo's "Connection closed by peer".
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import pytest
 
 from tests.promises.test_lifetimes import (
     MID_RUN_WITHIN_S,
-    STOP_WITHIN_S,
     elche_lines,
     session,
     wait_exit,
@@ -90,8 +90,8 @@ def test_a_signal_before_the_run_formed_interrupts_every_rank(
         wait_for(run_dir / "coordinator.pid", proc)  # the ranks wait at the gate
         os.killpg(proc.pid, signal.SIGTERM)
         wait_for(run_dir / "summary.json", proc)  # the coordinator failed the run
-        (tmp_path / "go").touch()
-        returncode, out, err = wait_exit(proc, STOP_WITHIN_S)
+        (tmp_path / "go").touch()  # (ranks that reach the ended run late wait out its
+        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)  # silence: no tighter bound)
     assert returncode == 143, err[-3000:]
     assert "RETURNED" not in out, out
     assert sorted(re.findall(r"STOPPED \d bundle=None code=143", out)) == [
@@ -145,3 +145,55 @@ def test_a_run_directory_that_fills_up_says_where_the_bundle_is_on_every_rank(
     assert "Traceback" not in err, err[-3000:]
     assert "cannot write its report in the run directory" in err
     assert Path(f"{stem}.meta.json").exists()
+
+
+SAVED_OVER_SCRIPT = """
+import json, os, sys
+from pathlib import Path
+import elche
+from elche.workloads import digits
+
+STEM = sys.argv[1] + "/bundle"
+
+def saved_over(device):  # rank 0's check of the bundle builds it: another run saves meanwhile
+    if os.environ["RANK"] == "0" and not Path(STEM + ".saved-over").exists():
+        Path(STEM + ".saved-over").touch()
+        meta = json.loads(Path(STEM + ".meta.json").read_text())
+        meta["save_seq"] += 1
+        Path(STEM + ".meta.json").write_text(json.dumps(meta))
+    return digits.make_model(device)
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    model_fn = digits.make_model if sys.argv[2] == "save" else saved_over
+    try:
+        elche.train(
+            model_fn, digits.make_optimizer, digits.step_fn, train_set, batch_size=32,
+            epochs=1, checkpoint_every=1, progress=False, save_path=STEM,
+            resume_from=None if sys.argv[2] == "save" else STEM,
+        )
+    except Exception as exc:
+        print(f"RAISED {os.environ['RANK']} {type(exc).__name__}: {exc}", flush=True)
+        raise SystemExit(1)
+    print(f"RETURNED {os.environ['RANK']}", flush=True)
+"""
+
+
+def test_rank_0_that_cannot_start_the_run_tells_the_others_why(tmp_path: Path) -> None:
+    # They waited in the broadcast of what rank 0 shares until its process died, then
+    # raised gloo's "Connection closed by peer".
+    script = tmp_path / "train.py"
+    script.write_text(SAVED_OVER_SCRIPT)
+    args = [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", str(script), str(tmp_path)]
+    with session([*args, "save"], tmp_path) as proc:
+        assert wait_exit(proc, MID_RUN_WITHIN_S)[0] == 0
+    with session([*args, "resume"], tmp_path) as proc:
+        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    assert returncode == 1, err[-3000:]
+    changed = f"the bundle at {tmp_path}/bundle changed after this run checked it"
+    raised = dict(re.findall(r"RAISED (\d) (.*)", out))
+    assert raised.keys() == {"0", "1"}, out + err[-3000:]
+    assert raised["0"].startswith("ConfigError: resume_from: " + changed), raised
+    told = "RuntimeError: rank 0 could not start the run: ConfigError"
+    assert raised["1"].startswith(told), raised
+    assert changed in raised["1"]

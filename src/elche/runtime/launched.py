@@ -186,14 +186,21 @@ def _train(
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     rank0 = None
-    shared: list[object] = [None] * 6
+    shared: list[object] = [None] * 7  # (``_Rank0.shared``, then what stopped rank 0)
     if rank == 0:
-        rank0 = _start_on_rank0(
-            plan, host_box, signals, run_dir=run_dir, multi_host=multi_host,
-            dashboard=dashboard, tensorboard_dir=tensorboard_dir,
-        )  # fmt: skip
-        shared = rank0.shared
+        try:
+            rank0 = _start_on_rank0(
+                plan, host_box, signals, run_dir=run_dir, multi_host=multi_host,
+                dashboard=dashboard, tensorboard_dir=tensorboard_dir,
+            )  # fmt: skip
+        except Exception as exc:  # the others wait for what it shares: tell them why
+            shared[6] = f"{type(exc).__name__}: {exc}"
+            dist.broadcast_object_list(shared, src=0)
+            raise
+        shared = [*rank0.shared, None]
     dist.broadcast_object_list(shared, src=0)
+    if shared[6] is not None:
+        raise RuntimeError(f"rank 0 could not start the run: {shared[6]}")
     address, secret_hex, directory_text, port = (str(x) for x in shared[:4])
     group_port = shared[4] if isinstance(shared[4], int) else None
     # Every rank starts from the save rank 0 checked (another run may have saved
