@@ -90,8 +90,9 @@ def test_a_signal_before_the_run_formed_interrupts_every_rank(
         wait_for(run_dir / "coordinator.pid", proc)  # the ranks wait at the gate
         os.killpg(proc.pid, signal.SIGTERM)
         wait_for(run_dir / "summary.json", proc)  # the coordinator failed the run
-        (tmp_path / "go").touch()  # (ranks that reach the ended run late wait out its
-        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)  # silence: no tighter bound)
+        (tmp_path / "go").touch()
+        # A rank that reaches the ended run late waits out its silence: no tighter bound.
+        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
     assert returncode == 143, err[-3000:]
     assert "RETURNED" not in out, out
     assert sorted(re.findall(r"STOPPED \d bundle=None code=143", out)) == [
