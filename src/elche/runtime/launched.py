@@ -82,6 +82,8 @@ from elche.runtime.shared_result import HOLD_S, ResultBoard
 from elche.runtime.worker import raise_if_refused, train_rank
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from elche.runtime.worker import RankSpec, UserFns
 
 __all__ = ["train_launched"]
@@ -188,18 +190,14 @@ def _train(
     rank0 = None
     shared: list[object] = [None] * 7  # (``_Rank0.shared``, then what stopped rank 0)
     if rank == 0:
-        try:
-            rank0 = _start_on_rank0(
-                plan, host_box, signals, run_dir=run_dir, multi_host=multi_host,
-                dashboard=dashboard, tensorboard_dir=tensorboard_dir,
-            )  # fmt: skip
-        except Exception as exc:  # the others wait for what it shares: tell them why
-            shared[6] = f"{type(exc).__name__}: {exc}"
-            dist.broadcast_object_list(shared, src=0)
-            raise
+        rank0 = _start_or_tell(lambda: _start_on_rank0(
+            plan, host_box, signals, run_dir=run_dir, multi_host=multi_host,
+            dashboard=dashboard, tensorboard_dir=tensorboard_dir,
+        ))  # fmt: skip
         shared = [*rank0.shared, None]
     dist.broadcast_object_list(shared, src=0)
     if shared[6] is not None:
+        dist.destroy_process_group()
         raise RuntimeError(f"rank 0 could not start the run: {shared[6]}")
     address, secret_hex, directory_text, port = (str(x) for x in shared[:4])
     group_port = shared[4] if isinstance(shared[4], int) else None
@@ -236,6 +234,18 @@ def _train(
     if not result.state_dict:
         result.state_dict = state
     return result, stopped
+
+
+def _start_or_tell(start: Callable[[], _Rank0]) -> _Rank0:
+    """Rank 0: ``start`` the run; if it cannot, tell the other ranks why (they wait for
+    what it shares), then raise its error."""
+    try:
+        return start()
+    except Exception as exc:
+        told: list[object] = [*[None] * 6, f"{type(exc).__name__}: {exc}"]
+        dist.broadcast_object_list(told, src=0)
+        dist.destroy_process_group()  # (left to the exit, gloo's threads may abort it)
+        raise
 
 
 @dataclass(slots=True)
