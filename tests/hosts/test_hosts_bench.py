@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +22,7 @@ import pytest
 from elche.bench import suites
 from elche.bench.suites import Suite, WorkloadPlan
 from elche.cli import main
-from elche.testing.hosts import RIG_PREFIX
+from elche.testing.hosts import RIG_PREFIX, sweep_stale
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -66,3 +70,35 @@ def test_a_tiny_hosts_suite_trains_across_hosts_and_writes_rows_with_link_mbit(
     listed = subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True)
     netns = listed.stdout
     assert f"{RIG_PREFIX}-{os.getpid()}-" not in netns
+
+
+def _rig_namespaces(pid: int) -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    return [line.split()[0] for line in listed.stdout.splitlines()
+            if line.startswith(f"{RIG_PREFIX}-{pid}-")]  # fmt: skip
+
+
+def test_a_sigterm_to_a_hosts_bench_removes_its_rig(tmp_path: Path) -> None:
+    # SIGTERM's default action ended the bench without its cleanup: the rig's
+    # namespaces, /etc/netns entries and /tmp folders stayed until a later sweep.
+    args = [sys.executable, "-m", "elche.cli", "bench", "--suite", "hosts", "--no-progress",
+            "--out", str(tmp_path / "bench")]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _rig_namespaces(proc.pid):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the bench built no rig"
+            time.sleep(0.1)  # polling for a condition, with a deadline
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        mine = f"{RIG_PREFIX}-{proc.pid}-*"
+        left = [*_rig_namespaces(proc.pid), *Path(tempfile.gettempdir()).glob(mine)]
+        left += Path("/etc/netns").glob(mine)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        sweep_stale()  # whatever it left, for the tests after this one
+    assert proc.returncode == 143, err[-3000:]
+    assert left == [], err[-3000:]

@@ -568,6 +568,10 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     bench.set_defaults(run=_run_bench)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
@@ -600,7 +604,13 @@ def _run_bench(args: argparse.Namespace) -> int:
     command += f" --wire {args.wire}" if args.wire != "fp32" else ""
     command += "" if args.overlap else " --no-overlap"
     command += " --json" if args.json else ""
-    doc = run_bench(suite, out_dir, command=command, progress=not args.no_progress)
+    # SIGTERM ends the bench as Ctrl-C does, through its cleanup: a hosts suite's rigs
+    # (namespaces, their /etc and /tmp) are removed, not left to the next run's sweep.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        doc = run_bench(suite, out_dir, command=command, progress=not args.no_progress)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if args.json:
         print(json.dumps(doc))
     else:
