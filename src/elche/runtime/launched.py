@@ -188,33 +188,33 @@ def _train(
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     rank0 = None
-    shared: list[object] = [None] * 7  # (``_Rank0.shared``, then what stopped rank 0)
+    box: list[object] = [None]  # what rank 0 shares (``_Shared``)
     if rank == 0:
         rank0 = _start_or_tell(lambda: _start_on_rank0(
             plan, host_box, signals, run_dir=run_dir, multi_host=multi_host,
             dashboard=dashboard, tensorboard_dir=tensorboard_dir,
         ))  # fmt: skip
-        shared = [*rank0.shared, None]
-    dist.broadcast_object_list(shared, src=0)
-    if shared[6] is not None:
+        box = [rank0.shared]
+    dist.broadcast_object_list(box, src=0)
+    shared = box[0]
+    assert isinstance(shared, _Shared)
+    if shared.failure:
         dist.destroy_process_group()
-        raise RuntimeError(f"rank 0 could not start the run: {shared[6]}")
-    address, secret_hex, directory_text, port = (str(x) for x in shared[:4])
-    group_port = shared[4] if isinstance(shared[4], int) else None
+        raise RuntimeError(f"rank 0 could not start the run: {shared.failure}")
     # Every rank starts from the save rank 0 checked (another run may have saved
     # at the stem between two ranks' checks).
-    plan = replace(plan, resume_seq=shared[5] if isinstance(shared[5], int) else None)
+    plan = replace(plan, resume_seq=shared.resume_seq)
     host = None if rank0 is None else rank0.host
     if rank0 is None:
-        results = ResultBoard.join(_board_host(multi_host), int(port), COORDINATOR_EXIT_S)
+        results = ResultBoard.join(_board_host(multi_host), shared.port, COORDINATOR_EXIT_S)
     else:
         results = rank0.results
-    directory = Path(directory_text)
+    directory = Path(shared.directory)
     directory.mkdir(parents=True, exist_ok=True)  # on another host: this host's own run dir
     plan = with_bundle(plan, directory)
     spec = rank_spec(
-        plan, rank, address, bytes.fromhex(secret_hex), directory, max_grad_norm=max_grad_norm,
-        group_port=group_port,
+        plan, rank, shared.address, bytes.fromhex(shared.secret_hex), directory,
+        max_grad_norm=max_grad_norm, group_port=shared.group_port,
     )  # fmt: skip
     try:
         report, state = _run_rank(spec, fns, plan.config.batch_size, host)
@@ -242,10 +242,23 @@ def _start_or_tell(start: Callable[[], _Rank0]) -> _Rank0:
     try:
         return start()
     except Exception as exc:
-        told: list[object] = [*[None] * 6, f"{type(exc).__name__}: {exc}"]
+        told: list[object] = [_Shared(failure=f"{type(exc).__name__}: {exc}")]
         dist.broadcast_object_list(told, src=0)
         dist.destroy_process_group()  # (left to the exit, gloo's threads may abort it)
         raise
+
+
+@dataclass(frozen=True, slots=True)
+class _Shared:
+    """What every rank needs from rank 0 to join the run, or why rank 0 could not start it."""
+
+    address: str = ""  # the coordinator's (one the other hosts reach, across hosts)
+    secret_hex: str = ""
+    directory: str = ""  # the run directory (each host keeps its own, at this path)
+    port: int = 0  # the result board's
+    group_port: int | None = None  # the group store's (``start_coordinator``)
+    resume_seq: int | None = None  # the save rank 0 checked (``Plan.resume_seq``)
+    failure: str = ""  # rank 0's error, when it could not start the run
 
 
 @dataclass(slots=True)
@@ -256,7 +269,7 @@ class _Rank0:
     watcher: threading.Thread  # replaces a lost coordinator; ends with the last one
     results: ResultBoard  # where the other ranks read the run's result
     board: Any  # the dashboard and TensorBoard log (launch.Watchers)
-    shared: list[object]  # what every rank needs (``_start_on_rank0``)
+    shared: _Shared  # what every rank needs
 
 
 def _start_on_rank0(
@@ -269,12 +282,8 @@ def _start_on_rank0(
     dashboard: str | None,
     tensorboard_dir: str | None,
 ) -> _Rank0:
-    """Start the coordinator (supervised), the result board and the watchers.
-
-    ``shared`` is what every rank needs: the coordinator's address (one the
-    other hosts reach when the ranks are on several), the secret, the run
-    directory, the result board's port and the group store's port.
-    """
+    """Start the coordinator (supervised), the result board and the watchers, and
+    say what every rank needs (``_Shared``)."""
     directory = Path(
         run_dir or os.environ.get("ELCHE_RUN_DIR") or tempfile.mkdtemp(prefix="elche-run-")
     )
@@ -297,9 +306,10 @@ def _start_on_rank0(
     announce_join(address, group_port, directory, secret, bundled.config)
     results = ResultBoard.serve()
     board = start_watching(bundled, directory, dashboard, tensorboard_dir)
-    shared: list[object] = [
-        address, secret.hex(), str(directory), results.port, group_port, plan.resume_seq,
-    ]  # fmt: skip
+    shared = _Shared(
+        address=address, secret_hex=secret.hex(), directory=str(directory), port=results.port,
+        group_port=group_port, resume_seq=plan.resume_seq,
+    )  # fmt: skip
     return _Rank0(host=coordinator, watcher=watcher, results=results, board=board, shared=shared)
 
 
