@@ -237,7 +237,7 @@ def train(
             ``resume_from=``) and one line on stderr said where. It is a
             ``KeyboardInterrupt`` and a ``SystemExit(130 or 143)``: uncaught,
             the script stops quietly with the shell's code for that signal.
-            A second signal stops at once, without saving. A run whose
+            A second Ctrl-C stops at once, without saving. A run whose
             training was over when the signal came completes and returns.
     """
     _check_user_fns(model_fn=model_fn, eval_fn=eval_fn, eval_dataset=eval_dataset)

@@ -24,6 +24,7 @@ from tests.promises.test_lifetimes import (
     MID_RUN_WITHIN_S,
     elche_lines,
     session,
+    session_pids,
     wait_exit,
     wait_mid_run,
     worker_of,
@@ -198,3 +199,37 @@ def test_rank_0_that_cannot_start_the_run_tells_the_others_why(tmp_path: Path) -
     told = "RuntimeError: rank 0 could not start the run: ConfigError"
     assert raised["1"].startswith(told), raised
     assert changed in raised["1"]
+
+
+EARLY_EXIT_SCRIPT = """
+import os, sys
+import elche
+from elche.workloads import digits
+
+if __name__ == "__main__":
+    if os.environ["RANK"] == sys.argv[1]:
+        raise SystemExit(f"rank {sys.argv[1]}: cannot read its data")
+    train_set, _ = digits.load_digits_split(seed=0)
+    elche.train(digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+                batch_size=32, epochs=1, progress=False)
+"""
+
+
+@pytest.mark.parametrize("failing", ["0", "2"])
+def test_a_rank_that_fails_before_the_run_formed_ends_it_at_once(
+    tmp_path: Path, failing: str
+) -> None:
+    # The others waited in torch's rendezvous for it: 30 minutes, deaf to signals.
+    script = tmp_path / "train.py"
+    script.write_text(EARLY_EXIT_SCRIPT)
+    args = [sys.executable, "-m", "elche.cli", "run", "--nproc", "3", str(script), failing]
+    with session(args, tmp_path) as proc:
+        returncode, _, err = wait_exit(proc, MID_RUN_WITHIN_S)
+        left = session_pids(proc.pid)
+    assert returncode == 1, err[-3000:]
+    assert f"rank {failing}: cannot read its data" in err
+    assert f"elche run: rank {failing} exited with code 1 before every rank reached the run, " \
+           "which cannot form without it; the other ranks were stopped (nothing was trained)" \
+           in err, err[-3000:]  # fmt: skip
+    assert "Traceback" not in err, err[-3000:]
+    assert not left, "processes of the run outlived its launcher"

@@ -302,6 +302,27 @@ def test_issue12_item12_a_signal_to_elche_runs_group_saves_a_bundle_and_exits_qu
     assert Path(f"{save}.meta.json").exists()
 
 
+def test_a_timeout_that_signals_elche_run_and_then_its_group_saves_the_run(
+    tmp_path: Path,
+) -> None:
+    # As ``timeout`` does: SIGTERM to its child, then to its whole process group. The
+    # launcher took the second as a second Ctrl-C: it killed the ranks mid-save, with a
+    # traceback, whenever its handler ran between the two.
+    script = tmp_path / "train.py"
+    script.write_text(RUN_SCRIPT)
+    save = tmp_path / "bundle"
+    args = [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", str(script), str(save)]
+    with session(args, tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        os.kill(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
+        returncode, _, err = wait_exit(proc, STOP_WITHIN_S)
+    assert returncode == 143, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert f"the run is saved under {save};" in only_line(err)
+    assert Path(f"{save}.meta.json").exists()
+
+
 TORCHRUN_SCRIPT = """
 import os, sys
 import elche

@@ -45,6 +45,18 @@ def test_stop_signals_records_the_first_signal_and_forces_on_the_second() -> Non
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_stop_signals_takes_a_repeated_sigterm_as_the_same_stop() -> None:
+    # ``timeout`` sends SIGTERM to its child and then to its group: it used to force.
+    seen: list[int] = []
+    with StopSignals(on_signal=seen.append) as signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert signals.received == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):  # a person's Ctrl-C still forces
+            os.kill(os.getpid(), signal.SIGINT)
+    assert seen == [signal.SIGTERM]
+
+
 def test_stop_signals_can_ignore_repeats() -> None:
     with StopSignals(force_on_repeat=False) as signals:
         os.kill(os.getpid(), signal.SIGINT)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shlex
 import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -355,12 +357,9 @@ def _available_mib() -> int | None:
 
 
 def _run_script(args: argparse.Namespace) -> int:
-    import os
     import socket
-    import subprocess
-    import tempfile
 
-    from elche.runtime.lifetimes import StopSignals
+    from elche.runtime.lifetimes import RANKS_MET_ENV, StopSignals
 
     if args.nproc < 1:
         raise ConfigError("nproc", f"must be >= 1, got {args.nproc}")
@@ -394,6 +393,13 @@ def _run_script(args: argparse.Namespace) -> int:
         from elche.api import TENSORBOARD_ENV
 
         env[TENSORBOARD_ENV] = args.tensorboard  # rank 0 writes it
+    try:
+        Path(env["ELCHE_RUN_DIR"]).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("ELCHE_RUN_DIR", f"cannot be made: {exc}") from None
+    met = Path(env["ELCHE_RUN_DIR"]) / "ranks_met"  # rank 0 makes it once every rank met
+    met.unlink(missing_ok=True)  # (an exported run dir's, from an earlier run)
+    env[RANKS_MET_ENV] = str(met)
     procs: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int) -> None:  # a signal to this process alone reaches the ranks too
@@ -402,7 +408,7 @@ def _run_script(args: argparse.Namespace) -> int:
                 proc.send_signal(signum)
 
     # SIGINT/SIGTERM: the ranks save and exit 130/143 (elche.runtime.lifetimes);
-    # a second one kills them.
+    # a second SIGINT kills them.
     with StopSignals(on_signal=forward) as signals:
         try:
             for rank in range(args.nproc):
@@ -410,19 +416,56 @@ def _run_script(args: argparse.Namespace) -> int:
                     [sys.executable, args.script, *args.script_args],
                     env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
                 ))  # fmt: skip
-            codes = [proc.wait() for proc in procs]
+            cut_short = _wait_ranks(procs, met)
+        except KeyboardInterrupt:  # the second SIGINT
+            print("elche run: stopped at once by a second signal; the ranks were killed, "
+                  "and nothing more is saved", file=sys.stderr)  # fmt: skip
+            return 130
         finally:
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
+            met.unlink(missing_ok=True)
+    codes = [proc.wait() for proc in procs]  # (each has ended)
+    if cut_short is not None:
+        print(f"elche run: rank {cut_short} {_ended(codes[cut_short])} before every rank "
+              f"reached the run, which cannot form without it; the other ranks were "
+              f"stopped (nothing was trained)", file=sys.stderr)  # fmt: skip
+        return _status(codes[cut_short])
     stopped = None if signals.received is None else 128 + signals.received
     failed = [(rank, code) for rank, code in enumerate(codes) if code not in (0, stopped)]
     for rank, code in failed:
         print(f"elche run: rank {rank} {_ended(code)}", file=sys.stderr)
     if failed:
-        code = failed[0][1]
-        return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says
+        return _status(failed[0][1])
     return stopped if stopped in codes else 0
+
+
+def _status(code: int) -> int:
+    """A rank's ``Popen.returncode`` as a shell's status: killed by signal N, 128 + N."""
+    return 128 - code if code < 0 else code
+
+
+def _wait_ranks(procs: Sequence[subprocess.Popen[bytes]], met: Path) -> int | None:
+    """Wait for every rank to end; the rank that ended the run before it formed, if one did.
+
+    torch's rendezvous waits (30 minutes by default) for every rank, deaf to
+    signals. A rank that fails before every rank met there leaves the others
+    waiting for it, so they are killed at once: nothing was trained yet. One
+    that fails after, the run survives (``met``: rank 0 made it).
+    """
+    live = list(procs)
+    while live:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)  # until a rank ends (not reaped)
+        ended = [proc for proc in live if proc.poll() is not None]
+        live = [proc for proc in live if proc not in ended]
+        failed = [proc for proc in ended if proc.returncode != 0]
+        if failed and live and not met.exists():
+            for proc in live:
+                proc.kill()
+                proc.wait()
+            return procs.index(failed[0])
+    return None
 
 
 def _ended(code: int) -> str:

@@ -76,7 +76,7 @@ from elche.runtime.launch import (
     start_watching,
     with_bundle,
 )
-from elche.runtime.lifetimes import Interrupted, StopSignals, watch_launcher
+from elche.runtime.lifetimes import Interrupted, StopSignals, say_ranks_met, watch_launcher
 from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.shared_result import HOLD_S, ResultBoard
 from elche.runtime.worker import raise_if_refused, train_rank
@@ -188,6 +188,8 @@ def _train(
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     rank0 = None
+    if rank == 0:
+        say_ranks_met()
     box: list[object] = [None]  # what rank 0 shares (``_Shared``)
     if rank == 0:
         rank0 = _start_or_tell(lambda: _start_on_rank0(

@@ -14,7 +14,7 @@ Rules:
 - The launcher asks the coordinator to stop with a ``stop REASON`` line on
   its stdin; the coordinator turns it into ``StopRequested``: a training run
   saves a bundle (``SaveReason.GRACEFUL_SHUTDOWN``) and the ranks exit. Then
-  ``elche.train`` raises ``Interrupted``. A second signal stops at once:
+  ``elche.train`` raises ``Interrupted``. A second Ctrl-C stops at once:
   ``KeyboardInterrupt``, the children killed, nothing saved.
 - The coordinator's stdin reaching EOF means its launcher is gone (even by
   SIGKILL): it stops the same way and exits within ``ORPHAN_GRACE_S``
@@ -49,6 +49,7 @@ from typing import Any
 __all__ = [
     "EXIT_ORPHANED",
     "ORPHAN_GRACE_S",
+    "RANKS_MET_ENV",
     "RESUME_HINT",
     "Interrupted",
     "StopSignals",
@@ -57,6 +58,7 @@ __all__ = [
     "launcher_stream",
     "launcher_streams",
     "relay_stop_signals",
+    "say_ranks_met",
     "take_environment",
     "take_streams",
     "watch_launcher",
@@ -70,6 +72,10 @@ EXIT_ORPHANED = 4
 # How often the fallback (no pidfd) looks whether the launcher still lives.
 WATCH_EVERY_S = 0.2
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Under ``elche run``: the file rank 0 makes once every rank has met in torch's
+# rendezvous. Until then a rank that fails leaves the others waiting there for
+# it, so the launcher stops them all; after, the run survives the loss.
+RANKS_MET_ENV = "ELCHE_RANKS_MET"
 
 
 def _resume_from(stem: str) -> str:
@@ -141,14 +147,15 @@ class StopSignals:
     the signals act as before.
 
     The first signal is recorded in ``received`` (and passed to
-    ``on_signal``, run in the signal handler: keep it short); a later one
-    raises ``KeyboardInterrupt`` when ``force_on_repeat``, else is ignored. A
+    ``on_signal``, run in the signal handler: keep it short); a later SIGINT
+    raises ``KeyboardInterrupt`` when ``force_on_repeat``, and any other
+    later signal is ignored (a SIGTERM may come twice at once). A
     signal the process ignored already stays ignored. The previous handlers
     come back on exit.
 
     Args:
         on_signal: called with the first signal's number.
-        force_on_repeat: a second signal raises ``KeyboardInterrupt``.
+        force_on_repeat: a later SIGINT raises ``KeyboardInterrupt``.
     """
 
     def __init__(
@@ -180,7 +187,10 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
-            if self._force:
+            # Only a person presses Ctrl-C twice. Tools send SIGTERM, some of them
+            # twice (``timeout`` to its child and then to its group), and end a
+            # stop that takes too long with SIGKILL themselves.
+            if self._force and signum == signal.SIGINT:
                 raise KeyboardInterrupt
             return
         self.received = signum
@@ -297,6 +307,14 @@ def take_streams(streams: Sequence[Connection], *, first_fd: int = 1) -> None:
     for fd, stream in enumerate(streams, start=first_fd):
         os.dup2(stream.fileno(), fd)
         stream.close()
+
+
+def say_ranks_met() -> None:
+    """Rank 0, past torch's rendezvous: tell a launcher that asked (``RANKS_MET_ENV``)."""
+    path = os.environ.get(RANKS_MET_ENV)
+    if path:
+        with contextlib.suppress(OSError):  # (then a rank lost later ends the run)
+            open(path, "ab").close()
 
 
 def watch_launcher(

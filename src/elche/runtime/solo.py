@@ -6,7 +6,7 @@ and after the last, and a resumed run trains only the samples its bundle lists
 as still to do. It writes the bundles a run of several ranks writes
 (``elche.runtime.solo_saves``): every ``checkpoint_every`` epochs, and when
 SIGINT or SIGTERM stops it (between two steps; then ``Interrupted``, as a run
-of several ranks raises). A second signal stops at once, saving nothing.
+of several ranks raises). A second Ctrl-C stops at once, saving nothing.
 """
 
 from __future__ import annotations
