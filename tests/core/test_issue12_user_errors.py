@@ -55,21 +55,28 @@ def test_issue12_item14_the_same_error_on_every_rank_ends_the_run_with_it() -> N
     assert "failed on the user's code" in end.reason
 
 
-def test_issue12_item14_collective_run_fails_once_the_failures_leave_too_few() -> None:
-    h = Harness(world_size=3, num_samples=960)  # cadence: a collective needs two
-    h.form()
+def test_issue12_item14_failures_that_leave_too_few_save_what_the_survivor_holds() -> None:
+    # The run used to fail with nothing saved, throwing away the survivor's consensus,
+    # where a SIGKILL at the same point saved it.
+    h = Harness(world_size=3, num_samples=960, save_path="/tmp/never-written")
+    h.form()  # cadence: a collective needs two
+    h.train(2, 2)
     h.send(0, failed(1))
     assert h.core.state is RunState.TRAINING
     out = h.send(1, failed(1))
-    # Rank 2 alone could only save and stop; both failures are the same user error.
-    assert h.core.state is RunState.DONE
-    assert run_end(out).user_error is not None
-    assert messages(out, m.ShutdownWithSave) == []
-    shutdown = messages(out, m.Shutdown)
-    assert shutdown and all("RuntimeError" in s.failure for s in shutdown)  # type: ignore[attr-defined]
-    # The failed rank hears its report is in; the survivor that may not go on is stopped.
+    # Rank 2 alone can only save and stop; both failures are the same user error.
+    assert messages(out, m.ShutdownWithSave) == [
+        m.ShutdownWithSave(reason="single_survivor", writer=2, seq=1)
+    ]
+    # The failed rank hears its report is in.
     assert [c.rank for c in of(out, Send) if isinstance(c.message, m.Shutdown)] == [1]  # type: ignore[attr-defined]
-    assert [c.ranks for c in of(out, Broadcast) if isinstance(c.message, m.Shutdown)] == [(2,)]  # type: ignore[attr-defined]
+    out = h.answer_saves()
+    end = run_end(out)
+    assert (end.outcome, end.reason) == ("saved_and_shutdown", "single_survivor")
+    assert end.user_error is not None
+    assert (end.user_error.rank, end.user_error.error_type) == (1, "RuntimeError")
+    (meta,) = [c.meta for c in out if type(c).__name__ == "WriteMeta"]  # type: ignore[attr-defined]
+    assert sum(c.uncovered_samples for c in meta.coverage) < 960  # rank 2's steps are in it
 
 
 def test_issue12_item14_a_rank_failing_before_its_first_step_ends_the_run_at_once() -> None:

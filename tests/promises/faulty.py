@@ -45,6 +45,14 @@ def step_fails_after_a_few(model: nn.Module, batch: list[torch.Tensor]) -> torch
     return step(model, batch)
 
 
+def step_fails_on_rank1_after_a_few(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+    """Rank 1's step raises after a few batches (its data shard went away); rank 0's never."""
+    _calls[0] += 1
+    if rank() == 1 and _calls[0] > 6:
+        raise OSError("its data shard could not be read")
+    return step(model, batch)
+
+
 def nan_after_a_few(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
     """The loss turns NaN on rank 1 after a few steps (a diverging run)."""
     _calls[0] += 1

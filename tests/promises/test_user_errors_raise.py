@@ -72,6 +72,24 @@ def test_issue12_item14_the_same_error_mid_run_on_every_rank_raises() -> None:
     assert "step_fails_after_a_few" in error.traceback
 
 
+@pytest.mark.integration
+@pytest.mark.slow
+def test_an_error_that_leaves_too_few_ranks_saves_what_the_survivors_trained(
+    tmp_path: Path,
+) -> None:
+    # Rank 1's error left rank 0 alone in a collective run: the run used to fail with
+    # nothing saved, where a SIGKILL of rank 1 at the same point saved a bundle.
+    stem = str(tmp_path / "run")
+    error = raised(step_fn=faulty.step_fails_on_rank1_after_a_few, mode="cadence",
+                   save_path=stem, epochs=4)  # fmt: skip
+    assert (error.rank, error.error_type) == (1, "OSError")
+    assert error.bundle == stem
+    assert f"saved as the bundle {stem}: resume_from={stem!r}" in str(error)
+    resumed = train(resume_from=stem, epochs=4, mode="cadence")
+    assert resumed.summary["outcome"] == "completed"
+    assert resumed.summary["lost_samples"] == 0
+
+
 @pytest.mark.slow
 def test_issue12_item14_one_rank_raises_the_same_training_error_in_process() -> None:
     with pytest.raises(elche.TrainingError) as info:

@@ -856,7 +856,7 @@ class Coordinator:
                 rejected_frames=self.rejected_frames,
                 anchor=self.elche.anchor,
                 samples_per_rank=tuple(self.work.samples_committed[: self.joins.ranks_used()]),
-                user_error=user_error or self.failures.nonfinite,
+                user_error=user_error or self.failures.stopped_by,
                 coordinator_restarts=self.coordinator_restarts,
                 joined_ranks=tuple(self.joins.joined),
             )

@@ -89,9 +89,11 @@ class TrainingError(Error, RuntimeError):
     text: its type name, message and formatted traceback (the useful part:
     it points into the user's code). Raised as soon as the error is known to
     be the user's: a rank failed before its first training step, or every
-    rank failed with the same exception type. A non-finite loss under
-    ``nonfinite="stop"`` raises it too, with ``bundle`` naming the saved
-    last finite consensus.
+    rank failed with the same exception type. When ranks that had not failed
+    were left, they saved what was trained first, and ``bundle`` names it:
+    fix the code, then resume with ``resume_from=bundle``. A non-finite loss
+    under ``nonfinite="stop"`` raises it too, with ``bundle`` naming the
+    saved last finite consensus.
 
     Args:
         rank: the rank whose exception this is.
@@ -113,6 +115,8 @@ class TrainingError(Error, RuntimeError):
         bundle: str | None = None,
     ) -> None:
         text = f"rank {rank} failed in epoch {epoch}: {error_type}: {message}"
+        if bundle is not None:
+            text += f"\nWhat was trained is saved as the bundle {bundle}: resume_from={bundle!r}"
         if traceback:
             text += f"\n\nThe error on rank {rank}:\n{traceback.rstrip()}"
         super().__init__(text)

@@ -14,6 +14,13 @@ Rules:
     type, or losing this rank would end the run anyway (too few left) and
     every rank that failed so far failed with that type.
 
+  In the second case, while ranks that have not failed are left, what was
+  trained is not thrown away: the rank is lost as a crashed one would be,
+  the survivors save a bundle (the save a crash that left too few ranks
+  makes: ``SaveReason.SINGLE_SURVIVOR``, ``MAX_FAILURE_EXCEEDED``), and the
+  run ends ``saved_and_shutdown`` with the error in ``RunEnd``: the run's
+  ``TrainingError`` names the bundle that resumes it once the code is fixed.
+
 - Otherwise (one rank's one-off error mid-run) the rank is lost like a
   crashed one: its work goes back to the survivors and the run goes on.
 - A non-finite loss (``BatchDone.nonfinite``: the rank did not apply that
@@ -83,7 +90,9 @@ class UserFailures:
         self.failed: dict[int, m.Failed] = {}
         self.num_nonfinite = 0  # steps with a non-finite loss, skipped
         self.restored = False  # the ranks restore their last consensus before saving
-        self.nonfinite: UserError | None = None  # why a non-finite value stopped the run
+        # The user error that stopped the run, which saved a bundle (a non-finite
+        # value, or an exception that left too few ranks).
+        self.stopped_by: UserError | None = None
         self.fingerprints: dict[int, str] = {}  # each rank's initial weights, hashed
         self.warned: set[int] = set()  # ranks already named for different initial weights
 
@@ -181,7 +190,7 @@ def _stop_nonfinite(core: Coordinator, rank: int, epoch: int, what: str) -> None
         return  # already saving
     state = core.failures
     state.restored = True
-    state.nonfinite = UserError(
+    state.stopped_by = UserError(
         rank=rank,
         epoch=epoch,
         error_type="NonFiniteLoss",
@@ -202,6 +211,10 @@ def on_failed(core: Coordinator, rank: int, message: m.Failed) -> None:
     from elche.core.coordinator import RankState, RunState
 
     if error is None or core.state is RunState.SAVING:  # a save under way finishes first
+        core._lose(rank, f"failed: {what}")
+        return
+    if others and core.state is RunState.TRAINING and not message.before_first_step:
+        core.failures.stopped_by = error  # the survivors save what was trained
         core._lose(rank, f"failed: {what}")
         return
     core.rank_state[rank] = RankState.DEAD

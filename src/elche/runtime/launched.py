@@ -230,12 +230,21 @@ def _train(
     try:
         result = _collect_on_rank0(plan, hooks, rank0, directory, t0, signals=signals)
     except BaseException as exc:
-        results.publish({"error": f"{type(exc).__name__}: {exc}"}, readers=world - 1)
+        results.publish(_failure_doc(exc), readers=world - 1)
         raise
     results.publish({"summary": result.summary, "epochs": result.epochs}, readers=world - 1)
     if not result.state_dict:
         result.state_dict = state
     return result, stopped
+
+
+def _failure_doc(exc: BaseException) -> dict[str, object]:
+    """What rank 0 shares when it raises: the run's user error, which every rank then
+    raises with the bundle it names, or its own error."""
+    if isinstance(exc, TrainingError):
+        fields = ("rank", "epoch", "error_type", "message", "traceback")
+        return {"user_error": {f: getattr(exc, f) for f in fields}, "bundle": exc.bundle}
+    return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _start_or_tell(start: Callable[[], _Rank0]) -> _Rank0:
@@ -357,11 +366,17 @@ def _shared_result(
     """A rank but 0: its model with the summary and epochs rank 0 published.
 
     Raises:
+        TrainingError: rank 0 raised the run's user error (a survivor of the
+            failed ranks saved nothing of its own to say so).
         RankExcluded: this rank lost its coordinator (``cut_off``: why) and
             rank 0 shared nothing either: a host cut off for good.
         RuntimeError: rank 0 ended with an error (it said which) instead.
     """
     doc = results.read(COORDINATOR_EXIT_S + HOLD_S)
+    user_error = doc.get("user_error") if doc else None
+    if isinstance(user_error, dict):  # what rank 0 raised
+        bundle = doc.get("bundle") if doc else None
+        raise TrainingError.from_summary(user_error, bundle if isinstance(bundle, str) else None)
     summary = doc.get("summary") if doc else None
     epochs = doc.get("epochs") if doc else None
     if not isinstance(summary, dict):
