@@ -40,6 +40,7 @@ import elche
 from elche.workloads import digits
 
 GATE = Path(sys.argv[1]) / "go"
+STEP = digits.step_fn
 
 def gated_model(device):  # holds every rank before it joins, until the test opens it
     while not GATE.exists():
@@ -51,9 +52,10 @@ if __name__ == "__main__":
     rank = os.environ["RANK"]
     try:
         result = elche.train(
-            gated_model, digits.make_optimizer, digits.step_fn, train_set, batch_size=32,
+            gated_model, digits.make_optimizer, dataset=train_set, batch_size=32,
             epochs=int(sys.argv[2]), speeds=[0.05, 0.05, 0.02][: int(os.environ["WORLD_SIZE"])],
-            heartbeat_timeout_s=3.0, progress=False, save_path=sys.argv[1] + "/bundle",
+            heartbeat_timeout_s=float(sys.argv[3]), progress=False,
+            save_path=sys.argv[1] + "/bundle", step_fn=STEP,
         )
     except KeyboardInterrupt as stop:
         print(f"STOPPED {rank} bundle={stop.bundle} code={stop.code}", flush=True)
@@ -61,15 +63,26 @@ if __name__ == "__main__":
     except RuntimeError as exc:
         print(f"RAISED {rank} {exc}", flush=True)
         raise SystemExit(1)
-    print(f"RETURNED {rank} {result.summary['outcome']}", flush=True)
+    print(f"RETURNED {rank} {result.summary['outcome']} {result.summary['bundle']}", flush=True)
+"""
+
+FAILS_ON_RANK0 = """
+def STEP(model, batch):  # rank 0's own code fails once, mid-run: a one-off
+    if os.environ["RANK"] == "0" and elche.progress().fraction > 0.3:
+        raise OSError("rank 0 could not read its shard")
+    return digits.step_fn(model, batch)
 """
 
 
-def launch(tmp_path: Path, nproc: int, epochs: int) -> list[str]:
+def launch(
+    tmp_path: Path, nproc: int, epochs: int, *, heartbeat_s: float = 3.0, step: str = ""
+) -> list[str]:
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script.write_text(
+        SCRIPT.replace('if __name__ == "__main__":', step + '\nif __name__ == "__main__":')
+    )
     args = [sys.executable, "-m", "elche.cli", "run", "--nproc", str(nproc), str(script)]
-    return [*args, str(tmp_path), str(epochs)]
+    return [*args, str(tmp_path), str(epochs), str(heartbeat_s)]
 
 
 def wait_for(path: Path, proc: object) -> None:
@@ -109,9 +122,11 @@ def test_a_signal_before_the_run_formed_interrupts_every_rank(
 
 def test_rank_0_killed_mid_run_leaves_its_survivors_naming_the_bundle(tmp_path: Path) -> None:
     # Rank 0 hosts the coordinator: its successor-less stop saves through the others,
-    # who used to say "nothing saved" beside the committed bundle.
+    # who used to say "nothing saved" beside the committed bundle. With the default
+    # heartbeat timeout (30 s) nothing was saved at all: the save waited for rank 0,
+    # declared lost only after the orphaned coordinator's 6 s were up.
     (tmp_path / "go").touch()
-    with session(launch(tmp_path, 3, 8), tmp_path) as proc:
+    with session(launch(tmp_path, 3, 8, heartbeat_s=30.0), tmp_path) as proc:
         wait_mid_run(proc, tmp_path)
         rank0 = worker_of(proc.pid, 0)
         assert rank0 is not None, "no rank 0 process"
@@ -125,6 +140,35 @@ def test_rank_0_killed_mid_run_leaves_its_survivors_naming_the_bundle(tmp_path: 
         assert f"elche rank {rank}: rank 0 shared no result; the run stopped and is saved " \
                f"under {stem}; resume_from={stem!r}" in err, err[-3000:]  # fmt: skip
     assert Path(f"{stem}.meta.json").exists()
+
+
+def test_the_survivor_of_a_killed_rank_0_returns_the_runs_saved_result(tmp_path: Path) -> None:
+    # Left alone, it cannot go on (a collective needs two): it saves, and its
+    # elche.train used to return an empty summary, naming no bundle.
+    (tmp_path / "go").touch()
+    with session(launch(tmp_path, 2, 8, heartbeat_s=30.0), tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        rank0 = worker_of(proc.pid, 0)
+        assert rank0 is not None, "no rank 0 process"
+        os.kill(rank0, signal.SIGKILL)
+        _, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    stem = str(tmp_path / "bundle")
+    assert f"RETURNED 1 saved_and_shutdown {stem}" in out, out + err[-3000:]
+    assert f"resume_from={stem!r}" in err, err[-3000:]
+    assert Path(f"{stem}.meta.json").exists()
+
+
+def test_rank_0s_own_one_off_error_leaves_the_others_the_completed_run(tmp_path: Path) -> None:
+    # Rank 0's process raised at once, sharing nothing: the run went on without its
+    # rank and completed, and every other rank returned an empty summary.
+    (tmp_path / "go").touch()
+    args = launch(tmp_path, 3, 3, step=FAILS_ON_RANK0)
+    with session(args, tmp_path) as proc:
+        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    assert returncode == 1, err[-3000:]  # rank 0's script raised its own error, at the end
+    assert "RAISED 0 rank 0 failed in epoch" in out, out + err[-3000:]
+    returned = sorted(re.findall(r"RETURNED (\d) (\S+)", out))
+    assert returned == [("1", "completed"), ("2", "completed")], out + err[-3000:]
 
 
 def test_a_run_directory_that_fills_up_says_where_the_bundle_is_on_every_rank(

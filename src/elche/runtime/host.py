@@ -102,6 +102,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ADDRESS_LINE",
     "FAILED_EXIT",
+    "LAUNCHER_RANK_ENV",
     "RESUME_OUTER",
     "UNWRITABLE_EXIT",
     "Host",
@@ -126,6 +127,10 @@ MAX_WAIT_S = 0.5
 # ``round:N`` (round N journaled), ``averaging:N`` (round N's average asked
 # for), ``final`` (the final model's save ordered). See docs/failure-modes.md.
 FAULT_ENV = "ELCHE_FAULT_COORDINATOR"
+# Under ``elche run`` and torchrun: the rank whose process started the coordinator
+# (rank 0). Its stdin's EOF is that rank's death too, which its heartbeats would
+# take ``heartbeat_timeout_s`` to tell: longer than an orphan's grace to save.
+LAUNCHER_RANK_ENV = "ELCHE_LAUNCHER_RANK"
 FIRST_DISPATCH_FILE = "first_dispatch"  # the first work's monotonic time, for a successor
 RUN_START_FILE = "coordinator.started"  # the first coordinator's start, monotonic
 
@@ -195,14 +200,21 @@ class Host:
         if restore is not None:
             self._carry_on_stats()
 
-    def watch(self, stream: TextIO, *, on_eof: Callable[[], None] | None = None) -> None:
+    def watch(
+        self,
+        stream: TextIO,
+        *,
+        on_eof: Callable[[], None] | None = None,
+        launcher_rank: int | None = None,
+    ) -> None:
         """Read launcher reports from ``stream`` (a pipe) on a daemon thread.
 
         Each line ``lost RANK REASON…`` becomes a ``RankLost`` event: the
         launcher sees a child process exit long before its heartbeats go
         stale. ``stop REASON…`` becomes ``StopRequested``. EOF means the
         launcher is gone: a ``StopRequested`` too, then ``on_eof`` (on this
-        thread).
+        thread). A launcher that was a rank (``launcher_rank``) is lost
+        first, so that the stop's save goes to the ranks that are left.
         """
 
         def read() -> None:
@@ -213,6 +225,9 @@ class Host:
                     self._reports.append(RankLost(rank=int(parts[1]), reason=reason))
                 elif parts and parts[0] == "stop":
                     self.request_stop(line.removeprefix("stop").strip() or "asked to stop")
+            if launcher_rank is not None:
+                gone = "its process, which started the coordinator, is gone"
+                self._reports.append(RankLost(rank=launcher_rank, reason=gone))
             self.request_stop("the launching process is gone")
             if on_eof is not None:
                 on_eof()
@@ -639,7 +654,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for reason in stops:
             host.request_stop(reason)
         if not sys.stdin.isatty():
-            host.watch(sys.stdin, on_eof=_exit_after_grace)
+            rank = os.environ.get(LAUNCHER_RANK_ENV, "")
+            launcher_rank = int(rank) if rank.isdigit() else None
+            host.watch(sys.stdin, on_eof=_exit_after_grace, launcher_rank=launcher_rank)
         try:
             finish = host.run()
         except OSError as exc:  # its summary (or timeline) could not be written

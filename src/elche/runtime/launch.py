@@ -65,6 +65,7 @@ from elche.runtime.groups import GROUPS_PORT_ENV, parse_address_line
 from elche.runtime.host import (
     ADDRESS_LINE,
     FAILED_EXIT,
+    LAUNCHER_RANK_ENV,
     RESUME_OUTER,
     UNWRITABLE_EXIT,
     config_to_json,
@@ -423,6 +424,8 @@ def start_coordinator(
     if restore_at is None:
         forget_lost_coordinator(run_dir, config.world_size)
     env = dict(os.environ, **{SECRET_ENV: secret.hex()})
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a launched rank starts it
+        env[LAUNCHER_RANK_ENV] = os.environ["RANK"]
     args = [str(run_dir)]
     if restore_at is not None:
         env[BIND_ENV], port = restore_at

@@ -53,7 +53,7 @@ from elche.core.checkpoint import SaveReason
 from elche.core.errors import ConfigError, RankExcluded, TrainingError
 from elche.core.rank import COORDINATOR_LOST
 from elche.monitor.progress import Progress
-from elche.monitor.summary import rank_report_file
+from elche.monitor.summary import SUMMARY_FILE, rank_report_file
 from elche.monitor.timeline import read_timeline
 from elche.runtime.addresses import BIND_ENV, EVERY_INTERFACE, advertised_host
 from elche.runtime.frames import new_secret, secret_from_env
@@ -140,9 +140,11 @@ def train_launched(
     signum = signals.received if signals.received is not None else signal.SIGTERM
     stem = result.summary.get("bundle")  # RUN_DIR/checkpoint where the user named no save_path
     bundle = stem if isinstance(stem, str) else None
-    if bundle is None and asked and rank != 0:  # rank 0 is gone, and the line it would say
+    dead = result.summary.get("dead_ranks")
+    rank0_lost = not result.summary or (isinstance(dead, list) and 0 in dead)
+    if asked and rank != 0 and rank0_lost:  # the line rank 0 would say
         directory = Path(result.run_dir or ".")  # (a rank's result always names it)
-        bundle = fresh_bundle(with_bundle(plan, directory).config.save_path, t0)
+        bundle = bundle or fresh_bundle(with_bundle(plan, directory).config.save_path, t0)
         if bundle is not None:
             print(f"elche rank {rank}: rank 0 shared no result; the run stopped and is saved "
                   f"under {bundle}; resume_from={bundle!r} continues it", file=sys.stderr,
@@ -218,24 +220,54 @@ def _train(
         plan, rank, shared.address, bytes.fromhex(shared.secret_hex), directory,
         max_grad_norm=max_grad_norm, group_port=shared.group_port,
     )  # fmt: skip
+    report, state, own_error = _rank_outcome(spec, fns, plan.config.batch_size, host, results)
+    stopped = report.get("stopped")
+    if rank0 is None:
+        result = _other_rank_result(report, state, results, plan=plan, directory=directory, t0=t0)
+        return result, stopped
+    result = _serve_result(plan, hooks, rank0, directory, t0, signals=signals)
+    if own_error is not None:
+        raise own_error
+    if not result.state_dict:
+        result.state_dict = state
+    return result, stopped
+
+
+def _rank_outcome(
+    spec: RankSpec, fns: UserFns, batch_size: int, host: Supervised | None, results: ResultBoard
+) -> tuple[dict[str, object], dict[str, torch.Tensor], TrainingError | None]:
+    """Train this rank: its report and model, or (rank 0) the user error its rank raised.
+
+    Rank 0's own rank may fail while the run goes on without it; its process
+    still hosts the run, so it serves it to its end and shares the result
+    before it raises that error.
+    """
     try:
-        report, state = _run_rank(spec, fns, plan.config.batch_size, host)
+        report, state = _run_rank(spec, fns, batch_size, host)
+    except TrainingError as exc:
+        if host is None:
+            results.leave()
+            raise
+        return {}, {}, exc
     except BaseException:
         if host is None:  # rank 0 need not hold the result for this rank
             results.leave()
         raise
-    stopped = report.get("stopped")
-    if rank0 is None:
-        return _other_rank_result(report, state, results, directory), stopped
+    return report, state, None
+
+
+def _serve_result(
+    plan: Plan, hooks: Hooks, rank0: _Rank0, directory: Path, t0: float, *, signals: StopSignals
+) -> TrainResult:
+    """Rank 0: the run's result, shared with every other rank; or what it raised, shared too."""
+    readers = plan.config.world_size - 1
     try:
         result = _collect_on_rank0(plan, hooks, rank0, directory, t0, signals=signals)
     except BaseException as exc:
-        results.publish(_failure_doc(exc), readers=world - 1)
+        rank0.results.publish(_failure_doc(exc), readers=readers)
         raise
-    results.publish({"summary": result.summary, "epochs": result.epochs}, readers=world - 1)
-    if not result.state_dict:
-        result.state_dict = state
-    return result, stopped
+    rank0.results.publish({"summary": result.summary, "epochs": result.epochs}, readers=readers)
+    return result
 
 
 def _failure_doc(exc: BaseException) -> dict[str, object]:
@@ -328,7 +360,10 @@ def _other_rank_result(
     report: dict[str, object],
     state: dict[str, torch.Tensor],
     results: ResultBoard,
+    *,
+    plan: Plan,
     directory: Path,
+    t0: float,
 ) -> TrainResult:
     """A rank but 0: the run's user error (raised), or its result as rank 0 shares it.
 
@@ -345,7 +380,16 @@ def _other_rank_result(
     if isinstance(user_error, dict):  # another rank's: the same error here
         results.leave()
         raise TrainingError.from_summary(user_error)
-    return _shared_result(results, state, directory, cut_off=_cut_off(report))
+    cut_off = _cut_off(report)
+    result = _shared_result(results, state, directory, cut_off=cut_off)
+    if result.summary or cut_off or not (directory / SUMMARY_FILE).exists():
+        return result
+    # Rank 0 is gone, and its coordinator wrote the run's end on this host.
+    result = _result_in_run_dir(plan, Hooks(eval_result_fn=None, metrics_fn=None), directory, t0)
+    if result.summary.get("reason") != SaveReason.GRACEFUL_SHUTDOWN.value:  # (else: Interrupted)
+        explain_outcome(result.summary, plan.config.save_path)
+    result.state_dict = result.state_dict or state
+    return result
 
 
 def _cut_off(report: dict[str, object]) -> str:
@@ -383,7 +427,8 @@ def _shared_result(
         why = doc.get("error") if doc else "none came"
         if doc and why and not cut_off:  # rank 0 raised it, and said it: so does every rank
             raise RuntimeError(f"rank 0 ended with {why}")
-        print(f"elche: rank 0 shared no run summary ({why})", file=sys.stderr, flush=True)
+        if cut_off or not (directory / SUMMARY_FILE).exists():  # (else the caller reads it)
+            print(f"elche: rank 0 shared no run summary ({why})", file=sys.stderr, flush=True)
         if cut_off:  # neither the coordinator nor rank 0 reached: the run is elsewhere
             rank = int(os.environ["RANK"])
             raise RankExcluded(
@@ -406,15 +451,24 @@ def _collect_on_rank0(
     if rank0.board is not None:
         rank0.board.stop()
     salvage_if_lost(plan, directory, rank0.host.host, wait_s=LOCAL_STATE_WAIT_S)
-    epochs = epoch_log(plan)
-    quiet = Progress(plan.config.epochs, enabled=False)
-    for event in read_timeline(directory):
-        on_record(event, epochs, hooks, quiet)
-    result = collect(plan, directory, t0, epochs)
+    result = _result_in_run_dir(plan, hooks, directory, t0)
     stopped = result.summary.get("reason") == SaveReason.GRACEFUL_SHUTDOWN.value
     if not stopped and signals.received is None:
         explain_outcome(result.summary, plan.config.save_path)
     return result
+
+
+def _result_in_run_dir(plan: Plan, hooks: Hooks, directory: Path, t0: float) -> TrainResult:
+    """The run's result from the coordinator's files in ``directory`` (on its host).
+
+    Raises:
+        TrainingError: the run ended on the user's error.
+    """
+    epochs = epoch_log(plan)
+    quiet = Progress(plan.config.epochs, enabled=False)
+    for event in read_timeline(directory):
+        on_record(event, epochs, hooks, quiet)
+    return collect(plan, directory, t0, epochs)
 
 
 def _watch_coordinator(coordinator: Supervised) -> threading.Thread:
