@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import torch
 from torch import nn
@@ -60,6 +61,12 @@ def nan_after_a_few(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor
     if rank() == 1 and _calls[0] > 6:
         return loss * float("nan")
     return loss
+
+
+def model_with_a_thread(device: torch.device) -> nn.Module:
+    """A model_fn that starts a thread of the user's own that never ends (a logger)."""
+    threading.Thread(target=threading.Event().wait, name="users-logger").start()
+    return make_model(device)
 
 
 def model_per_rank(device: torch.device) -> nn.Module:

@@ -90,6 +90,20 @@ def test_an_error_that_leaves_too_few_ranks_saves_what_the_survivors_trained(
     assert resumed.summary["lost_samples"] == 0
 
 
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_thread_of_the_users_code_does_not_keep_a_rank_process_alive(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # The launcher waited 30 s for each such rank, saying nothing, and then killed it.
+    result = train(model_fn=faulty.model_with_a_thread)
+    assert result.summary["outcome"] == "completed"
+    err = capfd.readouterr().err
+    for rank in (0, 1):
+        assert f"elche rank {rank}: the rank is done; its process ends though threads of " \
+               "yours still run in it (users-logger)" in err, err[-3000:]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_issue12_item14_one_rank_raises_the_same_training_error_in_process() -> None:
     with pytest.raises(elche.TrainingError) as info:

@@ -44,6 +44,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -170,6 +171,7 @@ def _rank_process(
             import torch
 
             torch.save(state, state_out)
+        _end_despite_threads(spec.rank)
     except BaseException as exc:
         # The user's own error: its traceback is the useful part, not elche's frames;
         # of a full or read-only disk (the run directory's), or of a bundle that is no
@@ -181,6 +183,19 @@ def _rank_process(
             (Path(spec.run_dir) / f"rank{spec.rank}.error").write_text(text)
         print(f"elche rank {spec.rank} failed:\n{text}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+
+
+def _end_despite_threads(rank: int) -> None:
+    """The rank's work is done: end its process now, though threads of the user's code
+    (started in ``model_fn``, say) would keep it alive until the launcher killed it."""
+    main = threading.main_thread()
+    held = [t.name for t in threading.enumerate() if t is not main and not t.daemon]
+    if not held:
+        return
+    print(f"elche rank {rank}: the rank is done; its process ends though threads of yours "
+          f"still run in it ({', '.join(held)})", file=sys.stderr, flush=True)  # fmt: skip
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _report_lost(host: Any, rank: int, code: int | None) -> None:
