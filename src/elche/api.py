@@ -187,7 +187,9 @@ def train(
             ``elche.Progress`` (``.fraction`` of the plan, ``.step`` at the
             reference batch ``batch_size × accumulate``, ``.samples``), the
             run's global progress: the same on every rank, exact at each
-            average. See ``docs/training.md``.
+            average. The factor must be a finite number >= 0; another
+            value fails the run (``TrainingError``, naming ``lr_schedule`` and
+            the value). See ``docs/training.md``.
         accumulate: micro-batches of ``batch_size`` per optimizer step; the
             loss of each is weighted by its share of the step's samples.
         precision: ``"fp32"`` (default), ``"bf16"`` (autocast around
