@@ -293,7 +293,10 @@ def train(
 
         # Before anything starts; said once, by the process that starts the run.
         say = os.environ.get("RANK", "0") == "0"
-        meta = check_resume(plan.resume_from, plan.config, model_fn, say=say)
+        meta = check_resume(
+            plan.resume_from, plan.config, model_fn, optimizer_fn,
+            accumulate=options.accumulate, say=say,
+        )  # fmt: skip
         # A resumed run draws each epoch's order as its bundle's run did.
         config = dataclasses.replace(plan.config, order=meta.order)
         plan = dataclasses.replace(plan, config=config, resume_seq=meta.save_seq)
