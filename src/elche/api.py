@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import numbers
 import os
 import shutil
 import sys
@@ -128,7 +129,8 @@ def train(
         speed_base_s: testing aid: the ``base`` every paced rank uses,
             instead of each measuring its own (a benchmark measures it once
             and hands it to every system it compares).
-        devices: one device string per rank (default ``cpu``).
+        devices: a list of one device string per rank, e.g. ``["cpu", "cuda:0"]``
+            (default ``cpu``); a single string is refused: say ``devices=["cpu"]``.
         max_grad_norm: clip gradients to this norm.
         epoch_fn: ``epoch_fn(epoch, model, optimizer)`` on every rank at the
             start of each epoch (e.g. to set the learning rate).
@@ -146,7 +148,8 @@ def train(
         save_path: bundle stem for checkpoints and save-and-shutdown.
         resume_from: a bundle stem to continue from.
         callback_rank: ``"fastest"`` or a rank to pin the callbacks on.
-        scheduler: ElChe knobs (anchor, overhead target, guard, ...).
+        scheduler: ElChe knobs (anchor, overhead target, guard, ...): an
+            ``elche.SchedulerConfig``, or None for its defaults.
         easgd_alpha: EASGD blend for ``cpu-async`` (default 0.5).
         seed: the per-epoch shuffle seed.
         heartbeat_timeout_s: silence after which a rank is declared dead.
@@ -184,7 +187,9 @@ def train(
             ``elche.Progress`` (``.fraction`` of the plan, ``.step`` at the
             reference batch ``batch_size × accumulate``, ``.samples``), the
             run's global progress: the same on every rank, exact at each
-            average. See ``docs/training.md``.
+            average. The factor must be a finite number >= 0; another
+            value fails the run (``TrainingError``, naming ``lr_schedule`` and
+            the value). See ``docs/training.md``.
         accumulate: micro-batches of ``batch_size`` per optimizer step; the
             loss of each is weighted by its share of the step's samples.
         precision: ``"fp32"`` (default), ``"bf16"`` (autocast around
@@ -240,7 +245,15 @@ def train(
             A second Ctrl-C stops at once, without saving. A run whose
             training was over when the signal came completes and returns.
     """
-    _check_user_fns(model_fn=model_fn, eval_fn=eval_fn, eval_dataset=eval_dataset)
+    _check_user_fns(
+        model_fn=model_fn, optimizer_fn=optimizer_fn, step_fn=step_fn, epoch_fn=epoch_fn,
+        eval_fn=eval_fn, eval_dataset=eval_dataset, eval_result_fn=eval_result_fn,
+        checkpoint_fn=checkpoint_fn, metrics_fn=metrics_fn,
+    )  # fmt: skip
+    save_path = _path("save_path", save_path)
+    resume_from = _path("resume_from", resume_from)
+    run_dir = _path("run_dir", run_dir)
+    devices = _per_rank("devices", devices, "['cpu']")
     if max_grad_norm is not None and not (_finite(max_grad_norm) and max_grad_norm > 0):
         # torch clips to a negative norm by turning every gradient around
         raise ConfigError(
@@ -280,7 +293,10 @@ def train(
 
         # Before anything starts; said once, by the process that starts the run.
         say = os.environ.get("RANK", "0") == "0"
-        meta = check_resume(plan.resume_from, plan.config, model_fn, say=say)
+        meta = check_resume(
+            plan.resume_from, plan.config, model_fn, optimizer_fn,
+            accumulate=options.accumulate, say=say,
+        )  # fmt: skip
         # A resumed run draws each epoch's order as its bundle's run did.
         config = dataclasses.replace(plan.config, order=meta.order)
         plan = dataclasses.replace(plan, config=config, resume_seq=meta.save_seq)
@@ -358,11 +374,12 @@ def _plan(
     if num_samples == 0:
         raise ConfigError("dataset", "is empty: there is nothing to train on")
     env_world = os.environ.get("WORLD_SIZE")
+    speeds = _per_rank("speeds", speeds, "[1.0, 0.5]")
     world = _world_size(ranks, speeds, devices, int(env_world) if env_world else None)
+    for s in speeds or ():
+        if isinstance(s, bool) or not (isinstance(s, numbers.Real) and 0 < float(s) <= 1):
+            raise ConfigError("speeds", f"each speed must be a number in (0, 1], got {s!r}")
     speeds_t = tuple(float(s) for s in speeds) if speeds is not None else (1.0,) * world
-    for s in speeds_t:
-        if not 0 < s <= 1:
-            raise ConfigError("speeds", f"each speed must be in (0, 1], got {s}")
     devices_t = tuple(devices) if devices is not None else ("cpu",) * world
     if isinstance(callback_rank, str):
         if callback_rank != "fastest":
@@ -387,7 +404,8 @@ def _plan(
     config = CoordinatorConfig(
         mode=Mode.parse(mode), world_size=world, num_samples=num_samples,
         batch_size=batch_size, epochs=epochs, seed=seed,
-        scheduler=scheduler or SchedulerConfig(), heartbeat_timeout_s=heartbeat_timeout_s,
+        scheduler=SchedulerConfig() if scheduler is None else scheduler,
+        heartbeat_timeout_s=heartbeat_timeout_s,
         heartbeat_interval_s=_beat_every(heartbeat_timeout_s), max_failures=max_failures,
         callback_policy=policy, callback_rank=pinned,
         has_eval_fn=has_eval, eval_every=eval_every, checkpoint_every=checkpoint_every,
@@ -411,8 +429,24 @@ def _planned(dataset: Any, epochs: Any) -> int:
         return 1
 
 
-def _check_user_fns(*, model_fn: Any, eval_fn: Any, eval_dataset: Any) -> None:
-    """Mistakes a new user makes, caught before any process starts."""
+def _check_user_fns(
+    *,
+    model_fn: Any,
+    optimizer_fn: Any,
+    step_fn: Any,
+    epoch_fn: Any,
+    eval_fn: Any,
+    eval_dataset: Any,
+    eval_result_fn: Any,
+    checkpoint_fn: Any,
+    metrics_fn: Any,
+) -> None:
+    """Mistakes a new user makes, caught before any process starts.
+
+    Raises:
+        ConfigError: a model instead of ``model_fn``, a function that is not
+            callable, or ``eval_fn`` without ``eval_dataset``.
+    """
     if hasattr(model_fn, "state_dict") and hasattr(model_fn, "parameters"):
         raise ConfigError(
             "model_fn",
@@ -421,6 +455,16 @@ def _check_user_fns(*, model_fn: Any, eval_fn: Any, eval_dataset: Any) -> None:
         )
     if not callable(model_fn):
         raise ConfigError("model_fn", f"must be a function model_fn(device), got {model_fn!r}")
+    for name, fn in (("optimizer_fn", optimizer_fn), ("step_fn", step_fn)):
+        if not callable(fn):
+            raise ConfigError(name, f"must be a function, got {fn!r}")
+    hooks = (
+        ("epoch_fn", epoch_fn), ("eval_fn", eval_fn), ("eval_result_fn", eval_result_fn),
+        ("checkpoint_fn", checkpoint_fn), ("metrics_fn", metrics_fn),
+    )  # fmt: skip
+    for name, fn in hooks:  # called only later (some only on one rank, or at an epoch's end)
+        if fn is not None and not callable(fn):
+            raise ConfigError(name, f"must be a function or None, got {fn!r}")
     if eval_fn is not None and eval_dataset is None:
         raise ConfigError("eval_dataset", "eval_fn is given but eval_dataset is not")
 
@@ -506,18 +550,60 @@ def _faults(
     elif not isinstance(plan, FaultPlan):
         raise ConfigError("faults", f"must be an elche.FaultPlan or None, got {plan!r}")
     plan.check(world)
-    for name, points in (("crash", dict(crash or {})), ("stall", dict(stall or {}))):
+    for name, points in (("crash", crash), ("stall", stall)):
+        if points is None:
+            continue
+        shape = f"expects {{rank: epoch.fraction}} with ranks in [0, {world}), got {points!r}"
+        if not isinstance(points, Mapping):
+            raise ConfigError(name, shape)
         for rank, at in points.items():
-            if not (isinstance(rank, int) and 0 <= rank < world and at >= 0):
-                raise ConfigError(
-                    name,
-                    f"expects {{rank: epoch.fraction}} with ranks in [0, {world}), got {points}",
-                )
+            if not (_is_rank(rank, world) and _finite(at) and at >= 0):
+                raise ConfigError(name, shape)
             if name == "crash":
                 plan = plan.kill(rank=rank, at_epoch=at)
             else:
                 plan = plan.stall(rank=rank, at_epoch=at)
     return plan
+
+
+def _is_rank(value: object, world: int) -> bool:
+    """An integer in [0, ``world``) (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < world
+
+
+def _path(field: str, given: str | os.PathLike[str] | None) -> str | None:
+    """``given`` as a path string (None stays None).
+
+    Raises:
+        ConfigError: neither a ``str`` nor an ``os.PathLike`` of one.
+    """
+    if given is None or isinstance(given, str):
+        return given
+    if isinstance(given, os.PathLike):
+        path = os.fspath(given)
+        if isinstance(path, str):
+            return path
+    raise ConfigError(field, f"must be a path (a str or a pathlib.Path) or None, got {given!r}")
+
+
+def _per_rank(field: str, given: Any, example: str) -> tuple[Any, ...] | None:
+    """``given`` as a tuple of one entry per rank (None stays None).
+
+    Raises:
+        ConfigError: not a list: a number, a mapping, or a string (which
+            would be read letter by letter).
+    """
+    if given is None:
+        return None
+    if not isinstance(given, str | bytes | Mapping):
+        try:
+            return tuple(given)
+        except TypeError:
+            pass
+    raise ConfigError(
+        field, f"must be a list with one entry per rank, e.g. {field}={example}, or None; "
+        f"got {given!r}",
+    )  # fmt: skip
 
 
 def _speed_base(base_s: float | None) -> float | None:
@@ -582,8 +668,10 @@ def _tensorboard_dir(given: str | None) -> str | None:
     """The TensorBoard log directory: the argument, else ``ELCHE_TENSORBOARD``, else none.
 
     Raises:
-        ConfigError: one is asked for and the ``tensorboard`` package is missing.
+        ConfigError: not a path, or one is asked for and the ``tensorboard``
+            package is missing.
     """
+    given = _path("tensorboard_dir", given)
     directory = given if given is not None else os.environ.get(TENSORBOARD_ENV) or None
     if directory is not None and importlib.util.find_spec("tensorboardX") is None:
         raise ConfigError(

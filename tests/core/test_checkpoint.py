@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elche.core.checkpoint import SCHEMA_VERSION, CheckpointMeta, EpochCoverage, SaveReason
-from elche.core.config import NUMPY_PERMUTATION, ORDERS, RANDOM_SHUFFLE
+from elche.core.config import NUMPY_PERMUTATION, ORDERS, RANDOM_SHUFFLE, CoordinatorConfig, Mode
 from elche.core.elche_state import MAX_COUNT, ElCheState, Phase
 from elche.core.errors import ConfigError
 
@@ -372,3 +372,40 @@ def test_a_schema_1_meta_names_its_rounds_sync_round_and_still_resumes() -> None
     raw["sync_round"] = raw.pop("rounds_done")
     parsed = CheckpointMeta.from_json(json.dumps(raw))
     assert parsed == meta(schema_version=1)
+
+
+# --- fitting the run ---------------------------------------------------------
+
+
+def run_of(batch_size: int, seed: int = 42) -> CoordinatorConfig:
+    return CoordinatorConfig(
+        mode=Mode.CADENCE, world_size=3, num_samples=1000, batch_size=batch_size, epochs=10,
+        seed=seed,
+    )  # fmt: skip
+
+
+def test_a_batch_size_mismatch_names_both_values() -> None:
+    with pytest.raises(ConfigError) as info:
+        meta().check_fits(run_of(64))
+    assert info.value.field == "batch_size"
+    assert str(info.value) == (
+        "batch_size: the checkpoint was saved with batch_size=32, this run has batch_size=64"
+    )
+
+
+def test_under_accumulate_a_batch_size_mismatch_names_batch_size_and_accumulate() -> None:
+    # The run's config counts samples per optimizer step: batch_size=32, accumulate=2 is 64.
+    with pytest.raises(ConfigError) as info:
+        meta().check_fits(run_of(64), accumulate=2)
+    assert info.value.field == "batch_size"
+    assert str(info.value) == (
+        "batch_size: the checkpoint was saved with batch_size × accumulate = 32 samples per "
+        "optimizer step, this run has batch_size=32 × accumulate=2 = 64"
+    )
+    meta(batch_size=64).check_fits(run_of(64), accumulate=2)  # 32 × 2 resumes 64 per step
+
+
+def test_a_seed_mismatch_names_both_values() -> None:
+    with pytest.raises(ConfigError) as info:
+        meta().check_fits(run_of(32, seed=7))
+    assert str(info.value) == "seed: the checkpoint was saved with seed=42, this run has seed=7"

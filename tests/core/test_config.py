@@ -55,8 +55,10 @@ def test_parse_ignores_case_and_surrounding_whitespace(name: str, mode: Mode) ->
     assert Mode.parse(name) is mode
 
 
-@pytest.mark.parametrize("name", ["", "bogus", "cpu_async", "cpu async", "nccl", "asynchronous"])
-def test_parse_refuses_a_bad_name_listing_the_accepted_values(name: str) -> None:
+@pytest.mark.parametrize(
+    "name", ["", "bogus", "cpu_async", "cpu async", "nccl", "asynchronous", None, 3, Mode.SYNC]
+)
+def test_parse_refuses_a_bad_name_listing_the_accepted_values(name: object) -> None:
     with pytest.raises(ConfigError) as info:
         Mode.parse(name)
     assert info.value.field == "mode"
@@ -176,6 +178,9 @@ def test_scheduler_config_accepts_the_edges(overrides: dict[str, object]) -> Non
         ({"easgd_alpha": 1.5}, "easgd_alpha"),
         ({"easgd_alpha": -0.5}, "easgd_alpha"),
         ({"easgd_alpha": math.nan}, "easgd_alpha"),
+        ({"scheduler": {"anchor": 2}}, "scheduler"),  # its knobs went unread
+        ({"scheduler": "fast"}, "scheduler"),
+        ({"scheduler": None}, "scheduler"),
     ],
     ids=repr,
 )

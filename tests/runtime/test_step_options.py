@@ -16,9 +16,11 @@ from torch.utils.data import TensorDataset
 
 import elche
 from elche.core.dispatch import epoch_permutation
+from elche.core.progress import Progress
 from elche.runtime.loading import Loader
 from elche.runtime.options import TrainOptions
 from elche.runtime.shards import epoch_order
+from elche.runtime.stepping import Stepper, schedule_factor
 from tests.runtime import byo_fns as fx
 
 N = 100
@@ -151,3 +153,50 @@ def test_a_schedule_that_cannot_reach_the_ranks_is_refused_before_they_start() -
             epochs=1, ranks=2, progress=False, lr_schedule=lambda p: 1.0 - p.fraction,
         )  # fmt: skip
     assert caught.value.field == "lr_schedule"
+
+
+START = Progress(samples=0, step=0, fraction=0.0, planned_samples=N, exact_samples=0)
+
+
+def _scheduled(factor: object) -> Stepper:
+    model = fx.linear_model("cpu")
+    return Stepper(
+        model, fx.linear_optimizer(model.parameters()), fx.mse_step, device=torch.device("cpu"),
+        max_grad_norm=None, options=TrainOptions(lr_schedule=lambda p: factor),  # type: ignore[arg-type, return-value]
+        progress=lambda: START,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "factor", [-1.0, float("nan"), float("inf"), None, "0.5", torch.tensor([0.5, 1.0])], ids=repr
+)
+def test_a_schedule_factor_that_is_no_finite_number_at_least_0_is_refused_naming_it(
+    factor: object,
+) -> None:
+    # -1 turned every step around (the model ascended); NaN was blamed on the loss.
+    stepper = _scheduled(factor)
+    with pytest.raises(ValueError, match=r"^lr_schedule returned .*finite number >= 0") as caught:
+        stepper.apply_schedule()
+    assert repr(factor) in str(caught.value)
+    assert [g["lr"] for g in stepper.optimizer.param_groups] == [0.05]  # left as it was
+
+
+@pytest.mark.parametrize(
+    ("factor", "lr"), [(0, 0.0), (0.5, 0.025), (torch.tensor(2.0), 0.1)], ids=repr
+)
+def test_a_schedule_factor_scales_the_base_lr(factor: object, lr: float) -> None:
+    stepper = _scheduled(factor)
+    stepper.apply_schedule()
+    assert stepper.optimizer.param_groups[0]["lr"] == pytest.approx(lr)
+    assert schedule_factor(factor) == pytest.approx(lr / 0.05)
+
+
+@pytest.mark.slow
+def test_a_negative_schedule_fails_the_run_naming_lr_schedule_and_its_value() -> None:
+    with pytest.raises(elche.TrainingError) as caught:
+        elche.train(
+            fx.linear_model, fx.linear_optimizer, fx.mse_step, _linear_data(), batch_size=8,
+            epochs=1, ranks=1, progress=False, lr_schedule=lambda p: -1.0,
+        )  # fmt: skip
+    assert caught.value.error_type == "ValueError"
+    assert caught.value.message.startswith("lr_schedule returned -1.0; it must return a finite")

@@ -213,7 +213,7 @@ class CheckpointMeta:
                     "(the unfinished epochs of the plan)",
                 )
 
-    def check_fits(self, config: CoordinatorConfig) -> None:
+    def check_fits(self, config: CoordinatorConfig, *, accumulate: int = 1) -> None:
         """Refuse to resume ``config`` from a meta another run wrote.
 
         The seed (each epoch's permutation), the batch size (the span grid)
@@ -223,16 +223,31 @@ class CheckpointMeta:
         on for longer, or to stop sooner (an ``epoch`` at or past the new
         plan finishes at once).
 
+        Args:
+            config: the run to resume.
+            accumulate: the run's micro-batches per optimizer step: its
+                ``config.batch_size`` is the user's ``batch_size`` times it,
+                and a mismatch names both.
+
         Raises:
             ConfigError: naming the field, with the meta's value and the run's.
         """
-        for field in ("seed", "batch_size"):
-            saved, ours = getattr(self, field), getattr(config, field)
-            if saved != ours:
-                raise ConfigError(
-                    field,
-                    f"the checkpoint was saved with {field}={saved}, this run has {field}={ours}",
+        if self.seed != config.seed:
+            raise ConfigError(
+                "seed", f"the checkpoint was saved with seed={self.seed}, this run has "
+                f"seed={config.seed}",
+            )  # fmt: skip
+        if self.batch_size != config.batch_size:
+            saved, ours = f"batch_size={self.batch_size}", f"batch_size={config.batch_size}"
+            if accumulate > 1:  # the meta counts samples per optimizer step
+                saved = f"batch_size × accumulate = {self.batch_size} samples per optimizer step"
+                ours = (
+                    f"batch_size={config.batch_size // accumulate} × accumulate={accumulate} "
+                    f"= {config.batch_size}"
                 )
+            raise ConfigError(
+                "batch_size", f"the checkpoint was saved with {saved}, this run has {ours}"
+            )
         if self.mode is not None and self.mode != config.mode.value:
             raise ConfigError(
                 "mode", f"the checkpoint was saved with mode={self.mode}, this run has "

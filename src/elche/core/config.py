@@ -75,13 +75,13 @@ class Mode(enum.Enum):
         return _MODE_TABLE[self][1]
 
     @classmethod
-    def parse(cls, name: str) -> Mode:
+    def parse(cls, name: object) -> Mode:
         """Look a mode up by name; ``async`` is accepted for ``cpu-async``.
 
         Raises:
-            ConfigError: the name is not a mode.
+            ConfigError: the name is not a mode (or not a string).
         """
-        key = name.strip().lower()
+        key = name.strip().lower() if isinstance(name, str) else None
         if key == "async":
             return cls.CPU_ASYNC
         for mode in cls:
@@ -256,6 +256,12 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
             raise ConfigError("mode", f"must be a Mode, got {self.mode!r}")
+        if not isinstance(self.scheduler, SchedulerConfig):  # a dict's knobs would go unread
+            raise ConfigError(
+                "scheduler",
+                "must be an elche.SchedulerConfig, e.g. scheduler=elche.SchedulerConfig(anchor=2), "
+                f"or None; got {self.scheduler!r}",
+            )
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(
                 "nonfinite", f"must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}"

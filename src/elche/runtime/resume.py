@@ -5,8 +5,12 @@ called ``elche.train``, with a ``ConfigError`` naming the field and both
 values, not after every rank started. ``check_resume`` reads the meta, checks
 it fits the run (seed, batch size, mode, world size, dataset size:
 ``CheckpointMeta.check_fits``), checks each file the meta names is the one it
-was written with (size and SHA-256), and checks the saved model has the keys
-and shapes of the model ``model_fn`` builds.
+was written with (size and SHA-256), checks the saved model has the keys
+and shapes of the model ``model_fn`` builds, and checks the saved optimizer
+state loads into the optimizer ``optimizer_fn`` makes with every
+hyperparameter it uses (a bundle of another optimizer class lacks some:
+SGD's groups have no ``betas`` for Adam, which failed in the rank's first
+step).
 """
 
 from __future__ import annotations
@@ -32,15 +36,21 @@ def check_resume(
     stem: str,
     config: CoordinatorConfig,
     model_fn: Callable[[Any], torch.nn.Module],
+    optimizer_fn: Callable[[Any], torch.optim.Optimizer],
     *,
+    accumulate: int = 1,
     say: bool = True,
 ) -> CheckpointMeta:
     """The meta of the bundle at ``stem``, once it is known to resume ``config``;
     with ``say``, a line for each way the resumed ranks differ from the saved ones.
 
+    ``accumulate`` is the run's (``config.batch_size`` counts it in); a
+    batch size mismatch names it.
+
     Raises:
         ConfigError: no readable meta, a mismatch with the run, a file that is
-            missing or changed, or a model of other keys or shapes.
+            missing or changed, a model of other keys or shapes, or an
+            optimizer state that does not fit ``optimizer_fn``'s optimizer.
     """
     where = bundle.meta_path(stem)
     try:
@@ -50,7 +60,7 @@ def check_resume(
     except UnicodeDecodeError:
         raise ConfigError("resume_from", f"{where} is not a checkpoint meta (not text)") from None
     meta = CheckpointMeta.from_json(text)
-    meta.check_fits(config)
+    meta.check_fits(config, accumulate=accumulate)
     paths = bundle.locate(stem, meta, config.world_size)
     if meta.files is not None:
         bundle.verify(paths.model, meta.files.model, what="model")
@@ -62,7 +72,11 @@ def check_resume(
         raise ConfigError("resume_from", f"the bundle's model {paths.model} is missing")
     if say:
         _say_what_resumes(meta, config.world_size, sorted(paths.optim))
-    _check_model(paths.model, model_fn)
+    model = model_fn(torch.device("cpu"))
+    _check_model(paths.model, model)
+    used = [rank for rank in sorted(paths.optim) if rank < config.world_size]
+    if used:  # every rank's state came from one optimizer_fn: the first tells
+        _check_optimizer(paths.optim[used[0]], model, optimizer_fn)
     return meta
 
 
@@ -113,12 +127,12 @@ def load_bundle(
     return meta
 
 
-def _check_model(path: Any, model_fn: Callable[[Any], torch.nn.Module]) -> None:
+def _check_model(path: Any, model: torch.nn.Module) -> None:
     try:
         saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:  # a truncated or foreign file: torch says which way
         raise ConfigError("resume_from", f"cannot read the bundle's model {path}: {exc}") from None
-    want = {k: tuple(v.shape) for k, v in model_fn(torch.device("cpu")).state_dict().items()}
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     have = {k: tuple(v.shape) for k, v in saved.items()}
     problems = [f"missing {k}" for k in sorted(want.keys() - have.keys())]
     problems += [f"unexpected {k}" for k in sorted(have.keys() - want.keys())]
@@ -135,3 +149,50 @@ def _check_model(path: Any, model_fn: Callable[[Any], torch.nn.Module]) -> None:
             + "; ".join(problems[:_SHOWN])
             + more,
         )
+
+
+def _check_optimizer(
+    path: Any, model: torch.nn.Module, optimizer_fn: Callable[[Any], torch.optim.Optimizer]
+) -> None:
+    """The state at ``path`` loads into ``optimizer_fn``'s optimizer of ``model`` and
+    gives each param group every key the optimizer's own groups have.
+
+    The keys are compared after the load, which fills in the defaults of keys
+    newer torch versions added (each optimizer's ``__setstate__``), so only a
+    hyperparameter the optimizer would miss in its step refuses. The optimizer
+    gets its own state back (``optimizer_fn`` may hand out one it keeps:
+    ``elche.Session``'s).
+
+    Raises:
+        ConfigError: an unreadable file, other param groups or sizes, or a
+            group that lacks a key the optimizer uses.
+    """
+    try:
+        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:  # a truncated or foreign file: torch says which way
+        raise ConfigError(
+            "resume_from", f"cannot read the bundle's optimizer state {path}: {exc}"
+        ) from None
+    optimizer = optimizer_fn(model.parameters())
+    misfit = f"the bundle's optimizer state {path} does not fit the {type(optimizer).__name__} "
+    misfit += "optimizer_fn makes"
+    own = optimizer.state_dict()
+    wanted = [set(group) for group in optimizer.param_groups]
+    try:
+        optimizer.load_state_dict(saved)
+        loaded = [set(group) for group in optimizer.param_groups]
+    except (KeyError, TypeError, ValueError) as exc:  # other groups or sizes: torch says which
+        raise ConfigError("resume_from", f"{misfit}: {exc}") from None
+    finally:
+        optimizer.load_state_dict(own)
+    for index, (want, have) in enumerate(zip(wanted, loaded, strict=True)):
+        missing = sorted(want - have)
+        if missing:
+            unused = sorted(have - want - {"initial_lr"})  # initial_lr: lr_schedule's base
+            raise ConfigError(
+                "resume_from",
+                f"{misfit}: its param group {index} has no {', '.join(missing)}"
+                + (f" (it has {', '.join(unused)} instead)" if unused else "")
+                + "; was it saved with another optimizer? Resume with the optimizer_fn "
+                "of the run that saved it",
+            )

@@ -34,7 +34,7 @@ from torch import nn
 from elche.core.progress import Progress
 from elche.runtime.options import TrainOptions
 
-__all__ = ["MicroBatch", "Stepper"]
+__all__ = ["MicroBatch", "Stepper", "schedule_factor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,28 @@ class MicroBatch:
 
     batch: Any
     size: int
+
+
+def schedule_factor(value: Any) -> float:
+    """What ``lr_schedule`` returned, as the factor of each group's base lr.
+
+    A tensor or NumPy number of one element counts as its number.
+
+    Raises:
+        ValueError: naming ``lr_schedule`` and ``value``, when that is not a
+            finite number >= 0: a negative factor turns every step around (the
+            model ascends its loss) and a NaN one poisons the parameters.
+    """
+    try:
+        factor = math.nan if isinstance(value, str | bytes) else float(value)
+    except (TypeError, ValueError):
+        factor = math.nan
+    if not (math.isfinite(factor) and factor >= 0):
+        raise ValueError(
+            f"lr_schedule returned {value!r}; it must return a finite number >= 0 "
+            "(the factor of each param group's base lr)"
+        )
+    return factor
 
 
 class Stepper:
@@ -92,11 +114,17 @@ class Stepper:
         return float(lr) if isinstance(lr, int | float) else None
 
     def apply_schedule(self) -> None:
-        """Set every group's lr to ``initial_lr × lr_schedule(progress)`` (if scheduled)."""
+        """Set every group's lr to ``initial_lr × lr_schedule(progress)`` (if scheduled).
+
+        Raises:
+            ValueError: ``lr_schedule`` returned no finite number >= 0
+                (``schedule_factor``); the lrs are left as they were.
+            Exception: whatever ``lr_schedule`` raises.
+        """
         schedule = self.options.lr_schedule
         if schedule is None:
             return
-        factor = float(schedule(self.progress()))
+        factor = schedule_factor(schedule(self.progress()))
         for group in self.optimizer.param_groups:
             base = group.get("initial_lr")
             if isinstance(base, int | float):
