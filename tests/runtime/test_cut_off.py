@@ -14,6 +14,7 @@ import torch
 
 from elche.core.errors import RankExcluded
 from elche.runtime.launched import _other_rank_result
+from elche.runtime.plan import TrainResult
 
 
 class SilentBoard:
@@ -34,6 +35,13 @@ class SharingBoard(SilentBoard):
         return {"summary": {"outcome": "saved_and_shutdown"}, "epochs": []}
 
 
+def other_rank_result(
+    report: dict[str, object], state: dict[str, torch.Tensor], board: SilentBoard, directory: Path
+) -> TrainResult:
+    """As a rank but 0 takes its result (no summary of the coordinator's on this host)."""
+    return _other_rank_result(report, state, board, plan=None, directory=directory, t0=0.0)  # type: ignore[arg-type]
+
+
 def test_a_rank_that_lost_its_coordinator_and_hears_nothing_from_rank_0_is_excluded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -41,12 +49,12 @@ def test_a_rank_that_lost_its_coordinator_and_hears_nothing_from_rank_0_is_exclu
     state = {"w": torch.zeros(1)}
     lost = {"stopped": "coordinator lost: no word from the coordinator for 10 s"}
     with pytest.raises(RankExcluded) as info:
-        _other_rank_result(lost, state, SilentBoard(), tmp_path)  # type: ignore[arg-type]
+        other_rank_result(lost, state, SilentBoard(), tmp_path)
     assert info.value.rank == 2
     assert "lost the coordinator (no word from the coordinator for 10 s)" in str(info.value)
     # rank 0 salvaged the run (the coordinator could not be restarted): its summary holds
-    shared = _other_rank_result(lost, state, SharingBoard(), tmp_path)  # type: ignore[arg-type]
+    shared = other_rank_result(lost, state, SharingBoard(), tmp_path)
     assert shared.summary == {"outcome": "saved_and_shutdown"}
     # a rank that finished, whose rank 0 shared nothing: its model, no summary, as before
-    done = _other_rank_result({"stopped": "done"}, state, SilentBoard(), tmp_path)  # type: ignore[arg-type]
+    done = other_rank_result({"stopped": "done"}, state, SilentBoard(), tmp_path)
     assert done.summary == {} and done.state_dict is state
