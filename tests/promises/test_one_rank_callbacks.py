@@ -1,10 +1,11 @@
-"""One rank keeps the callback promises several ranks keep.
+"""One rank keeps the callback and ``nonfinite="skip"`` promises several ranks keep.
 
 ``elche.train(ranks=1)`` trains in the caller's process. An ``eval_fn``,
 ``checkpoint_fn``, ``metrics_fn`` or ``eval_result_fn`` that raised (or an
 ``eval_fn`` that returned no number) used to end it with the raw exception,
 no result and no bundle, where a run of several ranks logs the failure and
-goes on (``docs/failure-modes.md``, "A callback fails").
+goes on (``docs/failure-modes.md``, "A callback fails"). Under
+``nonfinite="skip"`` it skipped steps without a word and without a count.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def checkpoint_raises(version: int, model: nn.Module) -> None:
 
 def hook_raises(*args: object) -> None:
     raise RuntimeError("my logger is down")
+
+
+def nan_step(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+    return step(model, batch) * float("nan")
 
 
 def completed(result: elche.TrainResult) -> bool:
@@ -114,3 +119,25 @@ def test_metrics_fn_and_eval_result_fn_that_raise_are_logged_and_training_goes_o
     err = capsys.readouterr().err
     assert err.count("elche: metrics_fn raised; training goes on") == 2
     assert err.count("elche: eval_result_fn raised; training goes on") == 2
+
+
+@pytest.mark.slow
+def test_skipped_steps_are_warned_of_and_counted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = train(tmp_path, step_fn=nan_step, nonfinite="skip")
+    assert completed(result)
+    assert (result.summary["skipped_steps"], result.summary["skipped_samples"]) == (8, 128)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "non-finite" in line]
+    assert warnings == [  # the first and every hundredth, as on several ranks
+        "elche [warning] rank 0: a non-finite loss in epoch 0; that step was skipped "
+        "(1 so far, nonfinite='skip')"
+    ]
+    (end,) = [e for e in read_timeline(tmp_path / "run") if isinstance(e, tl.RunEnd)]
+    assert (end.skipped_steps, end.skipped_samples) == (8, 128)
+
+
+@pytest.mark.slow
+def test_a_run_that_skips_nothing_counts_nothing(tmp_path: Path) -> None:
+    result = train(tmp_path, nonfinite="skip", epochs=1)
+    assert (result.summary["skipped_steps"], result.summary["skipped_samples"]) == (0, 0)

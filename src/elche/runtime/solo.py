@@ -29,6 +29,7 @@ from elche.core.callbacks import checkpoint_failed_text, eval_failed_text, given
 from elche.core.checkpoint import CheckpointMeta, SaveReason
 from elche.core.dispatch import Span
 from elche.core.errors import TrainingError
+from elche.core.failures import skipped_text
 from elche.core.progress import ProgressTracker
 from elche.monitor.summary import SUMMARY_FILE
 from elche.runtime import bundle
@@ -79,6 +80,8 @@ class _Solo:
     bundles: list[dict[str, object]] = field(default_factory=list)  # those committed
     stop_asked: Callable[[], bool] = lambda: False
     notices: list[str] = field(default_factory=list)  # "level: text", as a cluster's summary
+    skipped_steps: int = 0  # steps nonfinite="skip" left out
+    skipped_samples: int = 0  # their samples
 
     def train_epoch(self, epoch: int, spans: Sequence[tuple[int, int]]) -> float | None:
         cfg = self.plan.config
@@ -102,6 +105,8 @@ class _Solo:
             elif cfg.nonfinite == "stop":  # the step was not applied: the model is finite
                 rest = [(at, n) for _, at, n in plan[i:]]
                 raise _Stopped(epoch, rest, reason=SaveReason.NONFINITE)
+            else:
+                self.skipped(epoch, size)
             self.trained += size
             self.tracker.trained(size)
         return sum(losses) / len(losses) if losses else None
@@ -124,6 +129,14 @@ class _Solo:
         if self.pacer is not None:
             self.pacer.after_step()
         return value
+
+    def skipped(self, epoch: int, size: int) -> None:
+        """``nonfinite="skip"`` left out a step of ``size`` samples in ``epoch``."""
+        self.skipped_steps += 1
+        self.skipped_samples += size
+        text = skipped_text(0, epoch, self.skipped_steps)  # the first and every hundredth
+        if text is not None:
+            self.notice("warning", text)
 
     def notice(self, level: str, text: str) -> None:
         """Say ``text`` on stderr and keep it for the summary, as a cluster's coordinator does."""
@@ -276,6 +289,7 @@ def _end_record(record: SoloRecord, summary: dict[str, object], run_dir: Path) -
         outcome=str(summary["outcome"]), reason=str(summary["reason"]),
         epochs=int(summary["epochs_completed"]),  # type: ignore[call-overload]  # JSON-shaped
         samples=int(summary["per_rank"][0]["samples"]),  # type: ignore[index]  # JSON-shaped
+        skipped=(int(summary["skipped_steps"]), int(summary["skipped_samples"])),  # type: ignore[call-overload]  # JSON-shaped
     )  # fmt: skip
     _keep_summary(run_dir, summary)
 
@@ -431,6 +445,8 @@ def _result(solo: _Solo, t0: float, run_dir: str | None) -> TrainResult:
         "eval": solo.eval_metric,
         "syncs": 0,
         "lost_samples": 0,
+        "skipped_steps": solo.skipped_steps,
+        "skipped_samples": solo.skipped_samples,
         "dead_ranks": [],
         "outcome": "completed",
         "reason": "",

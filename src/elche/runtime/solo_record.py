@@ -84,12 +84,23 @@ class SoloRecord:
     def saved(self, stem: str, seq: int, reason: str) -> None:
         self._write(tl.BundleWritten(stem=stem, seq=seq, reason=reason))
 
-    def ended(self, *, outcome: str, reason: str, epochs: int, samples: int) -> str | None:
-        """Write ``RunEnd``, stop the watchers, write the report; the report's path."""
+    def ended(
+        self,
+        *,
+        outcome: str,
+        reason: str,
+        epochs: int,
+        samples: int,
+        skipped: tuple[int, int] = (0, 0),
+    ) -> str | None:
+        """Write ``RunEnd``, stop the watchers, write the report; the report's path.
+
+        ``skipped``: the steps ``nonfinite="skip"`` left out, and their samples.
+        """
         self._write(tl.RunEnd(
             outcome=outcome, reason=reason, epochs_completed=epochs, rounds_done=0,
             lost_samples=0, dead_ranks=(), rejected_frames=0, anchor=0,
-            samples_per_rank=(samples,),
+            samples_per_rank=(samples,), skipped_steps=skipped[0], skipped_samples=skipped[1],
         ))  # fmt: skip
         self._writer.close()
         self._watchers.stop()
