@@ -28,11 +28,14 @@ rest:
   process's own (elche's ranks run at their own pace, never in lock-step).
 
 Not carried over: ``accumulate_grad_batches`` (use elche's ``accumulate=``),
-``16-mixed`` precision (use ``bf16-mixed``), manual optimization and several
-optimizers; each raises a ``ConfigError``. Lightning validates at epoch ends
-it knows of in advance, which elche's dynamic shares do not give: use
-``val_check_interval=N`` (batches) or elche's ``eval_fn``, which evaluates
-the consensus model.
+``16-mixed`` precision (use ``bf16-mixed``), manual optimization, several
+optimizers, ``max_steps``, and what trains fewer batches than the rank is
+handed (``limit_train_batches``, ``overfit_batches``, ``fast_dev_run``); each
+raises a ``ConfigError`` naming it. A ``training_step`` that returns None
+(Lightning's skip) raises a ``TypeError`` naming it: every batch is trained.
+Lightning validates at epoch ends it knows of in advance, which elche's
+dynamic shares do not give: use ``val_check_interval=N`` (batches) or
+elche's ``eval_fn``, which evaluates the consensus model.
 """
 
 from __future__ import annotations
@@ -130,7 +133,13 @@ class ElcheStrategy(SingleDeviceStrategy):
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         del optimizer, model, kwargs
-        return closure()  # the forward and `backward` above, which stepped already
+        loss = closure()  # the forward and `backward` above, which stepped already
+        if loss is None:  # Lightning ran no backward: the rank's batch is not stepped
+            raise TypeError(
+                "training_step returned None (Lightning's way to skip a batch); under "
+                "strategy='elche' every batch the rank is handed is trained: return its loss"
+            )
+        return loss
 
     # -- endings -----------------------------------------------------------------
 
@@ -183,6 +192,7 @@ def _check_trainer(trainer: pl.Trainer, optimizers: list[Any], options: dict[str
         raise ConfigError(
             "precision", f"is {trainer.precision!r}; accepted under 'elche': {ACCEPTED_PRECISION}"
         )
+    _check_batches(trainer)
     if not trainer.max_epochs or trainer.max_epochs < 1 or trainer.max_steps != -1:
         raise ConfigError(
             "max_epochs", "must be set (≥ 1) and max_steps left unset: elche plans by epochs"
@@ -191,6 +201,28 @@ def _check_trainer(trainer: pl.Trainer, optimizers: list[Any], options: dict[str
         raise ConfigError("gradient_clip_algorithm", "accepted under 'elche': 'norm'")
     if "precision" in options:
         raise ConfigError("precision", "set it on the Trainer ('bf16-mixed'), not the strategy")
+
+
+def _check_batches(trainer: pl.Trainer) -> None:
+    """Refuse the settings that train fewer batches than elche hands the rank: each would
+    leave the run before its last batch (an error, as leaving a ``Session``'s loop is).
+
+    ``fast_dev_run`` and ``overfit_batches`` set ``limit_train_batches`` (and
+    ``max_steps``) themselves, so they are named first.
+    """
+    # Set by the Trainer's constructor, not declared on its class: read with getattr.
+    if getattr(trainer, "fast_dev_run", False):
+        raise ConfigError(
+            "fast_dev_run", "is not supported under 'elche' (it trains a few batches)"
+        )
+    if getattr(trainer, "overfit_batches", 0):
+        raise ConfigError("overfit_batches", "is not supported under 'elche' (elche picks batches)")
+    limit = trainer.limit_train_batches
+    if not (isinstance(limit, float) and limit == 1.0):  # an int 1 is one batch an epoch
+        raise ConfigError(
+            "limit_train_batches",
+            f"is {limit!r}; under 'elche' every epoch trains every sample (leave it unset)",
+        )
 
 
 class _Placeholder:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from elche.core import failures
 from elche.core import messages as m
 from elche.core import timeline as tl
 from elche.core.commands import Broadcast, Emit, Finish, Notice, Send
@@ -181,6 +182,7 @@ def test_issue12_item15_a_nan_loss_saves_the_last_consensus_and_stops_the_run() 
     out += h.answer_saves()
     end = run_end(out)
     assert (end.outcome, end.reason) == ("saved_and_shutdown", "nonfinite")
+    assert (end.skipped_steps, end.skipped_samples) == (0, 0)  # stopped, not skipped
     assert end.user_error is not None
     assert (end.user_error.rank, end.user_error.error_type) == (1, "NonFiniteLoss")
     # The writer restored the last consensus: its two unaveraged steps are still to train.
@@ -196,6 +198,24 @@ def test_issue12_item15_skip_leaves_the_step_out_and_goes_on() -> None:
     assert any("skipped" in c.text for c in of(out, Notice))  # type: ignore[attr-defined]
     out += h.run_to_end()
     assert of(out, Finish) == [Finish(outcome="completed")]
+
+
+def test_issue12_item15_the_run_end_counts_the_skipped_steps_and_their_samples() -> None:
+    h = Harness(world_size=2, num_samples=640, nonfinite="skip")
+    h.form()
+    out = nan_batch(h, 1) + nan_batch(h, 0) + nan_batch(h, 1)
+    said = [c.text for c in of(out, Notice) if "skipped" in c.text]  # type: ignore[attr-defined]
+    assert said == [  # the first, then every hundredth
+        "rank 1: a non-finite loss in epoch 0; that step was skipped (1 so far, nonfinite='skip')"
+    ]
+    end = run_end(h.run_to_end())
+    assert end.outcome == "completed"
+    assert (end.skipped_steps, end.skipped_samples) == (3, 3 * h.cfg.batch_size)
+
+
+def test_issue12_item15_the_skip_warning_is_said_on_the_first_and_every_hundredth() -> None:
+    said = [n for n in range(1, 301) if failures.skipped_text(0, 0, n) is not None]
+    assert said == [1, 100, 200, 300]
 
 
 def test_issue12_item15_a_non_finite_average_stops_even_under_skip() -> None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from elche import ConfigError
+from elche import ConfigError, TrainingError
 from tests.integration.test_session_launched import RANKS, run_ranks_by_speed
 
 pytestmark = pytest.mark.skipif(
@@ -92,6 +92,13 @@ def test_a_trainer_with_strategy_elche_trains_each_sample_once_per_epoch(pl: Any
     [
         ({"accumulate_grad_batches": 2}, "accumulate_grad_batches"),
         ({"max_steps": 3}, "max_epochs"),
+        # Each of these trains fewer batches than the rank is handed: it left the run
+        # before its last batch, an error for the rank after it had trained a while.
+        ({"limit_train_batches": 2}, "limit_train_batches"),
+        ({"limit_train_batches": 1}, "limit_train_batches"),  # an int: one batch
+        ({"limit_train_batches": 0.5}, "limit_train_batches"),
+        ({"overfit_batches": 2}, "overfit_batches"),
+        ({"fast_dev_run": True}, "fast_dev_run"),
         ({"precision": "64-true"}, "precision"),
         ({"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}, "gradient_clip_algorithm"),
     ],
@@ -99,8 +106,25 @@ def test_a_trainer_with_strategy_elche_trains_each_sample_once_per_epoch(pl: Any
 def test_settings_elche_cannot_honour_are_refused_by_name(
     pl: Any, settings: dict[str, Any], field: str
 ) -> None:
+    module = recorder(pl)
     with pytest.raises(ConfigError, match=field):
-        trainer(pl, **settings).fit(recorder(pl), loader())
+        trainer(pl, **settings).fit(module, loader())
+    assert module.seen == {}  # refused before the first batch
+
+
+def test_a_training_step_that_returns_none_is_named(pl: Any) -> None:
+    module = recorder(pl)
+    step = module.training_step
+
+    def skipping_step(batch: Any, batch_idx: int) -> torch.Tensor | None:
+        loss = step(batch, batch_idx)
+        return None if batch_idx == 3 else loss  # Lightning's way to skip a batch
+
+    module.training_step = skipping_step
+    with pytest.raises(TrainingError) as info:
+        trainer(pl).fit(module, loader())
+    assert info.value.error_type == "TypeError"
+    assert "training_step returned None" in info.value.message
 
 
 SCRIPT = """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from elche.core import timeline as tl
@@ -54,6 +55,8 @@ def test_stats_follow_the_records_and_keep_the_latest_eval() -> None:
         "eval_accuracy": 0.9,
         "syncs": 9,
         "lost_samples": 0,
+        "skipped_steps": 0,
+        "skipped_samples": 0,
         "dead_ranks": [2],
         "joined_ranks": [],
         "outcome": "completed",
@@ -85,6 +88,7 @@ def test_the_launchers_summary_joins_the_rank_reports(tmp_path: Path) -> None:
     assert summary["startup_s"] == 1.0
     assert summary["samples_per_s"] == 600.0
     assert summary["bundle"] is None  # completed: no bundle to name
+    assert (summary["skipped_steps"], summary["skipped_samples"]) == (0, 0)
     unknown = {"wire": None, "wire_bytes": None, "wire_rounds": None, "overlapped_rounds": None}
     assert summary["per_rank"] == [
         {"rank": 0, "speed": 1.0, "samples": 700, "idle_s": 0.25, "lr": None, **wire},
@@ -96,3 +100,14 @@ def test_the_launchers_summary_joins_the_rank_reports(tmp_path: Path) -> None:
 def test_a_missing_summary_names_the_run_dir(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=str(tmp_path)):
         read_run(tmp_path, 2)
+
+
+def test_the_summary_counts_the_steps_nonfinite_skip_left_out(tmp_path: Path) -> None:
+    stats = RunStats(first_dispatch_s=5.0, last_average_s=7.0)
+    stats.observe(msgspec.structs.replace(END, skipped_steps=3, skipped_samples=96), 7.0)
+    doc = coordinator_summary(stats, mode="cadence", world_size=3)
+    assert (doc["skipped_steps"], doc["skipped_samples"]) == (3, 96)
+    (tmp_path / SUMMARY_FILE).write_text(json.dumps(doc))
+    host, ranks = read_run(tmp_path, 3)
+    summary = run_summary(host, ranks, speeds=[1.0, 0.5, 0.25], launched_s=4.0, save_path=None)
+    assert (summary["skipped_steps"], summary["skipped_samples"]) == (3, 96)

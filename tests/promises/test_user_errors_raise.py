@@ -227,6 +227,11 @@ def test_issue12_item15_skip_leaves_nan_steps_out_and_the_weights_finite() -> No
     result = train(step_fn=faulty.nan_after_a_few, nonfinite="skip", mode="cadence", epochs=3)
     assert result.summary["outcome"] == "completed"
     assert all_finite(result.state_dict)
+    steps, samples = result.summary["skipped_steps"], result.summary["skipped_samples"]
+    assert isinstance(steps, int) and isinstance(samples, int)
+    assert steps > 0 and 0 < samples <= steps * 8  # rank 1's steps, 8 samples at most each
+    said = [n for n in result.summary["notices"] if "non-finite" in n]  # type: ignore[attr-defined]
+    assert said[0].startswith("warning: rank 1: a non-finite loss")
 
 
 @pytest.mark.slow

@@ -43,7 +43,7 @@ from elche.core.config import CoordinatorConfig
 from elche.core.ledger import WindowLedger
 from elche.core.roles import CallbackRoles, Role
 
-__all__ = ["Callbacks"]
+__all__ = ["Callbacks", "checkpoint_failed_text", "eval_failed_text", "given_up_text"]
 
 
 class Callbacks:
@@ -105,7 +105,7 @@ class Callbacks:
         self.roles.record_cost(Role.EVAL, msg.elapsed_ms, rank=rank)
         self.pending_evals.pop(msg.epoch, None)
         if msg.error is not None:
-            text = f"eval_fn failed on rank {rank} after epoch {msg.epoch - 1}: {msg.error}"
+            text = eval_failed_text(rank, msg.epoch, msg.error)
             failed = tl.EvalFailed(
                 epoch=msg.epoch, rank=rank, duration_ms=msg.elapsed_ms, error=msg.error
             )
@@ -128,7 +128,7 @@ class Callbacks:
         if msg.error is None:
             self.roles.record_cost(Role.CHECKPOINT, msg.elapsed_ms, rank=rank)
         else:
-            text = f"checkpoint v{msg.version} failed on rank {rank}: {msg.error}"
+            text = checkpoint_failed_text(msg.version, rank, msg.error)
             out.append(Notice(level="error", text=text))
         return out + self._settle_checkpoint(rank, msg.version, msg.error, live)
 
@@ -176,12 +176,27 @@ class Callbacks:
         return [_give_up(version)] if target is None else [self._ask_checkpoint(version, target)]
 
 
-def _give_up(version: int) -> Command:
-    text = (
+def eval_failed_text(rank: int, done: int, error: str) -> str:
+    """The error notice of ``eval_fn`` failing on ``rank`` after ``done`` epochs (numbered
+    from 0 in the text, as ``metrics_fn`` numbers them)."""
+    return f"eval_fn failed on rank {rank} after epoch {done - 1}: {error}"
+
+
+def checkpoint_failed_text(version: int, rank: int, error: str) -> str:
+    """The error notice of ``checkpoint_fn`` failing for ``version`` on ``rank``."""
+    return f"checkpoint v{version} failed on rank {rank}: {error}"
+
+
+def given_up_text(version: int) -> str:
+    """The error notice of a checkpoint version every live rank failed: it is dropped."""
+    return (
         f"checkpoint v{version} failed on every live rank; giving up on this version "
         "(training continues)"
     )
-    return Notice(level="error", text=text)
+
+
+def _give_up(version: int) -> Command:
+    return Notice(level="error", text=given_up_text(version))
 
 
 def _broadcast(live: Sequence[int], message: m.CoordMessage) -> list[Command]:

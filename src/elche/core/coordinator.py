@@ -859,6 +859,8 @@ class Coordinator:
                 user_error=user_error or self.failures.stopped_by,
                 coordinator_restarts=self.coordinator_restarts,
                 joined_ranks=tuple(self.joins.joined),
+                skipped_steps=self.failures.num_skipped_steps,
+                skipped_samples=self.failures.num_skipped_samples,
             )
         )
         self._out.append(Finish(outcome=outcome, reason=reason))

@@ -72,6 +72,7 @@ __all__ = [
     "maybe_form",
     "on_failed",
     "screen",
+    "skipped_text",
 ]
 
 
@@ -88,7 +89,9 @@ class UserFailures:
 
     def __init__(self) -> None:
         self.failed: dict[int, m.Failed] = {}
-        self.num_nonfinite = 0  # steps with a non-finite loss, skipped
+        self.num_nonfinite = 0  # steps with a non-finite loss
+        self.num_skipped_steps = 0  # those of them nonfinite="skip" left out
+        self.num_skipped_samples = 0  # the samples of those steps
         self.restored = False  # the ranks restore their last consensus before saving
         # The user error that stopped the run, which saved a bundle (a non-finite
         # value, or an exception that left too few ranks).
@@ -127,12 +130,12 @@ class UserFailures:
 def screen(core: Coordinator, rank: int, message: m.RankMessage) -> None:
     """Look for non-finite losses and averages in ``rank``'s ``message``."""
     match message:
-        case m.BatchDone(nonfinite=True, epoch=epoch):
-            _nonfinite_loss(core, rank, epoch)
+        case m.BatchDone(nonfinite=True, epoch=epoch, size=size):
+            _nonfinite_loss(core, rank, epoch, size)
         case m.Batches(items=items):
             for item in items:
                 if item.nonfinite:
-                    _nonfinite_loss(core, rank, item.epoch)
+                    _nonfinite_loss(core, rank, item.epoch, item.size)
         case m.InitialState(fingerprint=fingerprint):
             _initial_state(core, rank, fingerprint)
         case m.SyncAck(post_norm=post) if post is not None and not math.isfinite(post):
@@ -169,17 +172,27 @@ def _initial_state(core: Coordinator, rank: int, fingerprint: str) -> None:
     core._out.append(Notice(level="warning", text=text))
 
 
-def _nonfinite_loss(core: Coordinator, rank: int, epoch: int) -> None:
+def skipped_text(rank: int, epoch: int, num_skipped: int) -> str | None:
+    """The warning for the ``num_skipped``-th step skipped under ``nonfinite="skip"`` (one
+    on ``rank`` in ``epoch``): said for the first and every hundredth, else None."""
+    if num_skipped != 1 and num_skipped % 100 != 0:
+        return None
+    return (
+        f"rank {rank}: a non-finite loss in epoch {epoch}; that step was skipped "
+        f"({num_skipped} so far, nonfinite='skip')"
+    )
+
+
+def _nonfinite_loss(core: Coordinator, rank: int, epoch: int, size: int) -> None:
     state = core.failures
     state.num_nonfinite += 1
     if core.config.nonfinite == "stop":
         _stop_nonfinite(core, rank, epoch, "the loss is not finite")
         return
-    if state.num_nonfinite == 1 or state.num_nonfinite % 100 == 0:
-        text = (
-            f"rank {rank}: a non-finite loss in epoch {epoch}; that step was skipped "
-            f"({state.num_nonfinite} so far, nonfinite='skip')"
-        )
+    state.num_skipped_steps += 1
+    state.num_skipped_samples += size
+    text = skipped_text(rank, epoch, state.num_skipped_steps)
+    if text is not None:
         core._out.append(Notice(level="warning", text=text))
 
 

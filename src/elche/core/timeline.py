@@ -238,6 +238,8 @@ class RunEnd(_Record, frozen=True):
     user_error: UserError | None = None  # outcome "failed" on the user's own code
     coordinator_restarts: int = 0  # coordinators lost and restarted from the journal
     joined_ranks: tuple[int, ...] = ()  # ranks that joined the running run (``elche join``)
+    skipped_steps: int = 0  # steps left out for a non-finite loss (``nonfinite="skip"``)
+    skipped_samples: int = 0  # their samples: counted as trained, in no model
 
 
 class OuterMomentumRestored(_Record, frozen=True):

@@ -106,6 +106,8 @@ def coordinator_summary(stats: RunStats, *, mode: str, world_size: int) -> dict[
         "eval_accuracy": stats.eval_metric,
         "syncs": report.rounds_done,
         "lost_samples": report.lost_samples,
+        "skipped_steps": report.skipped_steps,
+        "skipped_samples": report.skipped_samples,
         "dead_ranks": list(report.dead_ranks),
         "joined_ranks": list(report.joined_ranks),
         "outcome": outcome,
@@ -171,6 +173,9 @@ def run_summary(
         "eval": host["eval_accuracy"],  # eval_fn's metric, whatever it measures
         "syncs": host["syncs"],
         "lost_samples": host["lost_samples"],
+        # steps nonfinite="skip" left out, and their samples (trained, in no model)
+        "skipped_steps": host.get("skipped_steps", 0),
+        "skipped_samples": host.get("skipped_samples", 0),
         "dead_ranks": host["dead_ranks"],
         "joined_ranks": host.get("joined_ranks", []),  # ranks that joined (elche join)
         "outcome": host["outcome"],

@@ -107,6 +107,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Watchers",
+    "call_hook",
     "collect",
     "explain_outcome",
     "interrupted",
@@ -800,11 +801,11 @@ def on_record(
             if log is not epochs:
                 epochs.append(entry)
             if hooks.metrics_fn is not None:
-                _call_hook("metrics_fn", hooks.metrics_fn, entry)
+                call_hook("metrics_fn", hooks.metrics_fn, entry)
         case tl.Eval(epoch=done, metric=metric):  # after ``done`` epochs: epoch ``done - 1``
             log.evaluated(done - 1, metric)
             if hooks.eval_result_fn is not None:
-                _call_hook("eval_result_fn", hooks.eval_result_fn, done - 1, metric)
+                call_hook("eval_result_fn", hooks.eval_result_fn, done - 1, metric)
         case tl.RankWindow():
             log.note_window(event)
         case tl.BundleWritten():
@@ -813,7 +814,7 @@ def on_record(
             pass
 
 
-def _call_hook(name: str, fn: Callable[..., object], *args: object) -> None:
+def call_hook(name: str, fn: Callable[..., object], *args: object) -> None:
     """Run a user hook; one that raises is reported and the run goes on."""
     try:
         fn(*args)

@@ -25,14 +25,16 @@ import torch
 from torch import nn
 
 from elche.core import messages as m
+from elche.core.callbacks import checkpoint_failed_text, eval_failed_text, given_up_text
 from elche.core.checkpoint import CheckpointMeta, SaveReason
 from elche.core.dispatch import Span
 from elche.core.errors import TrainingError
+from elche.core.failures import skipped_text
 from elche.core.progress import ProgressTracker
 from elche.monitor.summary import SUMMARY_FILE
 from elche.runtime import bundle
 from elche.runtime.current import providing
-from elche.runtime.launch import interrupted
+from elche.runtime.launch import call_hook, interrupted
 from elche.runtime.lifetimes import StopSignals
 from elche.runtime.loading import Loader, StepPlan
 from elche.runtime.pacing import Pacer, pacer_for
@@ -42,6 +44,7 @@ from elche.runtime.shards import epoch_order
 from elche.runtime.solo_record import SoloRecord
 from elche.runtime.solo_saves import SoloSaves
 from elche.runtime.stepping import MicroBatch, Stepper
+from elche.runtime.user_callbacks import checkpoint, evaluate
 from elche.runtime.user_errors import describe
 from elche.runtime.worker import UserFns, _with_collate
 
@@ -76,6 +79,9 @@ class _Solo:
     saves: SoloSaves | None = None  # None: no save_path and no run directory
     bundles: list[dict[str, object]] = field(default_factory=list)  # those committed
     stop_asked: Callable[[], bool] = lambda: False
+    notices: list[str] = field(default_factory=list)  # "level: text", as a cluster's summary
+    skipped_steps: int = 0  # steps nonfinite="skip" left out
+    skipped_samples: int = 0  # their samples
 
     def train_epoch(self, epoch: int, spans: Sequence[tuple[int, int]]) -> float | None:
         cfg = self.plan.config
@@ -99,6 +105,8 @@ class _Solo:
             elif cfg.nonfinite == "stop":  # the step was not applied: the model is finite
                 rest = [(at, n) for _, at, n in plan[i:]]
                 raise _Stopped(epoch, rest, reason=SaveReason.NONFINITE)
+            else:
+                self.skipped(epoch, size)
             self.trained += size
             self.tracker.trained(size)
         return sum(losses) / len(losses) if losses else None
@@ -121,6 +129,19 @@ class _Solo:
         if self.pacer is not None:
             self.pacer.after_step()
         return value
+
+    def skipped(self, epoch: int, size: int) -> None:
+        """``nonfinite="skip"`` left out a step of ``size`` samples in ``epoch``."""
+        self.skipped_steps += 1
+        self.skipped_samples += size
+        text = skipped_text(0, epoch, self.skipped_steps)  # the first and every hundredth
+        if text is not None:
+            self.notice("warning", text)
+
+    def notice(self, level: str, text: str) -> None:
+        """Say ``text`` on stderr and keep it for the summary, as a cluster's coordinator does."""
+        self.notices.append(f"{level}: {text}")
+        print(f"elche [{level}] {text}", file=sys.stderr, flush=True)
 
     def begin_epoch(self, epoch: int) -> None:
         self.batches, self.compute_s, self.epoch_trained = 0, 0.0, self.trained
@@ -178,26 +199,48 @@ class _Solo:
         }  # fmt: skip
         done = epoch + 1
         if self.fns.eval_fn is not None and (done % cfg.eval_every == 0 or done == cfg.epochs):
-            started_s = time.monotonic()
-            self.model.eval()
-            with torch.no_grad():
-                self.eval_metric = float(self.fns.eval_fn(self.model, self.fns.eval_dataset))
-            self.model.train()
-            record["eval"] = self.eval_metric
-            if self.record is not None:
-                duration_ms = 1000 * (time.monotonic() - started_s)
-                self.record.evaluated(done, self.eval_metric, duration_ms)
-            if hooks.eval_result_fn is not None:  # numbered as metrics_fn numbers epochs
-                hooks.eval_result_fn(epoch, self.eval_metric)
+            metric = self.evaluate(done)
+            if metric is not None:
+                record["eval"] = metric
+                if hooks.eval_result_fn is not None:  # numbered as metrics_fn numbers epochs
+                    call_hook("eval_result_fn", hooks.eval_result_fn, epoch, metric)
         every = cfg.checkpoint_every
         if every and done % every == 0:
-            if self.fns.checkpoint_fn is not None:
-                self.fns.checkpoint_fn(done, self.model)
+            self.checkpoint(done)
             if done < cfg.epochs:  # the last epoch's model is the result
                 self.save(SaveReason.CHECKPOINT, done, self.holes)
         self.epochs.append(record)
         if hooks.metrics_fn is not None:
-            hooks.metrics_fn(record)
+            call_hook("metrics_fn", hooks.metrics_fn, record)
+
+    def evaluate(self, done: int) -> float | None:
+        """Run ``eval_fn`` after ``done`` epochs; its metric, or None when it failed (said,
+        and training goes on, as on several ranks: ``elche.core.callbacks``)."""
+        started_s = time.monotonic()
+        metric, error = evaluate(self.fns.eval_fn, self.fns.eval_dataset, self.model)
+        duration_ms = 1000 * (time.monotonic() - started_s)
+        if error is not None:
+            self.notice("error", eval_failed_text(0, done, error))
+            if self.record is not None:
+                self.record.eval_failed(done, error, duration_ms)
+            return None
+        self.eval_metric = metric
+        if self.record is not None:
+            self.record.evaluated(done, metric, duration_ms)
+        return metric
+
+    def checkpoint(self, version: int) -> None:
+        """Run ``checkpoint_fn`` for ``version``; a failure is said and the version dropped
+        (no other rank can retry it), and training goes on."""
+        if self.fns.checkpoint_fn is None:
+            return
+        started_s = time.monotonic()
+        error = checkpoint(self.fns.checkpoint_fn, version, self.model)
+        if self.record is not None:
+            self.record.checkpoint_ran(version, error, 1000 * (time.monotonic() - started_s))
+        if error is not None:
+            self.notice("error", checkpoint_failed_text(version, 0, error))
+            self.notice("error", given_up_text(version))
 
 
 def train_solo(
@@ -246,6 +289,7 @@ def _end_record(record: SoloRecord, summary: dict[str, object], run_dir: Path) -
         outcome=str(summary["outcome"]), reason=str(summary["reason"]),
         epochs=int(summary["epochs_completed"]),  # type: ignore[call-overload]  # JSON-shaped
         samples=int(summary["per_rank"][0]["samples"]),  # type: ignore[index]  # JSON-shaped
+        skipped=(int(summary["skipped_steps"]), int(summary["skipped_samples"])),  # type: ignore[call-overload]  # JSON-shaped
     )  # fmt: skip
     _keep_summary(run_dir, summary)
 
@@ -401,11 +445,14 @@ def _result(solo: _Solo, t0: float, run_dir: str | None) -> TrainResult:
         "eval": solo.eval_metric,
         "syncs": 0,
         "lost_samples": 0,
+        "skipped_steps": solo.skipped_steps,
+        "skipped_samples": solo.skipped_samples,
         "dead_ranks": [],
         "outcome": "completed",
         "reason": "",
         "bundle": None,
         "bundles": solo.bundles,
+        "notices": solo.notices,
         "per_rank": [
             {"rank": 0, "speed": plan.speeds[0], "samples": solo.trained, "idle_s": 0.0,
              "lr": solo.stepper.lr}

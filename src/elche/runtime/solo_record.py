@@ -5,9 +5,9 @@ timeline for it. When the run has a run directory (``run_dir=``, or a
 temporary one because a dashboard or a TensorBoard log was asked for),
 ``SoloRecord`` writes the records a cluster's coordinator would for one rank
 (``RankJoined``, ``RunStart``, ``RolesMoved``, per epoch ``EpochStart``, a
-``RankWindow`` and ``EpochEnd``, ``Eval``, ``RunEnd``), and the same
-watchers follow it (``launch.start_watching``); at the end it writes the
-report. Everything it writes is for watching: a write that fails is
+``RankWindow`` and ``EpochEnd``, ``Eval`` or ``EvalFailed``, ``CheckpointRan``,
+``RunEnd``), and the same watchers follow it (``launch.start_watching``); at
+the end it writes the report. Everything it writes is for watching: a write that fails is
 reported once and training goes on.
 """
 
@@ -71,15 +71,36 @@ class SoloRecord:
         self._write(tl.Eval(epoch=epochs_done, metric=metric, rank=0,
                             duration_ms=round(duration_ms, 3)))  # fmt: skip
 
+    def eval_failed(self, epochs_done: int, error: str, duration_ms: float) -> None:
+        self._write(tl.EvalFailed(epoch=epochs_done, rank=0, duration_ms=round(duration_ms, 3),
+                                  error=error))  # fmt: skip
+
+    def checkpoint_ran(self, version: int, error: str | None, duration_ms: float) -> None:
+        self._write(tl.CheckpointRan(
+            version=version, rank=0, duration_ms=round(duration_ms, 3),
+            outcome="ok" if error is None else "failed", error=error,
+        ))  # fmt: skip
+
     def saved(self, stem: str, seq: int, reason: str) -> None:
         self._write(tl.BundleWritten(stem=stem, seq=seq, reason=reason))
 
-    def ended(self, *, outcome: str, reason: str, epochs: int, samples: int) -> str | None:
-        """Write ``RunEnd``, stop the watchers, write the report; the report's path."""
+    def ended(
+        self,
+        *,
+        outcome: str,
+        reason: str,
+        epochs: int,
+        samples: int,
+        skipped: tuple[int, int] = (0, 0),
+    ) -> str | None:
+        """Write ``RunEnd``, stop the watchers, write the report; the report's path.
+
+        ``skipped``: the steps ``nonfinite="skip"`` left out, and their samples.
+        """
         self._write(tl.RunEnd(
             outcome=outcome, reason=reason, epochs_completed=epochs, rounds_done=0,
             lost_samples=0, dead_ranks=(), rejected_frames=0, anchor=0,
-            samples_per_rank=(samples,),
+            samples_per_rank=(samples,), skipped_steps=skipped[0], skipped_samples=skipped[1],
         ))  # fmt: skip
         self._writer.close()
         self._watchers.stop()

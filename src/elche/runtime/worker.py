@@ -76,6 +76,7 @@ from elche.runtime.shards import epoch_order
 from elche.runtime.snapshots import Layout
 from elche.runtime.stepping import MicroBatch, Stepper
 from elche.runtime.transport import RankEndpoint
+from elche.runtime.user_callbacks import checkpoint, evaluate
 from elche.runtime.user_errors import failed_report, guarded, training_error, wait_answer
 from elche.runtime.wire import Wire, average_over, launch_over
 
@@ -702,31 +703,18 @@ class Worker:
     # -- callbacks and saving -----------------------------------------------------
 
     def _run_callback(self, request: m.RunEval | m.RunCheckpoint) -> None:
-        """Run the user's eval or checkpoint; a failure is reported, not raised."""
+        """Run the user's eval or checkpoint; a failure is reported, not raised
+        (``elche.runtime.user_callbacks``)."""
         started = time.perf_counter()
-        error: str | None = None
-        metric = math.nan
-        try:
-            if isinstance(request, m.RunEval):
-                if self.fns.eval_fn is None:
-                    raise RuntimeError("no eval_fn on this rank")
-                self.model.eval()
-                with torch.no_grad():
-                    metric = float(self.fns.eval_fn(self.model, self.fns.eval_dataset))
-                self.model.train()
-            else:
-                if self._fail_checkpoint:
-                    raise OSError("disk full (FailCheckpoint fault)")
-                if self.fns.checkpoint_fn is not None:
-                    self.fns.checkpoint_fn(request.version, self.model)
-        except Exception as exc:  # a user callback failing must not kill the rank
-            self.model.train()
-            error = f"{type(exc).__name__}: {exc}"
-        elapsed_ms = (time.perf_counter() - started) * 1000.0
         if isinstance(request, m.RunEval):
+            metric, error = evaluate(self.fns.eval_fn, self.fns.eval_dataset, self.model)
+            elapsed_ms = (time.perf_counter() - started) * 1000.0
             self._send(self.proto.evaluated(metric=metric, elapsed_ms=elapsed_ms, error=error))
-        else:
-            self._send(self.proto.checkpointed(elapsed_ms=elapsed_ms, error=error))
+            return
+        checkpoint_fn = _failing_checkpoint if self._fail_checkpoint else self.fns.checkpoint_fn
+        error = checkpoint(checkpoint_fn, request.version, self.model)
+        elapsed_ms = (time.perf_counter() - started) * 1000.0
+        self._send(self.proto.checkpointed(elapsed_ms=elapsed_ms, error=error))
 
     def _coordinator_lost(self, reason: str) -> None:
         """No coordinator: keep this rank's consensus and state on disk, then stop
@@ -809,6 +797,12 @@ class Worker:
             "wire_rounds": self.wire.rounds,
             "overlapped_rounds": self.overlapped,
         }
+
+
+def _failing_checkpoint(version: int, model: nn.Module) -> None:
+    """The ``checkpoint_fn`` of a rank under a ``FailCheckpoint`` fault."""
+    del version, model
+    raise OSError("disk full (FailCheckpoint fault)")
 
 
 def _with_collate(options: TrainOptions, collate_fn: Any) -> TrainOptions:
