@@ -277,3 +277,41 @@ def test_a_rank_that_fails_before_the_run_formed_ends_it_at_once(
            in err, err[-3000:]  # fmt: skip
     assert "Traceback" not in err, err[-3000:]
     assert not left, "processes of the run outlived its launcher"
+
+
+GATED_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+
+import elche
+from elche.workloads import digits
+
+if __name__ == "__main__":
+    (Path(sys.argv[1]) / f"started.{os.environ['RANK']}").touch()
+    while not (Path(sys.argv[1]) / "go").exists():  # a script's own set-up, before elche.train
+        time.sleep(0.02)
+    train_set, _ = digits.load_digits_split(seed=0)
+    elche.train(digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+                batch_size=32, epochs=1, progress=False)
+"""
+
+
+def test_ctrl_c_while_the_ranks_start_ends_the_run_in_one_line(tmp_path: Path) -> None:
+    # Ctrl-C reached every rank: those not yet in elche.train ended in a KeyboardInterrupt
+    # traceback, and elche run exited 1; a rank the launcher started just after the
+    # signal never heard it, and trained the run to its end.
+    script = tmp_path / "train.py"
+    script.write_text(GATED_SCRIPT)
+    args = [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", str(script), str(tmp_path)]
+    with session(args, tmp_path) as proc:
+        for rank in (0, 1):
+            wait_for(tmp_path / f"started.{rank}", proc)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal's whole foreground group
+        returncode, _, err = wait_exit(proc, MID_RUN_WITHIN_S)
+        left = session_pids(proc.pid)
+    assert returncode == 130, err[-3000:]
+    assert elche_lines(err) == [
+        "elche run: interrupted by SIGINT before the run formed; the ranks were stopped "
+        "(nothing was trained)"
+    ], err[-3000:]
+    assert not left, "processes of the run outlived its launcher"

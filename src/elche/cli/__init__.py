@@ -400,33 +400,29 @@ def _run_script(args: argparse.Namespace) -> int:
     met = Path(env["ELCHE_RUN_DIR"]) / "ranks_met"  # rank 0 makes it once every rank met
     met.unlink(missing_ok=True)  # (an exported run dir's, from an earlier run)
     env[RANKS_MET_ENV] = str(met)
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def forward(signum: int) -> None:  # a signal to this process alone reaches the ranks too
-        for proc in procs:
-            with contextlib.suppress(OSError):
-                proc.send_signal(signum)
-
+    ranks = _Ranks(met)
     # SIGINT/SIGTERM: the ranks save and exit 130/143 (elche.runtime.lifetimes);
     # a second SIGINT kills them.
-    with StopSignals(on_signal=forward) as signals:
+    with StopSignals(on_signal=ranks.forward) as signals:
         try:
             for rank in range(args.nproc):
-                procs.append(subprocess.Popen(
-                    [sys.executable, args.script, *args.script_args],
-                    env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-                ))  # fmt: skip
-            cut_short = _wait_ranks(procs, met)
+                if ranks.stopped_early is None:  # (a signal while they start: no more)
+                    ranks.start([sys.executable, args.script, *args.script_args],
+                                dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))  # fmt: skip
+            cut_short = _wait_ranks(ranks.procs, met)
         except KeyboardInterrupt:  # the second SIGINT
             print("elche run: stopped at once by a second signal; the ranks were killed, "
                   "and nothing more is saved", file=sys.stderr)  # fmt: skip
             return 130
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
+            ranks.kill()
             met.unlink(missing_ok=True)
-    codes = [proc.wait() for proc in procs]  # (each has ended)
+    codes = [proc.wait() for proc in ranks.procs]  # (each has ended)
+    if ranks.stopped_early is not None:
+        name = signal.Signals(ranks.stopped_early).name
+        print(f"elche run: interrupted by {name} before the run formed; the ranks were "
+              "stopped (nothing was trained)", file=sys.stderr)  # fmt: skip
+        return 128 + ranks.stopped_early
     if cut_short is not None:
         print(f"elche run: rank {cut_short} {_ended(codes[cut_short])} before every rank "
               f"reached the run, which cannot form without it; the other ranks were "
@@ -439,6 +435,42 @@ def _run_script(args: argparse.Namespace) -> int:
     if failed:
         return _status(failed[0][1])
     return stopped if stopped in codes else 0
+
+
+class _Ranks:
+    """``elche run``'s rank processes, and the stop signals it passes them.
+
+    Each rank runs in a process group of its own (as torchrun's workers run in
+    sessions of their own), so Ctrl-C and a signal to the launcher's group
+    reach the launcher alone, which passes the stop on: once every rank met in
+    torch's rendezvous (``met``), each is inside ``elche.train``, where a stop
+    signal saves the run. Before that a rank may still be importing, and the
+    signal would end it in a traceback; nothing was trained yet, so the
+    launcher ends them itself (``stopped_early``: the signal that did).
+    """
+
+    def __init__(self, met: Path) -> None:
+        self.met = met
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.stopped_early: int | None = None
+
+    def start(self, command: list[str], env: dict[str, str]) -> None:
+        self.procs.append(subprocess.Popen(command, env=env, process_group=0))
+
+    def forward(self, signum: int) -> None:
+        """Pass a stop signal on (run in the signal handler)."""
+        if not self.met.exists():
+            self.stopped_early = signum
+            self.kill()
+            return
+        for proc in self.procs:
+            with contextlib.suppress(OSError):
+                proc.send_signal(signum)
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
 
 
 def _status(code: int) -> int:
