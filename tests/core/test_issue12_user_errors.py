@@ -11,7 +11,7 @@ import pytest
 from elche.core import failures
 from elche.core import messages as m
 from elche.core import timeline as tl
-from elche.core.commands import Broadcast, Emit, Finish, Notice, Send
+from elche.core.commands import Broadcast, Emit, Finish, Notice, ReformFirstGroup, Send
 from elche.core.config import Mode
 from elche.core.coordinator import RankState, RunState
 from elche.core.errors import ConfigError
@@ -144,6 +144,30 @@ def test_issue12_item02_a_collective_run_regroups_without_the_rank_lost_while_fo
     assert all(not isinstance(getattr(c, "message", None), m.AssignChunk) for c in out[:first])
     out += h.run_to_end()
     assert of(out, Finish) == [Finish(outcome="completed")]
+
+
+def test_a_rank_lost_before_any_joined_has_the_others_form_their_first_group_without_it() -> None:
+    # They gather for their first group before they join: told nothing, they waited
+    # for the lost rank there until their collective timeout.
+    h = Harness(world_size=3, num_samples=960)  # cadence: collective
+    h.feed(Started())
+    out = h.feed(RankLost(rank=1, reason="process ended (exit code 3)"))
+    assert of(out, ReformFirstGroup) == [ReformFirstGroup(generation=1, members=(0, 2))]
+    h.feed(RankJoined(rank=0))
+    out = h.feed(RankJoined(rank=2))
+    assert messages(out, m.Regroup) == [m.Regroup(generation=2, members=[0, 2])]
+    out += h.run_to_end()
+    assert of(out, Finish) == [Finish(outcome="completed")]
+
+
+def test_no_first_group_reform_once_a_rank_joined_or_without_collectives() -> None:
+    h = Harness(world_size=3, num_samples=960)
+    h.feed(Started())
+    h.feed(RankJoined(rank=0))  # it joined: the first group had formed, every rank in it
+    assert of(h.feed(RankLost(rank=1, reason="process ended")), ReformFirstGroup) == []
+    h = Harness(world_size=3, mode=Mode.CPU_CADENCE, num_samples=960)
+    h.feed(Started())
+    assert of(h.feed(RankLost(rank=1, reason="process ended")), ReformFirstGroup) == []
 
 
 def test_issue12_item02_too_few_left_before_forming_fails_and_stops_the_joined_ranks() -> None:

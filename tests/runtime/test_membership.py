@@ -254,3 +254,16 @@ def test_a_rank_that_leaves_its_group_frees_it_so_a_peer_waiting_in_it_fails_at_
     assert error != "completed"
     assert "Timed out" not in error  # the connection closed, or was reset
     assert codes == [0, 0]
+
+
+def test_a_first_group_reformed_before_the_store_serves_is_read_once_it_does() -> None:
+    # The coordinator may hear of a rank lost at start-up while its store still imports
+    # torch: the reform must be there for the ranks that come to gather after.
+    server = groups.GroupStoreServer(groups.listen(ADDRESS))
+    server.reform_first(1, [0, 2])
+    server.start()
+    assert server.settle(60.0) and server.error is None
+    client = groups.connect(ADDRESS, server.port, 5.0)
+    assert groups.first_group(client) == (1, [0, 2])
+    server.reform_first(2, [2])  # a second loss: the newest reform only
+    assert groups.first_group(client) == (2, [2])

@@ -23,6 +23,7 @@ __all__ = [
     "Emit",
     "Finish",
     "Notice",
+    "ReformFirstGroup",
     "Send",
     "WriteMeta",
 ]
@@ -101,6 +102,16 @@ class Emit:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ReformFirstGroup:
+    """A rank was lost while the ranks gather for their first collective group: tell
+    those still gathering (through the group store) to form ``generation`` of
+    ``members`` instead. Ranks past the first group ignore it; ``Regroup`` follows."""
+
+    generation: int
+    members: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Finish:
     """The run is over: ``outcome`` is ``completed`` or ``saved_and_shutdown``.
 
@@ -120,5 +131,6 @@ Command = (
     | AppendJournal
     | Notice
     | Emit
+    | ReformFirstGroup
     | Finish
 )

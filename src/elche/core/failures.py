@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 
 from elche.core import messages as m
 from elche.core.checkpoint import SaveReason
-from elche.core.commands import Notice, Send
+from elche.core.commands import Notice, ReformFirstGroup, Send
 from elche.core.config import Backend
 from elche.core.messages import UserError
 from elche.core.saves import reason_to_stop
@@ -248,6 +248,13 @@ def lost_forming(core: Coordinator, rank: int, reason: str) -> None:
     core.roles.on_death(rank, left, core.elche.smoothed_ms_per_batch)
     text = f"rank {rank} lost before the run formed ({reason}); it forms with the {len(left)} left"
     core._out.append(Notice(level="warning", text=text))
+    first_group = all(core.rank_state[r] is RankState.JOINING for r in left)  # none joined
+    if core.config.backend is Backend.COLLECTIVE and core.restored_round is None and first_group:
+        # The ranks may be gathering for their first group (a rank joins once it
+        # formed), where they would wait for this one until their collective
+        # timeout: they form a new generation without it.
+        core.generation += 1
+        core._out.append(ReformFirstGroup(generation=core.generation, members=tuple(left)))
     maybe_form(core)
 
 

@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -61,6 +61,7 @@ __all__ = [
     "GROUPS_PORT_ENV",
     "GroupStoreServer",
     "connect",
+    "first_group",
     "gather",
     "generation_store",
     "listen",
@@ -77,6 +78,8 @@ GROUPS_PORT_ENV = "ELCHE_GROUPS_PORT"
 # How long the store server waits on a client's request before dropping it.
 SERVER_TIMEOUT_S = 300.0
 
+# The first group's reform (``ReformFirstGroup``): "GENERATION:RANK,RANK,…", newest only.
+FIRST_GROUP = "first-group"
 ARRIVED = "arrived/"  # + a member's rank: it has come to gather for its generation
 OUTCOME = "outcome"  # FORMED or ABANDONED, claimed once (compare-and-set) for every member
 FORMED = "formed"
@@ -131,7 +134,8 @@ class GroupStoreServer:
         self._counters = dict(counters or {})
         self.port: int = sock.getsockname()[1]
         self.error: BaseException | None = None
-        self._store: object = None  # the TCPStore, kept alive while the run lasts
+        self._store: Any = None  # the TCPStore, kept alive while the run lasts
+        self._lock = threading.Lock()  # _store and _info, between the host and _serve
         self._thread = threading.Thread(target=self._serve, name="elche-group-store", daemon=True)
 
     def start(self) -> GroupStoreServer:
@@ -147,14 +151,16 @@ class GroupStoreServer:
         try:
             from torch._C._distributed_c10d import TCPStore
 
-            self._store = TCPStore(
+            store = TCPStore(
                 "0.0.0.0", self.port, None, True, timedelta(seconds=SERVER_TIMEOUT_S),
                 wait_for_workers=False, master_listen_fd=self.sock.fileno(),
             )  # fmt: skip
-            for key, value in self._info.items():
-                self._store.set(key, value)
-            for key, start in self._counters.items():
-                self._store.add(key, start)
+            with self._lock:
+                for key, value in self._info.items():
+                    store.set(key, value)
+                for key, start in self._counters.items():
+                    store.add(key, start)
+                self._store = store
         except Exception as exc:  # the ranks' group formation then times out, saying so
             self.error = exc
             print(f"elche coordinator: the group store did not start: {exc}", file=sys.stderr)
@@ -163,6 +169,23 @@ class GroupStoreServer:
             # (Shut down, not closed: the store may own the descriptor by now.)
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
+
+    def reform_first(self, generation: int, members: Sequence[int]) -> None:
+        """Tell ranks gathering for the first group to form ``generation`` of ``members``."""
+        value = f"{generation}:{','.join(map(str, members))}"
+        with self._lock:
+            if self._store is None:  # not serving yet: it holds the key from the start
+                self._info[FIRST_GROUP] = value
+            else:
+                self._store.set(FIRST_GROUP, value)
+
+
+def first_group(store: Store) -> tuple[int, list[int]] | None:
+    """The first group's newest reform (``GroupStoreServer.reform_first``), if any."""
+    if not store.check([FIRST_GROUP]):
+        return None
+    generation, _, members = bytes(store.get(FIRST_GROUP)).decode().partition(":")
+    return int(generation), [int(r) for r in members.split(",") if r]
 
 
 def connect(address: str, port: int, timeout_s: float) -> Store:

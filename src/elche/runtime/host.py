@@ -55,6 +55,7 @@ from elche.core.commands import (
     Emit,
     Finish,
     Notice,
+    ReformFirstGroup,
     Send,
     WriteMeta,
 )
@@ -157,8 +158,10 @@ class Host:
         resume: CheckpointMeta | None = None,
         restore: JournalRecord | None = None,
         log: TextIO = sys.stderr,
+        groups: GroupStoreServer | None = None,
     ) -> None:
         # The meta at the save path now: its files go once a newer meta is written.
+        self._groups = groups  # the group store it serves (collective runs)
         self._committed = bundle.read_meta(config.save_path)
         last = 0 if self._committed is None else self._committed.save_seq
         if restore is not None:
@@ -349,6 +352,9 @@ class Host:
                 self._print(level, text)
             case Emit(event=event):
                 self._record(event)
+            case ReformFirstGroup(generation=generation, members=members):
+                if self._groups is not None:
+                    self._groups.reform_first(generation, members)
             case Finish():
                 self.finish = command
             case _:
@@ -649,7 +655,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if groups is not None:
         groups.start()
     with endpoint:
-        host = Host(config, endpoint, run_dir, resume=resume, restore=restore)
+        host = Host(config, endpoint, run_dir, resume=resume, restore=restore, groups=groups)
         signal.signal(signal.SIGTERM, lambda signum, frame: host.request_stop("SIGTERM"))
         for reason in stops:
             host.request_stop(reason)

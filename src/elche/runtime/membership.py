@@ -13,6 +13,7 @@ and reconnected at the next formation.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -51,12 +52,44 @@ class Membership:
         self._forgotten = True
 
     def join_first(self, world_size: int) -> None:
-        """Form generation 0 of ``world_size`` ranks, or take the launcher's default group."""
+        """Form generation 0 of ``world_size`` ranks, or take the launcher's default group.
+
+        A rank lost while they gather (a crash during start-up) leaves the
+        others waiting: the coordinator then has them form a newer generation
+        without it (``groups.first_group``), and each moves there.
+        """
         if dist.is_initialized():
             self.group = dist.group.WORLD
             self.owns_group = False
             return
-        self.form(0, list(range(world_size)))
+        generation, members = 0, list(range(world_size))
+        while True:
+            try:
+                if self.form(generation, members, superseded=self._first_reformed(generation)):
+                    return
+            except RuntimeError:  # torch's timeout in the rendezvous, past the gathering
+                if self._store is None or self._newer_first(generation) is None:
+                    raise
+            reform = self._newer_first(generation)
+            if reform is None or self.rank not in reform[1]:
+                raise RuntimeError(f"group {generation} of {members} did not form")
+            generation, members = reform
+
+    def _first_reformed(self, generation: int) -> Callable[[float], bool]:
+        """``groups.gather``'s look at the news for the first group: a newer generation."""
+
+        def superseded(wait_s: float) -> bool:
+            time.sleep(wait_s)  # the gathering's poll interval
+            return self._newer_first(generation) is not None
+
+        return superseded
+
+    def _newer_first(self, generation: int) -> tuple[int, list[int]] | None:
+        """The first group's reform, if newer than ``generation``."""
+        if self._store is None:  # still reaching the store
+            return None
+        reform = groups.first_group(self._store)
+        return reform if reform is not None and reform[0] > generation else None
 
     def form(
         self,

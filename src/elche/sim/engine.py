@@ -76,6 +76,7 @@ from elche.core.commands import (
     Emit,
     Finish,
     Notice,
+    ReformFirstGroup,
     Send,
     WriteMeta,
 )
@@ -395,6 +396,8 @@ class Simulation:
                     self.started_s = self.now
                 elif isinstance(event, tl.RunEnd):
                     self.end = event
+            case ReformFirstGroup():
+                pass  # simulated ranks form no store-made group to wait in
             case Finish():
                 self.finish = command
             case _:
