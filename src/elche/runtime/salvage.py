@@ -242,6 +242,8 @@ def _write_summary(
         samples = record.samples_committed
     else:  # no journal: the run never formed
         done, rounds, dead, samples = 0, 0, (), (0,) * config.world_size
+    used = [r for r, n in enumerate(samples) if n]  # the journal counts every join slot too
+    samples = tuple(samples[: max(config.world_size, used[-1] + 1 if used else 0)])
     end = tl.RunEnd(
         outcome="saved_and_shutdown" if plan is not None else "failed",
         reason=reason,
