@@ -180,6 +180,10 @@ def _rank_process(
         storage = isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS
         said = isinstance(exc, TrainingError | ConfigError) or storage
         text = str(exc) if said else traceback.format_exc()
+        from torch.distributed import DistError
+
+        if isinstance(exc, DistError):  # its message goes on with torch's C++ frames
+            text = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
         with contextlib.suppress(OSError):  # said below either way
             (Path(spec.run_dir) / f"rank{spec.rank}.error").write_text(text)
         print(f"elche rank {spec.rank} failed:\n{text}", file=sys.stderr, flush=True)
