@@ -96,6 +96,15 @@ def test_records_for_ranks_outside_the_world_are_ignored() -> None:
     assert view.state()["ranks"][0]["state"] == "joining"
 
 
+def _end(**fields: object) -> tl.RunEnd:
+    account: dict[str, object] = {
+        "t": 9.0, "outcome": "completed", "reason": "", "epochs_completed": 1, "rounds_done": 1,
+        "lost_samples": 0, "dead_ranks": (), "rejected_frames": 0, "anchor": 10,
+        "samples_per_rank": (),
+    }  # fmt: skip
+    return tl.RunEnd(**(account | fields))  # type: ignore[arg-type]  # the test's fields
+
+
 def test_the_metrics_have_per_rank_series() -> None:
     metrics = RunMetrics()
     for event in RECORDS:
@@ -109,7 +118,8 @@ def test_the_metrics_have_per_rank_series() -> None:
         )  # fmt: skip
 
     assert value("elche_samples_trained", "elche_samples_trained_total", rank="0") == 128
-    assert value("elche_rank_samples_per_second", rank="1") == 100.0
+    assert value("elche_rank_samples_per_second", rank="0") == 300.0
+    assert value("elche_rank_samples_per_second", rank="1") == 0.0  # lost
     assert value("elche_rank_share", rank="0") == 0.75
     assert value("elche_loss") == 0.4
     assert value("elche_live_ranks") == 0  # the run ended
@@ -117,6 +127,42 @@ def test_the_metrics_have_per_rank_series() -> None:
     assert value("elche_round_duration_seconds", count) == 1
     rank_lost = {"name": "rank_lost", "severity": "critical"}
     assert value("elche_alerts", "elche_alerts_total", **rank_lost) == 1
+
+
+def _metric(metrics: RunMetrics, family: str, **labels: str) -> float | None:
+    text = metrics.text().decode()
+    for found in text_string_to_metric_families(text):
+        for sample in found.samples:
+            if sample.name == family and sample.labels == labels:
+                return float(sample.value)
+    return None
+
+
+def test_a_lost_rank_trains_at_nothing_in_the_metrics() -> None:
+    """Its speed and share go to 0 and stay there; its last window still counts its samples."""
+    metrics = RunMetrics()
+    for event in [*RECORDS[:7], RECORDS[8], _window(1, 1.6, 0.3, 90.0)]:
+        metrics.observe(event)
+    assert _metric(metrics, "elche_rank_samples_per_second", rank="1") == 0.0
+    assert _metric(metrics, "elche_rank_share", rank="1") == 0.0
+    assert _metric(metrics, "elche_rank_share", rank="0") == 0.75  # the survivor's stays
+    assert _metric(metrics, "elche_samples_trained_total", rank="1") == 256
+
+
+def test_a_rank_the_run_end_lists_dead_trains_at_nothing_in_the_metrics() -> None:
+    metrics = RunMetrics()
+    for event in [*RECORDS[:7], _end(dead_ranks=(1,))]:
+        metrics.observe(event)
+    assert _metric(metrics, "elche_rank_samples_per_second", rank="1") == 0.0
+    assert _metric(metrics, "elche_rank_share", rank="1") == 0.0
+
+
+def test_a_rank_that_joins_again_is_measured_again() -> None:
+    metrics = RunMetrics()
+    for event in [*RECORDS[:7], RECORDS[8], tl.RankJoined(rank=1, host="b")]:
+        metrics.observe(event)
+    metrics.observe(_window(1, 2.0, 0.4, 80.0))
+    assert _metric(metrics, "elche_rank_share", rank="1") == 0.4
 
 
 def test_live_ranks_count_joins_and_losses() -> None:
