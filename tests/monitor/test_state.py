@@ -40,7 +40,7 @@ RECORDS: list[tl.TimelineEvent] = [
         dead_ranks=(1,),
         rejected_frames=0,
         anchor=12,
-        samples_per_rank=(5, 1),
+        samples_per_rank=(128, 0),  # rank 1 died before a round averaged its window's work
     ),
 ]
 
@@ -71,6 +71,7 @@ def test_the_view_folds_the_run_the_ranks_the_series_and_the_alerts() -> None:
         0.0,
         0.0,
     )
+    assert one["samples"] == 0  # RunEnd's count, the summary's: its window's work was lost
     assert one["roles"] == ["checkpoint"]
     assert state["series"]["loss"] == [[1.0, 0.4]]
     assert state["series"]["round_ms"] == [[0.5, 20.0]]
@@ -88,12 +89,16 @@ def test_series_drop_their_oldest_tenth_when_full() -> None:
     assert points[-1][0] == float(MAX_POINTS)
 
 
-def test_records_for_ranks_outside_the_world_are_ignored() -> None:
+def test_records_for_ranks_that_never_joined_are_ignored() -> None:
     view = RunView(1)
-    view.observe(tl.RankJoined(rank=5, host="x"))
     view.observe(_window(5, 0.0, 1.0, 1.0))
-    view.observe(tl.RolesMoved(epoch_rank=-1, eval_rank=-1, checkpoint_rank=-1))
-    assert view.state()["ranks"][0]["state"] == "joining"
+    view.observe(tl.RankLost(rank=5, reason="?"))
+    view.observe(tl.RankJoined(rank=-1, host="x"))
+    view.observe(tl.RolesMoved(epoch_rank=-1, eval_rank=-1, checkpoint_rank=5))
+    state = view.state()
+    assert [r["rank"] for r in state["ranks"]] == [0]
+    assert state["ranks"][0]["state"] == "joining" and state["ranks"][0]["roles"] == []
+    assert list(state["series"]["samples_per_s"]) == ["0"]
 
 
 def _end(**fields: object) -> tl.RunEnd:
@@ -103,6 +108,57 @@ def _end(**fields: object) -> tl.RunEnd:
         "samples_per_rank": (),
     }  # fmt: skip
     return tl.RunEnd(**(account | fields))  # type: ignore[arg-type]  # the test's fields
+
+
+def test_a_rank_that_joins_the_running_run_gains_an_entry_and_series() -> None:
+    view = RunView(2, devices=["cpu", "cpu"])
+    for event in [*RECORDS[:7], tl.RankJoined(t=0.8, rank=2, host="c"), _window(2, 0.9, 0.5, 50.0)]:
+        view.observe(event)
+    state = view.state()
+    assert [r["rank"] for r in state["ranks"]] == [0, 1, 2]
+    joined = state["ranks"][2]
+    assert (joined["host"], joined["device"], joined["state"]) == ("c", None, "live")
+    assert (joined["samples"], joined["samples_per_s"], joined["share"]) == (128, 50.0, 0.5)
+    assert state["series"]["samples_per_s"]["2"] == [[0.9, 50.0]]
+    assert state["series"]["share"]["2"] == [[0.9, 0.5]]
+    assert state["run"]["world_size"] == 2  # the world it was launched with, as the summary's
+
+
+def test_the_run_end_adds_a_joined_rank_the_view_missed() -> None:
+    view = RunView(1)
+    view.observe(_end(joined_ranks=(3,), samples_per_rank=(10, 0, 0, 7)))
+    ranks = view.state()["ranks"]
+    assert [(r["rank"], r["state"], r["samples"]) for r in ranks] == [
+        (0, "joining", 10),
+        (3, "live", 7),
+    ]
+
+
+def test_the_run_end_is_the_truth_about_dead_ranks_and_samples() -> None:
+    """An interrupted or failed run's RunEnd lists ranks no RankLost named, and
+    counts what went into the consensus: the summary's figures."""
+    view = RunView(3)
+    for event in [*RECORDS[:7], _window(2, 0.5, 0.0, 0.0)]:
+        view.observe(event)
+    view.observe(_end(outcome="saved_and_shutdown", reason="interrupted", dead_ranks=(1,),
+                      samples_per_rank=(100, 0, 28, 0, 0)))  # fmt: skip
+    ranks = view.state()["ranks"]
+    assert [(r["state"], r["reason"], r["samples"]) for r in ranks] == [
+        ("live", None, 100),
+        ("lost", "interrupted", 0),
+        ("joining", None, 28),
+    ]
+    assert (ranks[1]["samples_per_s"], ranks[1]["share"]) == (0.0, 0.0)
+
+
+def test_the_run_end_keeps_the_reason_a_rank_was_lost_for() -> None:
+    view = RunView(2)
+    for event in [*RECORDS[:9], _end(dead_ranks=(1,))]:
+        view.observe(event)
+    assert view.state()["ranks"][1]["reason"] == "heartbeat stale"
+    view = RunView(2)
+    view.observe(_end(dead_ranks=(1,)))  # no reason given: it still says why it is lost
+    assert view.state()["ranks"][1]["reason"] == "dead at the run's end"
 
 
 def test_the_metrics_have_per_rank_series() -> None:
