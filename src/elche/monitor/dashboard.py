@@ -20,7 +20,8 @@ Endpoints:
   style comes from ``/static/``, so it works offline;
 - ``/state.json`` — the run's state: run, ranks, series, alerts;
 - ``/events`` — server-sent events: the state whenever it changed (checked
-  every ``EVENTS_EVERY_S``), and ``complete`` when the run is over;
+  every ``EVENTS_EVERY_S``), and ``complete`` when the run is over, right
+  after the state with the follower's last fold in it (the run's end);
 - ``/metrics`` — the Prometheus text exposition;
 - ``/static/NAME`` — the page's files;
 - anything else — 404 with the list of endpoints.
@@ -82,6 +83,7 @@ class Dashboard:
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self._final: asyncio.Event | None = None  # set once the last fold is done
         self._error: BaseException | None = None
         self._failed_follow = False
         self._thread = threading.Thread(target=self._serve, name="elche-dashboard", daemon=True)
@@ -137,6 +139,7 @@ class Dashboard:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        self._final = asyncio.Event()
         app = web.Application()
         app.router.add_get("/", self._page)
         app.router.add_get("/state.json", self._state)
@@ -156,8 +159,9 @@ class Dashboard:
                 self.follow()
                 with contextlib.suppress(TimeoutError):  # the follow cadence
                     await asyncio.wait_for(self._stop.wait(), FOLLOW_EVERY_S)
-            self.follow()
+            self.follow()  # what the run wrote last: its RunEnd
         finally:
+            self._final.set()
             await runner.cleanup()
 
     async def _page(self, request: web.Request) -> web.Response:
@@ -172,7 +176,7 @@ class Dashboard:
         return web.Response(body=body, content_type=content_type, headers=_NO_CACHE)
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
-        assert self._stop is not None
+        assert self._stop is not None and self._final is not None
         headers = dict(_NO_CACHE, **{"Content-Type": "text/event-stream"})
         response = web.StreamResponse(headers=headers)
         await response.prepare(request)
@@ -184,6 +188,9 @@ class Dashboard:
                     await response.write(self._event_bytes())
                 with contextlib.suppress(TimeoutError):  # the push cadence
                     await asyncio.wait_for(self._stop.wait(), EVENTS_EVERY_S)
+            # Woken with the follower, maybe before it: the last push waits for
+            # its last fold, so the page that closes on `complete` shows the end.
+            await self._final.wait()
             await response.write(self._event_bytes() + b"event: complete\ndata: {}\n\n")
         except ConnectionResetError:
             pass  # the page went away
