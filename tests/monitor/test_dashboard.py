@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -191,3 +193,39 @@ def test_the_last_push_before_complete_carries_the_runs_end(
     (_, last), complete = _messages(rest)[-2:]
     assert (last["run"]["phase"], last["run"]["outcome"]) == ("done", "completed")
     assert complete == ("complete", {})
+
+
+def _raw(url: str, request: bytes) -> bytes:
+    """Send ``request`` as it is; the whole reply, to the server's close."""
+    host, port = url.removeprefix("http://").strip("/").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(request)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return reply
+
+
+def test_a_malformed_request_is_counted_and_one_line_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = io.StringIO()
+    board = Dashboard(tmp_path, 1, port=0, log=log)
+    url = board.start()
+    try:
+        too_long = b"a" * 20_000  # past aiohttp's 8190-byte line limit
+        url_reply = _raw(url, b"GET /" + too_long + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        header_reply = _raw(url, b"GET / HTTP/1.1\r\nHost: x\r\nX-A: " + too_long + b"\r\n\r\n")
+        for reply in (url_reply, header_reply):
+            assert re.match(rb"HTTP/1\.[01] 400 ", reply), reply[:80]
+        metrics = _get(url + "metrics")[2]
+        assert "elche_dashboard_rejected_requests_total 2.0" in metrics
+        assert _get(url + "state.json")[0] == 200  # it serves on
+    finally:
+        board.stop()
+    assert log.getvalue().splitlines() == [
+        "elche: the dashboard rejected a malformed request from 127.0.0.1 "
+        "(LineTooLong, 400; 1 rejected so far)"
+    ]
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out

@@ -14,7 +14,10 @@ process do not mix). Series, all prefixed ``elche_``:
   ``epochs_completed``;
 - ``round_duration_seconds`` — a histogram of averaging rounds, trigger to
   last acknowledgement;
-- ``live_ranks``; ``alerts_total{name,severity}`` — alert occurrences, by class.
+- ``live_ranks``; ``alerts_total{name,severity}`` — alert occurrences, by class;
+- ``dashboard_rejected_requests_total`` — HTTP requests the dashboard
+  refused as malformed (an oversized header or URL, not HTTP at all): not a
+  timeline record, the dashboard counts them here.
 """
 
 from __future__ import annotations
@@ -63,6 +66,10 @@ class RunMetrics:
         self.alerts = Counter(
             "elche_alerts", "Alert occurrences by class", ["name", "severity"], registry=reg
         )
+        self.rejected_requests = Counter(
+            "elche_dashboard_rejected_requests", "HTTP requests the dashboard refused as malformed",
+            registry=reg,
+        )  # fmt: skip
 
     def observe(self, event: tl.TimelineEvent) -> None:
         """Fold one record in."""
