@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
+import socket
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from elche.core import timeline as tl
+from elche.monitor import dashboard
 from elche.monitor.dashboard import Dashboard
 from elche.monitor.timeline import TimelineWriter
 
@@ -141,3 +145,87 @@ def test_events_push_the_state_and_say_when_the_run_is_complete(tmp_path: Path) 
         stream.close()
         board.stop()
     assert "event: complete" in rest
+
+
+def _messages(stream_text: str) -> list[tuple[str, Any]]:
+    """Server-sent events as (event, data), "message" where no event is named."""
+    messages = []
+    for block in stream_text.split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if line)
+        if "data" in fields:
+            messages.append((fields.get("event", "message"), json.loads(fields["data"])))
+    return messages
+
+
+def test_the_last_push_before_complete_carries_the_runs_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run writes its RunEnd just before the launcher stops the dashboard.
+    The stream, woken by the stop (here before the follower: it waited
+    longer), still pushes the state with the RunEnd folded in before
+    `complete`, on which the page stops listening."""
+    monkeypatch.setattr(dashboard, "EVENTS_EVERY_S", 3600.0)  # no push but the first and last
+    board = Dashboard(tmp_path, 1, port=0)
+    url = board.start()
+    writer = TimelineWriter(tmp_path, started_s=0.0)
+    writer.write(tl.RunStart(world_size=1, mode="cadence"), now_s=0.1)
+    _state_when(url, lambda s: s["run"]["phase"] == "training")
+    stream = urllib.request.urlopen(url + "events", timeout=10)
+    try:
+        first = stream.readline().decode()
+        assert json.loads(first.removeprefix("data: "))["run"]["phase"] == "training"
+        # A fold after the stream went to wait: the follower now waits on the
+        # stop more recently than the stream does, so the stream wakes first.
+        writer.write(tl.EpochEnd(epoch=0, loss=0.5, rounds_done=1, lr=0.1), now_s=0.2)
+        _state_when(url, lambda s: s["run"]["epochs_completed"] == 1)
+        writer.write(
+            tl.RunEnd(outcome="completed", reason="", epochs_completed=1, rounds_done=1,
+                      lost_samples=0, dead_ranks=(), rejected_frames=0, anchor=10,
+                      samples_per_rank=(32,)),
+            now_s=0.3,
+        )  # fmt: skip
+        writer.close()
+        board.stop()
+        rest = stream.read().decode()
+    finally:
+        stream.close()
+        board.stop()
+    (_, last), complete = _messages(rest)[-2:]
+    assert (last["run"]["phase"], last["run"]["outcome"]) == ("done", "completed")
+    assert complete == ("complete", {})
+
+
+def _raw(url: str, request: bytes) -> bytes:
+    """Send ``request`` as it is; the whole reply, to the server's close."""
+    host, port = url.removeprefix("http://").strip("/").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(request)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return reply
+
+
+def test_a_malformed_request_is_counted_and_one_line_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = io.StringIO()
+    board = Dashboard(tmp_path, 1, port=0, log=log)
+    url = board.start()
+    try:
+        too_long = b"a" * 20_000  # past aiohttp's 8190-byte line limit
+        url_reply = _raw(url, b"GET /" + too_long + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        header_reply = _raw(url, b"GET / HTTP/1.1\r\nHost: x\r\nX-A: " + too_long + b"\r\n\r\n")
+        for reply in (url_reply, header_reply):
+            assert re.match(rb"HTTP/1\.[01] 400 ", reply), reply[:80]
+        metrics = _get(url + "metrics")[2]
+        assert "elche_dashboard_rejected_requests_total 2.0" in metrics
+        assert _get(url + "state.json")[0] == 200  # it serves on
+    finally:
+        board.stop()
+    assert log.getvalue().splitlines() == [
+        "elche: the dashboard rejected a malformed request from 127.0.0.1 "
+        "(LineTooLong, 400; 1 rejected so far)"
+    ]
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out

@@ -20,10 +20,18 @@ Endpoints:
   style comes from ``/static/``, so it works offline;
 - ``/state.json`` — the run's state: run, ranks, series, alerts;
 - ``/events`` — server-sent events: the state whenever it changed (checked
-  every ``EVENTS_EVERY_S``), and ``complete`` when the run is over;
+  every ``EVENTS_EVERY_S``), and ``complete`` when the run is over, right
+  after the state with the follower's last fold in it (the run's end);
 - ``/metrics`` — the Prometheus text exposition;
 - ``/static/NAME`` — the page's files;
 - anything else — 404 with the list of endpoints.
+
+A request the server cannot parse (an oversized header or URL, bytes that
+are not HTTP) is answered 400 by aiohttp and reported to the server's
+logger; ``RequestLog`` is that logger's handler: it counts the request
+(``elche_dashboard_rejected_requests_total``) and prints one line for the
+first and every ``REJECTED_REPORT_EVERY``-th, never the traceback, so a
+scanner cannot fill the run's stderr.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import sys
 import threading
 from importlib import resources
@@ -38,20 +47,24 @@ from pathlib import Path
 from typing import TextIO
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST
+from aiohttp.http_exceptions import HttpProcessingError
+from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
 from elche.monitor.address import DEFAULT_HOST
 from elche.monitor.metrics import RunMetrics
 from elche.monitor.state import RunView
 from elche.monitor.timeline import TimelineReader
 
-__all__ = ["Dashboard"]
+__all__ = ["Dashboard", "RequestLog"]
 
 # How often the follower reads the timeline: a human watching sees no lag,
 # and a read of a file that did not grow costs a stat and a seek.
 FOLLOW_EVERY_S = 0.2
 # The reference's dashboard pushes to its subscribers every 1000 ms.
 EVENTS_EVERY_S = 1.0
+# The coordinator reports its rejected frames so: the first is news, then one
+# line a thousand keeps the output readable under a flood.
+REJECTED_REPORT_EVERY = 1000
 ENDPOINTS = ["/", "/state.json", "/events", "/metrics"]
 _STATIC_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css",
                  ".txt": "text/plain"}  # fmt: skip
@@ -82,11 +95,14 @@ class Dashboard:
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self._final: asyncio.Event | None = None  # set once the last fold is done
         self._error: BaseException | None = None
         self._failed_follow = False
         self._thread = threading.Thread(target=self._serve, name="elche-dashboard", daemon=True)
         self.url: str | None = None
         self._static = _static_files()
+        self._server_log = logging.Logger("elche.dashboard.server", logging.DEBUG)
+        self._server_log.addHandler(RequestLog(self.metrics.rejected_requests, log))
 
     def start(self, timeout_s: float = 10.0) -> str:
         """Bind and start serving; returns the URL (``http://HOST:PORT/``).
@@ -137,6 +153,7 @@ class Dashboard:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        self._final = asyncio.Event()
         app = web.Application()
         app.router.add_get("/", self._page)
         app.router.add_get("/state.json", self._state)
@@ -144,7 +161,7 @@ class Dashboard:
         app.router.add_get("/events", self._events)
         app.router.add_get("/static/{name}", self._file)
         app.router.add_route("*", "/{tail:.*}", self._not_found)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, logger=self._server_log)
         await runner.setup()
         try:
             site = web.TCPSite(runner, self._host, self._port)
@@ -156,8 +173,9 @@ class Dashboard:
                 self.follow()
                 with contextlib.suppress(TimeoutError):  # the follow cadence
                     await asyncio.wait_for(self._stop.wait(), FOLLOW_EVERY_S)
-            self.follow()
+            self.follow()  # what the run wrote last: its RunEnd
         finally:
+            self._final.set()
             await runner.cleanup()
 
     async def _page(self, request: web.Request) -> web.Response:
@@ -172,7 +190,7 @@ class Dashboard:
         return web.Response(body=body, content_type=content_type, headers=_NO_CACHE)
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
-        assert self._stop is not None
+        assert self._stop is not None and self._final is not None
         headers = dict(_NO_CACHE, **{"Content-Type": "text/event-stream"})
         response = web.StreamResponse(headers=headers)
         await response.prepare(request)
@@ -184,6 +202,9 @@ class Dashboard:
                     await response.write(self._event_bytes())
                 with contextlib.suppress(TimeoutError):  # the push cadence
                     await asyncio.wait_for(self._stop.wait(), EVENTS_EVERY_S)
+            # Woken with the follower, maybe before it: the last push waits for
+            # its last fold, so the page that closes on `complete` shows the end.
+            await self._final.wait()
             await response.write(self._event_bytes() + b"event: complete\ndata: {}\n\n")
         except ConnectionResetError:
             pass  # the page went away
@@ -206,6 +227,55 @@ class Dashboard:
         return web.Response(
             status=404, text=body, content_type="application/json", headers=_NO_CACHE
         )
+
+
+class RequestLog(logging.Handler):
+    """The aiohttp server logger's handler: a malformed request is counted, not a traceback.
+
+    Args:
+        rejected: the counter of requests refused as malformed.
+        log: where the lines go.
+    """
+
+    def __init__(self, rejected: Counter, log: TextIO) -> None:
+        super().__init__(logging.DEBUG)
+        self._rejected = rejected
+        self._log = log
+        self.num_rejected = 0
+        self.num_failed = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Count and maybe print one record of aiohttp's; debug chatter without an error goes."""
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):  # a request aiohttp could not parse: 400
+            self._rejected.inc()
+            self.num_rejected += 1
+            if self._due(self.num_rejected):
+                # Class and status only: the request's own bytes stay off the terminal.
+                self._print(
+                    f"the dashboard rejected a malformed request from {_remote(record)} "
+                    f"({type(exc).__name__}, {exc.code}; {self.num_rejected} rejected so far)"
+                )
+        elif record.levelno >= logging.WARNING:  # a handler failed: a bug, said on one line
+            self.num_failed += 1
+            if self._due(self.num_failed):
+                self._print(
+                    f"the dashboard failed a request: {record.getMessage()}: {exc!r} "
+                    f"({self.num_failed} failed so far)"
+                )
+
+    @staticmethod
+    def _due(count: int) -> bool:
+        return count == 1 or count % REJECTED_REPORT_EVERY == 0
+
+    def _print(self, line: str) -> None:
+        print(f"elche: {line}", file=self._log, flush=True)
+
+
+def _remote(record: logging.LogRecord) -> str:
+    """The peer of aiohttp's "Error handling request from %s" (its only argument)."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return str(args[0]) if len(args) == 1 else "a peer"
 
 
 def _static_files() -> dict[str, tuple[bytes, str]]:

@@ -6,12 +6,18 @@ process do not mix). Series, all prefixed ``elche_``:
 - ``samples_trained_total{rank}`` — samples each rank trained (counter, from
   its window records; work a dead rank did after the last average included);
 - ``rank_samples_per_second{rank}``, ``rank_share{rank}``,
-  ``rank_idle_percent{rank}`` — from each rank's latest window record;
+  ``rank_idle_percent{rank}`` — from each rank's latest window record; a
+  lost rank's speed and share are 0 from its ``RankLost`` (or the run's end,
+  for a rank ``RunEnd`` lists dead) on, and the window that closes after its
+  loss counts its samples but moves neither;
 - ``loss`` — the latest epoch's mean training loss; ``anchor``;
   ``epochs_completed``;
 - ``round_duration_seconds`` — a histogram of averaging rounds, trigger to
   last acknowledgement;
-- ``live_ranks``; ``alerts_total{name,severity}`` — alert occurrences, by class.
+- ``live_ranks``; ``alerts_total{name,severity}`` — alert occurrences, by class;
+- ``dashboard_rejected_requests_total`` — HTTP requests the dashboard
+  refused as malformed (an oversized header or URL, not HTTP at all): not a
+  timeline record, the dashboard counts them here.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class RunMetrics:
 
     def __init__(self) -> None:
         self._live: set[int] = set()
+        self._lost: set[int] = set()  # their later windows move neither speed nor share
         self.registry = CollectorRegistry()
         reg = self.registry
         self.samples = Counter(
@@ -59,22 +66,29 @@ class RunMetrics:
         self.alerts = Counter(
             "elche_alerts", "Alert occurrences by class", ["name", "severity"], registry=reg
         )
+        self.rejected_requests = Counter(
+            "elche_dashboard_rejected_requests", "HTTP requests the dashboard refused as malformed",
+            registry=reg,
+        )  # fmt: skip
 
     def observe(self, event: tl.TimelineEvent) -> None:
         """Fold one record in."""
         match event:
             case tl.RankJoined(rank=rank):
                 self._live.add(rank)
+                self._lost.discard(rank)
                 self.live.set(len(self._live))
             case tl.RankLost(rank=rank):
                 self._live.discard(rank)
                 self.live.set(len(self._live))
+                self._lose(rank)
             case tl.RankWindow(rank=rank):
                 label = str(rank)
                 self.samples.labels(rank=label).inc(event.samples)
-                self.speed.labels(rank=label).set(event.samples_per_s)
-                self.share.labels(rank=label).set(event.share)
                 self.idle.labels(rank=label).set(event.idle_pct)
+                if rank not in self._lost:  # a lost rank's last window closes after its loss
+                    self.speed.labels(rank=label).set(event.samples_per_s)
+                    self.share.labels(rank=label).set(event.share)
             case tl.EpochEnd(epoch=epoch, loss=loss):
                 self.epochs.set(epoch + 1)
                 if loss is not None:
@@ -84,11 +98,18 @@ class RunMetrics:
                 self.anchor.set(anchor)
             case tl.Alert(name=name, severity=severity, count=count):
                 self.alerts.labels(name=name, severity=severity).inc(count)
-            case tl.RunEnd():
+            case tl.RunEnd(dead_ranks=dead_ranks):
                 self._live.clear()
                 self.live.set(0)
+                for rank in dead_ranks:
+                    self._lose(rank)
             case _:
                 pass
+
+    def _lose(self, rank: int) -> None:
+        self._lost.add(rank)
+        self.speed.labels(rank=str(rank)).set(0.0)
+        self.share.labels(rank=str(rank)).set(0.0)
 
     def text(self) -> bytes:
         """The Prometheus text exposition of every metric."""
