@@ -44,7 +44,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -124,6 +123,8 @@ __all__ = [
 
 # Ranks normally exit within a few hundred ms of the coordinator's Shutdown.
 RANK_EXIT_GRACE_S = 30.0
+# How long the launcher waits for a rank process after the run in silence.
+RANK_EXIT_SAY_S = 5.0
 # After a stop, the ranks have saved before the coordinator exits (it waits
 # for their StateSaved): they only have to exit, and one that never joined has
 # nothing to save, so a short grace loses nothing.
@@ -172,7 +173,6 @@ def _rank_process(
             import torch
 
             torch.save(state, state_out)
-        _end_despite_threads(spec.rank)
     except BaseException as exc:
         # The user's own error: its traceback is the useful part, not elche's frames;
         # of a full or read-only disk (the run directory's), or of a bundle that is no
@@ -188,19 +188,6 @@ def _rank_process(
             (Path(spec.run_dir) / f"rank{spec.rank}.error").write_text(text)
         print(f"elche rank {spec.rank} failed:\n{text}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-
-
-def _end_despite_threads(rank: int) -> None:
-    """The rank's work is done: end its process now, though threads of the user's code
-    (started in ``model_fn``, say) would keep it alive until the launcher killed it."""
-    main = threading.main_thread()
-    held = [t.name for t in threading.enumerate() if t is not main and not t.daemon]
-    if not held:
-        return
-    print(f"elche rank {rank}: the rank is done; its process ends though threads of yours "
-          f"still run in it ({', '.join(held)})", file=sys.stderr, flush=True)  # fmt: skip
-    sys.stdout.flush()
-    os._exit(0)
 
 
 def _report_lost(host: Any, rank: int, code: int | None) -> None:
@@ -714,12 +701,7 @@ def _supervise(
         host = coordinator.host
         if failed or host.poll() == FAILED_EXIT or _never_began(run_dir):
             grace_s = 0.0
-        deadline = time.monotonic() + grace_s
-        for proc in procs:
-            proc.join(timeout=max(deadline - time.monotonic(), 0.1))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+        _end_ranks(procs, grace_s)
         if host.poll() is None:
             host.kill()
         board.stop()
@@ -727,6 +709,27 @@ def _supervise(
     for event in timeline.new_records():  # the salvage's bundle and the run's end too
         on_record(event, epochs, hooks, display)
     return epochs
+
+
+def _end_ranks(procs: Sequence[BaseProcess], grace_s: float) -> None:
+    """Give the rank processes ``grace_s`` to exit once the run is over, then kill them.
+
+    A thread of the user's code (started in ``model_fn``, say) keeps its
+    process alive past the rank's end; one that writes something at exit
+    must be given the time, so the wait is said, not cut short.
+    """
+    start = time.monotonic()
+    deadline = start + grace_s
+    for rank, proc in enumerate(procs):
+        proc.join(timeout=max(min(deadline, start + RANK_EXIT_SAY_S) - time.monotonic(), 0.1))
+        if proc.is_alive() and (left := deadline - time.monotonic()) > 0:
+            print(f"elche: rank {rank}'s process has not exited, though the run is over "
+                  f"(threads of your code still running in it?); waiting {left:.0f} s more "
+                  "before it is killed", file=sys.stderr, flush=True)  # fmt: skip
+            proc.join(timeout=left)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
 
 
 def _never_began(run_dir: Path) -> bool:
