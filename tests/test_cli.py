@@ -243,3 +243,33 @@ def test_a_demo_that_joined_a_run_reports_its_rank_not_a_failed_run(
         assert json.loads(captured.out) == joined
     else:
         assert f"joined the run as rank 3, trained 640 samples, stopped: {stopped}" in captured.out
+
+
+def _refuse_to_run(*args: object, **kwargs: object) -> object:
+    raise AssertionError("bad input must be refused before anything runs")
+
+
+def test_run_bench_makes_its_out_dir_before_the_suite_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import elche.bench.runner
+    from elche.bench import SUITES, run_bench
+    from elche.core.errors import ConfigError
+
+    monkeypatch.setattr(elche.bench.runner, "run_suite", _refuse_to_run)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError) as info:
+        run_bench(SUITES["quick"], tmp_path / "a-file" / "out", command="test", progress=False)
+    assert info.value.field == "out_dir"
+
+
+def test_run_chaos_refuses_a_bound_that_every_run_would_break(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import elche.chaos
+    from elche.core.errors import ConfigError
+
+    monkeypatch.setattr(elche.chaos, "_one", _refuse_to_run)
+    with pytest.raises(ConfigError) as info:
+        elche.chaos.run_chaos(runs=1, seed=0, mode="cadence", workdir=tmp_path, bound_s=0.0)
+    assert info.value.field == "bound_s"

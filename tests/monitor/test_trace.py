@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from elche.cli import main
 from elche.core import timeline as tl
 from elche.monitor.timeline import TimelineWriter
-from elche.monitor.trace import chrome_trace
+from elche.monitor.trace import chrome_trace, write_chrome_trace
 
 RECORDS: list[tl.TimelineEvent] = [
     tl.RankJoined(t=0.1, rank=0, host="a"),
@@ -104,3 +106,22 @@ def test_the_cli_writes_the_trace_of_a_run_directory(tmp_path: Path, capsys: obj
     trace = json.loads(out.read_text(encoding="utf-8"))
     assert len([e for e in _valid(trace) if e["name"] == "process_name"]) == 4
     assert main(["timeline", str(tmp_path / "missing")]) == 2  # ConfigError: no timeline there
+
+
+def test_the_trace_is_written_whole_or_not_at_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "trace.json"
+    out.write_text("the earlier trace")
+
+    def crash(src: object, dst: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("elche._files.os.replace", crash)
+    with pytest.raises(OSError):
+        write_chrome_trace(RECORDS, out)
+    assert out.read_text() == "the earlier trace"  # not half of the new one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]  # no partial left
+    monkeypatch.undo()
+    assert write_chrome_trace(RECORDS, out) > 0
+    assert json.loads(out.read_text())["traceEvents"]
