@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from elche import FaultPlan, cli
-from elche.cli import _available_mib, _parser, draw_speeds, main
+from elche.cli import _available_mib, _parser, draw_speeds, endings, main
 
 CONTRACT = {
     "mode", "world_size", "epochs_completed", "samples_trained", "virtual_wall_s",
@@ -273,3 +273,95 @@ def test_run_chaos_refuses_a_bound_that_every_run_would_break(
     with pytest.raises(ConfigError) as info:
         elche.chaos.run_chaos(runs=1, seed=0, mode="cadence", workdir=tmp_path, bound_s=0.0)
     assert info.value.field == "bound_s"
+
+
+@pytest.mark.parametrize(("name", "code"), [("SIGINT", 130), ("SIGTERM", 143)])
+@pytest.mark.parametrize("command", ["demo", "compare"])
+def test_a_signal_in_start_up_is_one_line_and_the_shells_status(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+    name: str,
+    code: int,
+) -> None:
+    # Ctrl-C while torch imported ended in a 20-line traceback and status -2.
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt if name == "SIGINT" else endings.Terminated  # SIGTERM's, in main
+
+    monkeypatch.setattr(cli, "_demo_summary", interrupted)
+    monkeypatch.setattr("elche.bench.runner.measure_speed_base_s", interrupted)
+    try:
+        status = main([command, "--no-progress"] if command == "demo" else [command])
+    except KeyboardInterrupt:  # (raised on, it would end this test session)
+        pytest.fail("the interrupt escaped main: a traceback and status -2")
+    assert status == code
+    assert capsys.readouterr().err == f"elche {command}: interrupted by {name}\n"
+
+
+def test_sigterm_unwinds_like_ctrl_c_and_is_143(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import signal
+
+    cleaned = []
+
+    def start_up(**kwargs: object) -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler raises here, inside the try
+        finally:
+            cleaned.append(True)
+
+    def not_main(signum: int, frame: object) -> None:
+        raise AssertionError("main left SIGTERM to its old handler (the default kills)")
+
+    monkeypatch.setattr(cli, "_demo_summary", start_up)
+    previous = signal.signal(signal.SIGTERM, not_main)
+    try:
+        assert main(["demo", "--no-progress"]) == 143
+        assert signal.getsignal(signal.SIGTERM) is not_main  # restored
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert cleaned == [True]
+    assert capsys.readouterr().err == "elche demo: interrupted by SIGTERM\n"
+
+
+def test_a_run_that_said_where_it_stopped_is_not_said_again(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import signal
+
+    from elche.runtime.lifetimes import Interrupted
+
+    def stopped(*args: object, **kwargs: object) -> None:
+        raise Interrupted(signal.SIGTERM, "/tmp/bundle")
+
+    monkeypatch.setattr("elche.bench.runner.measure_speed_base_s", lambda *a: 0.01)
+    monkeypatch.setattr("elche.baselines.ddp.run_ddp", stopped)
+    assert main(["compare"]) == 143
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_closed_stdout_ends_the_command_quietly(tmp_path: Path) -> None:
+    # `elche timeline RUN | head -1` ended in a BrokenPipeError traceback, status 1.
+    import os
+    import subprocess
+    import sys
+
+    _timeline(tmp_path, ['{"kind":"EpochStart","epoch":0,"t":0.1}'] * 3)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first byte
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "elche.cli", "timeline", str(tmp_path)],
+            stdout=write, stderr=subprocess.PIPE, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+def _timeline(run_dir: Path, lines: list[str]) -> None:
+    (run_dir / "timeline.jsonl").write_text("".join(line + "\n" for line in lines))

@@ -14,6 +14,12 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from elche.cli.endings import (
+    interrupted_status,
+    sigterm_raises,
+    stdout_closed,
+    stdout_to_devnull,
+)
 from elche.cli.sim import draw_speeds, read_faults, run_sim
 from elche.core.config import Mode
 from elche.core.errors import ConfigError, TrainingError
@@ -23,17 +29,32 @@ __all__ = ["draw_speeds", "main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``elche`` console script; returns the exit code."""
+    """Entry point of the ``elche`` console script; returns the exit code.
+
+    Bad input is one line and exit 2. A Ctrl-C (or SIGTERM) that no run
+    handled, in start-up say, is one line and 130 (143), as a shell reports
+    a process those signals end; a stdout whose reader went away (``elche
+    timeline RUN | head``) ends the command quietly with 141 (SIGPIPE's).
+    """
     parser = _parser()
     args = parser.parse_args(argv)
-    try:
-        code: int = args.run(args)
-    except ConfigError as exc:
-        print(f"elche {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except TrainingError as exc:  # the user's traceback is in it; elche's frames are not
-        print(f"elche {args.command}: error: the run failed: {exc}", file=sys.stderr)
-        return 1
+    with sigterm_raises():
+        try:
+            code: int = args.run(args)
+            sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        except ConfigError as exc:
+            print(f"elche {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        except TrainingError as exc:  # the user's traceback is in it; elche's frames are not
+            print(f"elche {args.command}: error: the run failed: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt as exc:
+            return interrupted_status(args.command, exc)
+        except BrokenPipeError:
+            if not stdout_closed():
+                raise
+            stdout_to_devnull()
+            return 128 + signal.SIGPIPE
     return code
 
 
