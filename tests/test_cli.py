@@ -365,3 +365,30 @@ def test_a_closed_stdout_ends_the_command_quietly(tmp_path: Path) -> None:
 
 def _timeline(run_dir: Path, lines: list[str]) -> None:
     (run_dir / "timeline.jsonl").write_text("".join(line + "\n" for line in lines))
+
+
+def test_timeline_says_how_many_lines_it_skipped(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    good = '{"kind":"EpochStart","epoch":0,"t":0.1}'
+    _timeline(tmp_path, [good, "not json", '{"kind":"NoSuchRecord","t":1}', good])
+    with (tmp_path / "timeline.jsonl").open("a") as fh:
+        fh.write('{"kind":"EpochEnd","ep')  # a last line cut short
+    assert main(["timeline", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("EpochStart") == 2
+    assert captured.err.startswith(
+        f"elche timeline: skipped 3 unreadable lines of {tmp_path / 'timeline.jsonl'}"
+    )
+
+
+def test_timeline_of_no_readable_record_is_bad_input(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # A binary file printed nothing with status 0.
+    (tmp_path / "timeline.jsonl").write_bytes(b"\x00\xff\xfe garbage\n\x89PNG\r\n")
+    assert main(["timeline", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"elche timeline: error: run_dir: {tmp_path / 'timeline.jsonl'} holds no timeline "
+        "record: 2 unreadable lines"
+    )

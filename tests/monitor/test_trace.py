@@ -108,6 +108,27 @@ def test_the_cli_writes_the_trace_of_a_run_directory(tmp_path: Path, capsys: obj
     assert main(["timeline", str(tmp_path / "missing")]) == 2  # ConfigError: no timeline there
 
 
+def _run_dir(tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    writer = TimelineWriter(run_dir, started_s=0.0)
+    for event in RECORDS:
+        writer.write(event, event.t)
+    writer.close()
+    return run_dir
+
+
+@pytest.mark.parametrize("where", ["{tmp}/missing/trace.json", "{tmp}", "", "{tmp}/new/"])
+def test_a_chrome_path_that_cannot_be_written_is_one_line_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    # Each ended in a raw traceback (FileNotFoundError, IsADirectoryError).
+    run_dir = _run_dir(tmp_path)
+    assert main(["timeline", str(run_dir), "--chrome", where.format(tmp=tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("elche timeline: error: chrome: ") and err.count("\n") == 1
+
+
 def test_the_trace_is_written_whole_or_not_at_all(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,4 +1,6 @@
-"""The ``elche`` command: its parser and subcommands (``elche sim``: ``elche.cli.sim``)."""
+"""The ``elche`` command: its parser and subcommands (``elche sim``: ``elche.cli.sim``;
+``elche timeline``: ``elche.cli.timeline``; how a stopped command ends: ``elche.cli.endings``).
+"""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from elche.cli.endings import (
     stdout_to_devnull,
 )
 from elche.cli.sim import draw_speeds, read_faults, run_sim
+from elche.cli.timeline import run_timeline
 from elche.core.config import Mode
 from elche.core.errors import ConfigError, TrainingError
 from elche.core.faults import FaultPlan
@@ -339,26 +342,6 @@ def _add_dashboard_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _run_timeline(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from elche.core import timeline as tl
-    from elche.monitor.timeline import TIMELINE_FILE, read_timeline
-    from elche.monitor.trace import write_chrome_trace
-
-    run_dir = Path(args.run_dir)
-    if not (run_dir / TIMELINE_FILE).is_file():
-        raise ConfigError("run_dir", f"{run_dir} has no {TIMELINE_FILE}; give a run directory")
-    records = read_timeline(run_dir)
-    if args.chrome is None:
-        for record in records:
-            print(tl.encode(record).decode("utf-8"))
-        return 0
-    count = write_chrome_trace(records, Path(args.chrome))
-    print(f"elche timeline: {count} trace events from {len(records)} records in {args.chrome}")
-    return 0
-
-
 # The least memory an `elche run` rank process takes of its own: Python with torch
 # imported held ~205 MiB private on this project's CPU build; a floor below that
 # refuses only what surely cannot start (a typo's --nproc forked until EAGAIN).
@@ -585,7 +568,7 @@ def _timeline_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         metavar="OUT.json",
         help="write a Chrome trace to OUT.json (default: print the records, one JSON line each)",
     )
-    timeline.set_defaults(run=_run_timeline)
+    timeline.set_defaults(run=run_timeline)
 
 
 def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
