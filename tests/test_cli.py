@@ -249,6 +249,65 @@ def _refuse_to_run(*args: object, **kwargs: object) -> object:
     raise AssertionError("bad input must be refused before anything runs")
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        # Each ran (a bench suite for minutes, ten chaos runs, a demo's training) before it
+        # failed, or blamed a flag the user did not give, or was silently accepted.
+        (["bench", "--out", "{file}/x"], "elche bench: error: out: cannot write in {file}/x"),
+        (["chaos", "--bound", "-5"], "elche chaos: error: bound: must be a finite number"),
+        (["chaos", "--bound", "0"], "elche chaos: error: bound: must be a finite number"),
+        (["demo", "--speeds", ","], "elche demo: error: speeds: needs one speed per rank"),
+        (["compare", "--speeds", ","], "elche compare: error: speeds: needs one speed per rank"),
+        (["sim", "--speeds", ","], "elche sim: error: speeds: needs one speed per rank"),
+        (["sim", "--base-ms", "0"], "elche sim: error: base_ms: must be a finite number > 0"),
+        (["sim", "--base-ms", "-1"], "elche sim: error: base_ms: must be a finite number > 0"),
+        (
+            ["sim", "--kill", "1@e99"],
+            "elche sim: error: kill: 1@e99 is at epoch 99, and the run",
+        ),
+        (
+            ["sim", "--stall", "1@e3"],
+            "elche sim: error: stall: 1@e3 is at epoch 3, and the run",
+        ),
+        (
+            ["demo", "--epochs", "2", "--crash", "1@2.5"],
+            "elche demo: error: crash: 1@2.5 is at epoch 2.5, and the run ends at epoch 2",
+        ),
+    ],
+)
+def test_bad_input_is_refused_before_anything_runs_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    args: list[str],
+    said: str,
+) -> None:
+    import elche.bench
+    import elche.chaos
+
+    for target, name in ((elche.bench, "run_bench"), (elche.chaos, "run_chaos")):
+        monkeypatch.setattr(target, name, _refuse_to_run)
+    monkeypatch.setattr(cli, "_demo_summary", _refuse_to_run)
+    file = tmp_path / "a-file"
+    file.write_text("")
+    assert main([arg.format(file=file) for arg in args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(said.format(file=file)) and err.count("\n") == 1
+
+
+def test_bench_refuses_an_out_under_proc(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import elche.bench
+
+    if not Path("/proc/self").exists():
+        pytest.skip("no /proc here")
+    monkeypatch.setattr(elche.bench, "run_bench", _refuse_to_run)
+    assert main(["bench", "--out", "/proc/elche-bench"]) == 2
+    assert capsys.readouterr().err.startswith("elche bench: error: out: cannot write in /proc/")
+
+
 def test_run_bench_makes_its_out_dir_before_the_suite_runs(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -263,6 +322,16 @@ def test_run_bench_makes_its_out_dir_before_the_suite_runs(
     assert info.value.field == "out_dir"
 
 
+def test_a_fault_files_point_past_the_runs_end_is_warned_of(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # A replayed plan may hold one (it is the flags that are refused).
+    path = tmp_path / "plan.json"
+    path.write_text(FaultPlan().kill(rank=1, at_epoch=5.0).to_json())
+    assert main(["sim", *SMALL, "--faults", str(path)]) == 0
+    assert "is at epoch 5, and the run ends at epoch 1: it will not fire" in capsys.readouterr().err
+
+
 def test_run_chaos_refuses_a_bound_that_every_run_would_break(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -273,6 +342,17 @@ def test_run_chaos_refuses_a_bound_that_every_run_would_break(
     with pytest.raises(ConfigError) as info:
         elche.chaos.run_chaos(runs=1, seed=0, mode="cadence", workdir=tmp_path, bound_s=0.0)
     assert info.value.field == "bound_s"
+
+
+def test_demo_refuses_a_save_path_that_is_a_directory(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Its bundle went to siblings DIR.*, and DIR.lock was left beside it.
+    assert main(["demo", "--epochs", "1", "--save-path", str(tmp_path), "--no-progress"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"elche demo: error: save_path: is a bundle stem, not a directory: got '{tmp_path}'"
+    )
+    assert not Path(f"{tmp_path}.lock").exists()
 
 
 @pytest.mark.parametrize(("name", "code"), [("SIGINT", 130), ("SIGTERM", 143)])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import signal
@@ -22,7 +23,7 @@ from elche.cli.endings import (
     stdout_closed,
     stdout_to_devnull,
 )
-from elche.cli.sim import draw_speeds, read_faults, run_sim
+from elche.cli.sim import check_reached, check_speeds_given, draw_speeds, read_faults, run_sim
 from elche.cli.timeline import run_timeline
 from elche.core.config import Mode
 from elche.core.errors import ConfigError, TrainingError
@@ -325,6 +326,21 @@ def _at(text: str, flag: str) -> tuple[int, float]:
         raise ConfigError(flag, f"expected RANK@WHEN such as 1@5, got {text!r}") from None
 
 
+def _points(texts: Sequence[str], flag: str, epochs: int) -> dict[int, float]:
+    """``--crash``/``--stall``'s ``RANK@EPOCH.FRACTION`` values as ``{rank: epoch}``.
+
+    Raises:
+        ConfigError: (field ``flag``) one is malformed, or at a point a run of
+            ``epochs`` never reaches.
+    """
+    points = {}
+    for text in texts:
+        rank, at_epoch = _at(text, flag)
+        check_reached(flag, text, at_epoch, epochs)
+        points[rank] = at_epoch
+    return points
+
+
 def _add_dashboard_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dashboard",
@@ -532,6 +548,8 @@ def _chaos_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def _run_chaos(args: argparse.Namespace) -> int:
     from elche import chaos
 
+    if not (args.bound > 0 and math.isfinite(args.bound)):  # each run would "break" it
+        raise ConfigError("bound", f"must be a finite number of seconds > 0, got {args.bound:g}")
     workdir = Path(args.dir or tempfile.mkdtemp(prefix="elche-chaos-"))
     try:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -621,8 +639,8 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def _run_bench(args: argparse.Namespace) -> int:
     import dataclasses
-    from pathlib import Path
 
+    from elche._files import check_writable
     from elche.bench import SUITES, default_out_dir, run_bench
     from elche.bench.suites import with_dashboard
     from elche.runtime.options import check_wire
@@ -644,6 +662,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     check_wire(args.wire)
     suite = dataclasses.replace(suite, wire=args.wire, overlap=args.overlap)
     out_dir = Path(args.out) if args.out else default_out_dir()
+    check_writable(out_dir, "out")  # now, not after the minutes of runs it is to hold
     command = f"elche bench --suite {args.suite}"
     if args.repeats is not None:
         command += f" --repeats {args.repeats}"
@@ -670,6 +689,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     from elche.bench.runner import measure_speed_base_s
     from elche.workloads import get as get_workload
 
+    check_speeds_given(args.speeds)
     speeds = list(args.speeds)
     workload = get_workload("digits")
     # One solo step paces both systems' ranks alike (see elche.bench.runner).
@@ -765,6 +785,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     check_wire(args.wire)  # before the digits load
 
     speeds = args.speeds
+    check_speeds_given(speeds)
     if args.ranks is not None and args.ranks < 1:
         raise ConfigError("ranks", f"must be >= 1, got {args.ranks}")
     if speeds is None:
@@ -785,8 +806,8 @@ def _run_demo(args: argparse.Namespace) -> int:
             speeds=list(speeds), mode=args.mode, epochs=args.epochs, batch_size=args.batch_size,
             seed=args.seed, progress=not (args.json or args.no_progress),
             save_path=args.save_path, resume_from=args.resume_from,
-            crash=dict(_at(text, "crash") for text in args.crash),
-            stall=dict(_at(text, "stall") for text in args.stall),
+            crash=_points(args.crash, "crash", args.epochs),
+            stall=_points(args.stall, "stall", args.epochs),
             faults=read_faults(args.faults), heartbeat_timeout_s=args.heartbeat_timeout,
             dashboard=args.dashboard, tensorboard_dir=args.tensorboard, wire=args.wire,
             overlap=args.overlap,
