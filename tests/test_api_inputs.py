@@ -101,3 +101,15 @@ def test_per_rank_values_are_any_iterable_but_a_string_or_a_mapping() -> None:
     assert _per_rank("speeds", None, "[1.0]") is None
     assert _per_rank("speeds", [1.0, 0.5], "[1.0]") == (1.0, 0.5)
     assert _per_rank("speeds", (s for s in (1.0, 0.5)), "[1.0]") == (1.0, 0.5)
+
+
+@pytest.mark.parametrize("form", ["dir", "dir/", "missing/"])
+def test_a_save_path_that_names_a_directory_is_refused(tmp_path: Path, form: str) -> None:
+    # A bundle stem's files go beside it: save_path=DIR wrote DIR.meta.json, DIR.lock and
+    # the rest as DIR's siblings, in silence.
+    save_path = str(tmp_path / form.rstrip("/")) + ("/" if form.endswith("/") else "")
+    (tmp_path / "dir").mkdir()
+    error = refusal(save_path=save_path)
+    assert error.field == "save_path"
+    assert "not a directory" in str(error) and "/run'" in str(error)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir"]  # no DIR.lock, no DIR.*

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from elche import FaultPlan, cli
-from elche.cli import _available_mib, _parser, draw_speeds, main
+from elche.cli import _available_mib, _parser, draw_speeds, endings, main
 
 CONTRACT = {
     "mode", "world_size", "epochs_completed", "samples_trained", "virtual_wall_s",
@@ -243,3 +243,232 @@ def test_a_demo_that_joined_a_run_reports_its_rank_not_a_failed_run(
         assert json.loads(captured.out) == joined
     else:
         assert f"joined the run as rank 3, trained 640 samples, stopped: {stopped}" in captured.out
+
+
+def _refuse_to_run(*args: object, **kwargs: object) -> object:
+    raise AssertionError("bad input must be refused before anything runs")
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        # Each ran (a bench suite for minutes, ten chaos runs, a demo's training) before it
+        # failed, or blamed a flag the user did not give, or was silently accepted.
+        (["bench", "--out", "{file}/x"], "elche bench: error: out: cannot write in {file}/x"),
+        (["chaos", "--bound", "-5"], "elche chaos: error: bound: must be a finite number"),
+        (["chaos", "--bound", "0"], "elche chaos: error: bound: must be a finite number"),
+        (["demo", "--speeds", ","], "elche demo: error: speeds: needs one speed per rank"),
+        (["compare", "--speeds", ","], "elche compare: error: speeds: needs one speed per rank"),
+        (["sim", "--speeds", ","], "elche sim: error: speeds: needs one speed per rank"),
+        (["sim", "--base-ms", "0"], "elche sim: error: base_ms: must be a finite number > 0"),
+        (["sim", "--base-ms", "-1"], "elche sim: error: base_ms: must be a finite number > 0"),
+        (
+            ["sim", "--kill", "1@e99"],
+            "elche sim: error: kill: 1@e99 is at epoch 99, and the run",
+        ),
+        (
+            ["sim", "--stall", "1@e3"],
+            "elche sim: error: stall: 1@e3 is at epoch 3, and the run",
+        ),
+        (
+            ["demo", "--epochs", "2", "--crash", "1@2.5"],
+            "elche demo: error: crash: 1@2.5 is at epoch 2.5, and the run ends at epoch 2",
+        ),
+    ],
+)
+def test_bad_input_is_refused_before_anything_runs_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    args: list[str],
+    said: str,
+) -> None:
+    import elche.bench
+    import elche.chaos
+
+    for target, name in ((elche.bench, "run_bench"), (elche.chaos, "run_chaos")):
+        monkeypatch.setattr(target, name, _refuse_to_run)
+    monkeypatch.setattr(cli, "_demo_summary", _refuse_to_run)
+    file = tmp_path / "a-file"
+    file.write_text("")
+    assert main([arg.format(file=file) for arg in args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(said.format(file=file)) and err.count("\n") == 1
+
+
+def test_bench_refuses_an_out_under_proc(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import elche.bench
+
+    if not Path("/proc/self").exists():
+        pytest.skip("no /proc here")
+    monkeypatch.setattr(elche.bench, "run_bench", _refuse_to_run)
+    assert main(["bench", "--out", "/proc/elche-bench"]) == 2
+    assert capsys.readouterr().err.startswith("elche bench: error: out: cannot write in /proc/")
+
+
+def test_run_bench_makes_its_out_dir_before_the_suite_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import elche.bench.runner
+    from elche.bench import SUITES, run_bench
+    from elche.core.errors import ConfigError
+
+    monkeypatch.setattr(elche.bench.runner, "run_suite", _refuse_to_run)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError) as info:
+        run_bench(SUITES["quick"], tmp_path / "a-file" / "out", command="test", progress=False)
+    assert info.value.field == "out_dir"
+
+
+def test_a_fault_files_point_past_the_runs_end_is_warned_of(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # A replayed plan may hold one (it is the flags that are refused).
+    path = tmp_path / "plan.json"
+    path.write_text(FaultPlan().kill(rank=1, at_epoch=5.0).to_json())
+    assert main(["sim", *SMALL, "--faults", str(path)]) == 0
+    assert "is at epoch 5, and the run ends at epoch 1: it will not fire" in capsys.readouterr().err
+
+
+def test_run_chaos_refuses_a_bound_that_every_run_would_break(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import elche.chaos
+    from elche.core.errors import ConfigError
+
+    monkeypatch.setattr(elche.chaos, "_one", _refuse_to_run)
+    with pytest.raises(ConfigError) as info:
+        elche.chaos.run_chaos(runs=1, seed=0, mode="cadence", workdir=tmp_path, bound_s=0.0)
+    assert info.value.field == "bound_s"
+
+
+def test_demo_refuses_a_save_path_that_is_a_directory(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Its bundle went to siblings DIR.*, and DIR.lock was left beside it.
+    assert main(["demo", "--epochs", "1", "--save-path", str(tmp_path), "--no-progress"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"elche demo: error: save_path: is a bundle stem, not a directory: got '{tmp_path}'"
+    )
+    assert not Path(f"{tmp_path}.lock").exists()
+
+
+@pytest.mark.parametrize(("name", "code"), [("SIGINT", 130), ("SIGTERM", 143)])
+@pytest.mark.parametrize("command", ["demo", "compare"])
+def test_a_signal_in_start_up_is_one_line_and_the_shells_status(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+    name: str,
+    code: int,
+) -> None:
+    # Ctrl-C while torch imported ended in a 20-line traceback and status -2.
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt if name == "SIGINT" else endings.Terminated  # SIGTERM's, in main
+
+    monkeypatch.setattr(cli, "_demo_summary", interrupted)
+    monkeypatch.setattr("elche.bench.runner.measure_speed_base_s", interrupted)
+    try:
+        status = main([command, "--no-progress"] if command == "demo" else [command])
+    except KeyboardInterrupt:  # (raised on, it would end this test session)
+        pytest.fail("the interrupt escaped main: a traceback and status -2")
+    assert status == code
+    assert capsys.readouterr().err == f"elche {command}: interrupted by {name}\n"
+
+
+def test_sigterm_unwinds_like_ctrl_c_and_is_143(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import signal
+
+    cleaned = []
+
+    def start_up(**kwargs: object) -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler raises here, inside the try
+        finally:
+            cleaned.append(True)
+
+    def not_main(signum: int, frame: object) -> None:
+        raise AssertionError("main left SIGTERM to its old handler (the default kills)")
+
+    monkeypatch.setattr(cli, "_demo_summary", start_up)
+    previous = signal.signal(signal.SIGTERM, not_main)
+    try:
+        assert main(["demo", "--no-progress"]) == 143
+        assert signal.getsignal(signal.SIGTERM) is not_main  # restored
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert cleaned == [True]
+    assert capsys.readouterr().err == "elche demo: interrupted by SIGTERM\n"
+
+
+def test_a_run_that_said_where_it_stopped_is_not_said_again(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import signal
+
+    from elche.runtime.lifetimes import Interrupted
+
+    def stopped(*args: object, **kwargs: object) -> None:
+        raise Interrupted(signal.SIGTERM, "/tmp/bundle")
+
+    monkeypatch.setattr("elche.bench.runner.measure_speed_base_s", lambda *a: 0.01)
+    monkeypatch.setattr("elche.baselines.ddp.run_ddp", stopped)
+    assert main(["compare"]) == 143
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_closed_stdout_ends_the_command_quietly(tmp_path: Path) -> None:
+    # `elche timeline RUN | head -1` ended in a BrokenPipeError traceback, status 1.
+    import os
+    import subprocess
+    import sys
+
+    _timeline(tmp_path, ['{"kind":"EpochStart","epoch":0,"t":0.1}'] * 3)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first byte
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "elche.cli", "timeline", str(tmp_path)],
+            stdout=write, stderr=subprocess.PIPE, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+def _timeline(run_dir: Path, lines: list[str]) -> None:
+    (run_dir / "timeline.jsonl").write_text("".join(line + "\n" for line in lines))
+
+
+def test_timeline_says_how_many_lines_it_skipped(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    good = '{"kind":"EpochStart","epoch":0,"t":0.1}'
+    _timeline(tmp_path, [good, "not json", '{"kind":"NoSuchRecord","t":1}', good])
+    with (tmp_path / "timeline.jsonl").open("a") as fh:
+        fh.write('{"kind":"EpochEnd","ep')  # a last line cut short
+    assert main(["timeline", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("EpochStart") == 2
+    assert captured.err.startswith(
+        f"elche timeline: skipped 3 unreadable lines of {tmp_path / 'timeline.jsonl'}"
+    )
+
+
+def test_timeline_of_no_readable_record_is_bad_input(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # A binary file printed nothing with status 0.
+    (tmp_path / "timeline.jsonl").write_bytes(b"\x00\xff\xfe garbage\n\x89PNG\r\n")
+    assert main(["timeline", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"elche timeline: error: run_dir: {tmp_path / 'timeline.jsonl'} holds no timeline "
+        "record: 2 unreadable lines"
+    )

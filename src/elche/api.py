@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from elche._files import check_writable as _check_writable
 from elche.core.config import Backend, CallbackPolicy, CoordinatorConfig, Mode, SchedulerConfig
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
@@ -145,7 +146,9 @@ def train(
         metrics_fn: called in this process with each finished epoch's
             metrics: ``epoch`` (from 0), ``loss``, ``syncs``, ``lr``,
             ``progress`` and ``per_rank`` (samples, loss, samples/s, share).
-        save_path: bundle stem for checkpoints and save-and-shutdown.
+        save_path: bundle stem for checkpoints and save-and-shutdown: its
+            files are ``STEM.meta.json``, ``STEM.s1.model.pt``, ... beside
+            it, so a directory is refused (give ``DIR/run``).
         resume_from: a bundle stem to continue from.
         callback_rank: ``"fastest"`` or a rank to pin the callbacks on.
         scheduler: ElChe knobs (anchor, overhead target, guard, ...): an
@@ -398,6 +401,7 @@ def _plan(
             f"{BEATS_PER_TIMEOUT} times a timeout), got {heartbeat_timeout_s!r}",
         )
     if save_path is not None:
+        _check_stem(save_path)
         _check_writable(Path(save_path).parent, "save_path")
     if resume_from is not None and not meta_path(resume_from).exists():
         raise ConfigError("resume_from", f"no checkpoint meta at {meta_path(resume_from)}")
@@ -523,19 +527,21 @@ def _finite(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_writable(folder: Path, field: str) -> None:
-    """``folder`` exists (or can be made) and takes a byte, before training."""
-    probe = folder / f".elche-probe-{os.getpid()}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, b"x")  # a full disk takes an empty file, not a byte
-        finally:
-            os.close(fd)
-            probe.unlink(missing_ok=True)
-    except OSError as exc:
-        raise ConfigError(field, f"cannot write in {folder}: {exc}") from None
+def _check_stem(save_path: str) -> None:
+    """``save_path`` names a bundle stem (``STEM.meta.json``, ``STEM.s1.model.pt``, ...
+    beside it), not a folder: a folder's bundle would be its siblings ``DIR.*``.
+
+    Raises:
+        ConfigError: (field ``save_path``) it is empty, ends in a separator or is
+            an existing directory.
+    """
+    if not save_path or save_path.endswith(("/", os.sep)) or Path(save_path).is_dir():
+        raise ConfigError(
+            "save_path",
+            f"is a bundle stem, not a directory: got {save_path!r}; name the bundle "
+            f"inside it, e.g. {os.path.join(save_path or '.', 'run')!r} (its files are "
+            "STEM.meta.json, STEM.s1.model.pt, ...)",
+        )
 
 
 def _faults(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import random
 import shutil
@@ -189,8 +190,11 @@ def run_chaos(
     the runs of the whole.
 
     Raises:
-        ConfigError: ``runs`` below 1 (field ``runs``), ``first`` below 0.
+        ConfigError: ``runs`` below 1 (field ``runs``), ``first`` below 0,
+            ``bound_s`` not a finite number > 0; nothing has run.
     """
+    if not (bound_s > 0 and math.isfinite(bound_s)):
+        raise ConfigError("bound_s", f"must be a finite number of seconds > 0, got {bound_s!r}")
     if runs < 1:
         raise ConfigError("runs", f"must be an integer >= 1, got {runs!r}")
     if first < 0:

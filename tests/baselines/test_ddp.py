@@ -279,3 +279,18 @@ def test_spawned_ranks_take_this_process_environment_as_it_is_now(
     ddp._spawn_ranks(_write_probe, str(after), nprocs=1, timeout_s=120)
     assert before.read_text() == "<unset>"
     assert after.read_text() == "set after the fork server started"
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_failed_run_leaves_no_torch_error_file_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch's start_processes names /tmp/pytorch-errorfile-*.pickle for each rank and
+    # never removes one a rank wrote (as an interrupted elche compare's ranks did).
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(RuntimeError, match="rank 1 broke on purpose"):
+        ddp._spawn_ranks(_rank_1_raises, _plan(60.0), nprocs=2, timeout_s=60.0)
+    assert list(tmp_path.glob("pytorch-errorfile-*")) == []

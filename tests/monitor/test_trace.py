@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from elche.cli import main
 from elche.core import timeline as tl
 from elche.monitor.timeline import TimelineWriter
-from elche.monitor.trace import chrome_trace
+from elche.monitor.trace import chrome_trace, write_chrome_trace
 
 RECORDS: list[tl.TimelineEvent] = [
     tl.RankJoined(t=0.1, rank=0, host="a"),
@@ -104,3 +106,43 @@ def test_the_cli_writes_the_trace_of_a_run_directory(tmp_path: Path, capsys: obj
     trace = json.loads(out.read_text(encoding="utf-8"))
     assert len([e for e in _valid(trace) if e["name"] == "process_name"]) == 4
     assert main(["timeline", str(tmp_path / "missing")]) == 2  # ConfigError: no timeline there
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    writer = TimelineWriter(run_dir, started_s=0.0)
+    for event in RECORDS:
+        writer.write(event, event.t)
+    writer.close()
+    return run_dir
+
+
+@pytest.mark.parametrize("where", ["{tmp}/missing/trace.json", "{tmp}", "", "{tmp}/new/"])
+def test_a_chrome_path_that_cannot_be_written_is_one_line_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    # Each ended in a raw traceback (FileNotFoundError, IsADirectoryError).
+    run_dir = _run_dir(tmp_path)
+    assert main(["timeline", str(run_dir), "--chrome", where.format(tmp=tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("elche timeline: error: chrome: ") and err.count("\n") == 1
+
+
+def test_the_trace_is_written_whole_or_not_at_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "trace.json"
+    out.write_text("the earlier trace")
+
+    def crash(src: object, dst: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("elche._files.os.replace", crash)
+    with pytest.raises(OSError):
+        write_chrome_trace(RECORDS, out)
+    assert out.read_text() == "the earlier trace"  # not half of the new one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]  # no partial left
+    monkeypatch.undo()
+    assert write_chrome_trace(RECORDS, out) > 0
+    assert json.loads(out.read_text())["traceEvents"]

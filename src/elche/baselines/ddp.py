@@ -64,6 +64,7 @@ CLI: ``python -m elche.baselines.ddp --speeds 1,0.5,0.25 --epochs 5 --json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -242,6 +243,7 @@ def _spawn_ranks(
         raise RuntimeError(f"{system}: rank {exc.error_index} failed: {exc}") from exc
     finally:
         _stop_all(context.processes)
+        _remove_error_files(context)
 
 
 def _in_environment(
@@ -258,6 +260,15 @@ def _in_environment(
     take_environment(env)
     take_streams(streams)
     fn(rank, plan)
+
+
+def _remove_error_files(context: ProcessContext) -> None:
+    """Remove the ``/tmp/pytorch-errorfile-*.pickle`` files ``start_processes`` named
+    for this run's ranks: torch never does, and a rank that raised (one whose peer
+    was stopped, say) wrote its traceback there; ``join`` has read it by now."""
+    for path in context.error_files:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _stop_all(processes: Sequence[BaseProcess]) -> None:

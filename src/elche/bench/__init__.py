@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from elche._files import check_writable
 from elche.bench.suites import SUITES, Suite
 
 __all__ = ["SUITES", "Suite", "default_out_dir", "machine", "run_bench"]
@@ -72,13 +73,17 @@ def run_bench(
 
     Args:
         suite: what to run.
-        out_dir: created if missing; existing files of the same names are
-            overwritten.
+        out_dir: created if missing (before anything runs); existing files of
+            the same names are overwritten.
         command: the command line, recorded in the results.
         progress: show a live display on stderr.
 
     Returns:
         The results document (``results.json``'s content).
+
+    Raises:
+        ConfigError: (field ``out_dir``) ``out_dir`` cannot be made or written;
+            nothing has run.
     """
     from elche.bench.charts import write_charts
     from elche.bench.peers_report import peers_acceptance
@@ -86,12 +91,13 @@ def run_bench(
     from elche.bench.rows import build_rows
     from elche.bench.runner import available_suite, run_suite
 
+    check_writable(out_dir, "out_dir")  # before the suite's minutes, not after
     started = time.perf_counter()
     suite = available_suite(suite, say=lambda text: print(text, file=sys.stderr))
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     runs = run_suite(suite, progress=progress, runs_dir=out_dir / "runs")
     rows = build_rows(suite, runs)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)  # (made above; gone since, made again)
     charts = write_charts(rows, out_dir)
     doc: dict[str, Any] = {
         "suite": suite.name,

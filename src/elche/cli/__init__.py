@@ -1,10 +1,13 @@
-"""The ``elche`` command: its parser and subcommands (``elche sim``: ``elche.cli.sim``)."""
+"""The ``elche`` command: its parser and subcommands (``elche sim``: ``elche.cli.sim``;
+``elche timeline``: ``elche.cli.timeline``; how a stopped command ends: ``elche.cli.endings``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import signal
@@ -14,7 +17,14 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from elche.cli.sim import draw_speeds, read_faults, run_sim
+from elche.cli.endings import (
+    interrupted_status,
+    sigterm_raises,
+    stdout_closed,
+    stdout_to_devnull,
+)
+from elche.cli.sim import check_reached, check_speeds_given, draw_speeds, read_faults, run_sim
+from elche.cli.timeline import run_timeline
 from elche.core.config import Mode
 from elche.core.errors import ConfigError, TrainingError
 from elche.core.faults import FaultPlan
@@ -23,17 +33,32 @@ __all__ = ["draw_speeds", "main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``elche`` console script; returns the exit code."""
+    """Entry point of the ``elche`` console script; returns the exit code.
+
+    Bad input is one line and exit 2. A Ctrl-C (or SIGTERM) that no run
+    handled, in start-up say, is one line and 130 (143), as a shell reports
+    a process those signals end; a stdout whose reader went away (``elche
+    timeline RUN | head``) ends the command quietly with 141 (SIGPIPE's).
+    """
     parser = _parser()
     args = parser.parse_args(argv)
-    try:
-        code: int = args.run(args)
-    except ConfigError as exc:
-        print(f"elche {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except TrainingError as exc:  # the user's traceback is in it; elche's frames are not
-        print(f"elche {args.command}: error: the run failed: {exc}", file=sys.stderr)
-        return 1
+    with sigterm_raises():
+        try:
+            code: int = args.run(args)
+            sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        except ConfigError as exc:
+            print(f"elche {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        except TrainingError as exc:  # the user's traceback is in it; elche's frames are not
+            print(f"elche {args.command}: error: the run failed: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt as exc:
+            return interrupted_status(args.command, exc)
+        except BrokenPipeError:
+            if not stdout_closed():
+                raise
+            stdout_to_devnull()
+            return 128 + signal.SIGPIPE
     return code
 
 
@@ -301,6 +326,21 @@ def _at(text: str, flag: str) -> tuple[int, float]:
         raise ConfigError(flag, f"expected RANK@WHEN such as 1@5, got {text!r}") from None
 
 
+def _points(texts: Sequence[str], flag: str, epochs: int) -> dict[int, float]:
+    """``--crash``/``--stall``'s ``RANK@EPOCH.FRACTION`` values as ``{rank: epoch}``.
+
+    Raises:
+        ConfigError: (field ``flag``) one is malformed, or at a point a run of
+            ``epochs`` never reaches.
+    """
+    points = {}
+    for text in texts:
+        rank, at_epoch = _at(text, flag)
+        check_reached(flag, text, at_epoch, epochs)
+        points[rank] = at_epoch
+    return points
+
+
 def _add_dashboard_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dashboard",
@@ -316,26 +356,6 @@ def _add_dashboard_arg(parser: argparse.ArgumentParser) -> None:
         help="write the run's scalars to DIR as TensorBoard event files "
         "(needs elche[tensorboard]; default: $ELCHE_TENSORBOARD)",
     )
-
-
-def _run_timeline(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from elche.core import timeline as tl
-    from elche.monitor.timeline import TIMELINE_FILE, read_timeline
-    from elche.monitor.trace import write_chrome_trace
-
-    run_dir = Path(args.run_dir)
-    if not (run_dir / TIMELINE_FILE).is_file():
-        raise ConfigError("run_dir", f"{run_dir} has no {TIMELINE_FILE}; give a run directory")
-    records = read_timeline(run_dir)
-    if args.chrome is None:
-        for record in records:
-            print(tl.encode(record).decode("utf-8"))
-        return 0
-    count = write_chrome_trace(records, Path(args.chrome))
-    print(f"elche timeline: {count} trace events from {len(records)} records in {args.chrome}")
-    return 0
 
 
 # The least memory an `elche run` rank process takes of its own: Python with torch
@@ -560,6 +580,8 @@ def _chaos_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def _run_chaos(args: argparse.Namespace) -> int:
     from elche import chaos
 
+    if not (args.bound > 0 and math.isfinite(args.bound)):  # each run would "break" it
+        raise ConfigError("bound", f"must be a finite number of seconds > 0, got {args.bound:g}")
     workdir = Path(args.dir or tempfile.mkdtemp(prefix="elche-chaos-"))
     try:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -596,7 +618,7 @@ def _timeline_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         metavar="OUT.json",
         help="write a Chrome trace to OUT.json (default: print the records, one JSON line each)",
     )
-    timeline.set_defaults(run=_run_timeline)
+    timeline.set_defaults(run=run_timeline)
 
 
 def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -649,8 +671,8 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def _run_bench(args: argparse.Namespace) -> int:
     import dataclasses
-    from pathlib import Path
 
+    from elche._files import check_writable
     from elche.bench import SUITES, default_out_dir, run_bench
     from elche.bench.suites import with_dashboard
     from elche.runtime.options import check_wire
@@ -672,6 +694,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     check_wire(args.wire)
     suite = dataclasses.replace(suite, wire=args.wire, overlap=args.overlap)
     out_dir = Path(args.out) if args.out else default_out_dir()
+    check_writable(out_dir, "out")  # now, not after the minutes of runs it is to hold
     command = f"elche bench --suite {args.suite}"
     if args.repeats is not None:
         command += f" --repeats {args.repeats}"
@@ -698,6 +721,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     from elche.bench.runner import measure_speed_base_s
     from elche.workloads import get as get_workload
 
+    check_speeds_given(args.speeds)
     speeds = list(args.speeds)
     workload = get_workload("digits")
     # One solo step paces both systems' ranks alike (see elche.bench.runner).
@@ -793,6 +817,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     check_wire(args.wire)  # before the digits load
 
     speeds = args.speeds
+    check_speeds_given(speeds)
     if args.ranks is not None and args.ranks < 1:
         raise ConfigError("ranks", f"must be >= 1, got {args.ranks}")
     if speeds is None:
@@ -813,8 +838,8 @@ def _run_demo(args: argparse.Namespace) -> int:
             speeds=list(speeds), mode=args.mode, epochs=args.epochs, batch_size=args.batch_size,
             seed=args.seed, progress=not (args.json or args.no_progress),
             save_path=args.save_path, resume_from=args.resume_from,
-            crash=dict(_at(text, "crash") for text in args.crash),
-            stall=dict(_at(text, "stall") for text in args.stall),
+            crash=_points(args.crash, "crash", args.epochs),
+            stall=_points(args.stall, "stall", args.epochs),
             faults=read_faults(args.faults), heartbeat_timeout_s=args.heartbeat_timeout,
             dashboard=args.dashboard, tensorboard_dir=args.tensorboard, wire=args.wire,
             overlap=args.overlap,

@@ -21,7 +21,17 @@ from elche.core.faults import FaultPlan
 from elche.sim.engine import SimConfig, SimError, Simulation
 from elche.sim.result import SimResult
 
-__all__ = ["draw_speeds", "print_table", "read_faults", "run_sim", "sim_faults", "trigger"]
+__all__ = [
+    "check_reached",
+    "check_speeds_given",
+    "draw_speeds",
+    "print_table",
+    "reached",
+    "read_faults",
+    "run_sim",
+    "sim_faults",
+    "trigger",
+]
 
 
 def trigger(text: str, flag: str) -> tuple[int, dict[str, float]]:
@@ -53,14 +63,61 @@ def read_faults(path: str | None) -> FaultPlan:
 
 
 def sim_faults(args: argparse.Namespace) -> FaultPlan:
+    """``--faults``, then ``--kill`` and ``--stall``, as one plan.
+
+    Raises:
+        ConfigError: a bad file or flag (named), or a ``--kill``/``--stall`` at
+            an epoch the run never reaches; a file's such fault is only warned of
+            (a replayed plan may hold one).
+    """
     plan = read_faults(args.faults)
+    for fault in plan.faults:
+        if fault.at_s is None and not reached(fault.at_epoch, args.epochs):
+            print(f"elche sim: warning: {fault} in {args.faults} is at epoch "
+                  f"{fault.at_epoch:g}, and the run ends at epoch {args.epochs}: it will "
+                  "not fire", file=sys.stderr)  # fmt: skip
     for text in args.kill:
         rank, when = trigger(text, "kill")
+        check_reached("kill", text, when.get("at_epoch"), args.epochs)
         plan = plan.kill(rank=rank, **when)
     for text in args.stall:
         rank, when = trigger(text, "stall")
+        check_reached("stall", text, when.get("at_epoch"), args.epochs)
         plan = plan.stall(rank=rank, **when)
     return plan
+
+
+def reached(at_epoch: float | None, epochs: int) -> bool:
+    """Whether a run of ``epochs`` trains a batch at or past ``at_epoch`` (its last batch
+    starts before ``epochs``); True too where ``epochs`` is itself bad (reported as such)."""
+    return at_epoch is None or epochs < 1 or at_epoch < epochs
+
+
+def check_reached(flag: str, text: str, at_epoch: float | None, epochs: int) -> None:
+    """Refuse a fault flag's point that a run of ``epochs`` never reaches.
+
+    Raises:
+        ConfigError: (field ``flag``) ``at_epoch`` is ``epochs`` or past it.
+    """
+    if not reached(at_epoch, epochs):
+        raise ConfigError(
+            flag,
+            f"{text} is at epoch {at_epoch:g}, and the run ends at epoch {epochs} (its last "
+            f"batch starts before it), so it would never fire; give a point below {epochs}",
+        )
+
+
+def check_speeds_given(speeds: tuple[float, ...] | None) -> None:
+    """Refuse a ``--speeds`` that held no number (``--speeds ,``).
+
+    Raises:
+        ConfigError: (field ``speeds``) ``speeds`` is empty.
+    """
+    if speeds is not None and not speeds:
+        raise ConfigError(
+            "speeds", "needs one speed per rank, comma-separated numbers in (0, 1] such as "
+            "1,0.5,0.25; got none"
+        )  # fmt: skip
 
 
 def draw_speeds(num_ranks: int, seed: int) -> tuple[float, ...]:
@@ -70,6 +127,7 @@ def draw_speeds(num_ranks: int, seed: int) -> tuple[float, ...]:
 
 
 def run_sim(args: argparse.Namespace) -> int:
+    check_speeds_given(args.speeds)
     if args.speeds is None and args.ranks is None:
         speeds: tuple[float, ...] = (1.0, 0.5, 0.25)
     elif args.speeds is None:

@@ -16,12 +16,12 @@ licence follows it, as an HTML comment).
 from __future__ import annotations
 
 import json
-import os
 import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from elche._files import write_text_atomic
 from elche.monitor.state import RunView
 from elche.monitor.timeline import read_timeline
 
@@ -80,7 +80,5 @@ def write_report(run_dir: Path, world_size: int, *, devices: list[str] | None = 
     for event in read_timeline(run_dir):
         view.observe(event)
     path = run_dir / REPORT_FILE
-    partial = path.with_suffix(".html.partial")
-    partial.write_text(render_report(view.state()), encoding="utf-8")
-    os.replace(partial, path)
+    write_text_atomic(path, render_report(view.state()))
     return path

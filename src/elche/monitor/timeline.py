@@ -58,13 +58,20 @@ class TimelineReader:
     """Follows a timeline as its writer appends: each call returns the new records.
 
     A line still being written is kept until its newline arrives; a line of
-    a kind this release does not know is skipped.
+    a kind this release does not know, or one that is not a record (damaged,
+    not JSON), is skipped and counted in ``skipped``.
     """
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / TIMELINE_FILE
+        self.skipped = 0  # lines read so far that held no record this release knows
         self._offset = 0
         self._partial = b""
+
+    @property
+    def unfinished(self) -> bool:
+        """Whether the file ends in a line with no newline yet (being written, or cut short)."""
+        return bool(self._partial.strip())
 
     def new_records(self) -> list[tl.TimelineEvent]:
         """The records appended since the last call (all of them, the first time)."""
@@ -76,8 +83,10 @@ class TimelineReader:
             return []
         self._offset += len(chunk)
         *lines, self._partial = (self._partial + chunk).split(b"\n")
-        events = (tl.decode(line) for line in lines if line.strip())
-        return [event for event in events if event is not None]
+        events = [tl.decode(line) for line in lines if line.strip()]
+        records = [event for event in events if event is not None]
+        self.skipped += len(events) - len(records)
+        return records
 
 
 def read_timeline(run_dir: Path) -> list[tl.TimelineEvent]:

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from elche._files import write_text_atomic
 from elche.core import timeline as tl
 
 __all__ = ["chrome_trace", "write_chrome_trace"]
@@ -165,11 +166,13 @@ def chrome_trace(records: Iterable[tl.TimelineEvent]) -> dict[str, Any]:
 
 
 def write_chrome_trace(records: Iterable[tl.TimelineEvent], out: Path) -> int:
-    """Write the trace of ``records`` to ``out``; returns how many events it holds.
+    """Write the trace of ``records`` to ``out``, whole or not at all (through
+    ``OUT.partial``); returns how many events it holds.
 
     Raises:
-        OSError: ``out`` cannot be written.
+        OSError: ``out`` cannot be written (its folder is missing or read-only,
+            or it is a directory); an earlier ``out`` is left as it was.
     """
     trace = chrome_trace(records)
-    out.write_text(json.dumps(trace, allow_nan=False, default=str), encoding="utf-8")
+    write_text_atomic(out, json.dumps(trace, allow_nan=False, default=str))
     return len(trace["traceEvents"])

@@ -182,12 +182,12 @@ class SimConfig:
         for speed in self.speeds:
             if not (isinstance(speed, int | float) and 0 < speed <= 1):
                 raise ConfigError("speeds", f"each speed must be in (0, 1], got {speed!r}")
-        for field_name in ("base_ms", "sync_ms", "latency_ms", "exit_detect_ms"):
+        if not (self.base_ms > 0 and math.isfinite(self.base_ms)):  # 0 and -1 alike
+            raise ConfigError("base_ms", f"must be a finite number > 0, got {self.base_ms}")
+        for field_name in ("sync_ms", "latency_ms", "exit_detect_ms"):
             value = getattr(self, field_name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ConfigError(field_name, f"must be a finite number >= 0, got {value}")
-        if self.base_ms <= 0:
-            raise ConfigError("base_ms", f"must be > 0, got {self.base_ms}")
         if not 0 <= self.jitter < 1:
             raise ConfigError("jitter", f"must be in [0, 1), got {self.jitter}")
         self.faults.check(len(self.speeds), joins=True)
