@@ -97,6 +97,27 @@ def test_bf16_frames_round_trip_within_bf16_and_keep_integer_buffers() -> None:
     load_average(blended, frames, received, alpha=0.5, wire="bf16")  # lerp across dtypes
 
 
+def test_a_frozen_parameter_travels_in_its_own_dtype_and_comes_back_as_it_was() -> None:
+    # Rounded to bf16 and back on the coordinator modes' wire, it changed on every rank.
+    a, b = bn_model(1), bn_model(2)
+    for model in (a, b):
+        model[0].weight.requires_grad_(False)
+        with torch.no_grad():
+            model[0].weight.copy_(bn_model(0)[0].weight)  # frozen: alike on every rank
+    frozen = a[0].weight.detach().clone()
+    layout, fa = snapshot_frames(a, "bf16")
+    _, fb = snapshot_frames(b, "bf16")
+    dtypes = {s.name: s.dtype for s in layout.tensors}
+    assert dtypes["0.weight"] == "float32" and dtypes["0.bias"] == "bfloat16"
+    averager = SnapshotAverager(layout)
+    averager.add(3.0, fa)
+    averager.add(1.0, fb)
+    out = averager.result()
+    assert out is not None
+    load_average(a, out, layout, alpha=None, wire="bf16")
+    assert torch.equal(a[0].weight.detach(), frozen)
+
+
 def test_coordinator_averages_bf16_frames_in_float64() -> None:
     a, b = bn_model(1), bn_model(2)
     layout, fa = snapshot_frames(a, "bf16")

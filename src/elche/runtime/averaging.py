@@ -379,9 +379,18 @@ def wire_dtype(dtype: torch.dtype, wire: str) -> torch.dtype:
     return torch.bfloat16 if light else dtype
 
 
+def _travels_as(tensor: torch.Tensor, wire: str) -> torch.dtype:
+    """The dtype ``tensor`` travels as: a frozen parameter (``requires_grad`` False)
+    in its own, as every rank holds it alike and its average must leave it as it is
+    (rounded to bf16 and back, it would change)."""
+    if isinstance(tensor, nn.Parameter) and not tensor.requires_grad:
+        return tensor.dtype
+    return wire_dtype(tensor.dtype, wire)
+
+
 def _layout_of(named: list[tuple[str, torch.Tensor]], num_params: int, wire: str) -> Layout:
     specs = tuple(
-        TensorSpec(name=n, dtype=_dtype_name(wire_dtype(t.dtype, wire)), shape=tuple(t.shape))
+        TensorSpec(name=n, dtype=_dtype_name(_travels_as(t, wire)), shape=tuple(t.shape))
         for n, t in named
     )
     return Layout(tensors=specs, num_params=num_params)
@@ -407,7 +416,7 @@ def snapshot_frames(model: nn.Module, wire: str = "fp32") -> tuple[Layout, list[
     frames = []
     for _, t in params + buffers:
         host = t.detach().to(
-            "cpu", wire_dtype(t.dtype, wire), copy=True, memory_format=torch.contiguous_format
+            "cpu", _travels_as(t, wire), copy=True, memory_format=torch.contiguous_format
         )
         frames.append(host.reshape(-1).view(torch.uint8).numpy().data)
     return layout, frames

@@ -40,7 +40,9 @@ coordinator, which accumulates in float64 whatever the dtype
 (``elche.runtime.snapshots``), answers in bf16. There the *weights* travel
 (the coordinator folds in snapshots taken at different times and may blend
 them, ``cpu-async``, or step an outer optimizer on them, DiLoCo), so the
-average a rank loads is rounded to bf16.
+average a rank loads is rounded to bf16. A frozen parameter travels in its
+own dtype (``averaging._travels_as``): alike on every rank, it comes back as
+it was.
 
 ``Wire.bytes`` counts the averaging payload this rank handed to the
 transport (collective: the all-reduced buffers; coordinator: its upload plus
