@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -472,3 +475,22 @@ def test_timeline_of_no_readable_record_is_bad_input(
         f"elche timeline: error: run_dir: {tmp_path / 'timeline.jsonl'} holds no timeline "
         "record: 2 unreadable lines"
     )
+
+
+def test_elche_run_leaves_no_run_directory_where_no_run_began(tmp_path: Path) -> None:
+    # It left an empty /tmp/elche-run-* for a bad flag and for a script that never trained.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    script = tmp_path / "plain.py"
+    script.write_text("print('no training here')\n")
+    env = {k: v for k, v in os.environ.items() if k != "ELCHE_RUN_DIR"}
+    env["TMPDIR"] = str(scratch)
+    run = [sys.executable, "-m", "elche.cli", "run", "--nproc", "2"]
+    done = subprocess.run([*run, str(script)], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("no training here") == 2
+    bad = subprocess.run([*run, "--dashboard", "abc", str(script)], env=env, capture_output=True,
+                         text=True, timeout=120, check=False)  # fmt: skip
+    assert bad.returncode == 2 and "dashboard" in bad.stderr
+    assert list(scratch.iterdir()) == []

@@ -377,9 +377,18 @@ def _available_mib() -> int | None:
 
 
 def _run_script(args: argparse.Namespace) -> int:
-    import socket
+    env, made = _run_env(args)
+    try:
+        return _launch_ranks(args, env)
+    finally:
+        if made:  # left empty when no run began there (a script that never trained)
+            with contextlib.suppress(OSError):
+                Path(env["ELCHE_RUN_DIR"]).rmdir()
 
-    from elche.runtime.lifetimes import RANKS_MET_ENV, StopSignals
+
+def _run_env(args: argparse.Namespace) -> tuple[dict[str, str], bool]:
+    """The ranks' environment, every flag checked first; and whether it made the run dir."""
+    import socket
 
     if args.nproc < 1:
         raise ConfigError("nproc", f"must be >= 1, got {args.nproc}")
@@ -391,19 +400,7 @@ def _run_script(args: argparse.Namespace) -> int:
             f"least {RANK_FLOOR_MIB} MiB of its own) and {available} MiB are available, "
             f"room for at most {available // RANK_FLOOR_MIB}",
         )
-    with socket.socket() as probe:  # an ephemeral port for the rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     env = dict(os.environ)
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(args.nproc),
-        LOCAL_WORLD_SIZE=str(args.nproc),
-        # The user's, as rank 0 under torchrun takes it; else a new one.
-        ELCHE_RUN_DIR=os.environ.get("ELCHE_RUN_DIR") or tempfile.mkdtemp(prefix="elche-run-"),
-    )
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if args.dashboard is not None:
         from elche.monitor.address import DASHBOARD_ENV, parse_address
 
@@ -413,10 +410,31 @@ def _run_script(args: argparse.Namespace) -> int:
         from elche.api import TENSORBOARD_ENV
 
         env[TENSORBOARD_ENV] = args.tensorboard  # rank 0 writes it
+    with socket.socket() as probe:  # an ephemeral port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(args.nproc),
+        LOCAL_WORLD_SIZE=str(args.nproc),
+    )
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    exported = os.environ.get("ELCHE_RUN_DIR")  # the user's, as rank 0 under torchrun takes it
+    if not exported:
+        env["ELCHE_RUN_DIR"] = tempfile.mkdtemp(prefix="elche-run-")
+        return env, True
     try:
-        Path(env["ELCHE_RUN_DIR"]).mkdir(parents=True, exist_ok=True)
+        Path(exported).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError("ELCHE_RUN_DIR", f"cannot be made: {exc}") from None
+    return env, False
+
+
+def _launch_ranks(args: argparse.Namespace, env: dict[str, str]) -> int:
+    """Start the ranks, pass the stop signals on, wait; ``elche run``'s exit status."""
+    from elche.runtime.lifetimes import RANKS_MET_ENV, StopSignals
+
     met = Path(env["ELCHE_RUN_DIR"]) / "ranks_met"  # rank 0 makes it once every rank met
     met.unlink(missing_ok=True)  # (an exported run dir's, from an earlier run)
     env[RANKS_MET_ENV] = str(met)
