@@ -83,6 +83,9 @@ def test_issue13_a_killed_coordinator_is_restarted_and_the_run_completes(
     assert returned == expected, done.stderr[-4000:]
     assert "restarting it from the journal" in done.stderr
     assert done.stderr.count("the coordinator restarted; rejoining") == 3
+    # The monitor sees it: the successor raises the alert, in the timeline too.
+    said = "elche [critical] coordinator_lost coordinator — the coordinator process was lost; "
+    assert said + "restart 1 goes on from its journal (x1)" in done.stderr, done.stderr[-4000:]
     # No rank waited its collective timeout out in a rendezvous its peers had left
     # (the restarted coordinator orders a new generation and the final save at once).
     whys = set(re.findall(r"did not form \(([^)]*)\)", done.stderr))
@@ -91,6 +94,8 @@ def test_issue13_a_killed_coordinator_is_restarted_and_the_run_completes(
     summary = json.loads(line)
     assert summary["outcome"] == "completed", summary
     assert summary["coordinator_restarts"] == 1
+    timeline = (Path(summary["run_dir"]) / "timeline.jsonl").read_text()
+    assert '"name":"coordinator_lost"' in timeline.replace(" ", "")
     assert summary["lost_samples"] == 0 and summary["dead_ranks"] == []
     assert summary["epochs_completed"] == 3
     assert sum(r["samples"] for r in summary["per_rank"]) == 3 * 1437  # each sample once per epoch

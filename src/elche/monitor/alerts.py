@@ -41,6 +41,7 @@ MAX_ENTRIES = 200
 SEVERITY = {
     "rank_lost": "critical",  # a rank died or was evicted
     "control_drop": "critical",  # a control message did not reach a live rank
+    "coordinator_lost": "critical",  # the coordinator process died; a successor took over
     "drift": "warn",  # a round found a replica far from the consensus
     "overflow": "warn",  # the alert book evicted entries
     "stall": "warn",  # no progress for the stall watchdog's interval

@@ -202,6 +202,7 @@ class Host:
             self._record(tl.OuterMomentumRestored(file=str(saved_outer)))
         if restore is not None:
             self._carry_on_stats()
+            self.lookout.coordinator_restored(self.core.coordinator_restarts, time.monotonic())
 
     def watch(
         self,

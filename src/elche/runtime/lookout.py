@@ -45,6 +45,11 @@ class Lookout:
             alerts = self.book.raise_alert("control_drop", f"rank{rank}", f"{what} lost", now_s)
             self._report(alerts)
 
+    def coordinator_restored(self, restarts: int, now_s: float) -> None:
+        """This coordinator took over from a lost one (the ``restarts``-th successor)."""
+        detail = f"the coordinator process was lost; restart {restarts} goes on from its journal"
+        self._report(self.book.raise_alert("coordinator_lost", "coordinator", detail, now_s))
+
     def tick(self, now_s: float) -> None:
         """Report the repeats whose collapse window has passed."""
         if len(self.book):
