@@ -54,6 +54,14 @@ def step_fails_on_rank1_after_a_few(model: nn.Module, batch: list[torch.Tensor])
     return step(model, batch)
 
 
+def step_exits_on_rank1_after_a_few(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+    """Rank 1's process ends with status 0 mid-run (the user's code called os._exit(0))."""
+    _calls[0] += 1
+    if rank() == 1 and _calls[0] > 6:
+        os._exit(0)
+    return step(model, batch)
+
+
 def nan_after_a_few(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
     """The loss turns NaN on rank 1 after a few steps (a diverging run)."""
     _calls[0] += 1

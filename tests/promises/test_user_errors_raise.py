@@ -94,6 +94,20 @@ def test_an_error_that_leaves_too_few_ranks_saves_what_the_survivors_trained(
 
 @pytest.mark.integration
 @pytest.mark.slow
+def test_a_rank_process_that_exits_0_mid_run_is_lost_at_once() -> None:
+    # Only a non-zero exit was reported: this one was found when its heartbeats went
+    # stale (heartbeat_timeout_s, 30 s here).
+    result = train(step_fn=faulty.step_exits_on_rank1_after_a_few, ranks=3, epochs=3,
+                   heartbeat_timeout_s=30.0)  # fmt: skip
+    summary = result.summary
+    assert summary["outcome"] == "completed" and summary["dead_ranks"] == [1], summary
+    assert summary["lost_samples"] == 0
+    reasons = [n for n in summary["notices"] if "rank 1 lost" in str(n)]
+    assert reasons and "process ended (exit code 0)" in str(reasons[0]), summary["notices"]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
 def test_the_wait_for_a_rank_process_a_thread_of_the_users_keeps_alive_is_said(
     capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

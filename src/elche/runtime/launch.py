@@ -191,9 +191,16 @@ def _rank_process(
 
 
 def _report_lost(host: Any, rank: int, code: int | None) -> None:
-    """Tell the coordinator (over its stdin) that a rank process is gone."""
+    """Tell the coordinator (over its stdin) that a rank process is gone.
+
+    One that exits 0 did so at the run's end, which the coordinator knows
+    (it ignores the report then, and nothing is said), or in the middle of
+    it (``os._exit(0)`` in the user's code), where it is lost at once rather
+    than when its heartbeats go stale.
+    """
     how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-    print(f"elche: rank {rank} process ended ({how})", file=sys.stderr, flush=True)
+    if code != 0:
+        print(f"elche: rank {rank} process ended ({how})", file=sys.stderr, flush=True)
     tell_coordinator(host, f"lost {rank} process ended ({how})")
 
 
@@ -689,7 +696,7 @@ def _supervise(
                     reported.add(event.rank)
                     procs[event.rank].kill()
             for rank, proc in enumerate(procs):
-                if proc.exitcode not in (None, 0) and rank not in reported:
+                if proc.exitcode is not None and rank not in reported:
                     reported.add(rank)
                     _report_lost(coordinator.host, rank, proc.exitcode)
             failed = _run_failed(run_dir)
