@@ -120,18 +120,25 @@ def test_a_signal_before_the_run_formed_interrupts_every_rank(
     assert "Traceback" not in err, err[-3000:]
 
 
-def test_rank_0_killed_mid_run_leaves_its_survivors_naming_the_bundle(tmp_path: Path) -> None:
-    # Rank 0 hosts the coordinator: its successor-less stop saves through the others,
-    # who used to say "nothing saved" beside the committed bundle. With the default
-    # heartbeat timeout (30 s) nothing was saved at all: the save waited for rank 0,
-    # declared lost only after the orphaned coordinator's 6 s were up.
+def kill_rank_0_mid_run(tmp_path: Path, *, nproc: int) -> tuple[str, str]:
+    """SIGKILL rank 0 (the coordinator's host) mid-run, at the default heartbeat timeout;
+    the run's stdout and stderr."""
     (tmp_path / "go").touch()
-    with session(launch(tmp_path, 3, 8, heartbeat_s=30.0), tmp_path) as proc:
+    with session(launch(tmp_path, nproc, 8, heartbeat_s=30.0), tmp_path) as proc:
         wait_mid_run(proc, tmp_path)
         rank0 = worker_of(proc.pid, 0)
         assert rank0 is not None, "no rank 0 process"
         os.kill(rank0, signal.SIGKILL)
         _, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    return out, err
+
+
+def test_rank_0_killed_mid_run_leaves_its_survivors_naming_the_bundle(tmp_path: Path) -> None:
+    # Rank 0 hosts the coordinator: its successor-less stop saves through the others,
+    # who used to say "nothing saved" beside the committed bundle. With the default
+    # heartbeat timeout (30 s) nothing was saved at all: the save waited for rank 0,
+    # declared lost only after the orphaned coordinator's 6 s were up.
+    out, err = kill_rank_0_mid_run(tmp_path, nproc=3)
     stem = str(tmp_path / "bundle")
     assert sorted(re.findall(r"STOPPED \d bundle=\S+ code=143", out)) == [
         f"STOPPED 1 bundle={stem} code=143", f"STOPPED 2 bundle={stem} code=143",
@@ -145,13 +152,7 @@ def test_rank_0_killed_mid_run_leaves_its_survivors_naming_the_bundle(tmp_path: 
 def test_the_survivor_of_a_killed_rank_0_returns_the_runs_saved_result(tmp_path: Path) -> None:
     # Left alone, it cannot go on (a collective needs two): it saves, and its
     # elche.train used to return an empty summary, naming no bundle.
-    (tmp_path / "go").touch()
-    with session(launch(tmp_path, 2, 8, heartbeat_s=30.0), tmp_path) as proc:
-        wait_mid_run(proc, tmp_path)
-        rank0 = worker_of(proc.pid, 0)
-        assert rank0 is not None, "no rank 0 process"
-        os.kill(rank0, signal.SIGKILL)
-        _, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    out, err = kill_rank_0_mid_run(tmp_path, nproc=2)
     stem = str(tmp_path / "bundle")
     assert f"RETURNED 1 saved_and_shutdown {stem}" in out, out + err[-3000:]
     assert f"resume_from={stem!r}" in err, err[-3000:]
