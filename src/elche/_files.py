@@ -44,14 +44,16 @@ def check_writable(folder: Path, field: str) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through ``PATH.partial`` and ``os.replace``: a
-    reader never sees half a file, and a failed write leaves ``path`` as it was.
+    """Write ``text`` to ``path`` through ``PATH.PID.partial`` and ``os.replace``: a
+    reader never sees half a file, a failed write leaves ``path`` as it was, and
+    two processes writing it at once (the survivors of a lost rank 0 each write
+    the run's report) each replace it whole.
 
     Raises:
         OSError: ``path``'s folder is missing, read-only or full, or ``path``
             is a directory (the temporary file is removed).
     """
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # (several may write it)
     try:
         partial.write_text(text, encoding="utf-8")
         os.replace(partial, path)
