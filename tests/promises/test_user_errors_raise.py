@@ -117,8 +117,10 @@ def test_the_wait_for_a_rank_process_a_thread_of_the_users_keeps_alive_is_said(
     result = train(model_fn=faulty.model_with_a_thread)
     assert result.summary["outcome"] == "completed"
     err = capfd.readouterr().err
-    said = r"elche: rank 0's process has not exited, though the run is over \(threads of your " \
-           r"code still running in it\?\); waiting \d+ s more before it is killed"  # fmt: skip
+    said = (
+        r"elche: rank 0's process has not exited though the run is over; waiting \d+ s more "
+        r"before it is killed \(a thread of your code that does not end keeps it alive\)"
+    )
     assert re.search(said, err), err[-3000:]
 
 

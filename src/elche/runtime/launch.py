@@ -730,9 +730,9 @@ def _end_ranks(procs: Sequence[BaseProcess], grace_s: float) -> None:
     for rank, proc in enumerate(procs):
         proc.join(timeout=max(min(deadline, start + RANK_EXIT_SAY_S) - time.monotonic(), 0.1))
         if proc.is_alive() and (left := deadline - time.monotonic()) > 0:
-            print(f"elche: rank {rank}'s process has not exited, though the run is over "
-                  f"(threads of your code still running in it?); waiting {left:.0f} s more "
-                  "before it is killed", file=sys.stderr, flush=True)  # fmt: skip
+            print(f"elche: rank {rank}'s process has not exited though the run is over; "
+                  f"waiting {left:.0f} s more before it is killed (a thread of your code that "
+                  "does not end keeps it alive)", file=sys.stderr, flush=True)  # fmt: skip
             proc.join(timeout=left)
         if proc.is_alive():
             proc.kill()
