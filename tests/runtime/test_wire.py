@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elche.core.errors import ConfigError
-from elche.runtime.averaging import load_average, snapshot_frames
+from elche.runtime.averaging import frozen_parameters, load_average, snapshot_frames
 from elche.runtime.options import TrainOptions, check_options
 from elche.runtime.snapshots import Layout, SnapshotAverager
 from elche.runtime.wire import Wire, average_over, wire_dtype
@@ -105,16 +105,20 @@ def test_a_frozen_parameter_travels_in_its_own_dtype_and_comes_back_as_it_was() 
         with torch.no_grad():
             model[0].weight.copy_(bn_model(0)[0].weight)  # frozen: alike on every rank
     frozen = a[0].weight.detach().clone()
-    layout, fa = snapshot_frames(a, "bf16")
-    _, fb = snapshot_frames(b, "bf16")
+    own = frozen_parameters(a)
+    assert own == {"0.weight"}
+    layout, fa = snapshot_frames(a, "bf16", own)
     dtypes = {s.name: s.dtype for s in layout.tensors}
     assert dtypes["0.weight"] == "float32" and dtypes["0.bias"] == "bfloat16"
+    a[0].weight.requires_grad_(True)  # thawed later (an epoch_fn): the layout stays
+    b[0].weight.requires_grad_(True)
+    assert snapshot_frames(b, "bf16", own)[0] == layout
     averager = SnapshotAverager(layout)
     averager.add(3.0, fa)
-    averager.add(1.0, fb)
+    averager.add(1.0, snapshot_frames(b, "bf16", own)[1])
     out = averager.result()
     assert out is not None
-    load_average(a, out, layout, alpha=None, wire="bf16")
+    load_average(a, out, layout, alpha=None, wire="bf16", own=own)
     assert torch.equal(a[0].weight.detach(), frozen)
 
 

@@ -71,6 +71,7 @@ __all__ = [
     "collective_average",
     "divergence",
     "float_buffers",
+    "frozen_parameters",
     "launch_average",
     "load_average",
     "param_mass",
@@ -379,30 +380,43 @@ def wire_dtype(dtype: torch.dtype, wire: str) -> torch.dtype:
     return torch.bfloat16 if light else dtype
 
 
-def _travels_as(tensor: torch.Tensor, wire: str) -> torch.dtype:
-    """The dtype ``tensor`` travels as: a frozen parameter (``requires_grad`` False)
-    in its own, as every rank holds it alike and its average must leave it as it is
-    (rounded to bf16 and back, it would change)."""
-    if isinstance(tensor, nn.Parameter) and not tensor.requires_grad:
-        return tensor.dtype
-    return wire_dtype(tensor.dtype, wire)
+def frozen_parameters(model: nn.Module) -> frozenset[str]:
+    """The names of ``model``'s frozen parameters (``requires_grad`` False).
+
+    Taken once, from the model as ``model_fn`` built it (alike on every
+    rank), they travel in their own dtype for the whole run: every rank holds
+    them alike and their average must leave them as they are (rounded to bf16
+    and back, they would change). A parameter frozen or thawed later (by an
+    ``epoch_fn``) keeps the dtype it travelled in, so every rank's layout stays
+    the same.
+    """
+    return frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
 
 
-def _layout_of(named: list[tuple[str, torch.Tensor]], num_params: int, wire: str) -> Layout:
+def _layout_of(
+    named: list[tuple[str, torch.Tensor]], num_params: int, wire: str, own: frozenset[str]
+) -> Layout:
     specs = tuple(
-        TensorSpec(name=n, dtype=_dtype_name(_travels_as(t, wire)), shape=tuple(t.shape))
+        TensorSpec(
+            name=n,
+            dtype=_dtype_name(t.dtype if n in own else wire_dtype(t.dtype, wire)),
+            shape=tuple(t.shape),
+        )
         for n, t in named
     )
     return Layout(tensors=specs, num_params=num_params)
 
 
-def snapshot_frames(model: nn.Module, wire: str = "fp32") -> tuple[Layout, list[memoryview]]:
+def snapshot_frames(
+    model: nn.Module, wire: str = "fp32", own: frozenset[str] = frozenset()
+) -> tuple[Layout, list[memoryview]]:
     """Copy the model's float parameters, then float buffers, to CPU frames.
 
     Each frame is a byte ``memoryview`` over a private contiguous CPU copy
     (it keeps the copy alive), ready for a zero-copy send; training may go on
     while it is in flight. On the ``"bf16"`` wire, fp32/fp64 tensors are
-    copied as bfloat16 (the layout says so); the model is untouched.
+    copied as bfloat16 (the layout says so), but for those named in ``own``
+    (``frozen_parameters``), which keep their dtype; the model is untouched.
 
     Returns:
         The ``Layout`` describing the frames, and the frames.
@@ -412,11 +426,11 @@ def snapshot_frames(model: nn.Module, wire: str = "fp32") -> tuple[Layout, list[
             (float16, bfloat16, float32, float64).
     """
     params, buffers = _named_float_params(model), _named_float_buffers(model)
-    layout = _layout_of(params + buffers, len(params), wire)
+    layout = _layout_of(params + buffers, len(params), wire, own)
     frames = []
-    for _, t in params + buffers:
+    for spec, (_, t) in zip(layout.tensors, params + buffers, strict=True):
         host = t.detach().to(
-            "cpu", _travels_as(t, wire), copy=True, memory_format=torch.contiguous_format
+            "cpu", getattr(torch, spec.dtype), copy=True, memory_format=torch.contiguous_format
         )
         frames.append(host.reshape(-1).view(torch.uint8).numpy().data)
     return layout, frames
@@ -444,6 +458,7 @@ def load_average(
     buffers_alpha: float | None = None,
     sent: Sequence[Frame] | None = None,
     wire: str = "fp32",
+    own: frozenset[str] = frozenset(),
 ) -> Divergence:
     """Load the coordinator's average into the model.
 
@@ -467,6 +482,7 @@ def load_average(
         sent: The frames this rank uploaded for this round.
         wire: The wire the frames travelled on (``"fp32"`` or ``"bf16"``);
             bf16 frames are loaded into the model's own dtypes.
+        own: The tensors that travelled in their own dtype (``snapshot_frames``).
 
     Returns:
         The divergence triple ``(‖P − Q‖ / ‖Q‖, ‖P‖, ‖Q‖)``.
@@ -479,7 +495,7 @@ def load_average(
     _check_alpha("alpha", alpha)
     _check_alpha("buffers_alpha", buffers_alpha)
     params, buffers = _named_float_params(model), _named_float_buffers(model)
-    mine = _layout_of(params + buffers, len(params), wire)
+    mine = _layout_of(params + buffers, len(params), wire, own)
     if mine != layout:
         raise ValueError(f"layout does not describe this model: {_first_difference(mine, layout)}")
     layout.check(frames)

@@ -40,9 +40,9 @@ coordinator, which accumulates in float64 whatever the dtype
 (``elche.runtime.snapshots``), answers in bf16. There the *weights* travel
 (the coordinator folds in snapshots taken at different times and may blend
 them, ``cpu-async``, or step an outer optimizer on them, DiLoCo), so the
-average a rank loads is rounded to bf16. A frozen parameter travels in its
-own dtype (``averaging._travels_as``): alike on every rank, it comes back as
-it was.
+average a rank loads is rounded to bf16. A parameter frozen in the model
+``model_fn`` built travels in its own dtype (``averaging.frozen_parameters``):
+alike on every rank, it comes back as it was.
 
 ``Wire.bytes`` counts the averaging payload this rank handed to the
 transport (collective: the all-reduced buffers; coordinator: its upload plus
@@ -91,8 +91,9 @@ def _ref_hash(tensors: Sequence[torch.Tensor]) -> int:
 class Wire:
     """One rank's averaging wire: its name, byte counts and (bf16) last consensus."""
 
-    def __init__(self, name: str = "fp32") -> None:
+    def __init__(self, name: str = "fp32", own: frozenset[str] = frozenset()) -> None:
         self.name = name
+        self.own = own  # coordinator modes: the tensors that travel in their own dtype
         self.bytes = 0
         self.rounds = 0
         self.ref: list[torch.Tensor] | None = None  # bf16 collective: the last consensus

@@ -61,7 +61,7 @@ from elche.core.progress import Progress
 from elche.core.rank import RankProtocol
 from elche.monitor.summary import rank_report_file, rank_spans_file
 from elche.runtime import bundle, salvage
-from elche.runtime.averaging import InFlight, load_average, snapshot_frames
+from elche.runtime.averaging import InFlight, frozen_parameters, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
 from elche.runtime.consensus import Consensus, start_from_rank0
 from elche.runtime.current import providing
@@ -190,7 +190,8 @@ class Worker:
         )  # fmt: skip
         self.unreported: list[m.BatchDone] = []
         self.consensus = Consensus()  # restored before a save for a non-finite value
-        self.wire = Wire(options.wire)  # what the averaging payloads travel as, and weigh
+        # What the averaging payloads travel as, and weigh.
+        self.wire = Wire(options.wire, own=frozen_parameters(self.model))
         self.reported_s = time.monotonic()
         self._update_payload: Sequence[bytes | memoryview] = ()
         self.snapshot: tuple[Layout, list[memoryview]] | None = None  # the upload in flight
@@ -584,7 +585,7 @@ class Worker:
 
     def _serve_round(self, action: r.Average | r.Upload) -> None:
         if isinstance(action, r.Upload):
-            layout, frames = snapshot_frames(self.model, self.wire.name)
+            layout, frames = snapshot_frames(self.model, self.wire.name, self.wire.own)
             self.snapshot = (layout, frames)
             self._send(self.proto.uploaded(), [msgspec.msgpack.encode(layout), *frames])
             return
@@ -679,7 +680,7 @@ class Worker:
             layout = msgspec.msgpack.decode(bytes(payload[0]), type=Layout)
             div, pre, post = load_average(
                 self.model, list(payload[1:]), layout, alpha=action.alpha, sent=snapshot[1],
-                wire=self.wire.name,
+                wire=self.wire.name, own=self.wire.own,
             )  # fmt: skip
             self.wire.count(sum(memoryview(f).nbytes for f in (*snapshot[1], *payload[1:])))
             self.consensus.keep(self.model, action.round)
