@@ -59,6 +59,7 @@ from elche.runtime.addresses import BIND_ENV, EVERY_INTERFACE, advertised_host
 from elche.runtime.frames import new_secret, secret_from_env
 from elche.runtime.handoff import is_handoff
 from elche.runtime.joining import announce_join
+from elche.runtime.journal_file import JOURNAL_FILE
 from elche.runtime.launch import (
     Supervised,
     _rank_process,
@@ -93,6 +94,10 @@ COORDINATOR_EXIT_S = 60.0
 # How long rank 0 waits for the other ranks to keep their state once their
 # coordinator is gone for good (they see it within a heartbeat, unless in a long step).
 LOCAL_STATE_WAIT_S = 15.0
+# How long a rank whose rank 0 is gone waits for the coordinator's summary on its host.
+SUMMARY_WAIT_S = 10.0
+# A worker's report when the child that trained its rank died (``_train_in_child``).
+CHILD_LOST = "lost"
 
 
 def train_launched(
@@ -225,7 +230,9 @@ def _train(
     if rank0 is None:
         result = _other_rank_result(report, state, results, plan=plan, directory=directory, t0=t0)
         return result, stopped
-    result = _serve_result(plan, hooks, rank0, directory, t0, signals=signals)
+    # Its own rank failed or was lost (torchrun: its child): the run may go on a long while.
+    until_end = own_error is not None or stopped == CHILD_LOST
+    result = _serve_result(plan, hooks, rank0, directory, t0, signals=signals, until_end=until_end)
     if own_error is not None:
         raise own_error
     if not result.state_dict:
@@ -257,12 +264,21 @@ def _rank_outcome(
 
 
 def _serve_result(
-    plan: Plan, hooks: Hooks, rank0: _Rank0, directory: Path, t0: float, *, signals: StopSignals
+    plan: Plan,
+    hooks: Hooks,
+    rank0: _Rank0,
+    directory: Path,
+    t0: float,
+    *,
+    signals: StopSignals,
+    until_end: bool,
 ) -> TrainResult:
     """Rank 0: the run's result, shared with every other rank; or what it raised, shared too."""
     readers = plan.config.world_size - 1
     try:
-        result = _collect_on_rank0(plan, hooks, rank0, directory, t0, signals=signals)
+        result = _collect_on_rank0(
+            plan, hooks, rank0, directory, t0, signals=signals, until_end=until_end
+        )
     except BaseException as exc:
         rank0.results.publish(_failure_doc(exc), readers=readers)
         raise
@@ -382,7 +398,11 @@ def _other_rank_result(
         raise TrainingError.from_summary(user_error)
     cut_off = _cut_off(report)
     result = _shared_result(results, state, directory, cut_off=cut_off)
-    if result.summary or cut_off or not (directory / SUMMARY_FILE).exists():
+    if result.summary or cut_off:
+        return result
+    if not _coordinator_summary(directory):
+        print("elche: rank 0 shared no run summary, and the coordinator's is not on this host",
+              file=sys.stderr, flush=True)  # fmt: skip
         return result
     # Rank 0 is gone, and its coordinator wrote the run's end on this host.
     result = _result_in_run_dir(plan, Hooks(eval_result_fn=None, metrics_fn=None), directory, t0)
@@ -390,6 +410,18 @@ def _other_rank_result(
         explain_outcome(result.summary, plan.config.save_path)
     result.state_dict = result.state_dict or state
     return result
+
+
+def _coordinator_summary(directory: Path) -> bool:
+    """Whether the coordinator's summary is in ``directory``, or comes within
+    ``SUMMARY_WAIT_S`` where its journal is (its host: an orphaned coordinator
+    writes the summary just after it told the ranks the run is over)."""
+    summary = directory / SUMMARY_FILE
+    if (directory / JOURNAL_FILE).exists():
+        deadline = time.monotonic() + SUMMARY_WAIT_S
+        while not summary.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the coordinator's last file, awaited with a deadline
+    return summary.exists()
 
 
 def _cut_off(report: dict[str, object]) -> str:
@@ -427,9 +459,8 @@ def _shared_result(
         why = doc.get("error") if doc else "none came"
         if doc and why and not cut_off:  # rank 0 raised it, and said it: so does every rank
             raise RuntimeError(f"rank 0 ended with {why}")
-        if cut_off or not (directory / SUMMARY_FILE).exists():  # (else the caller reads it)
-            print(f"elche: rank 0 shared no run summary ({why})", file=sys.stderr, flush=True)
         if cut_off:  # neither the coordinator nor rank 0 reached: the run is elsewhere
+            print(f"elche: rank 0 shared no run summary ({why})", file=sys.stderr, flush=True)
             rank = int(os.environ["RANK"])
             raise RankExcluded(
                 rank=rank,
@@ -443,11 +474,22 @@ def _shared_result(
 
 
 def _collect_on_rank0(
-    plan: Plan, hooks: Hooks, rank0: _Rank0, directory: Path, t0: float, *, signals: StopSignals
+    plan: Plan,
+    hooks: Hooks,
+    rank0: _Rank0,
+    directory: Path,
+    t0: float,
+    *,
+    signals: StopSignals,
+    until_end: bool = False,
 ) -> TrainResult:
     """Rank 0: wait for the coordinator (and its successors), then build the result, and
-    say how a run that did not complete can go on (a signalled one: ``interrupted`` says)."""
-    rank0.watcher.join(timeout=COORDINATOR_EXIT_S)
+    say how a run that did not complete can go on (a signalled one: ``interrupted`` says).
+
+    ``until_end``: rank 0's own rank failed while the run goes on without it;
+    the coordinator is waited for as long as the run lasts, not ``COORDINATOR_EXIT_S``.
+    """
+    rank0.watcher.join(timeout=None if until_end else COORDINATOR_EXIT_S)
     if rank0.board is not None:
         rank0.board.stop()
     salvage_if_lost(plan, directory, rank0.host.host, wait_s=LOCAL_STATE_WAIT_S)
@@ -552,4 +594,4 @@ def _train_in_child(
         _report_lost(host.host, spec.rank, child.exitcode)  # the one up now
     print(f"elche: rank {spec.rank} was lost (its process ended with {child.exitcode}); "
           "the run goes on without it", file=sys.stderr, flush=True)  # fmt: skip
-    return {"stopped": "lost"}, {}
+    return {"stopped": CHILD_LOST}, {}

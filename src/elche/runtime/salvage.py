@@ -282,7 +282,12 @@ def _read_float(path: Path) -> float | None:
 
 
 def forget_lost_coordinator(run_dir: Path, world_size: int) -> None:
-    """Remove what an earlier run in this run dir left here (a fresh start)."""
-    for path in (run_dir / GONE_FILE, *(local_state_file(run_dir, r) for r in range(world_size))):
+    """Remove what an earlier run in this run dir left here (a fresh start).
+
+    Its summary and journal too: read before this run's own exist, they
+    would say of this run what that one did (that it failed, or began).
+    """
+    earlier = (run_dir / GONE_FILE, run_dir / SUMMARY_FILE, run_dir / JOURNAL_FILE)
+    for path in (*earlier, *(local_state_file(run_dir, r) for r in range(world_size))):
         with contextlib.suppress(OSError):
             os.unlink(path)
