@@ -526,7 +526,12 @@ def _wait_ranks(procs: Sequence[subprocess.Popen[bytes]], met: Path) -> int | No
     """
     live = list(procs)
     while live:
-        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)  # until a rank ends (not reaped)
+        if hasattr(os, "waitid"):  # (macOS before Python 3.13 has none)
+            with contextlib.suppress(ChildProcessError):  # one reaped by a signal's handler
+                os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)  # until a rank ends (not reaped)
+        else:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                live[0].wait(timeout=0.2)
         ended = [proc for proc in live if proc.poll() is not None]
         live = [proc for proc in live if proc not in ended]
         failed = [proc for proc in ended if proc.returncode != 0]
@@ -683,10 +688,6 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     bench.set_defaults(run=_run_bench)
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def _run_bench(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -720,13 +721,9 @@ def _run_bench(args: argparse.Namespace) -> int:
     command += f" --wire {args.wire}" if args.wire != "fp32" else ""
     command += "" if args.overlap else " --no-overlap"
     command += " --json" if args.json else ""
-    # SIGTERM ends the bench as Ctrl-C does, through its cleanup: a hosts suite's rigs
-    # (namespaces, their /etc and /tmp) are removed, not left to the next run's sweep.
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        doc = run_bench(suite, out_dir, command=command, progress=not args.no_progress)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    # SIGTERM ends the bench as Ctrl-C does (``endings.sigterm_raises``), through its
+    # cleanup: a hosts suite's rigs (namespaces, their /etc and /tmp) are removed.
+    doc = run_bench(suite, out_dir, command=command, progress=not args.no_progress)
     if args.json:
         print(json.dumps(doc))
     else:

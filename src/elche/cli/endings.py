@@ -44,7 +44,8 @@ def sigterm_raises() -> Iterator[None]:
     """While entered (on the main thread), SIGTERM raises ``Terminated``, so start-up
     and a baseline's processes are cleaned up as for Ctrl-C; a run's own handler
     (``elche.runtime.lifetimes.StopSignals``) takes over while it runs."""
-    if threading.current_thread() is not threading.main_thread():
+    ignored = signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # it stays so
+    if ignored or threading.current_thread() is not threading.main_thread():
         yield
         return
 

@@ -88,7 +88,10 @@ class Membership:
         """The first group's reform, if newer than ``generation``."""
         if self._store is None:  # still reaching the store
             return None
-        reform = groups.first_group(self._store)
+        try:
+            reform = groups.first_group(self._store)
+        except RuntimeError:  # the store stopped answering: no news (``groups.gather``)
+            return None
         return reform if reform is not None and reform[0] > generation else None
 
     def form(
