@@ -145,15 +145,11 @@ def train_launched(
     signum = signals.received if signals.received is not None else signal.SIGTERM
     stem = result.summary.get("bundle")  # RUN_DIR/checkpoint where the user named no save_path
     bundle = stem if isinstance(stem, str) else None
-    dead = result.summary.get("dead_ranks")
-    rank0_lost = not result.summary or (isinstance(dead, list) and 0 in dead)
-    if asked and rank != 0 and rank0_lost:  # the line rank 0 would say
+    if bundle is None and asked and rank != 0:  # rank 0 is gone, and the line it would say
         directory = Path(result.run_dir or ".")  # (a rank's result always names it)
-        bundle = bundle or fresh_bundle(with_bundle(plan, directory).config.save_path, t0)
+        bundle = fresh_bundle(with_bundle(plan, directory).config.save_path, t0)
         if bundle is not None:
-            print(f"elche rank {rank}: rank 0 shared no result; the run stopped and is saved "
-                  f"under {bundle}; resume_from={bundle!r} continues it", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            _say_saved_without_rank0(rank, bundle)
     if rank == 0:
         raise interrupted(signum, result, bundle, resumed_from=plan.resume_from)
     raise Interrupted(signum, bundle, result)
@@ -406,10 +402,19 @@ def _other_rank_result(
         return result
     # Rank 0 is gone, and its coordinator wrote the run's end on this host.
     result = _result_in_run_dir(plan, Hooks(eval_result_fn=None, metrics_fn=None), directory, t0)
-    if result.summary.get("reason") != SaveReason.GRACEFUL_SHUTDOWN.value:  # (else: Interrupted)
+    stem = result.summary.get("bundle")
+    if result.summary.get("reason") != SaveReason.GRACEFUL_SHUTDOWN.value:
         explain_outcome(result.summary, plan.config.save_path)
+    elif isinstance(stem, str):  # the line rank 0 would say; then Interrupted
+        _say_saved_without_rank0(int(os.environ["RANK"]), stem)
     result.state_dict = result.state_dict or state
     return result
+
+
+def _say_saved_without_rank0(rank: int, bundle: str) -> None:
+    print(f"elche rank {rank}: rank 0 shared no result; the run stopped and is saved "
+          f"under {bundle}; resume_from={bundle!r} continues it", file=sys.stderr,
+          flush=True)  # fmt: skip
 
 
 def _coordinator_summary(directory: Path) -> bool:
