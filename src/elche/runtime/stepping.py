@@ -33,6 +33,7 @@ from torch import nn
 
 from elche.core.progress import Progress
 from elche.runtime.options import TrainOptions
+from elche.runtime.user_callbacks import number_of
 
 __all__ = ["MicroBatch", "Stepper", "schedule_factor"]
 
@@ -55,11 +56,8 @@ def schedule_factor(value: Any) -> float:
             finite number >= 0: a negative factor turns every step around (the
             model ascends its loss) and a NaN one poisons the parameters.
     """
-    try:
-        factor = math.nan if isinstance(value, str | bytes) else float(value)
-    except (TypeError, ValueError):
-        factor = math.nan
-    if not (math.isfinite(factor) and factor >= 0):
+    factor = number_of(value)
+    if factor is None or not (math.isfinite(factor) and factor >= 0):
         raise ValueError(
             f"lr_schedule returned {value!r}; it must return a finite number >= 0 "
             "(the factor of each param group's base lr)"

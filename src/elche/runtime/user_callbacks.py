@@ -18,21 +18,29 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["checkpoint", "evaluate", "metric_of"]
+__all__ = ["checkpoint", "evaluate", "metric_of", "number_of"]
+
+
+def number_of(value: object) -> float | None:
+    """A user function's return value as a float (a number, a one-element tensor, a
+    NumPy scalar); None when it is none (a dict, a string, None, a tensor of several)."""
+    if isinstance(value, str | bytes):
+        return None
+    try:
+        return float(value)  # type: ignore[arg-type]  # anything with __float__ is a number
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several
+        return None
 
 
 def metric_of(value: object) -> float:
-    """``eval_fn``'s return value as a float (a number, a one-element tensor, a NumPy scalar).
+    """``eval_fn``'s return value as a float (``number_of``).
 
     Raises:
-        TypeError: ``value`` is not a number (a dict, a string, None, a tensor of
-            several elements), named in the message.
+        TypeError: ``value`` is not a number, named in the message.
     """
-    if not isinstance(value, str | bytes):
-        try:
-            return float(value)  # type: ignore[arg-type]  # anything with __float__ is a number
-        except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several
-            pass
+    number = number_of(value)
+    if number is not None:
+        return number
     shown = "None" if value is None else f"a {type(value).__name__} ({reprlib.repr(value)})"
     raise TypeError(f"eval_fn returned {shown}, not a number")
 
