@@ -43,6 +43,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from elche._files import write_text_atomic
 from elche.core import messages as m
 from elche.core import timeline as tl
 from elche.core.checkpoint import BundleFile, BundleFiles, CheckpointMeta, SaveReason
@@ -539,7 +540,8 @@ class Host:
         summary = coordinator_summary(
             self.stats, mode=config.mode.value, world_size=config.world_size
         )
-        _write_atomic(self.run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
 
 
 def _run_start(run_dir: Path, *, restored: bool) -> float:
@@ -565,17 +567,6 @@ def _due(point: str, command: Command) -> bool:
     if kind == "start":  # its first command: before any rank joined, no journal yet
         return True
     return kind == "final" and isinstance(message, m.Shutdown) and message.writer >= 0
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:  # a full or read-only run directory: no half-written file stays
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def config_to_json(config: CoordinatorConfig) -> str:
