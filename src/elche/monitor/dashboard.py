@@ -42,6 +42,7 @@ import json
 import logging
 import sys
 import threading
+import traceback
 from importlib import resources
 from pathlib import Path
 from typing import TextIO
@@ -256,13 +257,15 @@ class RequestLog(logging.Handler):
                     f"the dashboard rejected a malformed request from {_remote(record)} "
                     f"({type(exc).__name__}, {exc.code}; {self.num_rejected} rejected so far)"
                 )
-        elif record.levelno >= logging.WARNING:  # a handler failed: a bug, said on one line
+        elif record.levelno >= logging.WARNING:  # a handler failed: a bug of elche's
             self.num_failed += 1
             if self._due(self.num_failed):
                 self._print(
                     f"the dashboard failed a request: {record.getMessage()}: {exc!r} "
                     f"({self.num_failed} failed so far)"
                 )
+            if self.num_failed == 1 and exc is not None:  # the first, whole: it is to be fixed
+                print("".join(traceback.format_exception(exc)).rstrip(), file=self._log, flush=True)
 
     @staticmethod
     def _due(count: int) -> bool:
