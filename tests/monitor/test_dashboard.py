@@ -176,6 +176,8 @@ def test_the_last_push_before_complete_carries_the_runs_end(
         assert json.loads(first.removeprefix("data: "))["run"]["phase"] == "training"
         # A fold after the stream went to wait: the follower now waits on the
         # stop more recently than the stream does, so the stream wakes first.
+        # It folds no more until the stop: its next wait began after this fold.
+        monkeypatch.setattr(dashboard, "FOLLOW_EVERY_S", 3600.0)
         writer.write(tl.EpochEnd(epoch=0, loss=0.5, rounds_done=1, lr=0.1), now_s=0.2)
         _state_when(url, lambda s: s["run"]["epochs_completed"] == 1)
         writer.write(
