@@ -25,10 +25,12 @@ __all__ = ["check_writable", "write_text_atomic"]
 def check_writable(folder: Path, field: str) -> None:
     """``folder`` exists (or can be made) and takes a byte.
 
+    The folders it made stay, as the work that follows writes there; the
+    probe file does not.
+
     Raises:
         ConfigError: (field ``field``) it cannot be made or written (a file
-            in its path, a read-only or full file system, ``/proc``);
-            nothing is left behind.
+            in its path, a read-only or full file system, ``/proc``).
     """
     probe = folder / f".elche-probe-{os.getpid()}"
     try:
