@@ -123,12 +123,24 @@ def test_coverage_counts_uncovered_samples() -> None:
     assert COVERAGE[1].uncovered_samples == 0
 
 
-def test_missing_elche_state_and_coverage_read_as_absent() -> None:
+@pytest.mark.parametrize("key", ["coverage", "elche_state", "mode", "files"])
+def test_a_key_the_writer_always_writes_is_refused_when_missing(key: str) -> None:
+    # A meta without its coverage resumed as if every open epoch were untrained: the
+    # samples its model already held were trained twice, and the run said lost 0.
     raw = json.loads(doc())
-    del raw["elche_state"], raw["coverage"]
+    del raw[key]
+    with pytest.raises(ConfigError, match=rf"^{key}: is missing from the meta"):
+        CheckpointMeta.from_json(json.dumps(raw))
+    raw[key] = None if key != "coverage" else []  # written as null (or empty): read so
+    if key != "mode":
+        CheckpointMeta.from_json(json.dumps(raw))
+
+
+def test_a_meta_before_schema_3_had_no_mode_nor_files() -> None:
+    raw = json.loads(doc(schema_version=2))
+    del raw["mode"], raw["files"]
     parsed = CheckpointMeta.from_json(json.dumps(raw))
-    assert parsed.elche_state is None
-    assert parsed.coverage == ()
+    assert parsed.mode is None and parsed.files is None
 
 
 def test_an_older_schema_is_read() -> None:

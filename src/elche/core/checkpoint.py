@@ -309,6 +309,13 @@ class CheckpointMeta:
                 f"meta schema {version} is newer than this elche understands "
                 f"({SCHEMA_VERSION}); upgrade elche to resume this run",
             )
+        # Every key its schema writes, even when null: one missing (a hand edit, a
+        # damaged file) would read as nothing left to say, and a missing coverage
+        # as every open epoch untrained, whose samples the model already holds.
+        written = ("coverage", "elche_state", *(("mode", "files") if version >= 3 else ()))
+        for key in written:
+            if key not in doc:
+                raise ConfigError(key, "is missing from the meta: it is damaged or was edited")
         try:
             reason = SaveReason(doc.get("save_reason"))
         except ValueError as exc:
