@@ -6,6 +6,7 @@ import json
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -37,21 +38,23 @@ def _result(output: str) -> dict[str, object]:
     return json.loads(lines[0].removeprefix("RESULT "))  # type: ignore[no-any-return]  # JSON
 
 
-def test_a_rank_joins_a_running_run_and_trains_a_share(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+def _run_and_join(
+    tmp_path: Path, run_dir: Path, *, new_session: bool = False
+) -> tuple[subprocess.Popen[str], subprocess.Popen[str], list[str]]:
+    """Start the three-rank run, read its join line, start the joiner; both, and the
+    run's stderr lines so far."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", JOIN_SCRIPT_RUN_DIR=str(run_dir))
     env.pop("ELCHE_SECRET", None)  # the run generates its secret: the join line says where
     run = subprocess.Popen(
         [sys.executable, str(SCRIPT), str(EPOCHS)], env=env, cwd=tmp_path,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    joiner: subprocess.Popen[str] | None = None
+    errors: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_lines, args=(run.stderr, errors), daemon=True).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + 120
+    match = None
     try:
-        errors: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=_lines, args=(run.stderr, errors), daemon=True).start()
-        seen: list[str] = []
-        deadline = time.monotonic() + 120
-        match = None
         while match is None and time.monotonic() < deadline:  # the run's join line
             line = errors.get(timeout=max(deadline - time.monotonic(), 0.1))
             seen.append(line)
@@ -62,14 +65,25 @@ def test_a_rank_joins_a_running_run_and_trains_a_share(tmp_path: Path) -> None:
         joiner = subprocess.Popen(
             [sys.executable, "-m", "elche.cli", "join", match["address"], "--store-port",
              match["port"], "--speed", "0.1", str(SCRIPT), str(EPOCHS)],
-            env=dict(env, ELCHE_SECRET=secret), cwd=tmp_path,
+            env=dict(env, ELCHE_SECRET=secret), cwd=tmp_path, start_new_session=new_session,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
+    except BaseException:
+        run.kill()
+        run.wait()
+        raise
+    return run, joiner, seen
+
+
+def test_a_rank_joins_a_running_run_and_trains_a_share(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run, joiner, seen = _run_and_join(tmp_path, run_dir)
+    try:
         joined_out, joined_err = joiner.communicate(timeout=240)
         run_out, _ = run.communicate(timeout=60)
     finally:
         for proc in (run, joiner):
-            if proc is not None and proc.poll() is None:
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait()
     assert joiner.returncode == 0, joined_err
@@ -91,3 +105,32 @@ def test_a_rank_joins_a_running_run_and_trains_a_share(tmp_path: Path) -> None:
     own = _result(joined_out)
     assert own["joined_as"] == 3 and own["stopped"] == "completed"
     assert "as rank 3" in joined_err
+
+
+def test_ctrl_c_of_a_joined_rank_ends_it_in_one_line_and_the_run_goes_on(
+    tmp_path: Path,
+) -> None:
+    # The joined rank had no stop handling: Ctrl-C raised KeyboardInterrupt in its step,
+    # printed two tracebacks, and it went on closing its socket meanwhile.
+    run_dir = tmp_path / "run"
+    run, joiner, seen = _run_and_join(tmp_path, run_dir, new_session=True)
+    try:
+        timeline = run_dir / "timeline.jsonl"
+        deadline = time.monotonic() + 120
+        while not (timeline.exists() and '"kind":"RankJoined","rank":3,' in timeline.read_text()):
+            assert time.monotonic() < deadline, "the joiner never joined"
+            time.sleep(0.05)  # polling the run's timeline, with a deadline
+        os.killpg(joiner.pid, signal.SIGINT)  # Ctrl-C in the joiner's terminal
+        _, joined_err = joiner.communicate(timeout=60)
+        run_out, _ = run.communicate(timeout=240)
+    finally:
+        for proc in (run, joiner):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert joiner.returncode == 130, joined_err
+    assert "elche rank 3: stopped by SIGINT; the run goes on without this joined rank" in joined_err
+    assert "Traceback" not in joined_err, joined_err
+    summary = _result(run_out)
+    assert summary["outcome"] == "completed", "".join(seen) + str(summary)
+    assert summary["lost_samples"] == 0 and summary["dead_ranks"] == [3]

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from elche.core.config import RANDOM_SHUFFLE, CoordinatorConfig
-from elche.core.errors import ConfigError
+from elche.core.errors import ConfigError, RankExcluded
+from elche.core.rank import COORDINATOR_LOST
 from elche.runtime.frames import SECRET_ENV
 from elche.runtime.joining import JOIN_ENV, JOIN_SPEED_ENV, JOIN_STORE_ENV, JOINED_KEY, KEY
+from elche.runtime.lifetimes import StopSignals
 
 if TYPE_CHECKING:
     from elche.runtime.plan import Hooks, Plan, TrainResult
@@ -29,9 +32,14 @@ def train_joined(
 ) -> TrainResult:
     """Train this process as a rank that joins the run at ``$ELCHE_JOIN``.
 
+    A stop signal ends this rank at once (``_leave``); the run goes on.
+
     Raises:
-        ConfigError: no secret, no store port, no slot left, or the script
-            trains something else than the run (the field named).
+        ConfigError: no secret, no store port, no run answering at the
+            address, no slot left, or the script trains something else than
+            the run (the field named).
+        RankExcluded: the run refused this rank, or it lost the coordinator
+            (the run ended as it joined): its model is not the run's.
     """
     from elche.runtime import groups
     from elche.runtime.launch import rank_spec
@@ -48,7 +56,15 @@ def train_joined(
     if not 0 < speed <= 1:
         raise ConfigError("speed", f"must be in (0, 1], got {speed}")
     timeout_s = max(2 * plan.config.heartbeat_timeout_s, 60.0)  # the store may still be starting
-    store = groups.connect(address, port, timeout_s)
+    try:
+        store = groups.connect(address, port, timeout_s)
+    except RuntimeError as exc:  # torch's DistNetworkError: no store answered in time
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(
+            "join",
+            f"no run answers at {address} (group store port {port}) after {timeout_s:.0f} s: "
+            f"it has ended, or this host cannot reach it ({first})",
+        ) from None
     world = int(store.get(KEY + "world_size"))
     slots = int(store.get(KEY + "join_slots"))
     run = json.loads(store.get(KEY + "config"))
@@ -68,8 +84,13 @@ def train_joined(
     )  # fmt: skip
     spec = replace(spec, rank=rank, speed=speed, join_slots=slots, resume_from=None, faults=())
     print(f"elche: joining the run at {address} as rank {rank}", file=sys.stderr, flush=True)
-    report, state = train_rank(spec, fns, config.batch_size)
+    with StopSignals(on_signal=lambda signum: _leave(rank, signum)):
+        report, state = train_rank(spec, fns, config.batch_size)
     raise_if_refused(report, rank)  # e.g. a join refused: the run goes on without it
+    stopped = str(report.get("stopped") or "")
+    if stopped.startswith(COORDINATOR_LOST):  # (the run ended as it joined, say)
+        reason = f"lost the coordinator ({stopped.removeprefix(COORDINATOR_LOST)})"
+        raise RankExcluded(rank=rank, reason=reason)
     summary: dict[str, object] = {
         "joined_as": rank,
         "stopped": report.get("stopped"),
@@ -77,6 +98,16 @@ def train_joined(
         "speed": speed,
     }
     return TrainResult(state_dict=state, summary=summary, epochs=[], run_dir=str(run_dir))
+
+
+def _leave(rank: int, signum: int) -> None:
+    """A stop signal to a joined rank: it leaves at once, saying so. Its state is no
+    part of the run's bundle (the run's own ranks save that); the run goes on
+    without it, as without a rank that died, and redoes its unaveraged work."""
+    name = signal.Signals(signum).name
+    print(f"elche rank {rank}: stopped by {name}; the run goes on without this joined rank",
+          file=sys.stderr, flush=True)  # fmt: skip
+    os._exit(128 + signum)
 
 
 def _int_env(name: str) -> int:

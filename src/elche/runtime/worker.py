@@ -719,10 +719,11 @@ class Worker:
 
     def _coordinator_lost(self, reason: str) -> None:
         """No coordinator: keep this rank's consensus and state on disk, then stop
-        (``elche.runtime.salvage``: the launcher may commit them as a bundle)."""
+        (``elche.runtime.salvage``: the launcher may commit them as a bundle). A
+        joined rank keeps none: a salvage commits the launched ranks' states only."""
         where = None
         self._take_up_local()  # the model holds every batch ``held`` names
-        if self.spec.save_path is not None:
+        if self.spec.save_path is not None and not self.spec.joining:
             kept = self.consensus.state
             where = salvage.keep_local_state(
                 Path(self.spec.run_dir), self.spec.save_path, self.spec.rank,
