@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +22,7 @@ from torch.utils.data import TensorDataset
 
 import elche
 from elche.core import timeline as tl
+from elche.core.checkpoint import CheckpointMeta
 from elche.core.errors import ConfigError
 from elche.monitor.timeline import TimelineReader
 from elche.runtime.bundle import meta_path
@@ -149,3 +152,51 @@ def test_a_run_directory_that_fills_up_ends_the_run_with_one_clear_error(
     )  # fmt: skip
     assert resumed.summary["outcome"] == "completed"
     assert resumed.summary["lost_samples"] == 0
+
+
+CHECKPOINTED_SCRIPT = """
+import sys
+import elche
+from elche.workloads import digits
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    try:
+        elche.train(
+            digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+            batch_size=32, epochs=400, ranks=2, speeds=[0.2, 0.2], checkpoint_every=1,
+            save_path=sys.argv[1], progress=False,
+        )
+    except KeyboardInterrupt as stop:
+        print(f"STOPPED bundle={stop.bundle}", flush=True)
+        raise
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_stop_whose_save_fails_names_the_runs_last_whole_checkpoint(tmp_path: Path) -> None:
+    # It said "nothing could be saved", with .bundle None, beside the whole checkpoint
+    # the run had committed an epoch before (a copy of it resumed exactly).
+    from tests.promises.test_lifetimes import STOP_WITHIN_S, session, wait_exit
+
+    script = tmp_path / "train.py"
+    script.write_text(CHECKPOINTED_SCRIPT)
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        stem = str(disk / "c")
+        with session([sys.executable, str(script), stem], tmp_path) as proc:
+            waited = threading.Event()
+            for _ in range(1200):  # up to 120 s for the first checkpoint's commit
+                if meta_path(stem).exists() or proc.poll() is not None:
+                    break
+                waited.wait(0.1)
+            assert meta_path(stem).exists(), "no checkpoint was committed"
+            fill(disk)
+            os.killpg(proc.pid, signal.SIGTERM)
+            returncode, out, err = wait_exit(proc, STOP_WITHIN_S)
+        assert returncode == 143, err[-3000:]
+        assert f"STOPPED bundle={stem}" in out, out + err[-3000:]
+        (line,) = [x for x in err.splitlines() if x.startswith("elche: interrupted by")]
+        assert "the stop's save failed" in line and f"last checkpoint, {stem}, is whole" in line
+        assert f"resume_from={stem!r}" in line
+        assert CheckpointMeta.from_json(meta_path(stem).read_text()).save_seq >= 1

@@ -632,11 +632,19 @@ def launch_local(
             if signals.received is None:
                 raise
             raise interrupted(
-                signals.received, None, plan.config.save_path, resumed_from=plan.resume_from
+                signals.received,
+                None,
+                plan.config.save_path,
+                resumed_from=plan.resume_from,
+                t0=t0,
             ) from None
     if signals.received is not None and result.summary.get("outcome") != "completed":
         raise interrupted(
-            signals.received, result, plan.config.save_path, resumed_from=plan.resume_from
+            signals.received,
+            result,
+            plan.config.save_path,
+            resumed_from=plan.resume_from,
+            t0=t0,
         )
     explain_outcome(result.summary, plan.config.save_path)
     return result
@@ -781,11 +789,17 @@ def interrupted(
     save_path: str | None,
     *,
     resumed_from: str | None = None,
+    t0: float | None = None,
 ) -> Interrupted:
-    """The ``Interrupted`` to raise for a run ``signum`` stopped, announced on stderr."""
+    """The ``Interrupted`` to raise for a run ``signum`` stopped, announced on stderr.
+
+    When the stop's own save failed (a full disk), a checkpoint the run committed
+    at ``save_path`` since ``t0`` is the bundle it names: whole, and resumable.
+    """
     saved = result is not None and result.summary.get("outcome") == "saved_and_shutdown"
-    stop = Interrupted(signum, save_path if saved else None, result)
-    announce(stop, resumed_from)
+    earlier = None if saved or t0 is None else fresh_bundle(save_path, t0)
+    stop = Interrupted(signum, save_path if saved else earlier, result)
+    announce(stop, resumed_from, earlier=earlier is not None)
     return stop
 
 

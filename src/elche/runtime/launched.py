@@ -145,13 +145,14 @@ def train_launched(
     signum = signals.received if signals.received is not None else signal.SIGTERM
     stem = result.summary.get("bundle")  # RUN_DIR/checkpoint where the user named no save_path
     bundle = stem if isinstance(stem, str) else None
+    # (a rank's result always names its run dir)
+    save_path = with_bundle(plan, Path(result.run_dir or ".")).config.save_path
     if bundle is None and asked and rank != 0:  # rank 0 is gone, and the line it would say
-        directory = Path(result.run_dir or ".")  # (a rank's result always names it)
-        bundle = fresh_bundle(with_bundle(plan, directory).config.save_path, t0)
+        bundle = fresh_bundle(save_path, t0)
         if bundle is not None:
             _say_saved_without_rank0(rank, bundle)
     if rank == 0:
-        raise interrupted(signum, result, bundle, resumed_from=plan.resume_from)
+        raise interrupted(signum, result, save_path, resumed_from=plan.resume_from, t0=t0)
     raise Interrupted(signum, bundle, result)
 
 
