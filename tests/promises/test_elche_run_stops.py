@@ -281,13 +281,18 @@ def test_a_rank_that_fails_before_the_run_formed_ends_it_at_once(
 
 
 GATED_SCRIPT = """
-import os, sys, time
+import os, signal, sys, time
 from pathlib import Path
 
 import elche
 from elche.workloads import digits
 
+def clean_up(signum, frame):  # the script's own, for its set-up's files
+    (Path(sys.argv[1]) / f"cleaned.{os.environ['RANK']}").touch()
+    sys.exit(0)
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, clean_up)
     (Path(sys.argv[1]) / f"started.{os.environ['RANK']}").touch()
     while not (Path(sys.argv[1]) / "go").exists():  # a script's own set-up, before elche.train
         time.sleep(0.02)
@@ -316,3 +321,5 @@ def test_ctrl_c_while_the_ranks_start_ends_the_run_in_one_line(tmp_path: Path) -
         "(nothing was trained)"
     ], err[-3000:]
     assert not left, "processes of the run outlived its launcher"
+    # Each rank had the stop as SIGTERM, so the script's own handler ran.
+    assert sorted(p.name for p in tmp_path.glob("cleaned.*")) == ["cleaned.0", "cleaned.1"]

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -362,6 +363,9 @@ def _add_dashboard_arg(parser: argparse.ArgumentParser) -> None:
 # imported held ~205 MiB private on this project's CPU build; a floor below that
 # refuses only what surely cannot start (a typo's --nproc forked until EAGAIN).
 RANK_FLOOR_MIB = 128
+# How long ranks stopped before the run formed have to end (a SIGTERM handler of the
+# script's own) before ``elche run`` kills them.
+STARTUP_STOP_GRACE_S = 3.0
 
 
 def _available_mib() -> int | None:
@@ -447,7 +451,7 @@ def _launch_ranks(args: argparse.Namespace, env: dict[str, str]) -> int:
                 if ranks.stopped_early is None:  # (a signal while they start: no more)
                     ranks.start([sys.executable, args.script, *args.script_args],
                                 dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))  # fmt: skip
-            cut_short = _wait_ranks(ranks.procs, met)
+            cut_short = _wait_ranks(ranks)
         except KeyboardInterrupt:  # the second SIGINT
             print("elche run: stopped at once by a second signal; the ranks were killed, "
                   "and nothing more is saved", file=sys.stderr)  # fmt: skip
@@ -482,25 +486,29 @@ class _Ranks:
     sessions of their own), so Ctrl-C and a signal to the launcher's group
     reach the launcher alone, which passes the stop on: once every rank met in
     torch's rendezvous (``met``), each is inside ``elche.train``, where a stop
-    signal saves the run. Before that a rank may still be importing, and the
-    signal would end it in a traceback; nothing was trained yet, so the
-    launcher ends them itself (``stopped_early``: the signal that did).
+    signal saves the run. Before that, nothing was trained: a rank may still be
+    importing or in the script's own set-up, where SIGINT would end it in a
+    traceback, or waiting in the rendezvous, deaf to signals. So each is sent
+    SIGTERM (it ends at once, or runs the script's own handler) and is killed
+    ``STARTUP_STOP_GRACE_S`` later if still there (``stopped_early``: the
+    signal that came).
     """
 
     def __init__(self, met: Path) -> None:
         self.met = met
         self.procs: list[subprocess.Popen[bytes]] = []
         self.stopped_early: int | None = None
+        self.kill_at: float | None = None  # (monotonic) the stopped ranks' grace ends
 
     def start(self, command: list[str], env: dict[str, str]) -> None:
         self.procs.append(subprocess.Popen(command, env=env, process_group=0))
 
     def forward(self, signum: int) -> None:
         """Pass a stop signal on (run in the signal handler)."""
-        if not self.met.exists():
+        if self.stopped_early is None and not self.met.exists():
             self.stopped_early = signum
-            self.kill()
-            return
+            self.kill_at = time.monotonic() + STARTUP_STOP_GRACE_S
+            signum = signal.SIGTERM
         for proc in self.procs:
             with contextlib.suppress(OSError):
                 proc.send_signal(signum)
@@ -516,18 +524,26 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _wait_ranks(procs: Sequence[subprocess.Popen[bytes]], met: Path) -> int | None:
+def _wait_ranks(ranks: _Ranks) -> int | None:
     """Wait for every rank to end; the rank that ended the run before it formed, if one did.
 
     torch's rendezvous waits (30 minutes by default) for every rank, deaf to
     signals. A rank that fails before every rank met there leaves the others
     waiting for it, so they are killed at once: nothing was trained yet. One
-    that fails after, the run survives (``met``: rank 0 made it).
+    that fails after, the run survives (``ranks.met``: rank 0 made it). Ranks
+    stopped before the run formed (``_Ranks.forward``) are killed once their
+    grace is over.
     """
+    procs, met = ranks.procs, ranks.met
     live = list(procs)
     while live:
-        if hasattr(os, "waitid"):  # (macOS before Python 3.13 has none)
-            with contextlib.suppress(ChildProcessError):  # one reaped by a signal's handler
+        if ranks.kill_at is not None:  # a bounded end: each turn looks again
+            if time.monotonic() >= ranks.kill_at:
+                ranks.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                live[0].wait(timeout=0.05)
+        elif hasattr(os, "waitid"):  # (macOS before Python 3.13 has none)
+            with contextlib.suppress(ChildProcessError, InterruptedError):  # (see forward)
                 os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)  # until a rank ends (not reaped)
         else:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -535,7 +551,7 @@ def _wait_ranks(procs: Sequence[subprocess.Popen[bytes]], met: Path) -> int | No
         ended = [proc for proc in live if proc.poll() is not None]
         live = [proc for proc in live if proc not in ended]
         failed = [proc for proc in ended if proc.returncode != 0]
-        if failed and live and not met.exists():
+        if failed and live and not met.exists() and ranks.stopped_early is None:
             for proc in live:
                 proc.kill()
                 proc.wait()
