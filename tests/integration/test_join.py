@@ -7,6 +7,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -134,3 +135,22 @@ def test_ctrl_c_of_a_joined_rank_ends_it_in_one_line_and_the_run_goes_on(
     summary = _result(run_out)
     assert summary["outcome"] == "completed", "".join(seen) + str(summary)
     assert summary["lost_samples"] == 0 and summary["dead_ranks"] == [3]
+
+
+def test_a_join_to_a_run_that_has_ended_says_so_at_once(tmp_path: Path) -> None:
+    # torch's client retried the refused store for 150 s, then raised its own traceback.
+    with socket.socket() as probe:  # a port nothing listens on: the run is gone
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", ELCHE_SECRET="ab" * 32)
+    done = subprocess.run(
+        [sys.executable, "-m", "elche.cli", "join", f"tcp://127.0.0.1:{port}", "--store-port",
+         str(port), str(SCRIPT), str(EPOCHS)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0
+    said = (
+        f"ConfigError: join: no run answers at tcp://127.0.0.1:{port} (group store port {port}): "
+        "it has ended, or this host cannot reach it"
+    )
+    assert said in done.stderr, done.stderr

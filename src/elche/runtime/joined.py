@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = ["train_joined"]
 
+# How long a joiner waits for the run's group store to take a connection at all.
+LISTEN_CHECK_S = 10.0
 # Fields of the coordinator config a joiner's script must agree on.
 _MATCHING = ("mode", "num_samples", "batch_size", "epochs", "seed")
 
@@ -56,6 +59,7 @@ def train_joined(
     if not 0 < speed <= 1:
         raise ConfigError("speed", f"must be in (0, 1], got {speed}")
     timeout_s = max(2 * plan.config.heartbeat_timeout_s, 60.0)  # the store may still be starting
+    _check_listening(address, port)
     try:
         store = groups.connect(address, port, timeout_s)
     except RuntimeError as exc:  # torch's DistNetworkError: no store answered in time
@@ -98,6 +102,24 @@ def train_joined(
         "speed": speed,
     }
     return TrainResult(state_dict=state, summary=summary, epochs=[], run_dir=str(run_dir))
+
+
+def _check_listening(address: str, port: int) -> None:
+    """Something listens at the run's group store, or a ``ConfigError`` says so at once:
+    torch's client would retry a refused connection for minutes. (The coordinator
+    listens there from its start, before its join line is printed.)"""
+    from elche.runtime import groups
+
+    host = groups.store_host(address)
+    try:
+        with socket.create_connection((host, port), timeout=LISTEN_CHECK_S):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            "join",
+            f"no run answers at {address} (group store port {port}): it has ended, or this "
+            f"host cannot reach it ({exc})",
+        ) from None
 
 
 def _leave(rank: int, signum: int) -> None:
