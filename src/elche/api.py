@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from elche._files import check_writable as _check_writable
+from elche._files import check_writable
 from elche.core.config import Backend, CallbackPolicy, CoordinatorConfig, Mode, SchedulerConfig
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
@@ -304,7 +304,7 @@ def train(
         config = dataclasses.replace(plan.config, order=meta.order)
         plan = dataclasses.replace(plan, config=config, resume_seq=meta.save_seq)
     if run_dir is not None:  # the last check: it makes the folder, as the run would
-        _check_writable(Path(run_dir), "run_dir")
+        check_writable(Path(run_dir), "run_dir")
     from elche.runtime.joining import JOIN_ENV
 
     if JOIN_ENV in os.environ:  # elche join: one new rank of a running run
@@ -313,7 +313,7 @@ def train(
         return train_joined(plan, fns, hooks, max_grad_norm=max_grad_norm)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched and run_dir is None and os.environ.get("ELCHE_RUN_DIR"):  # rank 0 makes it
-        _check_writable(Path(os.environ["ELCHE_RUN_DIR"]), "ELCHE_RUN_DIR")
+        check_writable(Path(os.environ["ELCHE_RUN_DIR"]), "ELCHE_RUN_DIR")
     # One run writes at a save path at a time: the process that starts the run holds it.
     owner = not launched or os.environ["RANK"] == "0"
     with hold_save_path(plan.config.save_path if owner else None):
@@ -402,7 +402,7 @@ def _plan(
         )
     if save_path is not None:
         _check_stem(save_path)
-        _check_writable(Path(save_path).parent, "save_path")
+        check_writable(Path(save_path).parent, "save_path")
     if resume_from is not None and not meta_path(resume_from).exists():
         raise ConfigError("resume_from", f"no checkpoint meta at {meta_path(resume_from)}")
     config = CoordinatorConfig(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,11 +41,12 @@ def _result(output: str) -> dict[str, object]:
     return json.loads(lines[0].removeprefix("RESULT "))  # type: ignore[no-any-return]  # JSON
 
 
+@contextlib.contextmanager
 def _run_and_join(
     tmp_path: Path, run_dir: Path, *, new_session: bool = False
-) -> tuple[subprocess.Popen[str], subprocess.Popen[str], list[str]]:
+) -> Iterator[tuple[subprocess.Popen[str], subprocess.Popen[str], list[str]]]:
     """Start the three-rank run, read its join line, start the joiner; both, and the
-    run's stderr lines so far."""
+    run's stderr lines so far. Whichever is still running afterwards is killed."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", JOIN_SCRIPT_RUN_DIR=str(run_dir))
     env.pop("ELCHE_SECRET", None)  # the run generates its secret: the join line says where
     run = subprocess.Popen(
@@ -73,20 +76,20 @@ def _run_and_join(
         run.kill()
         run.wait()
         raise
-    return run, joiner, seen
-
-
-def test_a_rank_joins_a_running_run_and_trains_a_share(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    run, joiner, seen = _run_and_join(tmp_path, run_dir)
     try:
-        joined_out, joined_err = joiner.communicate(timeout=240)
-        run_out, _ = run.communicate(timeout=60)
+        yield run, joiner, seen
     finally:
         for proc in (run, joiner):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_a_rank_joins_a_running_run_and_trains_a_share(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with _run_and_join(tmp_path, run_dir) as (run, joiner, seen):
+        joined_out, joined_err = joiner.communicate(timeout=240)
+        run_out, _ = run.communicate(timeout=60)
     assert joiner.returncode == 0, joined_err
     assert run.returncode == 0, "".join(seen)
     summary = _result(run_out)
@@ -114,8 +117,7 @@ def test_ctrl_c_of_a_joined_rank_ends_it_in_one_line_and_the_run_goes_on(
     # The joined rank had no stop handling: Ctrl-C raised KeyboardInterrupt in its step,
     # printed two tracebacks, and it went on closing its socket meanwhile.
     run_dir = tmp_path / "run"
-    run, joiner, seen = _run_and_join(tmp_path, run_dir, new_session=True)
-    try:
+    with _run_and_join(tmp_path, run_dir, new_session=True) as (run, joiner, seen):
         timeline = run_dir / "timeline.jsonl"
         deadline = time.monotonic() + 120
         while not (timeline.exists() and '"kind":"RankJoined","rank":3,' in timeline.read_text()):
@@ -124,11 +126,6 @@ def test_ctrl_c_of_a_joined_rank_ends_it_in_one_line_and_the_run_goes_on(
         os.killpg(joiner.pid, signal.SIGINT)  # Ctrl-C in the joiner's terminal
         _, joined_err = joiner.communicate(timeout=60)
         run_out, _ = run.communicate(timeout=240)
-    finally:
-        for proc in (run, joiner):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
     assert joiner.returncode == 130, joined_err
     assert "elche rank 3: stopped by SIGINT; the run goes on without this joined rank" in joined_err
     assert "Traceback" not in joined_err, joined_err

@@ -81,8 +81,8 @@ def test_issue12_item10_an_unwritable_save_path_is_refused_before_training(tmp_p
 
 
 def test_issue12_item10_a_save_path_in_a_missing_folder_is_made(tmp_path: Path) -> None:
-    from elche.api import _check_writable
+    from elche._files import check_writable
 
-    _check_writable(tmp_path / "new", "save_path")  # not an error: made, as a writer would
+    check_writable(tmp_path / "new", "save_path")  # not an error: made, as a writer would
     assert (tmp_path / "new").is_dir()
     assert list((tmp_path / "new").iterdir()) == []  # the probe is gone

@@ -270,16 +270,27 @@ def _serve_result(
     signals: StopSignals,
     until_end: bool,
 ) -> TrainResult:
-    """Rank 0: the run's result, shared with every other rank; or what it raised, shared too."""
+    """Rank 0: wait for the coordinator (and its successors), build the run's result and
+    share it with every other rank (or what it raised, shared too); say how a run that
+    did not complete can go on (a signalled one: ``interrupted`` says).
+
+    ``until_end``: rank 0's own rank failed while the run goes on without it; the
+    coordinator is waited for as long as the run lasts, not ``COORDINATOR_EXIT_S``.
+    """
     readers = plan.config.world_size - 1
     try:
-        result = _collect_on_rank0(
-            plan, hooks, rank0, directory, t0, signals=signals, until_end=until_end
-        )
+        rank0.watcher.join(timeout=None if until_end else COORDINATOR_EXIT_S)
+        if rank0.board is not None:
+            rank0.board.stop()
+        salvage_if_lost(plan, directory, rank0.host.host, wait_s=LOCAL_STATE_WAIT_S)
+        result = _result_in_run_dir(plan, hooks, directory, t0)
     except BaseException as exc:
         rank0.results.publish(_failure_doc(exc), readers=readers)
         raise
     rank0.results.publish({"summary": result.summary, "epochs": result.epochs}, readers=readers)
+    stopped = result.summary.get("reason") == SaveReason.GRACEFUL_SHUTDOWN.value
+    if not stopped and signals.received is None:
+        explain_outcome(result.summary, plan.config.save_path)
     return result
 
 
@@ -477,33 +488,6 @@ def _shared_result(
         state_dict=state, summary=summary, epochs=epochs if isinstance(epochs, list) else [],
         run_dir=str(directory),
     )  # fmt: skip
-
-
-def _collect_on_rank0(
-    plan: Plan,
-    hooks: Hooks,
-    rank0: _Rank0,
-    directory: Path,
-    t0: float,
-    *,
-    signals: StopSignals,
-    until_end: bool = False,
-) -> TrainResult:
-    """Rank 0: wait for the coordinator (and its successors), then build the result, and
-    say how a run that did not complete can go on (a signalled one: ``interrupted`` says).
-
-    ``until_end``: rank 0's own rank failed while the run goes on without it;
-    the coordinator is waited for as long as the run lasts, not ``COORDINATOR_EXIT_S``.
-    """
-    rank0.watcher.join(timeout=None if until_end else COORDINATOR_EXIT_S)
-    if rank0.board is not None:
-        rank0.board.stop()
-    salvage_if_lost(plan, directory, rank0.host.host, wait_s=LOCAL_STATE_WAIT_S)
-    result = _result_in_run_dir(plan, hooks, directory, t0)
-    stopped = result.summary.get("reason") == SaveReason.GRACEFUL_SHUTDOWN.value
-    if not stopped and signals.received is None:
-        explain_outcome(result.summary, plan.config.save_path)
-    return result
 
 
 def _result_in_run_dir(plan: Plan, hooks: Hooks, directory: Path, t0: float) -> TrainResult:

@@ -68,7 +68,7 @@ class Membership:
                 if self.form(generation, members, superseded=self._first_reformed(generation)):
                     return
             except RuntimeError:  # torch's timeout in the rendezvous, past the gathering
-                if self._store is None or self._newer_first(generation) is None:
+                if self._newer_first(generation) is None:
                     raise
             reform = self._newer_first(generation)
             if reform is None or self.rank not in reform[1]:
