@@ -99,3 +99,36 @@ def test_a_rank_lost_once_training_is_over_leaves_the_survivor_to_finish(dead: i
 def eval_ranks(h: Harness) -> list[int]:
     """The ranks asked for an eval, in order."""
     return [c.rank for c in of(h.log, Send) if isinstance(c.message, m.RunEval)]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_the_coordinators_host_lost_saves_as_such_not_as_a_request(in_flight: bool) -> None:
+    # Under elche run rank 0's process started the coordinator: its death is no
+    # stop anybody asked for. Saved as a graceful shutdown, the survivors took it
+    # for a signal (Interrupted, exit 143) where a lone survivor returned the result.
+    h = Harness(world_size=3, epochs=3, save_path="/tmp/bundle")
+    h.form()
+    why = "rank 0, whose process started the coordinator, is gone"
+    if in_flight:  # the stop waits for the round, as a requested one does
+        h.train_window()
+        rnd = h.core.round
+        out = h.feed(StopRequested(reason=why, host_lost=True))
+        assert h.core.state is RunState.TRAINING
+        assert [c.text for c in of(out, Notice)] == [  # type: ignore[attr-defined]
+            f"stopping ({why}) once averaging round {rnd.number} ends"
+        ]
+        for rank in range(3):
+            out = h.send(
+                rank, m.SyncAck(round=rnd.number, steps=h.core.work.steps_since_sync(rank))
+            )
+    else:
+        h.train(0, 2)
+        h.feed(RankLost(rank=0, reason="its process, which started the coordinator, is gone"))
+        out = h.feed(StopRequested(reason=why, host_lost=True))
+    assert h.core.state is RunState.SAVING
+    assert [s.reason for s in messages(out, m.ShutdownWithSave)] == ["coordinator_host_lost"]
+    assert [c.level for c in of(out, Notice)] == ["error"]  # not "stopping on request"
+    out = h.answer_saves()
+    (write,) = of(out, WriteMeta)
+    assert write.meta.reason is SaveReason.COORDINATOR_HOST_LOST  # type: ignore[attr-defined]
+    assert of(out, Finish) == [Finish(outcome="saved_and_shutdown", reason="coordinator_host_lost")]

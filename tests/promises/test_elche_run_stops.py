@@ -120,39 +120,42 @@ def test_a_signal_before_the_run_formed_interrupts_every_rank(
     assert "Traceback" not in err, err[-3000:]
 
 
-def kill_rank_0_mid_run(tmp_path: Path, *, nproc: int) -> tuple[str, str]:
+def kill_rank_0_mid_run(tmp_path: Path, *, nproc: int) -> tuple[int, str, str]:
     """SIGKILL rank 0 (the coordinator's host) mid-run, at the default heartbeat timeout;
-    the run's stdout and stderr."""
+    the run's exit status, stdout and stderr."""
     (tmp_path / "go").touch()
     with session(launch(tmp_path, nproc, 8, heartbeat_s=30.0), tmp_path) as proc:
         wait_mid_run(proc, tmp_path)
         rank0 = worker_of(proc.pid, 0)
         assert rank0 is not None, "no rank 0 process"
         os.kill(rank0, signal.SIGKILL)
-        _, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
-    return out, err
+        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    return returncode, out, err
 
 
 def test_rank_0_killed_mid_run_leaves_its_survivors_naming_the_bundle(tmp_path: Path) -> None:
     # Rank 0 hosts the coordinator: its successor-less stop saves through the others,
     # who used to say "nothing saved" beside the committed bundle. With the default
     # heartbeat timeout (30 s) nothing was saved at all: the save waited for rank 0,
-    # declared lost only after the orphaned coordinator's 6 s were up.
-    out, err = kill_rank_0_mid_run(tmp_path, nproc=3)
+    # declared lost only after the orphaned coordinator's 6 s were up. Then the
+    # survivors raised Interrupted and exited 143 as if signalled, where a lone
+    # survivor returned the run's result: now each returns it.
+    returncode, out, err = kill_rank_0_mid_run(tmp_path, nproc=3)
     stem = str(tmp_path / "bundle")
-    assert sorted(re.findall(r"STOPPED \d bundle=\S+ code=143", out)) == [
-        f"STOPPED 1 bundle={stem} code=143", f"STOPPED 2 bundle={stem} code=143",
+    assert sorted(re.findall(r"RETURNED \d \S+ \S+", out)) == [
+        f"RETURNED 1 saved_and_shutdown {stem}", f"RETURNED 2 saved_and_shutdown {stem}",
     ], out + err[-3000:]  # fmt: skip
-    for rank in (1, 2):
-        assert f"elche rank {rank}: rank 0 shared no result; the run stopped and is saved " \
-               f"under {stem}; resume_from={stem!r}" in err, err[-3000:]  # fmt: skip
+    assert err.count("the run could not continue (coordinator_host_lost)") == 2, err[-3000:]
+    assert f"resume_from={stem!r}" in err, err[-3000:]
+    assert returncode == 128 + signal.SIGKILL, err[-3000:]  # rank 0's end, said once:
+    assert re.findall(r"elche run: rank \d .*", err) == ["elche run: rank 0 was killed by SIGKILL"]
     assert Path(f"{stem}.meta.json").exists()
 
 
 def test_the_survivor_of_a_killed_rank_0_returns_the_runs_saved_result(tmp_path: Path) -> None:
     # Left alone, it cannot go on (a collective needs two): it saves, and its
     # elche.train used to return an empty summary, naming no bundle.
-    out, err = kill_rank_0_mid_run(tmp_path, nproc=2)
+    _, out, err = kill_rank_0_mid_run(tmp_path, nproc=2)
     stem = str(tmp_path / "bundle")
     assert f"RETURNED 1 saved_and_shutdown {stem}" in out, out + err[-3000:]
     assert f"resume_from={stem!r}" in err, err[-3000:]

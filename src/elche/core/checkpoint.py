@@ -63,6 +63,9 @@ class SaveReason(enum.Enum):
     CHECKPOINT = "checkpoint"
     NONFINITE = "nonfinite"  # a loss or an average went NaN/inf: the last finite consensus
     COORDINATOR_LOST = "coordinator_lost"  # not restartable: the launcher commits the ranks' state
+    # The rank whose process started the coordinator (rank 0 under elche run and
+    # torchrun) is gone: its orphaned coordinator saves the run and ends.
+    COORDINATOR_HOST_LOST = "coordinator_host_lost"
     # No rank could write the completed run's final model: the trained model, as a bundle
     # with nothing left to train (resuming it writes the final model).
     FINAL_MODEL_UNWRITTEN = "final_model_unwritten"

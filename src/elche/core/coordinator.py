@@ -164,7 +164,7 @@ class Coordinator:
         self._unsatisfied: set[int] = set()
         # Asked to stop while a round was in flight, or while a coordinator restored
         # from the journal waited for its ranks: it saves once the run trains again.
-        self._stop_after_round = False
+        self._stop_after_round: SaveReason | None = None
         self._epoch_loss: dict[int, tuple[float, int]] = {}
         # Batches of a window handed out ahead, and callback results, reported
         # while its round is in flight: their timing belongs to that window,
@@ -234,13 +234,14 @@ class Coordinator:
                 self._on_average_computed(number)
             case TimerFired():
                 self._on_timer()
-            case StopRequested(reason=reason):
-                self._stop(reason)
+            case StopRequested(reason=reason, host_lost=host_lost):
+                self._stop(reason, host_lost=host_lost)
             case _:
                 assert_never(event)
-        if self._stop_after_round and self.state is RunState.TRAINING and not self.round.in_flight:
-            self._stop_after_round = False
-            self._save(SaveReason.GRACEFUL_SHUTDOWN)  # the round it waited for is over
+        stop_as = self._stop_after_round
+        if stop_as is not None and self.state is RunState.TRAINING and not self.round.in_flight:
+            self._stop_after_round = None
+            self._save(stop_as)  # the round it waited for is over
         if self.state is RunState.TRAINING and not self.round.in_flight:
             self.joins.admit_pending()
         if self.state is RunState.TRAINING:
@@ -747,7 +748,7 @@ class Coordinator:
         self._out += self.saves.start(SaveKind.SHUTDOWN, self.workers, self._now, reason=reason)
         return True
 
-    def _stop(self, reason: str) -> None:
+    def _stop(self, reason: str, *, host_lost: bool) -> None:
         """Asked to stop: a training run saves; one whose training is over completes.
 
         A round in flight ends first: a rank already inside its collective
@@ -757,17 +758,19 @@ class Coordinator:
         journal saves once its ranks have rejoined: they hold what the run
         trained, which a stop before forming would throw away.
         """
+        save_as = SaveReason.COORDINATOR_HOST_LOST if host_lost else SaveReason.GRACEFUL_SHUTDOWN
+        stopping = f"stopping ({reason})" if host_lost else "stopping on request"
         if self.state is RunState.FORMING and self.restored_round is not None:
-            self._stop_after_round = True  # its ranks hold the run: save once they rejoin
-            self._notice("info", "stopping on request once the ranks have rejoined")
+            self._stop_after_round = save_as  # its ranks hold the run: save once they rejoin
+            self._notice("info", f"{stopping} once the ranks have rejoined")
         elif self.state is RunState.FORMING:
             failures.fail(self, f"stopped before the run formed ({reason})")
         elif self.state is RunState.TRAINING and self.round.in_flight:
-            self._stop_after_round = True
+            self._stop_after_round = save_as
             number = self.round.number
-            self._notice("info", f"stopping on request once averaging round {number} ends")
+            self._notice("info", f"{stopping} once averaging round {number} ends")
         elif self.state is RunState.TRAINING:
-            self._save(SaveReason.GRACEFUL_SHUTDOWN)
+            self._save(save_as)
 
     def _meta(self, reason: SaveReason) -> CheckpointMeta:
         open_epochs = self.work.open_epochs()

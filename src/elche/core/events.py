@@ -78,11 +78,14 @@ class TimerFired:
 class StopRequested:
     """The run was asked to stop: a signal, or the launching process went away.
 
-    A training run saves a bundle and stops (``SaveReason.GRACEFUL_SHUTDOWN``);
-    one still forming fails; one whose training is over completes.
+    A training run saves a bundle and stops (``SaveReason.GRACEFUL_SHUTDOWN``;
+    ``COORDINATOR_HOST_LOST`` where ``host_lost``: the rank whose process
+    started the coordinator is gone, and nobody asked); one still forming
+    fails; one whose training is over completes.
     """
 
     reason: str
+    host_lost: bool = False
 
 
 Event = (

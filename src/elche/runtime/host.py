@@ -219,7 +219,8 @@ class Host:
         stale. ``stop REASON…`` becomes ``StopRequested``. EOF means the
         launcher is gone: a ``StopRequested`` too, then ``on_eof`` (on this
         thread). A launcher that was a rank (``launcher_rank``) is lost
-        first, so that the stop's save goes to the ranks that are left.
+        first, so that the stop's save goes to the ranks that are left, and
+        its stop is no request but the coordinator's host lost (``host_lost``).
         """
 
         def read() -> None:
@@ -230,10 +231,13 @@ class Host:
                     self._reports.append(RankLost(rank=int(parts[1]), reason=reason))
                 elif parts and parts[0] == "stop":
                     self.request_stop(line.removeprefix("stop").strip() or "asked to stop")
-            if launcher_rank is not None:
+            if launcher_rank is None:
+                self.request_stop("the launching process is gone")
+            else:
                 gone = "its process, which started the coordinator, is gone"
                 self._reports.append(RankLost(rank=launcher_rank, reason=gone))
-            self.request_stop("the launching process is gone")
+                why = f"rank {launcher_rank}, whose process started the coordinator, is gone"
+                self._reports.append(StopRequested(reason=why, host_lost=True))
             if on_eof is not None:
                 on_eof()
 
