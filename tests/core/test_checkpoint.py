@@ -104,6 +104,7 @@ def test_save_reasons_are_written_in_snake_case() -> None:
         "checkpoint",
         "nonfinite",  # elche: a NaN/inf loss or average (issue 12, item 15)
         "coordinator_lost",  # elche: the launcher commits the ranks' state (issue 13)
+        "coordinator_host_lost",  # elche: the rank whose process started the coordinator died
         "final_model_unwritten",  # elche: no rank could write the final model
     ]
 

@@ -451,7 +451,9 @@ def test_single_survivor_of_a_collective_run_saves_then_finishes() -> None:
     out = h.answer_saves()
     meta = of(out, WriteMeta)[0].meta  # type: ignore[attr-defined]
     assert meta.save_seq == 1 and meta.files.model.name == "run.s1.0.model"
-    assert messages(out, m.Shutdown) == [m.Shutdown(writer=-1)]  # the held ranks exit
+    assert messages(out, m.Shutdown) == [
+        m.Shutdown(writer=-1, saved="single_survivor")
+    ]  # held ranks exit
     assert meta.reason is SaveReason.SINGLE_SURVIVOR
     assert meta.epoch == 0 and meta.coverage[0].total_samples == 640
     assert of(out, Finish) == [Finish(outcome="saved_and_shutdown", reason="single_survivor")]

@@ -73,7 +73,7 @@ def test_a_final_model_nobody_could_write_is_kept_as_a_bundle_with_nothing_left_
     assert finish.outcome == "saved_and_shutdown"  # type: ignore[attr-defined]
     assert "final model could not be written" in finish.reason  # type: ignore[attr-defined]
     assert "No space left" in finish.reason  # type: ignore[attr-defined]
-    assert messages(out, m.Shutdown) == [m.Shutdown(writer=-1)]  # the held ranks exit
+    assert messages(out, m.Shutdown) == [m.Shutdown(writer=-1, saved="final_model_unwritten")]
 
 
 def test_a_final_model_whose_bundle_cannot_be_written_either_fails_naming_both() -> None:
@@ -87,6 +87,8 @@ def test_a_final_model_whose_bundle_cannot_be_written_either_fails_naming_both()
     assert "final model could not be written (rank 0: OSError" in reason
     assert "the bundle could not be written (rank 0: OSError" in reason
     assert "Permission denied" in reason
+    # The held ranks are told the run failed, not that it is saved.
+    assert messages(out, m.Shutdown) == [m.Shutdown(writer=-1, failure=reason)]
 
 
 def test_a_final_model_whose_writers_never_answered_fails_without_a_second_wait() -> None:

@@ -279,6 +279,14 @@ def test_shutdown_with_save_saves_then_holds(writer: int, is_writer: bool) -> No
     assert q.next_action() == Done(reason="saved: single_survivor")
 
 
+def test_a_rank_not_asked_to_save_learns_the_run_stopped_short_from_the_last_shutdown() -> None:
+    # A join not yet admitted when the run stopped and saved: it was told nothing
+    # but the last Shutdown, and took the run for completed.
+    p = proto(rank=3)
+    p.handle(m.Shutdown(writer=-1, saved="graceful_shutdown"))
+    assert p.next_action() == Done(reason="saved: graceful_shutdown")
+
+
 def test_a_periodic_save_is_served_after_the_round_and_training_goes_on() -> None:
     p = proto()
     p.handle(m.AssignChunk(epoch=0, offset=0, size=320, budget=5))

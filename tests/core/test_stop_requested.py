@@ -38,6 +38,8 @@ def test_a_training_run_saves_a_graceful_bundle_and_stops() -> None:
     (write,) = of(out, WriteMeta)
     assert write.meta.reason is SaveReason.GRACEFUL_SHUTDOWN  # type: ignore[attr-defined]
     assert of(out, Finish) == [Finish(outcome="saved_and_shutdown", reason="graceful_shutdown")]
+    # The last Shutdown says why, for a rank that was not asked to save (a pending join).
+    assert messages(out, m.Shutdown) == [m.Shutdown(writer=-1, saved="graceful_shutdown")]
 
 
 def test_a_run_whose_training_is_over_completes_anyway() -> None:

@@ -85,6 +85,15 @@ def _run_and_join(
                 proc.wait()
 
 
+def _wait_joined(run_dir: Path) -> None:
+    """Until the run's timeline says rank 3 joined, with a deadline."""
+    timeline = run_dir / "timeline.jsonl"
+    deadline = time.monotonic() + 120
+    while not (timeline.exists() and '"kind":"RankJoined","rank":3,' in timeline.read_text()):
+        assert time.monotonic() < deadline, "the joiner never joined"
+        time.sleep(0.05)  # polling the run's timeline, with a deadline
+
+
 def test_a_rank_joins_a_running_run_and_trains_a_share(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     with _run_and_join(tmp_path, run_dir) as (run, joiner, seen):
@@ -118,11 +127,7 @@ def test_ctrl_c_of_a_joined_rank_ends_it_in_one_line_and_the_run_goes_on(
     # printed two tracebacks, and it went on closing its socket meanwhile.
     run_dir = tmp_path / "run"
     with _run_and_join(tmp_path, run_dir, new_session=True) as (run, joiner, seen):
-        timeline = run_dir / "timeline.jsonl"
-        deadline = time.monotonic() + 120
-        while not (timeline.exists() and '"kind":"RankJoined","rank":3,' in timeline.read_text()):
-            assert time.monotonic() < deadline, "the joiner never joined"
-            time.sleep(0.05)  # polling the run's timeline, with a deadline
+        _wait_joined(run_dir)
         os.killpg(joiner.pid, signal.SIGINT)  # Ctrl-C in the joiner's terminal
         _, joined_err = joiner.communicate(timeout=60)
         run_out, _ = run.communicate(timeout=240)
@@ -151,3 +156,25 @@ def test_a_join_to_a_run_that_has_ended_says_so_at_once(tmp_path: Path) -> None:
         "it has ended, or this host cannot reach it"
     )
     assert said in done.stderr, done.stderr
+
+
+def test_a_joined_rank_of_a_run_stopped_by_a_signal_says_where_the_run_is_saved(
+    tmp_path: Path,
+) -> None:
+    # It returned normally (exit 0, as if the run had completed), naming no bundle,
+    # where every rank of the run raised Interrupted with it.
+    run_dir = tmp_path / "run"
+    with _run_and_join(tmp_path, run_dir) as (run, joiner, seen):
+        _wait_joined(run_dir)
+        run.send_signal(signal.SIGTERM)  # the run's own launcher stops it, and saves
+        _, joined_err = joiner.communicate(timeout=120)
+        run.communicate(timeout=120)
+    assert run.returncode == 143, "".join(seen)
+    stem = run_dir / "checkpoint"
+    assert Path(f"{stem}.meta.json").exists()
+    assert joiner.returncode == 143, joined_err
+    assert (
+        f"elche rank 3: the run stopped (graceful_shutdown) and is saved under {stem} on its "
+        "own host; this joined rank's model is no part of it" in joined_err
+    ), joined_err
+    assert "Traceback" not in joined_err, joined_err

@@ -711,15 +711,21 @@ class Coordinator:
                 continue
             if save.kind is SaveKind.FINAL and not save.committed and self._keep_trained(save):
                 continue
-            self._broadcast(m.Shutdown(writer=-1))  # the held ranks exit
             cause = save.reason or SaveReason.GRACEFUL_SHUTDOWN
             reason = cause.value
             if cause is SaveReason.FINAL_MODEL_UNWRITTEN:
                 reason += f": the final model could not be written ({self.saves.unwritten_final})"
+            # The held ranks exit, told how the run ended (a rank not asked to save
+            # knows nothing else): failed, saved for a reason, or completed.
             if not save.committed:
                 what = "the final model" if save.kind is SaveKind.FINAL else f"{reason}: the bundle"
-                self._finish("failed", f"{what} could not be written ({save.failure()})")
-            elif save.kind is SaveKind.FINAL:
+                failure = f"{what} could not be written ({save.failure()})"
+                self._broadcast(m.Shutdown(writer=-1, failure=failure))
+                self._finish("failed", failure)
+                continue
+            saved = cause.value if save.kind is SaveKind.SHUTDOWN else ""
+            self._broadcast(m.Shutdown(writer=-1, saved=saved))
+            if save.kind is SaveKind.FINAL:
                 self._finish("completed")
             else:
                 assert save.writer is not None  # a committed save has its writer

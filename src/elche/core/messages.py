@@ -352,7 +352,9 @@ class Shutdown(_Msg, frozen=True):
     ``failure`` is not empty when the run failed: why; ``user_error`` is the
     user's exception when that was the cause. ``refused`` is not empty when
     the run goes on without the receiving rank (declared lost, or its join
-    refused): why; that rank alone exits.
+    refused): why; that rank alone exits. ``saved`` is not empty when the run
+    stopped short and its ranks saved it (``ShutdownWithSave``): the reason,
+    for a rank that was not asked to save (a join not yet admitted).
     """
 
     writer: int = -1
@@ -360,6 +362,7 @@ class Shutdown(_Msg, frozen=True):
     failure: str = ""
     user_error: UserError | None = None
     refused: str = ""
+    saved: str = ""
 
 
 class SaveState(_Msg, frozen=True):

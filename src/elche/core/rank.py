@@ -97,10 +97,14 @@ from elche.core.work import Chunk
 # How a rank's stop reason begins when the run went on without it.
 REFUSED = "refused: "
 COORDINATOR_LOST = "coordinator lost: "  # a stop_reason: why the rank gave its coordinator up
+SAVED = "saved: "  # a stop_reason: the run stopped short and saved (the save's reason follows)
+FAILED = "failed: "  # a stop_reason: the run failed (why follows)
 
 __all__ = [
     "COORDINATOR_LOST",
+    "FAILED",
     "REFUSED",
+    "SAVED",
     "Average",
     "Callback",
     "Done",
@@ -393,11 +397,13 @@ class RankProtocol:
             self.stage = RankStage.SAVING
         elif message.failure:
             self.user_error = message.user_error
-            self._stop(f"failed: {message.failure}")
+            self._stop(f"{FAILED}{message.failure}")
         elif message.refused:
             self._stop(f"{REFUSED}{message.refused}")
-        elif message.writer < 0:
-            self._stop(self._held_for or "completed")
+        elif message.writer < 0:  # (a rank asked to save knows why: held for it)
+            self._stop(
+                self._held_for or (f"{SAVED}{message.saved}" if message.saved else "completed")
+            )
         elif writes:
             self._save = Save(kind=SaveKind.FINAL, seq=message.seq, writer=True)
             self.stage = RankStage.SAVING
@@ -752,7 +758,7 @@ class RankProtocol:
         Returns:
             The report to send before the rank exits.
         """
-        self._stop(f"failed: {error_type}: {message}")
+        self._stop(f"{FAILED}{error_type}: {message}")
         return m.Failed(
             error_type=error_type,
             message=message,
@@ -777,7 +783,7 @@ class RankProtocol:
             raise self._illegal("saved", "no save was asked for")
         order, self._save = self._save, None
         if order.kind is SaveKind.SHUTDOWN:
-            self._held_for = f"saved: {order.reason}"
+            self._held_for = f"{SAVED}{order.reason}"
         if order.kind is not SaveKind.CHECKPOINT:
             self.stage = RankStage.HELD
         return m.StateSaved(seq=order.seq, files=list(files), error=error, writer=order.writer)

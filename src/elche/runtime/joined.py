@@ -11,12 +11,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from elche.core.checkpoint import SaveReason
 from elche.core.config import RANDOM_SHUFFLE, CoordinatorConfig
-from elche.core.errors import ConfigError, RankExcluded
-from elche.core.rank import COORDINATOR_LOST
+from elche.core.errors import ConfigError, RankExcluded, TrainingError
+from elche.core.rank import COORDINATOR_LOST, FAILED, SAVED
 from elche.runtime.frames import SECRET_ENV
 from elche.runtime.joining import JOIN_ENV, JOIN_SPEED_ENV, JOIN_STORE_ENV, JOINED_KEY, KEY
-from elche.runtime.lifetimes import StopSignals
+from elche.runtime.lifetimes import Interrupted, StopSignals
 
 if TYPE_CHECKING:
     from elche.runtime.plan import Hooks, Plan, TrainResult
@@ -101,7 +102,9 @@ def train_joined(
         "samples": report.get("samples_trained"),
         "speed": speed,
     }
-    return TrainResult(state_dict=state, summary=summary, epochs=[], run_dir=str(run_dir))
+    result = TrainResult(state_dict=state, summary=summary, epochs=[], run_dir=str(run_dir))
+    _run_ended_short(rank, report, run.get("save_path"), result)
+    return result
 
 
 def _check_listening(address: str, port: int) -> None:
@@ -130,6 +133,35 @@ def _leave(rank: int, signum: int) -> None:
     print(f"elche rank {rank}: stopped by {name}; the run goes on without this joined rank",
           file=sys.stderr, flush=True)  # fmt: skip
     os._exit(128 + signum)
+
+
+def _run_ended_short(
+    rank: int, report: dict[str, object], stem: object, result: TrainResult
+) -> None:
+    """Say how the run ended, if it did not complete: a joined rank is told nothing
+    else. It ends as the run's own ranks do: a run stopped on request (a signal to
+    its launcher) with ``Interrupted``, naming the bundle; the user's error with
+    ``TrainingError``.
+
+    Raises:
+        Interrupted: the run was stopped on request; its ranks saved it.
+        TrainingError: the run failed on the user's code.
+    """
+    stopped = str(report.get("stopped") or "")
+    user_error = report.get("user_error")
+    if isinstance(user_error, dict):
+        raise TrainingError.from_summary(user_error)
+    if stopped.startswith(FAILED):
+        print(f"elche rank {rank}: the run failed: {stopped.removeprefix(FAILED)}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    if not stopped.startswith(SAVED):
+        return
+    reason = stopped.removeprefix(SAVED)
+    where = f"saved under {stem} on its own host" if isinstance(stem, str) else "saved"
+    print(f"elche rank {rank}: the run stopped ({reason}) and is {where}; this joined "
+          "rank's model is no part of it", file=sys.stderr, flush=True)  # fmt: skip
+    if reason == SaveReason.GRACEFUL_SHUTDOWN.value:
+        raise Interrupted(signal.SIGTERM, stem if isinstance(stem, str) else None, result)
 
 
 def _int_env(name: str) -> int:

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from elche.core.checkpoint import SaveReason
 from elche.core.errors import ConfigError, RankExcluded, TrainingError
-from elche.core.rank import COORDINATOR_LOST
+from elche.core.rank import COORDINATOR_LOST, SAVED
 from elche.monitor.progress import Progress
 from elche.monitor.summary import SUMMARY_FILE, rank_report_file
 from elche.monitor.timeline import read_timeline
@@ -138,7 +138,7 @@ def train_launched(
             max_grad_norm=max_grad_norm, run_dir=run_dir, dashboard=dashboard,
             tensorboard_dir=tensorboard_dir,
         )  # fmt: skip
-    asked = stopped == f"saved: {SaveReason.GRACEFUL_SHUTDOWN.value}"  # stopped on request
+    asked = stopped == f"{SAVED}{SaveReason.GRACEFUL_SHUTDOWN.value}"  # stopped on request
     signalled = signals.received is not None and result.summary.get("outcome") != "completed"
     if not (asked or signalled):  # (a signal before the run formed: it failed, nothing saved)
         return result
