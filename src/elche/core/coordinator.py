@@ -700,6 +700,8 @@ class Coordinator:
         """Act on the saves nothing more will come for (see ``elche.core.saves``)."""
         stem = self.config.save_path
         for save in self.saves.take_settled():
+            if not save.committed:  # its files, whole or not, are of use to nobody
+                self._out += self.saves.discard(save, self.live)
             if save.kind is SaveKind.CHECKPOINT:
                 if not save.committed:
                     text = f"checkpoint bundle {save.seq} was not written ({save.failure()})"

@@ -24,6 +24,10 @@ Rules:
   tried, the save settles uncommitted. A ``FINAL`` that settles so (unless
   its writers never answered) is followed by a ``SHUTDOWN`` bundle of the
   trained model (``FINAL_MODEL_UNWRITTEN``): the ranks still hold it.
+- A bundle that will never commit (it settled without its model, or a stop's
+  bundle superseded it) is discarded: every live rank is told
+  (``DiscardSave``) and removes that save's files from its folder, so a save
+  that failed on a full disk leaves no files to keep it full for the next.
 - The run cannot go on once ``max_failures`` ranks have died, when no rank
   is left, or when fewer ranks are live than the backend needs
   (``min_live_ranks``: a collective group needs two).
@@ -244,8 +248,9 @@ class Saves:
 
         A stop's bundle (``SHUTDOWN``) also supersedes a periodic one.
         """
-        if kind is SaveKind.SHUTDOWN:
-            self.rounds.pop(SaveKind.CHECKPOINT, None)
+        out: list[Command] = []
+        if kind is SaveKind.SHUTDOWN and (dropped := self.rounds.pop(SaveKind.CHECKPOINT, None)):
+            out += self.discard(dropped, live)
         self.seq += 1
         timeout_s = max(10 * self.config.heartbeat_timeout_s, SAVE_FLOOR_S)
         save = SaveRound(
@@ -253,7 +258,17 @@ class Saves:
             keep=self.committed, reason=reason, meta=meta,
         )  # fmt: skip
         self.rounds[kind] = save
-        return save.order()
+        return out + save.order()
+
+    def discard(self, save: SaveRound, live: Sequence[int]) -> list[Command]:
+        """The orders that remove the files of ``save``, which will never commit.
+
+        A ``FINAL`` save writes no bundle files (its writer removes a model it
+        could not finish).
+        """
+        if save.kind is SaveKind.FINAL or not live:
+            return []
+        return [Broadcast(ranks=tuple(sorted(live)), message=m.DiscardSave(seq=save.seq))]
 
     def answered(self, rank: int, msg: m.StateSaved, live: Sequence[int]) -> list[Command] | None:
         """Book ``rank``'s answer; None if no save in flight has its number (stale)."""
