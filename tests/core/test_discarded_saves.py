@@ -8,9 +8,10 @@ nearly full disk they made every later save fail too.
 from __future__ import annotations
 
 from elche.core import messages as m
-from elche.core.commands import Broadcast, Command, Finish
+from elche.core.commands import AppendJournal, Broadcast, Command, Finish
 from elche.core.config import Mode
-from elche.core.events import RankLost
+from elche.core.coordinator import Coordinator
+from elche.core.events import MetaWriteFailed, RankJoined, RankLost, Started
 from elche.core.rank import Discard, Done, Hold, RankProtocol, RankStage, Save, SaveKind
 from tests.core.harness import Harness, messages, of, state_saved
 
@@ -91,3 +92,38 @@ def test_a_discarded_checkpoint_not_started_yet_is_not_written() -> None:
     p.discarded()
     assert p.next_action() == Save(kind=SaveKind.SHUTDOWN, seq=3, writer=True, keep=1,
                                    reason="single_survivor")  # fmt: skip
+
+
+def test_a_checkpoint_whose_meta_was_not_written_leaves_the_one_before_committed() -> None:
+    # It counted as committed once its meta was asked for: the next save told the
+    # ranks to keep its files only, and they removed those of the bundle on disk.
+    h = Harness(world_size=2, num_samples=960, epochs=3, checkpoint_every=1, save_path="/b/run")
+    h.form()
+    h.run_to_end(until=lambda: h.core.saves.committed == 1)  # save 1 committed
+    h.run_to_end(periodic=False, until=lambda: SaveKind.CHECKPOINT in h.core.saves)
+    h.answer_saves()
+    assert h.core.saves.committed == 2  # its meta is asked for
+    out = h.feed(MetaWriteFailed(seq=2, error="[Errno 28] No space left on device"))
+    assert discards(out) == [((0, 1), 2)]
+    out = h.run_to_end(periodic=False, until=lambda: SaveKind.CHECKPOINT in h.core.saves)
+    assert messages(out, m.SaveState) == [m.SaveState(seq=3, writer=0, keep=1)]
+
+
+def test_a_restored_coordinator_keeps_the_save_the_meta_on_disk_names() -> None:
+    # The journal knows the last save number given out, not whether it committed: a
+    # successor told the ranks to keep an uncommitted save's files only.
+    h = Harness(world_size=2, num_samples=960, epochs=3, checkpoint_every=1, save_path="/b/run")
+    h.form()
+    h.run_to_end(until=lambda: h.core.saves.committed == 1)
+    h.run_to_end(periodic=False, until=lambda: SaveKind.CHECKPOINT in h.core.saves)
+    record = [c.record for c in of(h.log, AppendJournal)][-1]  # type: ignore[attr-defined]
+    assert record.save_seq == 2  # save 2 in flight when the coordinator is lost
+    h2 = Harness(h.cfg)
+    h2.core = Coordinator.restore(h.cfg, record, last_save=1)
+    h2.feed(Started())
+    for rank in (0, 1):
+        h2.last_round[rank] = h.last_round[rank]
+        h2.since[rank] = list(h.since[rank])
+        h2.feed(RankJoined(rank=rank, held=h.held(rank)))
+    out = h2.run_to_end(periodic=False, until=lambda: SaveKind.CHECKPOINT in h2.core.saves)
+    assert messages(out, m.SaveState) == [m.SaveState(seq=3, writer=0, keep=1)]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from elche.core.checkpoint import CheckpointMeta
 from elche.runtime import bundle
 from tests.promises.test_saves_commit import make_wide_model, train
 from tests.promises.test_storage import small_disk
@@ -87,3 +88,32 @@ def test_the_files_of_a_runs_last_save_that_failed_go_too(
     assert json.loads(bundle.meta_path(stem).read_text())["save_seq"] == 1
     files = bundle_on_disk(stem)
     assert bundle_files(folder) == sorted(p.name for p in [files.model, *files.optim.values()])
+
+
+def test_checkpoints_whose_meta_cannot_be_written_leave_the_bundle_before_them_whole(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The coordinator counted a checkpoint committed once it asked for its meta,
+    # written or not: the next save's ranks then removed the files of the bundle the
+    # meta on disk still named, which no longer resumed ("... is missing").
+    stem = str(tmp_path / "bundle" / "run")
+    first = train(tmp_path / "a", epochs=1, speeds=[1.0, 1.0], checkpoint_every=1,
+                  save_path=stem)  # fmt: skip
+    assert first.summary["outcome"] == "completed"
+    (tmp_path / "bundle" / "run.meta.json.tmp").mkdir()  # no meta can be written now
+    second = train(tmp_path / "b", epochs=3, speeds=[1.0, 1.0], checkpoint_every=1,
+                   save_path=stem, resume_from=stem)  # fmt: skip
+    err = capfd.readouterr().err
+    assert second.summary["outcome"] == "completed", err[-3000:]
+    assert err.count("could not write the checkpoint meta") == 2, err[-3000:]
+    meta = CheckpointMeta.from_json(bundle.meta_path(stem).read_text())
+    assert meta.save_seq == 1
+    files = bundle_on_disk(stem)
+    assert meta.files is not None
+    bundle.verify(files.model, meta.files.model, what="model")  # whole, as committed
+    for rank, entry in meta.files.optim:
+        bundle.verify(files.optim[rank], entry, what="optimizer state")
+    # The saves whose meta never came left nothing either.
+    assert bundle_files(tmp_path / "bundle") == sorted(
+        p.name for p in [files.model, *files.optim.values()]
+    )
