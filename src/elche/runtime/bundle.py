@@ -104,15 +104,26 @@ def write_file(path: Path, write: Callable[[BinaryIO], object], *, kind: str) ->
 
     Raises:
         OSError: the folder is full, read-only or gone (the temporary file is
-            removed). ``write``'s own exceptions pass through likewise
-            (``torch.save`` raises ``RuntimeError`` on a full disk).
+            removed), naming ``path``: also when ``write`` turned the file's
+            error into its own (``torch.save`` raises ``RuntimeError:
+            [enforce fail at inline_container.cc] unexpected pos`` on a full
+            disk). ``write``'s other exceptions pass through.
     """
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with tmp.open("wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        with tmp.open("wb") as raw:
+            f = _Watched(raw)
+            try:
+                write(f)  # type: ignore[arg-type]  # a file in all that write uses
+                f.flush()
+                os.fsync(raw.fileno())
+            except Exception as exc:
+                with contextlib.suppress(OSError):  # what it still buffers cannot be written
+                    raw.close()
+                cause = f.error or exc
+                if not isinstance(cause, OSError):
+                    raise
+                raise OSError(cause.errno, cause.strerror, str(path)) from exc
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -120,6 +131,31 @@ def write_file(path: Path, write: Callable[[BinaryIO], object], *, kind: str) ->
     fsync_dir(path.parent)
     size, digest = _digest(path)
     return SavedFile(kind=kind, name=path.name, size=size, sha256=digest)
+
+
+class _Watched:
+    """A file that keeps the first ``OSError`` its writes raised, for ``write_file``."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.raw.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.raw.flush()
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.raw, name)
 
 
 def write_meta(stem: str, meta: CheckpointMeta) -> None:
