@@ -64,6 +64,7 @@ SAMPLES: list[m.Message] = [
     m.EpochDone(epoch=3, loss=0.42),
     m.Shutdown(writer=1, seq=7),
     m.SaveState(seq=3, writer=0, keep=2),
+    m.DiscardSave(seq=3),
     m.ShutdownWithSave(reason="max_failure_exceeded", writer=0, seq=5, keep=4),
     m.CoordHeartbeat(),
     m.Rejoin(),

@@ -15,6 +15,7 @@ from elche.core.rank import (
     REFUSED,
     Average,
     Callback,
+    Discard,
     Done,
     FormGroup,
     Hold,
@@ -322,6 +323,7 @@ def _completions(p: RankProtocol) -> list[tuple[str, object]]:
         ("checkpointed", lambda: p.checkpointed(elapsed_ms=1.0, error=None)),
         ("regrouped", lambda: p.regrouped(1)),
         ("saved", p.saved),
+        ("discarded", p.discarded),
     ]
 
 
@@ -360,6 +362,7 @@ _COORD_MESSAGES = st.one_of(
     st.builds(m.SaveState, seq=st.integers(1, 3), writer=st.integers(-1, 1)),
     st.builds(m.ShutdownWithSave, reason=st.just("x"), writer=st.integers(0, 1), seq=st.just(4)),
     st.builds(m.Shutdown, writer=st.integers(-1, 1), seq=st.just(5)),
+    st.builds(m.DiscardSave, seq=st.integers(1, 4)),
     st.just(m.CoordHeartbeat()),
 )
 
@@ -388,6 +391,8 @@ def _complete(p: RankProtocol, action: object, *, launch: bool = False) -> None:
             p.regrouped(generation)
         case Save():
             p.saved()
+        case Discard():
+            p.discarded()
 
 
 @pytest.mark.slow

@@ -171,3 +171,21 @@ def test_ctrl_c_in_a_one_rank_session_loop_saves_a_bundle_that_resumes(tmp_path:
     resumed = run(0, resume_from=str(stem))
     assert resumed.summary["outcome"] == "completed"
     assert trained + resumed.summary["per_rank"][0]["samples"] == 3 * len(DATA)
+
+
+def test_one_rank_removes_the_files_of_saves_that_never_committed_at_its_stem(
+    tmp_path: Path,
+) -> None:
+    # A writer killed mid-write leaves its temporary file; a save that failed on
+    # another host, its files. Nothing removed them at a stem one rank saves at.
+    stem = tmp_path / "run"
+    leftovers = [tmp_path / "run.s3.model.pt.tmp", tmp_path / "run.s2.rank1.optim.pt"]
+    for path in leftovers:
+        path.write_bytes(b"\0" * 1024)
+    result = elche.train(make_model, momentum_sgd, SignalAt(0), DATA, batch_size=BATCH,
+                         epochs=2, ranks=1, checkpoint_every=1, save_path=str(stem),
+                         progress=False)  # fmt: skip
+    assert result.summary["outcome"] == "completed"
+    meta = CheckpointMeta.from_json(meta_path(str(stem)).read_text())
+    assert meta.files is not None and meta.save_seq >= 4  # numbered past the leftovers
+    assert sorted(p.name for p in tmp_path.glob("run.s*")) == sorted(meta.files.names())

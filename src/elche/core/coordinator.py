@@ -72,6 +72,7 @@ from elche.core.events import (
     Event,
     FrameRejected,
     MessageReceived,
+    MetaWriteFailed,
     RankJoined,
     RankLost,
     Started,
@@ -100,8 +101,10 @@ class Coordinator:
     Args:
         config: the run's configuration.
         resume: a checkpoint meta to continue from, or None for a fresh run.
-        last_save: the number of the last save at the run's save path; this
-            run numbers its saves after it (and after ``resume``'s).
+        last_save: the number of the last save at the run's save path (the
+            one its meta names); this run numbers its saves after it (and
+            after ``resume``'s), and its ranks keep that save's files until a
+            newer one commits.
 
     Raises:
         ConfigError: ``resume`` does not fit ``config`` (``CheckpointMeta.check_fits``).
@@ -129,7 +132,9 @@ class Coordinator:
             every, self.elche, self.callbacks, self.planner, self.work,
             ledger=self.ledger, saved=_balancer_state(resume, config.world_size),
         )  # fmt: skip
-        self.saves = Saves(config, max(last_save, resume.save_seq if resume else 0))
+        self.saves = Saves(
+            config, max(last_save, resume.save_seq if resume else 0), committed=last_save
+        )
         self.failures = failures.UserFailures()
         self.round = Round(every, self.work)
         self.telemetry = Telemetry(every, self.roles)
@@ -236,6 +241,8 @@ class Coordinator:
                 self._on_timer()
             case StopRequested(reason=reason, host_lost=host_lost):
                 self._stop(reason, host_lost=host_lost)
+            case MetaWriteFailed(seq=seq):  # the shell said why
+                self._out += self.saves.meta_failed(seq, self.live)
             case _:
                 assert_never(event)
         stop_as = self._stop_after_round
@@ -259,9 +266,12 @@ class Coordinator:
             )
 
     @classmethod
-    def restore(cls, config: CoordinatorConfig, record: journal.JournalRecord) -> Coordinator:
-        """A coordinator that goes on from the journal's ``record`` (``journal.restore``)."""
-        core = journal.restore(config, record)
+    def restore(
+        cls, config: CoordinatorConfig, record: journal.JournalRecord, *, last_save: int = 0
+    ) -> Coordinator:
+        """A coordinator that goes on from the journal's ``record`` (``journal.restore``);
+        ``last_save``: the save the meta at the save path names now."""
+        core = journal.restore(config, record, last_save=last_save)
         core.joins.expect_rejoins()
         return core
 
@@ -701,6 +711,8 @@ class Coordinator:
         """Act on the saves nothing more will come for (see ``elche.core.saves``)."""
         stem = self.config.save_path
         for save in self.saves.take_settled():
+            if not save.committed:  # its files, whole or not, are of use to nobody
+                self._out += self.saves.discard(save, self.live)
             if save.kind is SaveKind.CHECKPOINT:
                 if not save.committed:
                     text = f"checkpoint bundle {save.seq} was not written ({save.failure()})"

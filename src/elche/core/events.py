@@ -16,6 +16,7 @@ __all__ = [
     "Event",
     "FrameRejected",
     "MessageReceived",
+    "MetaWriteFailed",
     "RankJoined",
     "RankLost",
     "Started",
@@ -88,7 +89,16 @@ class StopRequested:
     host_lost: bool = False
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetaWriteFailed:
+    """The meta of save ``seq`` (``WriteMeta``) could not be written: the save is
+    not committed, and the meta on disk still names the save before it."""
+
+    seq: int
+    error: str
+
+
 Event = (
     Started | RankJoined | MessageReceived | RankLost | FrameRejected | AverageComputed
-    | TimerFired | StopRequested
+    | TimerFired | StopRequested | MetaWriteFailed
 )  # fmt: skip

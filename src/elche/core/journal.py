@@ -117,11 +117,14 @@ def _next_epoch(core: Coordinator) -> int:
     return core.config.epochs if nxt is None else nxt
 
 
-def restore(config: CoordinatorConfig, record: JournalRecord) -> Coordinator:
+def restore(config: CoordinatorConfig, record: JournalRecord, *, last_save: int = 0) -> Coordinator:
     """A coordinator that goes on with the run ``record`` describes.
 
     It is ``FORMING``: the ranks the record names live rejoin it (``RankJoined``
-    with what they hold), the others stay lost.
+    with what they hold), the others stay lost. Its saves are numbered after
+    the record's; ``last_save`` is the save the meta at the save path names
+    (the record does not know whether its last save committed), whose files
+    the ranks keep.
 
     Raises:
         ConfigError: the record does not fit ``config`` (another world size,
@@ -154,7 +157,7 @@ def restore(config: CoordinatorConfig, record: JournalRecord) -> Coordinator:
         coverage=record.coverage,
         save_seq=record.save_seq,
     )
-    core = Coordinator(config, resume=meta, last_save=record.save_seq)
+    core = Coordinator(config, resume=meta, last_save=last_save)
     core.work.resume(record.next_epoch, ())  # epochs opened before stay opened
     core.epochs_completed = record.epochs_completed
     core.work.samples_committed[:] = record.samples_committed

@@ -28,6 +28,7 @@ __all__ = [
     "CheckpointResult",
     "CoordHeartbeat",
     "CoordMessage",
+    "DiscardSave",
     "EpochDone",
     "EpochFnElapsed",
     "EvalBroadcast",
@@ -69,7 +70,8 @@ __all__ = [
 # 3: Failed; Shutdown.failure; BatchDone.nonfinite.
 # 4: saves are numbered and confirmed (``SaveState``, ``StateSaved.files``).
 # 5: a restarted coordinator (``Rejoin``, ``Hello.held``); ``GlobalProgress``.
-PROTOCOL_VERSION = 5
+# 6: ``DiscardSave``: a save that will never commit leaves no files.
+PROTOCOL_VERSION = 6
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -391,6 +393,13 @@ class ShutdownWithSave(_Msg, frozen=True):
     keep: int = 0
 
 
+class DiscardSave(_Msg, frozen=True):
+    """Save ``seq`` will never commit (it failed, or a stop's bundle superseded it):
+    remove its files from the save path's folder, whoever wrote them."""
+
+    seq: int
+
+
 class GlobalProgress(_Msg, frozen=True):
     """The run's progress once ``round`` closed (0: at the start of training).
 
@@ -449,6 +458,7 @@ CoordMessage = (
     | Shutdown
     | SaveState
     | ShutdownWithSave
+    | DiscardSave
     | CoordHeartbeat
     | GlobalProgress
 )

@@ -47,6 +47,10 @@ Rules:
   stops the rank; one naming another rank holds it; one with a ``failure``
   (the run failed) stops it with ``failed: ...``. Once stopped, the rank
   ignores messages.
+- ``DiscardSave`` (a save that will never commit) makes the rank remove that
+  save's files in its folder, before anything else, in every stage but
+  ``DONE``: a held rank too, so a stop whose bundle failed leaves none. A
+  save of that number not started yet is dropped.
 - The user's code raising on the rank (``failed``) stops it and makes the
   ``Failed`` report, which says whether the rank had trained a step yet.
 - A rank keeps what its model holds: the last round it applied, its own
@@ -64,12 +68,12 @@ Theory of operation. A driver loops: feed each message it received to
 ``handle``, ask ``next_action`` what to do, do that action's IO, and report
 it done with the action's completion method (``trained``, ``averaged``,
 ``uploaded``, ``loaded``, ``evaluated``, ``checkpointed``,
-``started_epoch``, ``regrouped``, ``saved``), which returns the message to
-send. ``next_action`` only looks: asking twice gives the same answer, and a
+``started_epoch``, ``regrouped``, ``saved``, ``discarded``), which returns the
+message to send. ``next_action`` only looks: asking twice gives the same answer, and a
 driver whose action takes time (the simulator's) asks nothing until it
 completes, while messages may still arrive. Priority, first match wins::
 
-    Done > Land(anything but training is next) > Save(stopping)
+    Discard > Done > Land(anything but training is next) > Save(stopping)
          > Hold(held) > FormGroup > Load > Hold(waiting for Update)
          > Average | Upload > Save(periodic) > Callback > StartEpoch
          > Train > Hold
@@ -107,6 +111,7 @@ __all__ = [
     "SAVED",
     "Average",
     "Callback",
+    "Discard",
     "Done",
     "FormGroup",
     "Hold",
@@ -240,6 +245,13 @@ class Save:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Discard:
+    """Remove the files of save ``seq`` (it will never commit), then ``discarded``."""
+
+    seq: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Hold:
     """Nothing to do: wait for the next message."""
 
@@ -252,8 +264,9 @@ class Done:
 
 
 RankAction = (
-    Train | StartEpoch | Average | Land | Upload | Load | Callback | FormGroup | Save | Hold | Done
-)
+    Train | StartEpoch | Average | Land | Upload | Load | Callback | FormGroup | Save | Discard
+    | Hold | Done
+)  # fmt: skip
 
 _HOLD = Hold()
 
@@ -327,6 +340,7 @@ class RankProtocol:
         self._update: m.Update | None = None
         self._regroup: m.Regroup | None = None
         self._save: Save | None = None  # a save to make now
+        self._discards: deque[int] = deque()  # saves whose files go (DiscardSave)
         self._held_for: str | None = None  # the stop reason once a held rank is let go
         self.last_round = 0  # the last averaging round applied
         self._averaged: list[tuple[int, int, int]] = []  # this rank's batches in it
@@ -341,6 +355,9 @@ class RankProtocol:
         counted in ``num_stale`` and ignored); after ``Done`` all are ignored.
         """
         if self.stage is RankStage.DONE:
+            return
+        if isinstance(message, m.DiscardSave):
+            self._on_discard(message.seq)
             return
         if self.stage is RankStage.SAVING:  # only a new writer's order or a failure counts
             if isinstance(message, m.Shutdown | m.ShutdownWithSave) and (
@@ -386,6 +403,12 @@ class RankProtocol:
                 pass
             case _:
                 assert_never(message)
+
+    def _on_discard(self, seq: int) -> None:
+        if seq not in self._discards:
+            self._discards.append(seq)
+        if self._save is not None and self._save.seq == seq and self.stage is RankStage.TRAINING:
+            self._save = None  # not started: nothing of it to write
 
     def _on_shutdown(self, message: m.Shutdown | m.ShutdownWithSave) -> None:
         writes = message.writer == self.rank
@@ -468,6 +491,8 @@ class RankProtocol:
 
         Pure: the state does not change until the action's completion is called.
         """
+        if self._discards:
+            return Discard(seq=self._discards[0])
         if self.stage is RankStage.DONE:
             assert self.stop_reason is not None
             return Done(reason=self.stop_reason)
@@ -787,3 +812,13 @@ class RankProtocol:
         if order.kind is not SaveKind.CHECKPOINT:
             self.stage = RankStage.HELD
         return m.StateSaved(seq=order.seq, files=list(files), error=error, writer=order.writer)
+
+    def discarded(self) -> None:
+        """The files of the save ``Discard`` named are removed.
+
+        Raises:
+            LocalProtocolError: no discard was asked for.
+        """
+        if not self._discards:
+            raise self._illegal("discarded", "no discard was asked for")
+        self._discards.popleft()

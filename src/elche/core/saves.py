@@ -24,6 +24,12 @@ Rules:
   tried, the save settles uncommitted. A ``FINAL`` that settles so (unless
   its writers never answered) is followed by a ``SHUTDOWN`` bundle of the
   trained model (``FINAL_MODEL_UNWRITTEN``): the ranks still hold it.
+- A bundle that will never commit (it settled without its model, or a stop's
+  bundle superseded it) is discarded: every live rank is told
+  (``DiscardSave``) and removes that save's files from its folder, so a save
+  that failed on a full disk leaves no files to keep it full for the next.
+  So is one whose meta could not be written (``meta_failed``): the last save
+  committed, whose files every rank keeps, is then the one before it again.
 - The run cannot go on once ``max_failures`` ranks have died, when no rank
   is left, or when fewer ranks are live than the backend needs
   (``min_live_ranks``: a collective group needs two).
@@ -219,12 +225,17 @@ class Saves:
     Args:
         config: the run's configuration (the deadline is one heartbeat timeout).
         last_save: the number of the last save before this run (0: none).
+        committed: the save whose meta is at the save path now (default
+            ``last_save``): the ranks keep its files until a newer one commits.
     """
 
-    def __init__(self, config: CoordinatorConfig, last_save: int = 0) -> None:
+    def __init__(
+        self, config: CoordinatorConfig, last_save: int = 0, committed: int | None = None
+    ) -> None:
         self.config = config
         self.seq = last_save  # the last number given out
-        self.committed = last_save  # the last save whose meta was written
+        self.committed = last_save if committed is None else committed  # its meta is on disk
+        self._before: dict[int, int] = {}  # a save asked to commit: the one committed before
         self.rounds: dict[SaveKind, SaveRound] = {}
         self.unwritten_final = ""  # why no rank could write the final model, once none could
 
@@ -244,8 +255,9 @@ class Saves:
 
         A stop's bundle (``SHUTDOWN``) also supersedes a periodic one.
         """
-        if kind is SaveKind.SHUTDOWN:
-            self.rounds.pop(SaveKind.CHECKPOINT, None)
+        out: list[Command] = []
+        if kind is SaveKind.SHUTDOWN and (dropped := self.rounds.pop(SaveKind.CHECKPOINT, None)):
+            out += self.discard(dropped, live)
         self.seq += 1
         timeout_s = max(10 * self.config.heartbeat_timeout_s, SAVE_FLOOR_S)
         save = SaveRound(
@@ -253,7 +265,29 @@ class Saves:
             keep=self.committed, reason=reason, meta=meta,
         )  # fmt: skip
         self.rounds[kind] = save
-        return save.order()
+        return out + save.order()
+
+    def meta_failed(self, seq: int, live: Sequence[int]) -> list[Command]:
+        """The meta of save ``seq`` was not written: the save before it stays the
+        committed one, and ``seq``'s files go (``DiscardSave``)."""
+        before = self._before.pop(seq, None)
+        if before is None:
+            return []  # no meta of that number was asked for
+        if self.committed == seq:
+            self.committed = before
+        if not live:
+            return []
+        return [Broadcast(ranks=tuple(sorted(live)), message=m.DiscardSave(seq=seq))]
+
+    def discard(self, save: SaveRound, live: Sequence[int]) -> list[Command]:
+        """The orders that remove the files of ``save``, which will never commit.
+
+        A ``FINAL`` save writes no bundle files (its writer removes a model it
+        could not finish).
+        """
+        if save.kind is SaveKind.FINAL or not live:
+            return []
+        return [Broadcast(ranks=tuple(sorted(live)), message=m.DiscardSave(seq=save.seq))]
 
     def answered(self, rank: int, msg: m.StateSaved, live: Sequence[int]) -> list[Command] | None:
         """Book ``rank``'s answer; None if no save in flight has its number (stale)."""
@@ -285,7 +319,7 @@ class Saves:
 
     def commit(self, stem: str, meta: CheckpointMeta, save: SaveRound) -> WriteMeta:
         """The command that commits ``save``'s bundle with ``meta``."""
-        self.committed = save.seq
+        self._before[save.seq], self.committed = self.committed, save.seq
         return WriteMeta(
             stem=stem, meta=dataclasses.replace(meta, save_seq=save.seq, files=save.files())
         )

@@ -8,8 +8,11 @@ commit mark, written last by the coordinator) and the files it names, in
 file is written to a temporary name, flushed to disk (``fsync``), renamed
 into place and its folder flushed, then hashed from disk; only then does its
 rank report it. Because every save has its own names, a save that dies half
-way leaves the bundle the meta names untouched. Each writer removes its own
-files of older saves than the last committed one, so a folder holds at most
+way leaves the bundle the meta names untouched. A save that will never
+commit is discarded (``discard``: every live rank removes its files from its
+folder), and before a rank writes a save it removes the files of every save
+but the last committed one (``prune``: those of older saves, and any a
+discard missed, a rank killed mid-write included), so a folder holds at most
 two saves' files.
 
 Metas of schema 2 and older have no ``files``: their files have fixed names
@@ -37,6 +40,7 @@ __all__ = [
     "FINAL_MODEL",
     "BundlePaths",
     "check_unchanged",
+    "discard",
     "fsync_dir",
     "locate",
     "meta_path",
@@ -100,15 +104,26 @@ def write_file(path: Path, write: Callable[[BinaryIO], object], *, kind: str) ->
 
     Raises:
         OSError: the folder is full, read-only or gone (the temporary file is
-            removed). ``write``'s own exceptions pass through likewise
-            (``torch.save`` raises ``RuntimeError`` on a full disk).
+            removed), naming ``path``: also when ``write`` turned the file's
+            error into its own (``torch.save`` raises ``RuntimeError:
+            [enforce fail at inline_container.cc] unexpected pos`` on a full
+            disk). ``write``'s other exceptions pass through.
     """
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with tmp.open("wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        with tmp.open("wb") as raw:
+            f = _Watched(raw)
+            try:
+                write(f)  # type: ignore[arg-type]  # a file in all that write uses
+                f.flush()
+                os.fsync(raw.fileno())
+            except Exception as exc:
+                with contextlib.suppress(OSError):  # what it still buffers cannot be written
+                    raw.close()
+                cause = f.error or exc
+                if not isinstance(cause, OSError):
+                    raise
+                raise OSError(cause.errno, cause.strerror, str(path)) from exc
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -116,6 +131,31 @@ def write_file(path: Path, write: Callable[[BinaryIO], object], *, kind: str) ->
     fsync_dir(path.parent)
     size, digest = _digest(path)
     return SavedFile(kind=kind, name=path.name, size=size, sha256=digest)
+
+
+class _Watched:
+    """A file that keeps the first ``OSError`` its writes raised, for ``write_file``."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.raw.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.raw.flush()
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.raw, name)
 
 
 def write_meta(stem: str, meta: CheckpointMeta) -> None:
@@ -192,25 +232,33 @@ def _digest(path: Path) -> tuple[int, str]:
     return size, sha.hexdigest()
 
 
-def prune(stem: str, keep: set[int], *, rank: int, model: bool) -> None:
-    """Remove this rank's files of saves not in ``keep`` (its own optimizer
-    states; the models too if it wrote ``model``). Errors are ignored: a file
-    left behind costs space, never correctness."""
+def prune(stem: str, keep: set[int]) -> None:
+    """Remove the files of saves not in ``keep`` from ``stem``'s folder, whoever
+    wrote them: models, optimizer states, outer momenta and the temporary
+    files of writes that never finished. ``keep`` must hold the save the meta
+    at ``stem`` names. Errors are ignored: a file left behind costs space,
+    never correctness."""
+    _remove(stem, lambda seq: seq not in keep)
+
+
+def discard(stem: str, seq: int) -> None:
+    """Remove the files of save ``seq`` (one that will never commit) from
+    ``stem``'s folder, as ``prune`` does."""
+    _remove(stem, lambda other: other == seq)
+
+
+def _remove(stem: str, doomed: Callable[[int], bool]) -> None:
     base = Path(stem)
-    name = re.escape(base.name)
-    mine = [re.compile(rf"{name}\.s(\d+)\.rank{rank}\.optim\.pt")]
-    if model:
-        mine.append(re.compile(rf"{name}\.s(\d+)\.model\.pt"))
+    pattern = re.compile(rf"{re.escape(base.name)}\.s(\d+)\..+")
     try:
         entries = list(base.parent.iterdir())
     except OSError:
         return
     for entry in entries:
-        for pattern in mine:
-            match = pattern.fullmatch(entry.name)
-            if match and int(match.group(1)) not in keep:
-                with contextlib.suppress(OSError):
-                    entry.unlink()
+        match = pattern.fullmatch(entry.name)
+        if match and doomed(int(match.group(1))):
+            with contextlib.suppress(OSError):
+                entry.unlink()
 
 
 @dataclass(frozen=True, slots=True)

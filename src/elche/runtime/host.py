@@ -68,6 +68,7 @@ from elche.core.events import (
     Event,
     FrameRejected,
     MessageReceived,
+    MetaWriteFailed,
     RankJoined,
     RankLost,
     Started,
@@ -166,7 +167,7 @@ class Host:
         self._committed = bundle.read_meta(config.save_path)
         last = 0 if self._committed is None else self._committed.save_seq
         if restore is not None:
-            self.core = Coordinator.restore(config, restore)
+            self.core = Coordinator.restore(config, restore, last_save=last)
         else:
             self.core = Coordinator(config, resume=resume, last_save=last)
         self._journal = JournalWriter(run_dir / JOURNAL_FILE)
@@ -415,7 +416,9 @@ class Host:
         """Commit a bundle: its outer momentum, then the meta that names every file.
 
         The files of the bundle the meta replaces go afterwards (those this
-        host can see). A full or read-only disk is reported, not fatal.
+        host can see). A full or read-only disk is reported, not fatal: the
+        save is then not committed, its files go (those this host can see; the
+        core tells the ranks, ``MetaWriteFailed``), and the meta before stays.
         """
         try:
             if self.outer is not None and meta.files is not None:
@@ -423,14 +426,17 @@ class Host:
                 meta = dataclasses.replace(meta, files=dataclasses.replace(meta.files, outer=outer))
             bundle.write_meta(stem, meta)
         except OSError as exc:
+            bundle.discard(stem, meta.save_seq)
             what = "checkpoint" if meta.reason is SaveReason.CHECKPOINT else "bundle"
             if what == "bundle":
                 self.stats.unsaved = f"its meta could not be written ({exc})"
             self._print(
                 "error",
                 f"could not write the {what} meta {bundle.meta_path(stem)} ({exc}); that {what} "
-                "is not resumable" + ("; training goes on" if what == "checkpoint" else ""),
+                "is not resumable and its files are removed"
+                + ("; training goes on" if what == "checkpoint" else ""),
             )
+            self._followups.append(MetaWriteFailed(seq=meta.save_seq, error=str(exc)))
             return
         self._record(tl.BundleWritten(stem=stem, seq=meta.save_seq, reason=meta.reason.value))
         if meta.reason is not SaveReason.CHECKPOINT and meta.files is not None:

@@ -4,7 +4,8 @@ A run of one rank has no coordinator to commit its saves, so it writes them
 itself, as a coordinator and its ranks together would (``elche.runtime.bundle``):
 the model and rank 0's optimizer state under the save's numbered names, then
 the meta that names both with their sizes and hashes, last; once the meta is
-on disk the files of the save it replaced go. A bundle of one rank resumes a
+on disk the files of the save it replaced go. Before a save, the files of
+saves that never committed go (``bundle.prune``). A bundle of one rank resumes a
 run of one rank or of several, and one of several ranks resumes one rank.
 
 Where: ``save_path``, or ``RUN_DIR/checkpoint`` when the run names none (as a
@@ -85,6 +86,9 @@ class SoloSaves:
         written: list[Path] = []
         try:
             folder.mkdir(parents=True, exist_ok=True)
+            # Files of saves that never committed go first (a writer killed mid-write).
+            committed = self._committed.save_seq if self._committed is not None else 0
+            bundle.prune(self.stem, {seq, committed})
             model_file = self._write(folder / bundle.model_name(self.stem, seq), model, written)
             optim_file = self._write(
                 folder / bundle.optim_name(self.stem, seq, 0), optimizer, written

@@ -359,6 +359,8 @@ class Worker:
                     self._wait()
                 case r.Save():
                     self._save(action)
+                case r.Discard():
+                    self._discard()
                 case r.FormGroup(generation=generation, members=members):
                     if self._regroup(generation, list(members)):
                         proto.regrouped(generation)
@@ -397,8 +399,17 @@ class Worker:
         if isinstance(message, m.Update):
             self._update_payload = payload
         self.proto.handle(message)
+        if isinstance(message, m.DiscardSave):
+            self._discard()  # at once: a wait for something else (a group) goes on
         if isinstance(message, m.Rejoin):
             self._rejoin()
+
+    def _discard(self) -> None:
+        """Remove the files of the saves that will never commit (``DiscardSave``)."""
+        while isinstance(action := self.proto.next_action(), r.Discard):
+            if self.spec.save_path is not None:
+                bundle.discard(self.spec.save_path, action.seq)
+            self.proto.discarded()
 
     def _rejoin(self) -> None:
         """A coordinator restarted from the journal: say Hello again with what the model holds."""
@@ -765,13 +776,19 @@ class Worker:
             return []
         folder = Path(stem).parent
         folder.mkdir(parents=True, exist_ok=True)
-        files = []
-        if order.writer:
-            path = folder / bundle.model_name(stem, order.seq)
-            files.append(bundle.write_file(path, self._torch_save(self.model), kind="model"))
-        path = folder / bundle.optim_name(stem, order.seq, self.spec.rank)
-        files.append(bundle.write_file(path, self._torch_save(self.optimizer), kind="optim"))
-        bundle.prune(stem, {order.seq, order.keep}, rank=self.spec.rank, model=order.writer)
+        # Files of saves that never committed go first: they would take this one's room.
+        bundle.prune(stem, {order.seq, order.keep})
+        files: list[m.SavedFile] = []
+        try:
+            if order.writer:
+                path = folder / bundle.model_name(stem, order.seq)
+                files.append(bundle.write_file(path, self._torch_save(self.model), kind="model"))
+            path = folder / bundle.optim_name(stem, order.seq, self.spec.rank)
+            files.append(bundle.write_file(path, self._torch_save(self.optimizer), kind="optim"))
+        except BaseException:  # the answer names no file: none of them stays
+            for saved in files:
+                (folder / saved.name).unlink(missing_ok=True)
+            raise
         return files
 
     @staticmethod

@@ -109,6 +109,7 @@ from elche.core.journal import JournalRecord
 from elche.core.rank import (
     Average,
     Callback,
+    Discard,
     Done,
     FormGroup,
     Hold,
@@ -583,6 +584,8 @@ class Simulation:
                     return
                 case Done():
                     self._finished(r)
+                case Discard():  # a simulated rank writes no files
+                    r.proto.discarded()
                 case Save(kind=kind) if self._disk_full and kind is not SaveKind.FINAL:
                     error = "OSError: [Errno 28] No space left on device (simulated)"
                     self._send(r.rank, r.proto.saved(files=[], error=error))  # (final: run dir)

@@ -43,6 +43,7 @@ from elche.core.config import Mode
 from elche.core.rank import (
     Average,
     Callback,
+    Discard,
     Done,
     FormGroup,
     Hold,
@@ -246,6 +247,8 @@ class FakeRank:
                 self.proto.regrouped(generation)
             case Save():
                 self._send(endpoint, self.proto.saved(files=action.nominal_files(self.rank)))
+            case Discard():  # a fake rank writes no files
+                self.proto.discarded()
             case StartEpoch():
                 raise AssertionError("a fake rank runs no epoch_fn")
             case Land():
