@@ -43,6 +43,7 @@ GATE = Path(sys.argv[1]) / "go"
 STEP = digits.step_fn
 
 def gated_model(device):  # holds every rank before it joins, until the test opens it
+    (GATE.parent / f"building{os.environ['RANK']}").touch()
     while not GATE.exists():
         time.sleep(0.02)
     return digits.make_model(device)
@@ -173,6 +174,53 @@ def test_rank_0s_own_one_off_error_leaves_the_others_the_completed_run(tmp_path:
     assert "RAISED 0 rank 0 failed in epoch" in out, out + err[-3000:]
     returned = sorted(re.findall(r"RETURNED (\d) (\S+)", out))
     assert returned == [("1", "completed"), ("2", "completed")], out + err[-3000:]
+
+
+def timeline_of(tmp_path: Path) -> str:
+    """The run's timeline (its run dir is under ``tmp_path``, the ranks' TMPDIR)."""
+    (timeline,) = tmp_path.glob("elche-run-*/timeline.jsonl")
+    return timeline.read_text()
+
+
+def test_a_rank_killed_mid_run_is_lost_at_once_not_when_its_heartbeats_go_stale(
+    tmp_path: Path,
+) -> None:
+    # elche run knew at once; the coordinator learned it only from heartbeats gone
+    # stale (30 s by default), every other rank waiting for the lost one meanwhile.
+    (tmp_path / "go").touch()
+    with session(launch(tmp_path, 3, 8, heartbeat_s=30.0), tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        rank2 = worker_of(proc.pid, 2)
+        assert rank2 is not None, "no rank 2 process"
+        os.kill(rank2, signal.SIGKILL)
+        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    assert returncode == 128 + signal.SIGKILL, err[-3000:]
+    assert sorted(re.findall(r"RETURNED (\d) (\S+)", out)) == [
+        ("0", "completed"), ("1", "completed"),
+    ], out + err[-3000:]  # fmt: skip
+    timeline = timeline_of(tmp_path)
+    assert '"kind":"RankLost","rank":2,"reason":"process ended (killed by signal 9)"' in timeline
+    assert '"lost_samples":0' in timeline
+
+
+def test_a_rank_killed_before_it_joined_the_coordinator_leaves_the_others_the_run(
+    tmp_path: Path,
+) -> None:
+    # Past torch's rendezvous, a rank building its model is not yet the coordinator's:
+    # killed there (say, out of memory), the run waited out its formation timeout
+    # (60 s) and failed. Now the others form it and complete it.
+    with session(launch(tmp_path, 3, 2, heartbeat_s=30.0), tmp_path) as proc:
+        wait_for(tmp_path / "building2", proc)  # rank 2 in its model_fn
+        rank2 = worker_of(proc.pid, 2)
+        assert rank2 is not None, "no rank 2 process"
+        os.kill(rank2, signal.SIGKILL)
+        (tmp_path / "go").touch()
+        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    assert returncode == 128 + signal.SIGKILL, err[-3000:]
+    assert sorted(re.findall(r"RETURNED (\d) (\S+)", out)) == [
+        ("0", "completed"), ("1", "completed"),
+    ], out + err[-3000:]  # fmt: skip
+    assert '"lost_samples":0' in timeline_of(tmp_path)
 
 
 def test_a_run_directory_that_fills_up_says_where_the_bundle_is_on_every_rank(

@@ -458,6 +458,7 @@ def _launch_ranks(args: argparse.Namespace, env: dict[str, str]) -> int:
             return 130
         finally:
             ranks.kill()
+            ranks.close()
             met.unlink(missing_ok=True)
     codes = [proc.wait() for proc in ranks.procs]  # (each has ended)
     if ranks.stopped_early is not None:
@@ -492,6 +493,10 @@ class _Ranks:
     SIGTERM (it ends at once, or runs the script's own handler) and is killed
     ``STARTUP_STOP_GRACE_S`` later if still there (``stopped_early``: the
     signal that came).
+
+    Once the run formed, the exit of a rank but 0 is reported to rank 0 at
+    once (``RANK_EXITS_ENV``, a pipe), which tells its coordinator: the rank
+    is lost then, not when its heartbeats go stale, the run waiting for it.
     """
 
     def __init__(self, met: Path) -> None:
@@ -499,9 +504,33 @@ class _Ranks:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.stopped_early: int | None = None
         self.kill_at: float | None = None  # (monotonic) the stopped ranks' grace ends
+        self._exits, self._exits_out = os.pipe()  # rank 0 reads, the launcher writes
 
     def start(self, command: list[str], env: dict[str, str]) -> None:
-        self.procs.append(subprocess.Popen(command, env=env, process_group=0))
+        from elche.runtime.lifetimes import RANK_EXITS_ENV
+
+        if self.procs:
+            self.procs.append(subprocess.Popen(command, env=env, process_group=0))
+            return
+        env = dict(env, **{RANK_EXITS_ENV: str(self._exits)})  # rank 0's alone
+        try:
+            self.procs.append(
+                subprocess.Popen(command, env=env, process_group=0, pass_fds=(self._exits,))
+            )
+        finally:
+            os.close(self._exits)
+
+    def report_exit(self, proc: subprocess.Popen[bytes]) -> None:
+        """Tell rank 0 that ``proc``, an ended rank but 0, has ended. (Rank 0's own
+        end its coordinator sees: its stdin closes.)"""
+        rank = self.procs.index(proc)
+        if rank != 0:
+            with contextlib.suppress(OSError):  # (a closed pipe: rank 0 has ended)
+                os.write(self._exits_out, f"{rank} {proc.returncode}\n".encode())
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._exits_out)
 
     def forward(self, signum: int) -> None:
         """Pass a stop signal on (run in the signal handler)."""
@@ -551,11 +580,14 @@ def _wait_ranks(ranks: _Ranks) -> int | None:
         ended = [proc for proc in live if proc.poll() is not None]
         live = [proc for proc in live if proc not in ended]
         failed = [proc for proc in ended if proc.returncode != 0]
-        if failed and live and not met.exists() and ranks.stopped_early is None:
+        formed = met.exists()
+        if failed and live and not formed and ranks.stopped_early is None:
             for proc in live:
                 proc.kill()
                 proc.wait()
             return procs.index(failed[0])
+        for proc in ended if formed else ():
+            ranks.report_exit(proc)
     return None
 
 

@@ -44,7 +44,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -77,7 +77,13 @@ from elche.runtime.launch import (
     start_watching,
     with_bundle,
 )
-from elche.runtime.lifetimes import Interrupted, StopSignals, say_ranks_met, watch_launcher
+from elche.runtime.lifetimes import (
+    RANK_EXITS_ENV,
+    Interrupted,
+    StopSignals,
+    say_ranks_met,
+    watch_launcher,
+)
 from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.shared_result import HOLD_S, ResultBoard
 from elche.runtime.worker import raise_if_refused, train_rank
@@ -365,7 +371,8 @@ def _start_on_rank0(
     )
     coordinator = Supervised(host, address, group_port, bundled.config, directory, secret)
     host_box.append(coordinator)
-    watcher = _watch_coordinator(coordinator)
+    lost = _relay_rank_exits(coordinator)
+    watcher = _watch_coordinator(coordinator, lost)
     if signals.received is not None:  # the signal came while the coordinator started
         coordinator.ask_stop(signal.Signals(signals.received).name)
     if advertise is not None:
@@ -503,18 +510,41 @@ def _result_in_run_dir(plan: Plan, hooks: Hooks, directory: Path, t0: float) -> 
     return collect(plan, directory, t0, epochs)
 
 
-def _watch_coordinator(coordinator: Supervised) -> threading.Thread:
-    """Wait on the coordinator on a thread, replacing it while it is lost; ends with it."""
+def _watch_coordinator(coordinator: Supervised, lost: dict[int, int]) -> threading.Thread:
+    """Wait on the coordinator on a thread, replacing it while it is lost; ends with it.
+    ``lost``: the rank processes known gone (rank: exit code), which a successor hears."""
 
     def watch() -> None:
         while True:
             coordinator.host.wait()
-            if not coordinator.replaced({}):
+            if not coordinator.replaced(dict(lost)):
                 return
 
     thread = threading.Thread(target=watch, name="elche-coordinator-watch", daemon=True)
     thread.start()
     return thread
+
+
+def _relay_rank_exits(coordinator: Supervised) -> dict[int, int]:
+    """Rank 0 under ``elche run``: pass the launcher's reports of rank exits
+    (``RANK_EXITS_ENV``: ``RANK CODE`` lines, a negative code the signal that
+    ended it) on to the coordinator, on a thread; the ranks known gone (rank: exit
+    code), filled in as they are reported."""
+    lost: dict[int, int] = {}
+    fd = os.environ.pop(RANK_EXITS_ENV, "")
+    if not fd.isdigit():
+        return lost
+
+    def relay(reports: TextIO) -> None:
+        with reports:
+            for line in reports:  # EOF: the launcher is gone (``watch_launcher`` acts)
+                rank, code = (int(word) for word in line.split())
+                lost[rank] = code
+                _report_lost(coordinator.host, rank, code)
+
+    reports = open(int(fd), encoding="utf-8")  # noqa: SIM115  # the relay's, closed there
+    threading.Thread(target=relay, args=(reports,), name="elche-rank-exits", daemon=True).start()
+    return lost
 
 
 def _run_rank(

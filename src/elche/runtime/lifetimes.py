@@ -50,6 +50,7 @@ __all__ = [
     "EXIT_ORPHANED",
     "ORPHAN_GRACE_S",
     "RANKS_MET_ENV",
+    "RANK_EXITS_ENV",
     "RESUME_HINT",
     "Interrupted",
     "StopSignals",
@@ -76,6 +77,11 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # rendezvous. Until then a rank that fails leaves the others waiting there for
 # it, so the launcher stops them all; after, the run survives the loss.
 RANKS_MET_ENV = "ELCHE_RANKS_MET"
+# Under ``elche run``, in rank 0 alone: the file descriptor where the launcher
+# reports each other rank's exit, one ``RANK CODE`` line each. Rank 0 passes
+# them on to its coordinator, which loses the rank at once: its heartbeats
+# would take ``heartbeat_timeout_s`` (30 s by default), the run waiting for it.
+RANK_EXITS_ENV = "ELCHE_RANK_EXITS"
 
 
 def _resume_from(stem: str) -> str:

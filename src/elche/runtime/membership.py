@@ -3,7 +3,11 @@
 Theory of operation. Without a launcher, generation 0 of the group forms
 at the start over the coordinator's group store (``elche.runtime.groups``);
 under one (``torchrun``, ``elche run``) the launcher's default group is
-generation 0 and is used as is. After a rank is lost the coordinator orders
+generation 0, once a barrier shows every rank still there. A rank lost since
+the launcher's rendezvous (killed while it built its model) fails that
+barrier on every other rank: they let the default group go and form
+generation 0 over the store, which the coordinator re-forms without the lost
+rank. After a rank is lost the coordinator orders
 the survivors into a new generation: each leaves the old group (which may be
 broken), gathers with the new members and forms the new group. A restarted
 coordinator serves a new store, so the client is dropped (``forget_store``)
@@ -37,7 +41,6 @@ class Membership:
         self.port = port
         self.timeout_s = timeout_s
         self.group: dist.ProcessGroup | None = None
-        self.owns_group = True  # False: the launcher's default group, not ours to destroy
         self._store: Store | None = None  # the client of the group store, once formed
         self._forgotten = False  # a restart dropped the client (until the next connection)
 
@@ -59,9 +62,13 @@ class Membership:
         without it (``groups.first_group``), and each moves there.
         """
         if dist.is_initialized():
-            self.group = dist.group.WORLD
-            self.owns_group = False
-            return
+            try:
+                dist.barrier()  # (its timeout is the launcher's)
+            except RuntimeError:  # torch's DistError: a rank is gone since the rendezvous
+                dist.destroy_process_group()
+            else:
+                self.group = dist.group.WORLD
+                return
         generation, members = 0, list(range(world_size))
         while True:
             try:
@@ -137,7 +144,6 @@ class Membership:
             timeout=timedelta(seconds=self.timeout_s),
         )
         self.group = dist.group.WORLD
-        self.owns_group = True
         return True
 
     def leave(self) -> None:
@@ -153,6 +159,6 @@ class Membership:
             self.group = None
 
     def close(self) -> None:
-        """At the end of training: destroy the group if this rank formed it."""
-        if self.group is not None and self.owns_group:
+        """At the end of training: destroy the group."""
+        if self.group is not None:
             dist.destroy_process_group()

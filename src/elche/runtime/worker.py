@@ -229,11 +229,8 @@ class Worker:
         )
 
     def join_group(self) -> None:
-        """Collective modes: form the torch.distributed group over the run dir.
-
-        Under a launcher (``torchrun``, ``elche run``) the default group already
-        exists; it is used as is.
-        """
+        """Collective modes: form the torch.distributed group over the coordinator's
+        group store (``Membership.join_first``)."""
         if self.mode.backend is not Backend.COLLECTIVE or self.spec.world_size < 2:
             return
         self.membership.join_first(self.spec.world_size)
