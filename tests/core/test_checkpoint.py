@@ -137,6 +137,26 @@ def test_a_key_the_writer_always_writes_is_refused_when_missing(key: str) -> Non
         CheckpointMeta.from_json(json.dumps(raw))
 
 
+@pytest.mark.parametrize(
+    ("part", "key", "field"),
+    [("coverage", "uncovered", "uncovered"), ("files", "optim", "files.optim"),
+     ("files", "outer", "files.outer")],
+)  # fmt: skip
+def test_a_nested_key_the_writer_always_writes_is_refused_when_missing(
+    part: str, key: str, field: str
+) -> None:
+    # A coverage entry without its spans read as an epoch fully trained (the rest of
+    # it was skipped, lost 0); files without optim started every optimizer afresh.
+    files = {"model": {"name": "run.s1.model.pt", "size": 1, "sha256": "0" * 64},
+             "optim": {}, "outer": None}  # fmt: skip
+    raw = json.loads(doc(files=files))
+    entry = raw["coverage"][0] if part == "coverage" else raw["files"]
+    CheckpointMeta.from_json(json.dumps(raw))  # whole, it reads
+    del entry[key]
+    with pytest.raises(ConfigError, match=rf"^{field}: is missing from .*damaged or was edited"):
+        CheckpointMeta.from_json(json.dumps(raw))
+
+
 def test_a_meta_before_schema_3_had_no_mode_nor_files() -> None:
     raw = json.loads(doc(schema_version=2))
     del raw["mode"], raw["files"]

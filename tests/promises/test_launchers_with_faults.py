@@ -7,6 +7,7 @@ mid-run, and a local run whose user hooks raise.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -127,3 +128,50 @@ def test_issue12_item13_issue15_item5_a_completed_run_keeps_only_its_record(
     err = capsys.readouterr().err
     assert "files are kept" not in err
     assert f"elche: report at {run_dir / 'report.html'}" in err
+
+
+HANDBACK_SCRIPT = """
+import os, sys
+import elche
+from tests.promises.tiny import make_model, make_optimizer, step
+import torch
+from torch.utils.data import TensorDataset
+
+if __name__ == "__main__":
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    result = elche.train(make_model, make_optimizer, step, data, batch_size=8, epochs=1,
+                         progress=False, heartbeat_timeout_s=5.0, run_dir=sys.argv[1])
+    line = f"RETURNED {os.environ['RANK']} {result.summary['outcome']} {len(result.state_dict)}"
+    sys.stdout.write(line + "\\n")
+"""
+
+
+def test_under_torchrun_a_rank_whose_model_cannot_reach_its_worker_says_which_file(
+    tmp_path: Path,
+) -> None:
+    # The rank's process hands its final model to its torchrun worker through a file
+    # in the run dir; torch.save turned a full disk there into "RuntimeError:
+    # basic_ios::clear: iostream error" with elche's traceback, and the worker said
+    # the rank "was lost; the run goes on without it" after the run had completed.
+    script, run_dir = tmp_path / "train.py", tmp_path / "run"
+    script.write_text(HANDBACK_SCRIPT)
+    run_dir.mkdir()
+    for name in ("rank1.state.pt", "rank1.state.pt.tmp"):  # every write: ENOSPC
+        (run_dir / name).symlink_to("/dev/full")
+    repo = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), str(run_dir)],
+        capture_output=True, text=True, timeout=240, check=False, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert sorted(re.findall(r"RETURNED \d \w+", done.stdout)) == [
+        "RETURNED 0 completed", "RETURNED 1 completed",
+    ], done.stderr[-4000:]  # fmt: skip
+    err = done.stderr
+    path = run_dir / "rank1.state.pt"
+    assert f"[Errno 28] No space left on device: '{path}'" in err, err[-4000:]
+    assert "rank 1 trained to the run's end" in err
+    assert "Traceback" not in err and "basic_ios" not in err, err[-4000:]
+    assert "the run goes on without it" not in err, err[-4000:]

@@ -73,16 +73,33 @@ def test_one_rank_writes_a_bundle_every_checkpoint_every_epochs(tmp_path: Path) 
     run_dir = str(tmp_path / "run")
     result = train(SignalAt(0), save_path=str(stem), checkpoint_every=1, run_dir=run_dir)
     assert result.summary["outcome"] == "completed"
-    assert [b["seq"] for b in result.summary["bundles"]] == [1, 2]  # after epochs 1 and 2
+    assert [b["seq"] for b in result.summary["bundles"]] == [1, 2, 3]  # after epochs 1-3
     meta = read_meta(stem)
     assert (meta.epoch, meta.reason, meta.save_seq, meta.world_size) == (
-        2, SaveReason.CHECKPOINT, 2, 1,
+        3, SaveReason.CHECKPOINT, 3, 1,
     )  # fmt: skip
-    assert meta.global_step == 2 * len(DATA) // BATCH
+    assert meta.global_step == 3 * len(DATA) // BATCH
     assert meta.coverage == ()
     assert meta.files is not None
     kept = sorted(p.name for p in tmp_path.glob("bundle.s*"))
     assert kept == sorted(meta.files.names())  # the superseded save's files are gone
+
+
+def test_a_completed_one_rank_run_resumed_for_more_epochs_trains_only_the_new_ones(
+    tmp_path: Path,
+) -> None:
+    # One rank saved no checkpoint after its last epoch (several ranks do): its bundle
+    # was the one before, and a resume for more epochs trained the last epoch again.
+    stem = tmp_path / "bundle"
+    first = train(SignalAt(0), epochs=2, save_path=str(stem), checkpoint_every=1)
+    assert first.summary["outcome"] == "completed"
+    assert read_meta(stem).epoch == 2
+    more = train(SignalAt(0), epochs=3, resume_from=str(stem))
+    assert [e["epoch"] for e in more.epochs] == [2]
+    assert more.summary["per_rank"][0]["samples"] == len(DATA)  # type: ignore[index]
+    whole = train(SignalAt(0), epochs=3)
+    for name, tensor in whole.state_dict.items():  # the same steps on the same state
+        assert torch.equal(tensor, more.state_dict[name]), name
 
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

@@ -200,3 +200,27 @@ def test_a_stop_whose_save_fails_names_the_runs_last_whole_checkpoint(tmp_path: 
         assert "the stop's save failed" in line and f"last checkpoint, {stem}, is whole" in line
         assert f"resume_from={stem!r}" in line
         assert CheckpointMeta.from_json(meta_path(stem).read_text()).save_seq >= 1
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_rank_whose_span_record_is_refused_trains_on(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # Each rank appends what every round averaged to its own record in the run dir
+    # (an audit trail, not the run's state). A run dir turned read-only mid-run
+    # refused it, and every rank died on the OSError at once: the run ended with
+    # no stop's bundle, and all it trained since its last checkpoint was lost.
+    # Here the record's name is taken by a folder, which refuses it the same way.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "rank0.spans.jsonl").mkdir()
+    result = elche.train(
+        make_model, make_optimizer, step, DATA, batch_size=16, epochs=2, ranks=2,
+        run_dir=str(run_dir), progress=False,
+    )  # fmt: skip
+    assert result.summary["outcome"] == "completed"
+    assert result.summary["dead_ranks"] == [] and result.summary["lost_samples"] == 0
+    err = capfd.readouterr().err
+    assert err.count("elche rank 0: cannot write its record in the run directory") == 1, err
+    assert "failed" not in err, err[-3000:]

@@ -70,9 +70,15 @@ def test_other_param_groups_are_refused_in_torchs_words(tmp_path: Path) -> None:
     assert "parameter groups" in str(misfit(make_optimizer, two_groups, tmp_path))
 
 
-def test_the_same_optimizer_with_other_hyperparameters_resumes(tmp_path: Path) -> None:
+def test_the_same_optimizer_with_other_hyperparameters_resumes_saying_which_it_keeps(
+    tmp_path: Path,
+) -> None:
+    # The saved values win (torch's load_state_dict restores each group's): a resume
+    # with another lr trained on at the old one, and nothing said so.
     path = saved_by(make_optimizer, tmp_path / "optim.pt")
-    _check_optimizer(path, make_model(torch.device("cpu")), momentum_sgd)  # the saved lr wins
+    kept = _check_optimizer(path, make_model(torch.device("cpu")), momentum_sgd)
+    assert kept == ["lr=0.1 (optimizer_fn makes 0.5)", "momentum=0 (optimizer_fn makes 0.9)"]
+    assert _check_optimizer(path, make_model(torch.device("cpu")), make_optimizer) == []
 
 
 def test_a_key_a_newer_torch_added_is_filled_in_not_refused(tmp_path: Path) -> None:
@@ -106,7 +112,7 @@ DATA = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The bundle of a one-rank run with SGD, batch_size 16, after its first epoch."""
+    """The bundle of a one-rank run with SGD, batch_size 16, after its two epochs."""
     stem = str(tmp_path_factory.mktemp("bundle") / "run")
     result = elche.train(
         make_model, make_optimizer, step, DATA, batch_size=16, epochs=2, ranks=1, progress=False,
@@ -140,3 +146,18 @@ def test_resuming_with_accumulate_names_it_beside_batch_size(bundle: str) -> Non
         "batch_size: the checkpoint was saved with batch_size × accumulate = 16 samples per "
         "optimizer step, this run has batch_size=16 × accumulate=2 = 32"
     )
+
+
+@pytest.mark.slow
+def test_resuming_with_another_lr_says_the_bundles_is_kept(
+    bundle: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    result = elche.train(
+        make_model, momentum_sgd, step, DATA, batch_size=16, epochs=3, ranks=1, progress=False,
+        resume_from=bundle, run_dir=str(tmp_path / "run"),
+    )  # fmt: skip
+    assert result.summary["outcome"] == "completed"
+    assert (
+        "elche: resuming: the bundle's optimizer state keeps its own lr=0.1 (optimizer_fn "
+        "makes 0.5); momentum=0 (optimizer_fn makes 0.9): loading it restores them"
+    ) in capfd.readouterr().err

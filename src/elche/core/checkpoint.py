@@ -354,6 +354,9 @@ def _rounds_key(doc: Mapping[str, object], version: int) -> str:
 
 def _coverage(raw: object) -> EpochCoverage:
     doc = _mapping(raw, "coverage")
+    epoch, total = _int(doc, "epoch"), _int(doc, "total_samples")
+    # Without its spans an epoch would read as fully trained: the rest of it, lost.
+    _written(doc, "uncovered", f"the coverage of epoch {epoch}")
     spans: list[tuple[int, int]] = []
     for span in _list(doc, "uncovered"):
         if not (
@@ -363,9 +366,7 @@ def _coverage(raw: object) -> EpochCoverage:
         ):
             raise ConfigError("coverage", f"bad uncovered span {span!r}")
         spans.append((int(span[0]), int(span[1])))
-    return EpochCoverage(
-        epoch=_int(doc, "epoch"), total_samples=_int(doc, "total_samples"), uncovered=tuple(spans)
-    )
+    return EpochCoverage(epoch=epoch, total_samples=total, uncovered=tuple(spans))
 
 
 def _mode(raw: object) -> str | None:
@@ -384,7 +385,11 @@ def _file(raw: object, field: str) -> BundleFile:
 
 def _files(raw: object) -> BundleFiles:
     doc = _mapping(raw, "files")
-    optim = _mapping(doc.get("optim", {}), "files.optim")
+    # Written even when empty or null: one gone would start the ranks' optimizers
+    # (or the outer momentum) afresh, a silent change of what the run trains.
+    for key in ("optim", "outer"):
+        _written(doc, key, "the meta's files", field=f"files.{key}")
+    optim = _mapping(doc["optim"], "files.optim")
     ranks: list[tuple[int, BundleFile]] = []
     for key, entry in optim.items():
         if not key.isdigit():
@@ -396,6 +401,13 @@ def _files(raw: object) -> BundleFiles:
         optim=tuple(sorted(ranks)),
         outer=None if outer is None else _file(outer, "files.outer"),
     )
+
+
+def _written(doc: Mapping[str, object], key: str, where: str, *, field: str = "") -> None:
+    """Refuse ``doc`` (part of a meta) without ``key``, which its writer always writes."""
+    if key not in doc:
+        what = f"is missing from {where}: the meta is damaged or was edited"
+        raise ConfigError(field or key, what)
 
 
 def _mapping(raw: object, field: str) -> Mapping[str, object]:

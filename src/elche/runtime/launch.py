@@ -169,10 +169,6 @@ def _rank_process(
         fns = pickle.loads(fns)
     try:
         _, state = train_rank(spec, fns, batch_size)
-        if state_out is not None:
-            import torch
-
-            torch.save(state, state_out)
     except BaseException as exc:
         # The user's own error: its traceback is the useful part, not elche's frames;
         # of a full or read-only disk (the run directory's), or of a bundle that is no
@@ -188,6 +184,30 @@ def _rank_process(
             (Path(spec.run_dir) / f"rank{spec.rank}.error").write_text(text)
         print(f"elche rank {spec.rank} failed:\n{text}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    if state_out is not None:
+        _hand_back(spec.rank, state, Path(state_out))
+
+
+# A rank process's status when it trained to the run's end but could not write
+# its final model for its torchrun worker (``state_out``): not a rank lost.
+HANDBACK_FAILED = 3
+
+
+def _hand_back(rank: int, state: object, path: Path) -> None:
+    """Write the rank's final model to ``path`` for its torchrun worker, whole or
+    not at all; one that cannot be written is said in the system's words, naming
+    the file (``torch.save`` turns a full disk into ``RuntimeError:
+    basic_ios::clear: iostream error``), and the process ends ``HANDBACK_FAILED``."""
+    import torch
+
+    try:
+        bundle.write_file(path, lambda f: torch.save(state, f), kind="state")
+    except (OSError, RuntimeError) as exc:
+        print(
+            f"elche rank {rank} trained to the run's end, but could not write its model for "
+            f"its worker: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True,
+        )  # fmt: skip
+        raise SystemExit(HANDBACK_FAILED) from None
 
 
 def _report_lost(host: Any, rank: int, code: int | None) -> None:

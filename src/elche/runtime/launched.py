@@ -61,6 +61,7 @@ from elche.runtime.handoff import is_handoff
 from elche.runtime.joining import announce_join
 from elche.runtime.journal_file import JOURNAL_FILE
 from elche.runtime.launch import (
+    HANDBACK_FAILED,
     Supervised,
     _rank_process,
     _report_lost,
@@ -605,9 +606,13 @@ def _train_in_child(
     )
     child.start()
     child.join()
-    if child.exitcode == 0:
-        state = torch.load(out, map_location="cpu")
+    if child.exitcode in (0, HANDBACK_FAILED):
+        done = child.exitcode == 0
+        state = torch.load(out, map_location="cpu") if done else {}
         out.unlink(missing_ok=True)
+        if not done:  # the run has its model (rank 0's result): this worker has none
+            print(f"elche: rank {spec.rank} trained to the run's end; its worker returns the "
+                  "run's result without the model", file=sys.stderr, flush=True)  # fmt: skip
         written = rank_report_file(Path(spec.run_dir), spec.rank)  # not in a full run dir
         return (json.loads(written.read_text()) if written.exists() else {}), state
     if host is not None:

@@ -76,7 +76,13 @@ def check_resume(
     _check_model(paths.model, model)
     used = [rank for rank in sorted(paths.optim) if rank < config.world_size]
     if used:  # every rank's state came from one optimizer_fn: the first tells
-        _check_optimizer(paths.optim[used[0]], model, optimizer_fn)
+        kept = _check_optimizer(paths.optim[used[0]], model, optimizer_fn)
+        if say and kept:
+            print(
+                f"elche: resuming: the bundle's optimizer state keeps its own {'; '.join(kept)}"
+                ": loading it restores them (an epoch_fn can set them)",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
     return meta
 
 
@@ -153,9 +159,11 @@ def _check_model(path: Any, model: torch.nn.Module) -> None:
 
 def _check_optimizer(
     path: Any, model: torch.nn.Module, optimizer_fn: Callable[[Any], torch.optim.Optimizer]
-) -> None:
+) -> list[str]:
     """The state at ``path`` loads into ``optimizer_fn``'s optimizer of ``model`` and
-    gives each param group every key the optimizer's own groups have.
+    gives each param group every key the optimizer's own groups have; returns the
+    hyperparameters it sets to other values than ``optimizer_fn`` does (torch's
+    ``load_state_dict`` restores them: another ``lr`` would otherwise go unsaid).
 
     The keys are compared after the load, which fills in the defaults of keys
     newer torch versions added (each optimizer's ``__setstate__``), so only a
@@ -181,6 +189,7 @@ def _check_optimizer(
     try:
         optimizer.load_state_dict(saved)
         loaded = [set(group) for group in optimizer.param_groups]
+        kept = _kept(own["param_groups"], optimizer.param_groups)
     except (KeyError, TypeError, ValueError) as exc:  # other groups or sizes: torch says which
         raise ConfigError("resume_from", f"{misfit}: {exc}") from None
     finally:
@@ -196,3 +205,19 @@ def _check_optimizer(
                 + "; was it saved with another optimizer? Resume with the optimizer_fn "
                 "of the run that saved it",
             )
+    return kept
+
+
+def _kept(made: list[dict[str, Any]], loaded: list[dict[str, Any]]) -> list[str]:
+    """``key=saved (optimizer_fn makes made)`` for each hyperparameter that differs;
+    the saved ``lr`` is the group's base rate (``initial_lr``: an ``lr_schedule``
+    scales it, so the saved ``lr`` is only where the schedule was)."""
+    several = len(made) > 1
+    kept = []
+    for index, (mine, theirs) in enumerate(zip(made, loaded, strict=True)):
+        for key in sorted(mine.keys() & theirs.keys() - {"params", "initial_lr"}):
+            saved = theirs.get("initial_lr", theirs[key]) if key == "lr" else theirs[key]
+            if mine[key] != saved:
+                where = f" of param group {index}" if several else ""
+                kept.append(f"{key}={saved!r}{where} (optimizer_fn makes {mine[key]!r})")
+    return kept

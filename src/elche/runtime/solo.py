@@ -207,8 +207,9 @@ class _Solo:
         every = cfg.checkpoint_every
         if every and done % every == 0:
             self.checkpoint(done)
-            if done < cfg.epochs:  # the last epoch's model is the result
-                self.save(SaveReason.CHECKPOINT, done, self.holes)
+            # The last epoch's too, as several ranks save it: a resume for more epochs
+            # goes on from it (from the one before, it trained the last epoch again).
+            self.save(SaveReason.CHECKPOINT, done, self.holes)
         self.epochs.append(record)
         if hooks.metrics_fn is not None:
             call_hook("metrics_fn", hooks.metrics_fn, record)

@@ -215,6 +215,7 @@ class Worker:
         self.bridge: Bridge | None = None
         self._faults = [f for f in spec.faults if not f.from_start]  # not fired yet
         self._fail_checkpoint = any(f.from_start for f in spec.faults)
+        self._spans_refused = False  # the run dir refused this rank's span record (said once)
         self._loop_started_s = time.monotonic()  # reset when run() begins (at_s counts from it)
 
     # -- setup ---------------------------------------------------------------
@@ -706,8 +707,15 @@ class Worker:
         spans = [list(batch) for batch in taken]
         label = self.proto.last_round if what is None else what
         line = json.dumps({"round": label, "spans": spans})
-        with rank_spans_file(Path(self.spec.run_dir), self.spec.rank).open("a") as f:
-            f.write(line + "\n")
+        record = rank_spans_file(Path(self.spec.run_dir), self.spec.rank)
+        try:
+            with record.open("a") as f:
+                f.write(line + "\n")
+        except OSError as exc:  # a full or read-only run dir: its coordinator stops the run,
+            if not self._spans_refused:  # and this rank's model goes into the stop's bundle
+                self._spans_refused = True
+                said = f"cannot write its record in the run directory ({exc}); training goes on"
+                print(f"elche rank {self.spec.rank}: {said}", file=sys.stderr, flush=True)
 
     # -- callbacks and saving -----------------------------------------------------
 
