@@ -75,6 +75,9 @@ def test_issue12_item01_survivors_of_a_killed_rank_under_a_launcher_return(
     returned = sorted(re.findall(r"RETURNED \d", done.stdout))
     assert returned == expected, done.stderr[-4000:]
     assert "Process group cannot be None" not in done.stderr
+    # Its launcher (elche run) or worker (torchrun) saw it end, and the coordinator was told
+    # at once; it used to wait for its heartbeats to go stale, every other rank waiting too.
+    assert "rank 1 lost (process ended (" in done.stderr, done.stderr[-4000:]
     lines = [x for x in done.stdout.splitlines() if x.startswith("SUMMARY ")]
     assert len(lines) == len(expected) and len(set(lines)) == 1  # the same on every rank
     summary = json.loads(lines[0].removeprefix("SUMMARY "))

@@ -254,7 +254,7 @@ def _rank_outcome(
     before it raises that error.
     """
     try:
-        report, state = _run_rank(spec, fns, batch_size, host)
+        report, state = _run_rank(spec, fns, batch_size, host, results)
     except TrainingError as exc:
         if host is None:
             results.leave()
@@ -372,7 +372,13 @@ def _start_on_rank0(
     )
     coordinator = Supervised(host, address, group_port, bundled.config, directory, secret)
     host_box.append(coordinator)
-    lost = _relay_rank_exits(coordinator)
+    lost: dict[int, int | None] = {}  # the rank processes known gone: rank, exit code
+
+    def rank_exited(rank: int, code: int | None) -> None:
+        lost[rank] = code
+        _report_lost(coordinator.host, rank, code)  # the one up now
+
+    _relay_rank_exits(rank_exited)
     watcher = _watch_coordinator(coordinator, lost)
     if signals.received is not None:  # the signal came while the coordinator started
         coordinator.ask_stop(signal.Signals(signals.received).name)
@@ -380,6 +386,7 @@ def _start_on_rank0(
         address = f"tcp://{advertise}:{address.rsplit(':', 1)[1]}"
     announce_join(address, group_port, directory, secret, bundled.config)
     results = ResultBoard.serve()
+    results.watch_exits(range(1, plan.config.world_size), rank_exited)  # torchrun's children
     board = start_watching(bundled, directory, dashboard, tensorboard_dir)
     shared = _Shared(
         address=address, secret_hex=secret.hex(), directory=str(directory), port=results.port,
@@ -511,7 +518,7 @@ def _result_in_run_dir(plan: Plan, hooks: Hooks, directory: Path, t0: float) -> 
     return collect(plan, directory, t0, epochs)
 
 
-def _watch_coordinator(coordinator: Supervised, lost: dict[int, int]) -> threading.Thread:
+def _watch_coordinator(coordinator: Supervised, lost: dict[int, int | None]) -> threading.Thread:
     """Wait on the coordinator on a thread, replacing it while it is lost; ends with it.
     ``lost``: the rank processes known gone (rank: exit code), which a successor hears."""
 
@@ -526,26 +533,22 @@ def _watch_coordinator(coordinator: Supervised, lost: dict[int, int]) -> threadi
     return thread
 
 
-def _relay_rank_exits(coordinator: Supervised) -> dict[int, int]:
-    """Rank 0 under ``elche run``: pass the launcher's reports of rank exits
-    (``RANK_EXITS_ENV``: ``RANK CODE`` lines, a negative code the signal that
-    ended it) on to the coordinator, on a thread; the ranks known gone (rank: exit
-    code), filled in as they are reported."""
-    lost: dict[int, int] = {}
+def _relay_rank_exits(rank_exited: Callable[[int, int | None], None]) -> None:
+    """Rank 0 under ``elche run``: call ``rank_exited`` for each of the launcher's
+    reports of a rank's exit (``RANK_EXITS_ENV``: ``RANK CODE`` lines, a negative
+    code the signal that ended it), on a thread."""
     fd = os.environ.pop(RANK_EXITS_ENV, "")
     if not fd.isdigit():
-        return lost
+        return
 
     def relay(reports: TextIO) -> None:
         with reports:
             for line in reports:  # EOF: the launcher is gone (``watch_launcher`` acts)
                 rank, code = (int(word) for word in line.split())
-                lost[rank] = code
-                _report_lost(coordinator.host, rank, code)
+                rank_exited(rank, code)
 
     reports = open(int(fd), encoding="utf-8")  # noqa: SIM115  # the relay's, closed there
     threading.Thread(target=relay, args=(reports,), name="elche-rank-exits", daemon=True).start()
-    return lost
 
 
 def _run_rank(
@@ -553,11 +556,12 @@ def _run_rank(
     fns: UserFns,
     batch_size: int,
     host: Supervised | None,
+    results: ResultBoard,
 ) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     """Train the rank, here or in a child (``_supervises``); its report and model."""
     if _supervises(fns):
         dist.destroy_process_group()  # the rank's own process forms its group
-        return _train_in_child(spec, fns, batch_size, host)
+        return _train_in_child(spec, fns, batch_size, host, results)
     try:
         return train_rank(spec, fns, batch_size)
     finally:
@@ -589,13 +593,17 @@ def _supervises(fns: UserFns) -> bool:
 
 
 def _train_in_child(
-    spec: RankSpec, fns: UserFns, batch_size: int, host: Supervised | None
+    spec: RankSpec,
+    fns: UserFns,
+    batch_size: int,
+    host: Supervised | None,
+    results: ResultBoard,
 ) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     """Run rank ``spec.rank`` in a child process; its report and final model.
 
-    A child that dies is reported to the coordinator (rank 0, which has it)
-    or noticed by its heartbeat; this worker then returns an empty model and
-    the run goes on without the rank.
+    A child that dies is reported to the coordinator: by rank 0, which has
+    it, or on the result board, where rank 0 watches; this worker then
+    returns an empty model and the run goes on without the rank.
     """
     out = Path(spec.run_dir) / f"rank{spec.rank}.state.pt"
     child = mp.get_context("spawn").Process(
@@ -617,6 +625,8 @@ def _train_in_child(
         return (json.loads(written.read_text()) if written.exists() else {}), state
     if host is not None:
         _report_lost(host.host, spec.rank, child.exitcode)  # the one up now
+    else:
+        results.say_exit(spec.rank, child.exitcode)  # rank 0 tells its coordinator
     print(f"elche: rank {spec.rank} was lost (its process ended with {child.exitcode}); "
           "the run goes on without it", file=sys.stderr, flush=True)  # fmt: skip
     return {"stopped": CHILD_LOST}, {}

@@ -8,13 +8,21 @@ group); every other rank waits there for the result and says it has read
 it, and rank 0 keeps the store up until each rank has (at most ``HOLD_S``:
 a rank that died reads nothing, and one that comes later gets no summary).
 A rank that leaves without the result (its own error) says so at once.
+
+Under ``torchrun`` each rank trains in a child of its worker process
+(``launched._supervises``); a worker whose child died says so on the board
+(``say_exit``), and rank 0, watching (``watch_exits``), tells its
+coordinator, which loses that rank at once rather than when its heartbeats
+go stale.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +32,10 @@ __all__ = ["ResultBoard"]
 
 _RESULT_KEY = "elche/result"
 _GONE_KEY = "elche/gone"
+_EXITS_KEY = "elche/exits"  # how many ranks said their process ended
+_EXIT_KEY = "elche/exit/"  # + the rank: its process's exit code
+# How often rank 0 looks for the ranks' exits on the board.
+_WATCH_S = 0.2
 # How long rank 0 keeps the result up for ranks that have not read it yet. The
 # others finish training before rank 0 (it waits for the coordinator), so they
 # are waiting when it publishes; a rank that died reads nothing, and a run
@@ -73,6 +85,40 @@ class ResultBoard:
             doc = None
         self.leave()
         return doc if isinstance(doc, dict) else None
+
+    def say_exit(self, rank: int, code: int | None) -> None:
+        """Another rank's worker: rank ``rank``'s process ended with ``code`` (negative:
+        the signal that ended it)."""
+        with contextlib.suppress(RuntimeError):  # rank 0 is gone: its coordinator too
+            self.store.set(f"{_EXIT_KEY}{rank}", str(code))
+            self.store.add(_EXITS_KEY, 1)
+
+    def watch_exits(self, ranks: Iterable[int], on_exit: Callable[[int, int | None], None]) -> None:
+        """Rank 0: call ``on_exit(rank, code)`` for each of ``ranks`` whose process ended
+        (``say_exit``), on a thread of its own with its own connection to the board."""
+        watcher = _TCPStore(
+            "127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=_WATCH_S * 10)
+        )
+        pending = set(ranks)
+
+        def watch() -> None:
+            seen = 0
+            while pending:
+                time.sleep(_WATCH_S)  # polling a counter: the store has no notification
+                try:
+                    said = watcher.add(_EXITS_KEY, 0)
+                    if said == seen:
+                        continue
+                    seen = said
+                    for rank in sorted(pending):
+                        if watcher.check([f"{_EXIT_KEY}{rank}"]):
+                            pending.discard(rank)
+                            code = watcher.get(f"{_EXIT_KEY}{rank}").decode()
+                            on_exit(rank, None if code == "None" else int(code))
+                except RuntimeError:  # the board is closed: the run is over
+                    return
+
+        threading.Thread(target=watch, name="elche-rank-exits-board", daemon=True).start()
 
     def leave(self) -> None:
         """Another rank: this rank reads nothing more."""
