@@ -84,8 +84,9 @@ class ResultBoard:
             self.store.wait([_RESULT_KEY], timedelta(seconds=timeout_s))
             return json.loads(self.store.get(_RESULT_KEY))
 
-        doc = _bounded(wait_and_get, timeout_s + GRACE_S)
-        self.leave()
+        answered, doc = _bounded(wait_and_get, timeout_s + GRACE_S)
+        if answered:  # (a client stuck in a call takes no other)
+            self.leave()
         return doc if isinstance(doc, dict) else None
 
     def leave(self) -> None:
@@ -97,10 +98,10 @@ class ResultBoard:
 T = TypeVar("T")
 
 
-def _bounded(call: Callable[[], T], timeout_s: float) -> T | None:
-    """``call()`` on a thread: what it returned, or None when it raised torch's store
-    error (a ``RuntimeError``) or bad JSON, or did not return within ``timeout_s``
-    (the thread is left to it)."""
+def _bounded(call: Callable[[], T], timeout_s: float) -> tuple[bool, T | None]:
+    """``call()`` on a thread: whether it ended within ``timeout_s`` (else the thread
+    is left to it), and what it returned (None when it raised torch's store error,
+    a ``RuntimeError``, or bad JSON)."""
     done: Future[T | None] = Future()
 
     def attempt() -> None:
@@ -113,6 +114,6 @@ def _bounded(call: Callable[[], T], timeout_s: float) -> T | None:
 
     threading.Thread(target=attempt, name="elche-result-board", daemon=True).start()
     try:
-        return done.result(timeout=timeout_s)
+        return True, done.result(timeout=timeout_s)
     except FutureTimeout:
-        return None
+        return False, None
