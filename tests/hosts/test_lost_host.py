@@ -1,6 +1,6 @@
 """Three hosts with private /tmp each, one rank per host under torchrun (issue 14 item 3).
 
-Two real runs, each shared by several assertions (a host lost under static
+Three real runs, each shared by several assertions (a host lost under static
 rendezvous is in ``test_join_hosts.py``, after a fourth host joined):
 
 - c10d rendezvous (so rank 0 may land on any host): every process of a host
@@ -9,7 +9,9 @@ rendezvous is in ``test_join_hosts.py``, after a fourth host joined):
   losing a sample;
 - static rendezvous (``--master-addr``): a host is cut off (no traffic either
   way) after the first epoch until it is declared lost, then let back; the run
-  completes without it, and its rank, refused, raises ``elche.RankExcluded``.
+  completes without it, and its rank, refused, raises ``elche.RankExcluded``;
+- static rendezvous: rank 0's host is cut off for good; rank 0 saves the run,
+  and the ranks on the other hosts end, refused, with their state kept.
 """
 
 from __future__ import annotations
@@ -60,17 +62,24 @@ def rendezvous(kind: str, host: int, port: int) -> list[str]:
 
 
 def start_torchrun(
-    rig: Rig, kind: str, epochs: int, env: dict[str, str] | None = None
+    rig: Rig,
+    kind: str,
+    epochs: int,
+    env: dict[str, str] | None = None,
+    procs: list[subprocess.Popen[bytes]] | None = None,
 ) -> list[Path]:
-    """The script under torchrun on hosts 0-2, one rank each; their logs (on each host)."""
+    """The script under torchrun on hosts 0-2, one rank each; their logs (on each host).
+    ``procs`` receives the three torchrun processes."""
     port = rig.free_port(0)
     logs = [rig.tmp(i) / "torchrun.log" for i in range(3)]
     for i in range(3):
         with logs[i].open("w") as log:
-            rig.spawn(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "3",
-                          "--nproc-per-node", "1", *rendezvous(kind, i, port),
-                          str(SCRIPT), str(epochs)],
-                      env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+            proc = rig.spawn(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "3",
+                                 "--nproc-per-node", "1", *rendezvous(kind, i, port),
+                                 str(SCRIPT), str(epochs)],
+                             env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+            if procs is not None:
+                procs.append(proc)
     return logs
 
 
@@ -157,6 +166,40 @@ def test_a_partitioned_host_is_declared_lost_and_refused_when_it_is_back() -> No
     # sample is counted once (1,437 training samples an epoch).
     end = next(e for e in events if e.get("kind") == "RunEnd")
     assert sum(end["samples_per_rank"]) == EPOCHS * 1437  # type: ignore[arg-type]
+
+
+def test_ranks_cut_off_from_rank_0s_host_for_good_end_refused() -> None:
+    # Rank 0's host (the coordinator's) drops off the network for good (power lost,
+    # say) after the first epoch. Rank 0, alone there, saves and ends the run;
+    # the others keep their state, wait for rank 0's summary (none can come) and
+    # then end, refused, as docs/launching.md says. They waited in torch's store
+    # client for good instead: its wait's cancel reads the answer with no timeout.
+    procs: list[subprocess.Popen[bytes]] = []
+    with Rig(3) as rig:
+        logs = start_torchrun(rig, "static", EPOCHS, procs=procs)
+        path = wait_for(
+            "rank 0's timeline",
+            lambda: next(iter(rig.tmp(0).glob("elche-run-*/timeline.jsonl")), None),
+        )
+        wait_for("the first epoch", lambda: "EpochEnd" in path.read_text() or None)
+        rig.partition(0)
+        excluded = [
+            wait_for(f"rank {i} to end", lambda i=i: _line(logs[i], "EXCLUDED ") or None)
+            for i in (1, 2)
+        ]
+        codes = [wait_for(f"torchrun on h{i} to end", lambda i=i: procs[i].poll()) for i in (1, 2)]
+        text = wait_for("rank 0 to return", lambda: _line(logs[0], "SUMMARY ") or None)
+        kept = {i: sorted(p.name for p in rig.tmp(i).glob("elche-run-*/*")) for i in (1, 2)}
+    summary = json.loads(text.removeprefix("SUMMARY "))
+    assert summary["outcome"] == "saved_and_shutdown", summary
+    assert summary["reason"] == "single_survivor" and summary["dead_ranks"] == [1, 2]
+    assert summary["lost_samples"] == 0
+    for rank, line in zip((1, 2), excluded, strict=True):
+        assert line.startswith(f"EXCLUDED {rank} lost the coordinator (no word"), line
+        assert line.endswith("and rank 0 shared no summary (none came)"), line
+    assert codes == [1, 1], codes  # torchrun's agent: its worker exited 3 (EXCLUDED)
+    for i in (1, 2):  # each kept its own state on its own host
+        assert {f"rank{i}.local.json", f"checkpoint.rank{i}.local.model.pt"} <= set(kept[i]), kept
 
 
 def _line(log: Path, prefix: str) -> str:

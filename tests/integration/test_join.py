@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -43,10 +43,15 @@ def _result(output: str) -> dict[str, object]:
 
 @contextlib.contextmanager
 def _run_and_join(
-    tmp_path: Path, run_dir: Path, *, new_session: bool = False
+    tmp_path: Path,
+    run_dir: Path,
+    *,
+    new_session: bool = False,
+    before: Callable[[re.Match[str], dict[str, str]], None] | None = None,
 ) -> Iterator[tuple[subprocess.Popen[str], subprocess.Popen[str], list[str]]]:
-    """Start the three-rank run, read its join line, start the joiner; both, and the
-    run's stderr lines so far. Whichever is still running afterwards is killed."""
+    """Start the three-rank run, read its join line, call ``before`` (the line and the
+    joiner's environment), start the joiner; both, and the run's stderr lines so far.
+    Whichever is still running afterwards is killed."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", JOIN_SCRIPT_RUN_DIR=str(run_dir))
     env.pop("ELCHE_SECRET", None)  # the run generates its secret: the join line says where
     run = subprocess.Popen(
@@ -66,6 +71,8 @@ def _run_and_join(
         assert match is not None, "".join(seen)
         secret = Path(match["secret"]).read_text(encoding="utf-8")
         assert oct(Path(match["secret"]).stat().st_mode & 0o777) == "0o600"
+        if before is not None:
+            before(match, dict(env, ELCHE_SECRET=secret))
         joiner = subprocess.Popen(
             [sys.executable, "-m", "elche.cli", "join", match["address"], "--store-port",
              match["port"], "--speed", "0.1", str(SCRIPT), str(EPOCHS)],
@@ -118,6 +125,42 @@ def test_a_rank_joins_a_running_run_and_trains_a_share(tmp_path: Path) -> None:
     own = _result(joined_out)
     assert own["joined_as"] == 3 and own["stopped"] == "completed"
     assert "as rank 3" in joined_err
+
+
+def test_a_join_with_a_wrong_secret_or_port_is_refused_by_name_and_takes_no_slot(
+    tmp_path: Path,
+) -> None:
+    # Both were found by the coordinator's silence alone: the joiner said after 10 s
+    # that it had lost the coordinator, and the slot it took stayed taken.
+    tried: list[subprocess.CompletedProcess[str]] = []
+
+    def wrong_joins(match: re.Match[str], env: dict[str, str]) -> None:
+        host, _, port = match["address"].rpartition(":")
+        for address, secret in ((match["address"], "ab" * 32), (f"{host}:{int(port) + 1}", None)):
+            tried.append(subprocess.run(
+                [sys.executable, "-m", "elche.cli", "join", address, "--store-port",
+                 match["port"], str(SCRIPT), str(EPOCHS)],
+                env=dict(env, ELCHE_SECRET=secret or env["ELCHE_SECRET"]), cwd=tmp_path,
+                capture_output=True, text=True, timeout=120, check=False,
+            ))  # fmt: skip
+
+    run_dir = tmp_path / "run"
+    with _run_and_join(tmp_path, run_dir, before=wrong_joins) as (run, joiner, seen):
+        _, joined_err = joiner.communicate(timeout=240)
+        run_out, _ = run.communicate(timeout=60)
+    wrong_secret, wrong_port = tried
+    assert wrong_secret.returncode != 0
+    assert "ConfigError: ELCHE_SECRET: is not the secret of the run at" in wrong_secret.stderr, (
+        wrong_secret.stderr
+    )
+    assert wrong_port.returncode != 0
+    assert "ConfigError: address: the run's coordinator listens at port" in wrong_port.stderr, (
+        wrong_port.stderr
+    )
+    assert "as rank 3" in joined_err, joined_err  # neither took a slot
+    summary = _result(run_out)
+    assert summary["outcome"] == "completed", "".join(seen) + str(summary)
+    assert summary["joined_ranks"] == [3] and summary["lost_samples"] == 0
 
 
 def test_ctrl_c_of_a_joined_rank_ends_it_in_one_line_and_the_run_goes_on(

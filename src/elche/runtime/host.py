@@ -649,7 +649,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     port = int(os.environ.get(GROUPS_PORT_ENV, "0"))  # a successor's: its predecessor's
     groups = None
     if collective:
-        info = joining.store_info(config, run_dir, config_to_json(config))
+        info = joining.store_info(
+            config, run_dir, config_to_json(config), address=endpoint.address,
+            secret=endpoint.secret,
+        )  # fmt: skip
         counters = {joining.JOINED_KEY: _slots_used(config, restore)}
         groups = GroupStoreServer(listen(bind, port), info=info, counters=counters)
     said = f" {GROUPS_FIELD}{groups.port}" if groups is not None else ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import signal
@@ -16,10 +17,21 @@ from elche.core.config import RANDOM_SHUFFLE, CoordinatorConfig
 from elche.core.errors import ConfigError, RankExcluded, TrainingError
 from elche.core.rank import COORDINATOR_LOST, FAILED, SAVED
 from elche.runtime.frames import SECRET_ENV
-from elche.runtime.joining import JOIN_ENV, JOIN_SPEED_ENV, JOIN_STORE_ENV, JOINED_KEY, KEY
+from elche.runtime.joining import (
+    CONTROL_PORT_KEY,
+    JOIN_ENV,
+    JOIN_SPEED_ENV,
+    JOIN_STORE_ENV,
+    JOINED_KEY,
+    KEY,
+    SECRET_CHECK_KEY,
+    secret_check,
+)
 from elche.runtime.lifetimes import Interrupted, StopSignals
 
 if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
     from elche.runtime.plan import Hooks, Plan, TrainResult
     from elche.runtime.worker import UserFns
 
@@ -70,6 +82,7 @@ def train_joined(
             f"no run answers at {address} (group store port {port}) after {timeout_s:.0f} s: "
             f"it has ended, or this host cannot reach it ({first})",
         ) from None
+    _check_address_and_secret(store, address, secret)
     world = int(store.get(KEY + "world_size"))
     slots = int(store.get(KEY + "join_slots"))
     run = json.loads(store.get(KEY + "config"))
@@ -123,6 +136,30 @@ def _check_listening(address: str, port: int) -> None:
             f"no run answers at {address} (group store port {port}): it has ended, or this "
             f"host cannot reach it ({exc})",
         ) from None
+
+
+def _check_address_and_secret(store: Store, address: str, secret: str) -> None:
+    """The run's store says the joiner's control port and secret are the run's, or a
+    ``ConfigError`` names the wrong one before a slot is taken. (Both were found only
+    by the coordinator's silence: the joiner gave up after 10 s, saying it had lost the
+    coordinator, and its slot stayed taken.)"""
+    port = store.get(CONTROL_PORT_KEY).decode()
+    given = address.rpartition(":")[2]
+    if given != port:
+        raise ConfigError(
+            "address",
+            f"the run's coordinator listens at port {port}, not {given} (the run's join "
+            "line says its address)",
+        )
+    try:
+        key = bytes.fromhex(secret)
+    except ValueError:
+        raise ConfigError(SECRET_ENV, "is not hex (the run's join line says where it is)") from None
+    if not hmac.compare_digest(store.get(SECRET_CHECK_KEY).decode(), secret_check(key)):
+        raise ConfigError(
+            SECRET_ENV,
+            f"is not the secret of the run at {address} (the run's join line says where it is)",
+        )
 
 
 def _leave(rank: int, signum: int) -> None:

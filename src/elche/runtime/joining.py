@@ -27,6 +27,7 @@ nothing of the launcher: the joiner's side is ``elche.runtime.joined``).
 
 from __future__ import annotations
 
+import hmac
 import os
 import shlex
 import subprocess
@@ -54,16 +55,35 @@ SECRET_FILE = "join.secret"  # in the run dir, owner-only: the secret of a gener
 
 KEY = "elche/"  # the store's keys for joiners
 JOINED_KEY = KEY + "joined"  # a counter: slots taken so far
+CONTROL_PORT_KEY = KEY + "control_port"  # the coordinator's port (its host is the store's)
+SECRET_CHECK_KEY = KEY + "secret_check"  # ``secret_check(secret)``
 
 
-def store_info(config: CoordinatorConfig, run_dir: Path, config_json: str) -> dict[str, str]:
-    """What the group store holds for joiners (keys and values)."""
+def store_info(
+    config: CoordinatorConfig, run_dir: Path, config_json: str, *, address: str, secret: bytes
+) -> dict[str, str]:
+    """What the group store holds for joiners (keys and values).
+
+    Besides the run's shape: the coordinator's control port and a check of
+    the secret (an HMAC of a fixed text under it: the store is not
+    authenticated, and the check gives nothing away to forge a frame with),
+    so that a joiner with a wrong port or secret is told so by name before
+    it takes a slot, not after 10 s of silence from a coordinator that
+    never heard it.
+    """
     return {
         KEY + "world_size": str(config.world_size),
         KEY + "join_slots": str(config.join_slots),
         KEY + "config": config_json,
         KEY + "run_dir": str(run_dir),
+        CONTROL_PORT_KEY: address.rpartition(":")[2],
+        SECRET_CHECK_KEY: secret_check(secret),
     }
+
+
+def secret_check(secret: bytes) -> str:
+    """What the store holds to tell a joiner whether its secret is the run's."""
+    return hmac.new(secret, b"elche join: secret check", "sha256").hexdigest()
 
 
 def announce_join(

@@ -9,6 +9,12 @@ it, and rank 0 keeps the store up until each rank has (at most ``HOLD_S``:
 a rank that died reads nothing, and one that comes later gets no summary).
 A rank that leaves without the result (its own error) says so at once.
 
+A reader's every call to the store runs on a thread of its own and is
+waited for with a bound (``_bounded``): torch's client does not keep its
+timeout when rank 0's host is off the network (a wait that times out asks
+the store to cancel it and reads the answer with no timeout), so a rank
+that lost rank 0's host for good never ended.
+
 Under ``torchrun`` each rank trains in a child of its worker process
 (``launched._supervises``); a worker whose child died says so on the board
 (``say_exit``), and rank 0, watching (``watch_exits``), tells its
@@ -18,13 +24,14 @@ go stale.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -42,6 +49,9 @@ _WATCH_S = 0.2
 # whose launcher is gone must end within the orphan bound (ORPHAN_GRACE_S).
 HOLD_S = 2.0
 _POLL_S = 0.05
+# How long past its own timeout a reader's call to the store may take before the
+# reader gives up on it (torch's own error, had it kept its timeout, comes first).
+GRACE_S = 5.0
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]  # exported at runtime
 
 
@@ -77,21 +87,27 @@ class ResultBoard:
             time.sleep(_POLL_S)  # polling a counter: the store has no wait-for-count
 
     def read(self, timeout_s: float) -> dict[str, object] | None:
-        """Another rank: the result rank 0 published (None: none came in ``timeout_s``)."""
-        try:
+        """Another rank: the result rank 0 published (None: none came in ``timeout_s``,
+        plus at most ``GRACE_S``, whatever the network does)."""
+
+        def wait_and_get() -> object:
             self.store.wait([_RESULT_KEY], timedelta(seconds=timeout_s))
-            doc = json.loads(self.store.get(_RESULT_KEY))
-        except (RuntimeError, ValueError):  # DistStoreError is a RuntimeError
-            doc = None
-        self.leave()
+            return json.loads(self.store.get(_RESULT_KEY))
+
+        answered, doc = _bounded(wait_and_get, timeout_s + GRACE_S)
+        if answered:  # (a client stuck in a call takes no other)
+            self.leave()
         return doc if isinstance(doc, dict) else None
 
     def say_exit(self, rank: int, code: int | None) -> None:
         """Another rank's worker: rank ``rank``'s process ended with ``code`` (negative:
         the signal that ended it)."""
-        with contextlib.suppress(RuntimeError):  # rank 0 is gone: its coordinator too
+
+        def say() -> None:
             self.store.set(f"{_EXIT_KEY}{rank}", str(code))
             self.store.add(_EXITS_KEY, 1)
+
+        _bounded(say, GRACE_S)  # (rank 0 gone, or its host cut off: nobody to tell)
 
     def watch_exits(self, ranks: Iterable[int], on_exit: Callable[[int, int | None], None]) -> None:
         """Rank 0: call ``on_exit(rank, code)`` for each of ``ranks`` whose process ended
@@ -121,6 +137,30 @@ class ResultBoard:
         threading.Thread(target=watch, name="elche-rank-exits-board", daemon=True).start()
 
     def leave(self) -> None:
-        """Another rank: this rank reads nothing more."""
-        with contextlib.suppress(RuntimeError):  # rank 0 is gone already
-            self.store.add(_GONE_KEY, 1)
+        """Another rank: this rank reads nothing more (said within ``GRACE_S``, or not:
+        rank 0 holds the result only ``HOLD_S`` for it anyway)."""
+        _bounded(lambda: self.store.add(_GONE_KEY, 1), GRACE_S)
+
+
+T = TypeVar("T")
+
+
+def _bounded(call: Callable[[], T], timeout_s: float) -> tuple[bool, T | None]:
+    """``call()`` on a thread: whether it ended within ``timeout_s`` (else the thread
+    is left to it), and what it returned (None when it raised torch's store error,
+    a ``RuntimeError``, or bad JSON)."""
+    done: Future[T | None] = Future()
+
+    def attempt() -> None:
+        try:
+            done.set_result(call())
+        except (RuntimeError, ValueError):  # DistStoreError is a RuntimeError
+            done.set_result(None)
+        except BaseException as exc:  # raised by ``result``, in the caller's thread
+            done.set_exception(exc)
+
+    threading.Thread(target=attempt, name="elche-result-board", daemon=True).start()
+    try:
+        return True, done.result(timeout=timeout_s)
+    except FutureTimeout:
+        return False, None
