@@ -10,7 +10,7 @@ from elche.core.commands import Broadcast, Emit, Send
 from elche.core.config import Mode
 from elche.core.coordinator import RankState, RunState
 from elche.core.errors import ConfigError
-from elche.core.events import RankJoined, RankLost
+from elche.core.events import RankJoined, RankLost, StopRequested
 
 from .harness import Harness, config, messages
 
@@ -153,3 +153,22 @@ def test_bad_join_slots_are_config_errors(overrides: dict[str, object], field: s
     with pytest.raises(ConfigError) as info:
         config(**overrides)
     assert info.value.field == field
+
+
+def test_a_join_still_waiting_when_the_run_stops_hears_how_it_ended() -> None:
+    # Not live, it was told nothing: it waited out its silence and raised
+    # RankExcluded ("lost the coordinator") beside a run that was saved.
+    h = Harness(world_size=2, join_slots=1, num_samples=3200, epochs=2, save_path="/b/run")
+    h.form()
+    h.train_window()
+    h.feed(RankJoined(rank=2))
+    h.feed(StopRequested(reason="SIGTERM"))  # the round first, then the save: not admitted
+    number = h.core.round.number
+    for rank in (0, 1):
+        h.send(rank, m.SyncAck(round=number, steps=h.core.work.steps_since_sync(rank)))
+    assert h.core.rank_state[2] is RankState.VACANT
+    out = h.answer_saves()
+    ends = [c for c in out if isinstance(c, Broadcast) and isinstance(c.message, m.Shutdown)]
+    assert ends == [
+        Broadcast(ranks=(0, 1, 2), message=m.Shutdown(writer=-1, saved="graceful_shutdown"))
+    ]

@@ -27,7 +27,7 @@ def records(h: Harness) -> list[JournalRecord]:
 def restart(h: Harness, record: JournalRecord) -> Harness:
     """A new coordinator from ``record``; the live ranks rejoin with what they hold."""
     h2 = Harness(h.cfg)
-    h2.core = Coordinator.restore(h.cfg, record)
+    h2.core = Coordinator.restore(h.cfg, record, last_save=0)
     h2.feed(Started())
     for rank in range(h.cfg.world_size):
         h2.last_round[rank] = h.last_round[rank]
@@ -147,7 +147,7 @@ def test_a_rank_that_rejoins_past_the_journal_or_with_nothing_is_evicted() -> No
     h.run_to_end(until=lambda: h.core.rounds_done >= 3)
     old = [r for r in records(h) if r.rounds_done == 1][-1]
     h2 = Harness(h.cfg)
-    h2.core = Coordinator.restore(h.cfg, old)
+    h2.core = Coordinator.restore(h.cfg, old, last_save=0)
     h2.feed(Started())
     h2.feed(RankJoined(rank=0, held=h.held(0)))  # at round 3: the journal is at round 1
     h2.feed(RankJoined(rank=1))  # holds nothing
@@ -200,7 +200,7 @@ def test_a_journal_of_another_world_size_is_refused_naming_it() -> None:
     h = Harness(world_size=2, epochs=1, num_samples=640)
     h.form()
     with pytest.raises(ConfigError, match="journal"):
-        Coordinator.restore(config(world_size=3), records(h)[-1])
+        Coordinator.restore(config(world_size=3), records(h)[-1], last_save=0)
 
 
 def test_claim_carves_exactly_the_span_out_of_the_reclaimed_queue() -> None:
@@ -251,7 +251,7 @@ def test_a_rank_that_does_not_rejoin_in_two_heartbeat_timeouts_is_lost_its_work_
     h.run_to_end(until=lambda: h.core.rounds_done >= 3)
     record = records(h)[-1]
     h2 = Harness(h.cfg)
-    h2.core = Coordinator.restore(h.cfg, record)
+    h2.core = Coordinator.restore(h.cfg, record, last_save=0)
     h2.feed(Started(), at=100.0)
     for rank in (0, 1):  # rank 2 is stalled: it never rejoins
         h2.last_round[rank], h2.since[rank] = h.last_round[rank], list(h.since[rank])
@@ -276,7 +276,7 @@ def test_a_stop_while_the_ranks_rejoin_a_restored_coordinator_saves_once_they_ha
     saving = dataclasses.replace(h.cfg, save_path="/tmp/bundle")
     record = records(h)[-1]
     h2 = Harness(saving)
-    h2.core = Coordinator.restore(saving, record)
+    h2.core = Coordinator.restore(saving, record, last_save=0)
     h2.feed(Started())
     out = h2.feed(StopRequested(reason="SIGINT"))
     assert h2.core.state is RunState.FORMING and not of(out, Finish)

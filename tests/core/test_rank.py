@@ -281,7 +281,7 @@ def test_shutdown_with_save_saves_then_holds(writer: int, is_writer: bool) -> No
 
 
 def test_a_rank_not_asked_to_save_learns_the_run_stopped_short_from_the_last_shutdown() -> None:
-    # A join not yet admitted when the run stopped and saved: it was told nothing
+    # A joiner not yet in a round when the run stopped and saved: it was told nothing
     # but the last Shutdown, and took the run for completed.
     p = proto(rank=3)
     p.handle(m.Shutdown(writer=-1, saved="graceful_shutdown"))

@@ -38,7 +38,7 @@ def test_a_training_run_saves_a_graceful_bundle_and_stops() -> None:
     (write,) = of(out, WriteMeta)
     assert write.meta.reason is SaveReason.GRACEFUL_SHUTDOWN  # type: ignore[attr-defined]
     assert of(out, Finish) == [Finish(outcome="saved_and_shutdown", reason="graceful_shutdown")]
-    # The last Shutdown says why, for a rank that was not asked to save (a pending join).
+    # The last Shutdown says why, for a rank that was not asked to save (a joiner).
     assert messages(out, m.Shutdown) == [m.Shutdown(writer=-1, saved="graceful_shutdown")]
 
 

@@ -33,7 +33,9 @@ def test_records_read_back_whole_and_a_torn_tail_leaves_the_one_before(tmp_path:
     whole = path.read_bytes()
     path.write_bytes(whole[:-3])  # the coordinator died while appending
     assert read_journal(path) == first
-    restored = Coordinator.restore(Harness(world_size=2, epochs=2, num_samples=640).cfg, first)
+    restored = Coordinator.restore(
+        Harness(world_size=2, epochs=2, num_samples=640).cfg, first, last_save=0
+    )
     assert restored.rounds_done == first.rounds_done and restored.coordinator_restarts == 1
 
 

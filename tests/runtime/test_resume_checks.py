@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 
 import elche
 from elche.core.errors import ConfigError
-from elche.runtime.resume import _check_optimizer
+from elche.runtime.resume import _check_optimizer, _kept
 from tests.promises.tiny import make_model, make_optimizer, step
 
 
@@ -161,3 +161,10 @@ def test_resuming_with_another_lr_says_the_bundles_is_kept(
         "elche: resuming: the bundle's optimizer state keeps its own lr=0.1 (optimizer_fn "
         "makes 0.5); momentum=0 (optimizer_fn makes 0.9): loading it restores them"
     ) in capfd.readouterr().err
+
+
+def test_hyperparameters_kept_as_tensors_of_several_elements_are_passed_by() -> None:
+    # Comparing them made a tensor whose truth is ambiguous: the resume raised.
+    made = [{"params": [0], "lr": 0.5, "weights": torch.tensor([1.0, 2.0])}]
+    saved = [{"params": [0], "lr": 0.1, "weights": torch.tensor([1.0, 3.0])}]
+    assert _kept(made, saved) == ["lr=0.1 (optimizer_fn makes 0.5)"]

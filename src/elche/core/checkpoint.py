@@ -317,8 +317,7 @@ class CheckpointMeta:
         # as every open epoch untrained, whose samples the model already holds.
         written = ("coverage", "elche_state", *(("mode", "files") if version >= 3 else ()))
         for key in written:
-            if key not in doc:
-                raise ConfigError(key, "is missing from the meta: it is damaged or was edited")
+            _written(doc, key, "the meta")
         try:
             reason = SaveReason(doc.get("save_reason"))
         except ValueError as exc:
@@ -406,7 +405,7 @@ def _files(raw: object) -> BundleFiles:
 def _written(doc: Mapping[str, object], key: str, where: str, *, field: str = "") -> None:
     """Refuse ``doc`` (part of a meta) without ``key``, which its writer always writes."""
     if key not in doc:
-        what = f"is missing from {where}: the meta is damaged or was edited"
+        what = f"is missing from {where}: it is damaged or was edited"
         raise ConfigError(field or key, what)
 
 

@@ -267,7 +267,7 @@ class Coordinator:
 
     @classmethod
     def restore(
-        cls, config: CoordinatorConfig, record: journal.JournalRecord, *, last_save: int = 0
+        cls, config: CoordinatorConfig, record: journal.JournalRecord, *, last_save: int
     ) -> Coordinator:
         """A coordinator that goes on from the journal's ``record`` (``journal.restore``);
         ``last_save``: the save the meta at the save path names now."""
@@ -727,16 +727,16 @@ class Coordinator:
             reason = cause.value
             if cause is SaveReason.FINAL_MODEL_UNWRITTEN:
                 reason += f": the final model could not be written ({self.saves.unwritten_final})"
-            # The held ranks exit, told how the run ended (a rank not asked to save
-            # knows nothing else): failed, saved for a reason, or completed.
+            # The held ranks exit, told how the run ended (a rank not asked to save, a
+            # joiner not yet in a round, knows nothing else): failed, saved, or completed.
             if not save.committed:
                 what = "the final model" if save.kind is SaveKind.FINAL else f"{reason}: the bundle"
                 failure = f"{what} could not be written ({save.failure()})"
-                self._broadcast(m.Shutdown(writer=-1, failure=failure))
+                self._end_ranks(m.Shutdown(writer=-1, failure=failure))
                 self._finish("failed", failure)
                 continue
             saved = cause.value if save.kind is SaveKind.SHUTDOWN else ""
-            self._broadcast(m.Shutdown(writer=-1, saved=saved))
+            self._end_ranks(m.Shutdown(writer=-1, saved=saved))
             if save.kind is SaveKind.FINAL:
                 self._finish("completed")
             else:
@@ -848,6 +848,13 @@ class Coordinator:
                 round=round_number, samples=samples, share=count / total, horizon=horizon
             )
             self._out.append(Send(rank=rank, message=message))
+
+    def _end_ranks(self, message: m.Shutdown) -> None:
+        """The run is over: the last ``Shutdown`` to every live rank, and to every join
+        still waiting to be admitted (which would otherwise wait out its silence)."""
+        ranks = (*self.live, *sorted(self.joins.pending))
+        if ranks:
+            self._out.append(Broadcast(ranks=ranks, message=message))
 
     def _broadcast(self, message: m.CoordMessage) -> None:
         ranks = tuple(self.live)

@@ -285,5 +285,5 @@ def fail(core: Coordinator, reason: str, *, user_error: UserError | None = None)
     """End a run that cannot start or go on and has nothing to save."""
     core._out.append(Notice(level="error", text=f"the run failed: {reason}"))
     core.failure = m.Shutdown(failure=reason, user_error=user_error)
-    core._broadcast(core.failure)
+    core._end_ranks(core.failure)
     core._finish("failed", reason, user_error)

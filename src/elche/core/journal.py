@@ -117,7 +117,7 @@ def _next_epoch(core: Coordinator) -> int:
     return core.config.epochs if nxt is None else nxt
 
 
-def restore(config: CoordinatorConfig, record: JournalRecord, *, last_save: int = 0) -> Coordinator:
+def restore(config: CoordinatorConfig, record: JournalRecord, *, last_save: int) -> Coordinator:
     """A coordinator that goes on with the run ``record`` describes.
 
     It is ``FORMING``: the ranks the record names live rejoin it (``RankJoined``

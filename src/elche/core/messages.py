@@ -356,7 +356,8 @@ class Shutdown(_Msg, frozen=True):
     the run goes on without the receiving rank (declared lost, or its join
     refused): why; that rank alone exits. ``saved`` is not empty when the run
     stopped short and its ranks saved it (``ShutdownWithSave``): the reason,
-    for a rank that was not asked to save (a join not yet admitted).
+    for a rank that was not asked to save (a joiner not yet in a round, or
+    not yet admitted).
     """
 
     writer: int = -1

@@ -44,9 +44,10 @@ Rules:
   on) and a ``Shutdown`` naming this rank the final writer make it save and
   answer, then hold (``HELD``): a rank that wrote nothing yet may still be
   named the writer when the first one dies. A ``Shutdown`` with writer -1
-  stops the rank; one naming another rank holds it; one with a ``failure``
-  (the run failed) stops it with ``failed: ...``. Once stopped, the rank
-  ignores messages.
+  stops the rank (``saved: <reason>`` where it was held for a save or the
+  message's ``saved`` says the run stopped short, else ``completed``); one
+  naming another rank holds it; one with a ``failure`` (the run failed) stops
+  it with ``failed: ...``. Once stopped, the rank ignores messages.
 - ``DiscardSave`` (a save that will never commit) makes the rank remove that
   save's files in its folder, before anything else, in every stage but
   ``DONE``: a held rank too, so a stop whose bundle failed leaves none. A

@@ -28,8 +28,13 @@ Rules:
   bundle superseded it) is discarded: every live rank is told
   (``DiscardSave``) and removes that save's files from its folder, so a save
   that failed on a full disk leaves no files to keep it full for the next.
-  So is one whose meta could not be written (``meta_failed``): the last save
-  committed, whose files every rank keeps, is then the one before it again.
+  So is a checkpoint whose meta could not be written (``meta_failed``): the
+  last save committed, whose files every rank keeps, is then the one before
+  it again. (``committed`` moves as ``commit`` asks for the meta, and moves
+  back when the shell says it failed, before the next event: no save order
+  goes out in between.) A stop's bundle whose meta fails comes after the
+  run's end: only the coordinator's host removes its files; ranks on other
+  hosts remove them before their next save at that path.
 - The run cannot go on once ``max_failures`` ranks have died, when no rank
   is left, or when fewer ranks are live than the backend needs
   (``min_live_ranks``: a collective group needs two).
@@ -235,7 +240,7 @@ class Saves:
         self.config = config
         self.seq = last_save  # the last number given out
         self.committed = last_save if committed is None else committed  # its meta is on disk
-        self._before: dict[int, int] = {}  # a save asked to commit: the one committed before
+        self._before: dict[int, int] = {}  # the save asked to commit: the one committed before
         self.rounds: dict[SaveKind, SaveRound] = {}
         self.unwritten_final = ""  # why no rank could write the final model, once none could
 
@@ -319,7 +324,7 @@ class Saves:
 
     def commit(self, stem: str, meta: CheckpointMeta, save: SaveRound) -> WriteMeta:
         """The command that commits ``save``'s bundle with ``meta``."""
-        self._before[save.seq], self.committed = self.committed, save.seq
+        self._before, self.committed = {save.seq: self.committed}, save.seq
         return WriteMeta(
             stem=stem, meta=dataclasses.replace(meta, save_seq=save.seq, files=save.files())
         )

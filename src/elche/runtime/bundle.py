@@ -54,6 +54,7 @@ __all__ = [
     "verify",
     "write_file",
     "write_meta",
+    "write_whole",
 ]
 
 # Read in pieces this large when hashing, so a big model is never held twice.
@@ -103,6 +104,19 @@ def write_file(path: Path, write: Callable[[BinaryIO], object], *, kind: str) ->
     folder is fsynced; the hash is read back from disk.
 
     Raises:
+        OSError: as ``write_whole``.
+    """
+    write_whole(path, write, sync=True)
+    fsync_dir(path.parent)
+    size, digest = _digest(path)
+    return SavedFile(kind=kind, name=path.name, size=size, sha256=digest)
+
+
+def write_whole(path: Path, write: Callable[[BinaryIO], object], *, sync: bool) -> None:
+    """Write ``path`` through ``write``, whole or not at all: to ``path.tmp`` (fsynced
+    if ``sync``), then renamed into place.
+
+    Raises:
         OSError: the folder is full, read-only or gone (the temporary file is
             removed), naming ``path``: also when ``write`` turned the file's
             error into its own (``torch.save`` raises ``RuntimeError:
@@ -116,7 +130,8 @@ def write_file(path: Path, write: Callable[[BinaryIO], object], *, kind: str) ->
             try:
                 write(f)  # type: ignore[arg-type]  # a file in all that write uses
                 f.flush()
-                os.fsync(raw.fileno())
+                if sync:
+                    os.fsync(raw.fileno())
             except Exception as exc:
                 with contextlib.suppress(OSError):  # what it still buffers cannot be written
                     raw.close()
@@ -128,9 +143,6 @@ def write_file(path: Path, write: Callable[[BinaryIO], object], *, kind: str) ->
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
-    size, digest = _digest(path)
-    return SavedFile(kind=kind, name=path.name, size=size, sha256=digest)
 
 
 class _Watched:
@@ -198,13 +210,7 @@ def read_meta(stem: str | None) -> CheckpointMeta | None:
 
 def next_seq(stem: str, at_least: int) -> int:
     """A save number above ``at_least`` that no file or meta at ``stem`` uses yet."""
-    base = Path(stem)
-    pattern = re.compile(rf"{re.escape(base.name)}\.s(\d+)\.")
-    seen = [at_least]
-    with contextlib.suppress(OSError):
-        for entry in base.parent.iterdir():
-            if match := pattern.match(entry.name):
-                seen.append(int(match.group(1)))
+    seen = [at_least, *(seq for seq, _ in _save_files(stem))]
     if (meta := read_meta(stem)) is not None:
         seen.append(meta.save_seq)
     return max(seen) + 1
@@ -248,17 +254,26 @@ def discard(stem: str, seq: int) -> None:
 
 
 def _remove(stem: str, doomed: Callable[[int], bool]) -> None:
+    for seq, entry in _save_files(stem):
+        if doomed(seq):
+            with contextlib.suppress(OSError):
+                entry.unlink()
+
+
+def _save_files(stem: str) -> list[tuple[int, Path]]:
+    """The files of numbered saves at ``stem`` (``STEM.sN.…``), with their numbers;
+    none where its folder cannot be read."""
     base = Path(stem)
     pattern = re.compile(rf"{re.escape(base.name)}\.s(\d+)\..+")
     try:
         entries = list(base.parent.iterdir())
     except OSError:
-        return
-    for entry in entries:
-        match = pattern.fullmatch(entry.name)
-        if match and doomed(int(match.group(1))):
-            with contextlib.suppress(OSError):
-                entry.unlink()
+        return []
+    return [
+        (int(match.group(1)), entry)
+        for entry in entries
+        if (match := pattern.fullmatch(entry.name)) is not None
+    ]
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -200,9 +201,9 @@ def _hand_back(rank: int, state: object, path: Path) -> None:
     basic_ios::clear: iostream error``), and the process ends ``HANDBACK_FAILED``."""
     import torch
 
-    try:
-        bundle.write_file(path, lambda f: torch.save(state, f), kind="state")
-    except (OSError, RuntimeError) as exc:
+    try:  # (a file its worker reads at once and removes: no fsync, no hash)
+        bundle.write_whole(path, lambda f: torch.save(state, f), sync=False)
+    except OSError as exc:
         print(
             f"elche rank {rank} trained to the run's end, but could not write its model for "
             f"its worker: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True,
@@ -228,11 +229,18 @@ def _report_lost(host: Any, rank: int, code: int | None) -> None:
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
+# One report line at a time: threads (rank exits, a replaced coordinator) and the
+# stop signals' handler all write; re-entrant, since a handler runs in the main
+# thread between two of its bytecodes, a whole line written before it.
+_TELLING = threading.RLock()
+
+
 def tell_coordinator(host: Any, line: str) -> None:
     """Write one report line to the coordinator's stdin (``Host.watch`` reads it)."""
     try:
-        host.stdin.write(line + "\n")
-        host.stdin.flush()
+        with _TELLING:
+            host.stdin.write(line + "\n")
+            host.stdin.flush()
     except (BrokenPipeError, OSError, ValueError):
         pass  # the coordinator is already gone
 
@@ -355,7 +363,7 @@ class Supervised:
         """It exited: start its successor if it was lost and may be restarted.
 
         ``lost_ranks``: the rank processes known gone (rank: exit code); the
-        successor hears of them.
+        successor hears of them, and of those another thread adds meanwhile.
         """
         if not coordinator_lost(self.host, self.run_dir):
             return False
@@ -376,7 +384,7 @@ class Supervised:
             give_up_coordinator(self.run_dir, "its successor could not start")
             return False
         self.host, self.restarts = successor, self.restarts + 1
-        for rank, code in sorted(lost_ranks.items()):  # gone while it was away
+        for rank, code in sorted(dict(lost_ranks).items()):  # gone while it was away
             _report_lost(successor, rank, code)
         if self.stop_line is not None:  # (after ``host``: an ask_stop meanwhile tells it)
             tell_coordinator(successor, self.stop_line)

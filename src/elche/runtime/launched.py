@@ -525,7 +525,7 @@ def _watch_coordinator(coordinator: Supervised, lost: dict[int, int | None]) -> 
     def watch() -> None:
         while True:
             coordinator.host.wait()
-            if not coordinator.replaced(dict(lost)):
+            if not coordinator.replaced(lost):  # (read once its successor is up)
                 return
 
     thread = threading.Thread(target=watch, name="elche-coordinator-watch", daemon=True)
@@ -565,7 +565,7 @@ def _run_rank(
     try:
         return train_rank(spec, fns, batch_size)
     finally:
-        if dist.is_initialized():  # a regroup after a death replaced the launcher's group
+        if dist.is_initialized():  # the rank's last group, if its membership left one
             dist.destroy_process_group()
 
 

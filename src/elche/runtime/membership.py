@@ -59,13 +59,19 @@ class Membership:
 
         A rank lost while they gather (a crash during start-up) leaves the
         others waiting: the coordinator then has them form a newer generation
-        without it (``groups.first_group``), and each moves there.
+        without it (``groups.first_group``), and each moves there. Under a
+        launcher its default group is taken once a barrier in it passes; a rank
+        lost since its rendezvous fails the barrier on every rank that waits
+        for it there, and they form generation 0 over the store instead. (One
+        that dies inside the barrier itself could let some pass and fail
+        others: the few microseconds of that window are not guarded.)
         """
         if dist.is_initialized():
             try:
                 dist.barrier()  # (its timeout is the launcher's)
             except RuntimeError:  # torch's DistError: a rank is gone since the rendezvous
-                dist.destroy_process_group()
+                with contextlib.suppress(Exception):  # the group is broken
+                    dist.destroy_process_group()
             else:
                 self.group = dist.group.WORLD
                 return

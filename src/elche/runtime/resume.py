@@ -217,7 +217,16 @@ def _kept(made: list[dict[str, Any]], loaded: list[dict[str, Any]]) -> list[str]
     for index, (mine, theirs) in enumerate(zip(made, loaded, strict=True)):
         for key in sorted(mine.keys() & theirs.keys() - {"params", "initial_lr"}):
             saved = theirs.get("initial_lr", theirs[key]) if key == "lr" else theirs[key]
-            if mine[key] != saved:
+            if _differs(mine[key], saved):
                 where = f" of param group {index}" if several else ""
                 kept.append(f"{key}={saved!r}{where} (optimizer_fn makes {mine[key]!r})")
     return kept
+
+
+def _differs(mine: object, saved: object) -> bool:
+    """Whether two hyperparameters differ; False where they cannot be told apart
+    plainly (tensors of several elements, as some optimizers keep)."""
+    try:
+        return bool(mine != saved)
+    except (RuntimeError, TypeError, ValueError):  # a tensor's truth is ambiguous
+        return False

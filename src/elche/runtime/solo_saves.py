@@ -77,9 +77,10 @@ class SoloSaves:
             The save's number.
 
         Raises:
-            OSError, RuntimeError: a file could not be written (``torch.save``
-                raises ``RuntimeError`` on a full disk); the bundle committed
-                before stays, and this save's files are removed.
+            OSError, RuntimeError: a file could not be written (``OSError``,
+                naming it: ``bundle.write_file``), or ``torch.save`` failed on
+                its own; the bundle committed before stays, and this save's
+                files are removed.
         """
         seq = self._last_seq = bundle.next_seq(self.stem, self._last_seq)
         folder = Path(self.stem).parent

@@ -231,7 +231,7 @@ class Worker:
 
     def join_group(self) -> None:
         """Collective modes: form the torch.distributed group over the coordinator's
-        group store (``Membership.join_first``)."""
+        group store, or take a launcher's default group (``Membership.join_first``)."""
         if self.mode.backend is not Backend.COLLECTIVE or self.spec.world_size < 2:
             return
         self.membership.join_first(self.spec.world_size)
@@ -765,7 +765,7 @@ class Worker:
         files: list[m.SavedFile] = []
         try:
             files = self._write_save(order)
-        except (OSError, RuntimeError) as exc:  # torch.save raises RuntimeError on ENOSPC
+        except (OSError, RuntimeError) as exc:  # the file's, named; or torch.save's own
             error = f"{type(exc).__name__}: {exc}"
         stop = order.kind is r.SaveKind.SHUTDOWN and order.reason != SaveReason.NONFINITE.value
         if stop and any(f.kind == "model" for f in files):  # the bundle's model holds them:

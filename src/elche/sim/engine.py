@@ -493,7 +493,8 @@ class Simulation:
         if self.finish is not None:
             return
         record = self.journal[-1]
-        self.core = Coordinator.restore(self.core.config, record)
+        last_save = max((meta.save_seq for meta in self.metas), default=0)  # (all commit here)
+        self.core = Coordinator.restore(self.core.config, record, last_save=last_save)
         self._core_handle(Started())
         for r in self.ranks:
             if not r.alive and r.rank not in record.dead_ranks:  # the launcher saw it go
