@@ -112,9 +112,12 @@ class ResultBoard:
     def watch_exits(self, ranks: Iterable[int], on_exit: Callable[[int, int | None], None]) -> None:
         """Rank 0: call ``on_exit(rank, code)`` for each of ``ranks`` whose process ended
         (``say_exit``), on a thread of its own with its own connection to the board."""
-        watcher = _TCPStore(
-            "127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=_WATCH_S * 10)
-        )
+        try:
+            watcher = _TCPStore(
+                "127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=_WATCH_S * 10)
+            )
+        except RuntimeError:  # torch's DistNetworkError: the ranks' heartbeats tell instead
+            return
         pending = set(ranks)
 
         def watch() -> None:
