@@ -102,7 +102,8 @@ def train_joined(
     )  # fmt: skip
     spec = replace(spec, rank=rank, speed=speed, join_slots=slots, resume_from=None, faults=())
     print(f"elche: joining the run at {address} as rank {rank}", file=sys.stderr, flush=True)
-    with StopSignals(on_signal=lambda signum: _leave(rank, signum)):
+    # (one signal is enough: a second, the group's and the relayed one, is no force)
+    with StopSignals(on_signal=lambda signum: _leave(rank, signum), force_on_repeat=False):
         report, state = train_rank(spec, fns, config.batch_size)
     raise_if_refused(report, rank)  # e.g. a join refused: the run goes on without it
     stopped = str(report.get("stopped") or "")
