@@ -287,6 +287,7 @@ def _serve_result(
     readers = plan.config.world_size - 1
     try:
         rank0.watcher.join(timeout=None if until_end else COORDINATOR_EXIT_S)
+        rank0.results.stop_watching()  # the run is over: no rank's exit matters now
         if rank0.board is not None:
             rank0.board.stop()
         salvage_if_lost(plan, directory, rank0.host.host, wait_s=LOCAL_STATE_WAIT_S)

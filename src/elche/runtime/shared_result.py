@@ -24,6 +24,7 @@ go stale.
 
 from __future__ import annotations
 
+import atexit
 import json
 import threading
 import time
@@ -60,6 +61,7 @@ class ResultBoard:
 
     def __init__(self, store: Any) -> None:  # a TCPStore
         self.store = store
+        self._watching: tuple[threading.Thread, threading.Event] | None = None
 
     @classmethod
     def serve(cls) -> ResultBoard:
@@ -111,7 +113,8 @@ class ResultBoard:
 
     def watch_exits(self, ranks: Iterable[int], on_exit: Callable[[int, int | None], None]) -> None:
         """Rank 0: call ``on_exit(rank, code)`` for each of ``ranks`` whose process ended
-        (``say_exit``), on a thread of its own with its own connection to the board."""
+        (``say_exit``), on a thread of its own with its own connection to the board,
+        until ``stop_watching``."""
         try:
             watcher = _TCPStore(
                 "127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=_WATCH_S * 10)
@@ -119,11 +122,11 @@ class ResultBoard:
         except RuntimeError:  # torch's DistNetworkError: the ranks' heartbeats tell instead
             return
         pending = set(ranks)
+        stop = threading.Event()
 
         def watch() -> None:
             seen = 0
-            while pending:
-                time.sleep(_WATCH_S)  # polling a counter: the store has no notification
+            while pending and not stop.wait(_WATCH_S):  # the store has no notification
                 try:
                     said = watcher.add(_EXITS_KEY, 0)
                     if said == seen:
@@ -137,7 +140,21 @@ class ResultBoard:
                 except RuntimeError:  # the board is closed: the run is over
                     return
 
-        threading.Thread(target=watch, name="elche-rank-exits-board", daemon=True).start()
+        thread = threading.Thread(target=watch, name="elche-rank-exits-board", daemon=True)
+        thread.start()
+        self._watching = (thread, stop)
+        # A daemon thread still inside a store call as the interpreter ends is torn
+        # down through torch's C++ frames, which aborts the process (SIGABRT).
+        atexit.register(self.stop_watching)
+
+    def stop_watching(self) -> None:
+        """Rank 0, the run over: end ``watch_exits``'s thread (its call in progress
+        ends within the watcher's timeout)."""
+        if self._watching is not None:
+            thread, stop = self._watching
+            stop.set()
+            thread.join(timeout=_WATCH_S * 10 + 1.0)
+            self._watching = None
 
     def leave(self) -> None:
         """Another rank: this rank reads nothing more (said within ``GRACE_S``, or not:
