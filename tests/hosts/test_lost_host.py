@@ -11,7 +11,10 @@ rendezvous is in ``test_join_hosts.py``, after a fourth host joined):
   way) after the first epoch until it is declared lost, then let back; the run
   completes without it, and its rank, refused, raises ``elche.RankExcluded``;
 - static rendezvous: rank 0's host is cut off for good; rank 0 saves the run,
-  and the ranks on the other hosts end, refused, with their state kept.
+  and the ranks on the other hosts end, refused, with their state kept;
+- static rendezvous: a host is SIGKILLed before its rank gathered for the
+  first group; the run fails at its formation, and the other ranks stop as
+  it ends, told why.
 """
 
 from __future__ import annotations
@@ -205,3 +208,29 @@ def test_ranks_cut_off_from_rank_0s_host_for_good_end_refused() -> None:
 def _line(log: Path, prefix: str) -> str:
     """The first line of ``log`` that starts with ``prefix`` ("" if none yet)."""
     return next((x for x in log.read_text().splitlines() if x.startswith(prefix)), "")
+
+
+def test_ranks_gathering_for_the_first_group_stop_when_the_run_fails_to_form() -> None:
+    # h2 dies (every process SIGKILLed) while its rank builds its model, before it
+    # gathered for elche's first group: nothing tells the coordinator, whose
+    # formation times out, and the run fails. The ranks still gathering used to
+    # wait out the group store's end for two minutes more, print thousands of
+    # lines of torch's store errors and a traceback ("the group store stopped
+    # answering"); the coordinator now says in its store that the run ended.
+    procs: list[subprocess.Popen[bytes]] = []
+    with Rig(3) as rig:
+        logs = start_torchrun(rig, "static", EPOCHS, env={"STALL_RANK": "2"}, procs=procs)
+        wait_for("rank 2 in its model_fn", lambda: (rig.tmp(2) / "stalled").exists() or None)
+        assert rig.kill_host(2)
+        lines = [
+            wait_for(f"rank {i} to return", lambda i=i: _line(logs[i], "SUMMARY ") or None)
+            for i in (0, 1)
+        ]
+        texts = [logs[i].read_text() for i in (0, 1)]
+    for rank, (line, text) in enumerate(zip(lines, texts, strict=True)):
+        summary = json.loads(line.removeprefix("SUMMARY "))
+        assert summary["outcome"] == "failed", summary
+        assert summary["reason"].startswith("formation timed out"), summary
+        told = f"elche rank {rank} failed:\nthe run ended before its first group formed: "
+        assert told + "formation timed out" in text, text[-2000:]
+        assert "stopped answering" not in text and "Traceback" not in text, text[-2000:]

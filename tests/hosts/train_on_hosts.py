@@ -7,7 +7,10 @@ without says so (``EXCLUDED``) and exits with status 3. With ``HOLD_AT``
 (``EPOCH:FILE``), the run's ranks wait at that epoch's start, at most two
 minutes, until ``FILE`` is on their host: the join test's condition, so the
 joiner is in the run however long it takes to start (the joiner, started by
-``elche join``, has no ``RANK`` and does not wait).
+``elche join``, has no ``RANK`` and does not wait). With ``STALL_RANK``, that
+rank's process, once started, writes ``/tmp/stalled`` on its host and waits
+two minutes in ``model_fn``: a host lost before its rank gathered for the
+first group.
 """
 
 from __future__ import annotations
@@ -34,12 +37,19 @@ def hold(epoch: int, model: Any, optimizer: Any) -> None:
         time.sleep(0.05)  # polling for the test's file, bounded by the deadline
 
 
+def make_model(device: Any) -> Any:
+    if os.environ.get("STALL_RANK", "-") == os.environ.get("ELCHE_RANK"):  # its rank process
+        Path("/tmp/stalled").touch()
+        time.sleep(120.0)  # the test kills this host meanwhile (never synchronisation)
+    return digits.make_model(device)
+
+
 if __name__ == "__main__":
     train_set, test_set = digits.load_digits_split(seed=0)
     world = int(os.environ.get("WORLD_SIZE", "1"))  # a joiner's speeds= is ignored
     try:
         result = elche.train(
-            digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+            make_model, digits.make_optimizer, digits.step_fn, train_set,
             batch_size=32, epochs=int(sys.argv[1]), mode="cadence", heartbeat_timeout_s=3.0,
             speeds=[0.2] * world, speed_base_s=0.004, epoch_fn=hold,
             eval_fn=digits.eval_fn, eval_dataset=test_set, progress=False,

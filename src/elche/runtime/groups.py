@@ -60,6 +60,7 @@ __all__ = [
     "GROUPS_FIELD",
     "GROUPS_PORT_ENV",
     "GroupStoreServer",
+    "RunEndedUnformed",
     "connect",
     "first_group",
     "gather",
@@ -67,6 +68,7 @@ __all__ = [
     "listen",
     "parse_address_line",
     "reach",
+    "run_ended",
     "store_host",
 ]
 
@@ -80,6 +82,9 @@ SERVER_TIMEOUT_S = 300.0
 
 # The first group's reform (``ReformFirstGroup``): "GENERATION:RANK,RANK,…", newest only.
 FIRST_GROUP = "first-group"
+# The run ended (failed) before its first group formed: why. Ranks still gathering
+# for it read this and stop, rather than wait out the store's end (``gather``).
+RUN_ENDED = "run-ended"
 ARRIVED = "arrived/"  # + a member's rank: it has come to gather for its generation
 OUTCOME = "outcome"  # FORMED or ABANDONED, claimed once (compare-and-set) for every member
 FORMED = "formed"
@@ -178,6 +183,29 @@ class GroupStoreServer:
                 self._info[FIRST_GROUP] = value
             else:
                 self._store.set(FIRST_GROUP, value)
+
+    def end_run(self, why: str) -> None:
+        """Tell ranks still gathering for the first group that the run ended (``why``)."""
+        with self._lock:
+            if self._store is None:
+                self._info[RUN_ENDED] = why
+            else:
+                self._store.set(RUN_ENDED, why)
+
+
+class RunEndedUnformed(RuntimeError):
+    """The run ended (failed) while this rank gathered for its first group."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"the run ended before its first group formed: {why}")
+        self.why = why
+
+
+def run_ended(store: Store) -> str | None:
+    """Why the run ended before its first group formed (``end_run``), if it did."""
+    if not store.check([RUN_ENDED]):
+        return None
+    return bytes(store.get(RUN_ENDED)).decode()
 
 
 def first_group(store: Store) -> tuple[int, list[int]] | None:

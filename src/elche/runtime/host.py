@@ -289,7 +289,11 @@ class Host:
         A rank still building its model when another failed joins late; told
         nothing, it would wait for a coordinator that is gone. Ranks that were
         live were told by the core; ranks the launcher reports lost need nothing.
+        Ranks still gathering for the first group read it in the group store.
         """
+        if self._groups is not None:  # ranks still gathering for the first group
+            with contextlib.suppress(Exception):  # a store that failed: they time out
+                self._groups.end_run(failure.failure)
         pending = set(range(self.core.config.world_size)) - set(self.core.dead_ranks)
         pending -= set(self.core.live)
         deadline = time.monotonic() + self.core.config.heartbeat_timeout_s

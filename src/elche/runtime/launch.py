@@ -62,7 +62,7 @@ from elche.runtime import bundle
 from elche.runtime.addresses import BIND_ENV
 from elche.runtime.epochs import EpochLog, with_bundles
 from elche.runtime.frames import SECRET_ENV, new_secret, secret_from_env
-from elche.runtime.groups import GROUPS_PORT_ENV, parse_address_line
+from elche.runtime.groups import GROUPS_PORT_ENV, RunEndedUnformed, parse_address_line
 from elche.runtime.host import (
     ADDRESS_LINE,
     FAILED_EXIT,
@@ -175,7 +175,7 @@ def _rank_process(
         # of a full or read-only disk (the run directory's), or of a bundle that is no
         # longer the one checked (ConfigError), none helps.
         storage = isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS
-        said = isinstance(exc, TrainingError | ConfigError) or storage
+        said = isinstance(exc, TrainingError | ConfigError | RunEndedUnformed) or storage
         text = str(exc) if said else traceback.format_exc()
         from torch.distributed import DistError
 

@@ -64,7 +64,14 @@ class Membership:
         lost since its rendezvous fails the barrier on every rank that waits
         for it there, and they form generation 0 over the store instead. (One
         that dies inside the barrier itself could let some pass and fail
-        others: the few microseconds of that window are not guarded.)
+        others: the few microseconds of that window are not guarded.) A run
+        the coordinator ended meanwhile (a whole host gone before its rank
+        gathered: the formation timed out) says so in the store, and the rank
+        stops at once instead of waiting out the store's end.
+
+        Raises:
+            groups.RunEndedUnformed: the run ended before the group formed.
+            RuntimeError: the group did not form otherwise.
         """
         if dist.is_initialized():
             try:
@@ -80,6 +87,8 @@ class Membership:
             try:
                 if self.form(generation, members, superseded=self._first_reformed(generation)):
                     return
+            except groups.RunEndedUnformed:
+                raise
             except RuntimeError:  # torch's timeout in the rendezvous, past the gathering
                 if self._newer_first(generation) is None:
                     raise
@@ -89,10 +98,21 @@ class Membership:
             generation, members = reform
 
     def _first_reformed(self, generation: int) -> Callable[[float], bool]:
-        """``groups.gather``'s look at the news for the first group: a newer generation."""
+        """``groups.gather``'s look at the news for the first group: a newer generation.
+
+        Raises (from the returned function):
+            groups.RunEndedUnformed: the coordinator ended the run meanwhile
+                (its formation timed out, too few ranks left).
+        """
 
         def superseded(wait_s: float) -> bool:
             time.sleep(wait_s)  # the gathering's poll interval
+            why = None
+            if self._store is not None:
+                with contextlib.suppress(RuntimeError):  # the store stopped answering: no news
+                    why = groups.run_ended(self._store)
+            if why is not None:
+                raise groups.RunEndedUnformed(why)
             return self._newer_first(generation) is not None
 
         return superseded
