@@ -105,6 +105,7 @@ LOCAL_STATE_WAIT_S = 15.0
 SUMMARY_WAIT_S = 10.0
 # A worker's report when the child that trained its rank died (``_train_in_child``).
 CHILD_LOST = "lost"
+TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # set in torchrun's workers
 
 
 def train_launched(
@@ -387,7 +388,8 @@ def _start_on_rank0(
         address = f"tcp://{advertise}:{address.rsplit(':', 1)[1]}"
     announce_join(address, group_port, directory, secret, bundled.config)
     results = ResultBoard.serve()
-    results.watch_exits(range(1, plan.config.world_size), rank_exited)  # torchrun's children
+    if TORCHRUN_ENV in os.environ:  # its workers say their ranks' exits there (elche run: a pipe)
+        results.watch_exits(range(1, plan.config.world_size), rank_exited)
     board = start_watching(bundled, directory, dashboard, tensorboard_dir)
     shared = _Shared(
         address=address, secret_hex=secret.hex(), directory=str(directory), port=results.port,
@@ -582,7 +584,7 @@ def _supervises(fns: UserFns) -> bool:
     ``elche.Session`` (whose loop is this process's), the rank trains in the
     worker itself.
     """
-    if "TORCHELASTIC_RUN_ID" not in os.environ or is_handoff(fns.step_fn):
+    if TORCHRUN_ENV not in os.environ or is_handoff(fns.step_fn):
         return False
     try:
         check_picklable(fns)
