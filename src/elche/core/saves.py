@@ -280,9 +280,7 @@ class Saves:
             return []  # no meta of that number was asked for
         if self.committed == seq:
             self.committed = before
-        if not live:
-            return []
-        return [Broadcast(ranks=tuple(sorted(live)), message=m.DiscardSave(seq=seq))]
+        return _discard_order(seq, live)
 
     def discard(self, save: SaveRound, live: Sequence[int]) -> list[Command]:
         """The orders that remove the files of ``save``, which will never commit.
@@ -290,9 +288,9 @@ class Saves:
         A ``FINAL`` save writes no bundle files (its writer removes a model it
         could not finish).
         """
-        if save.kind is SaveKind.FINAL or not live:
+        if save.kind is SaveKind.FINAL:
             return []
-        return [Broadcast(ranks=tuple(sorted(live)), message=m.DiscardSave(seq=save.seq))]
+        return _discard_order(save.seq, live)
 
     def answered(self, rank: int, msg: m.StateSaved, live: Sequence[int]) -> list[Command] | None:
         """Book ``rank``'s answer; None if no save in flight has its number (stale)."""
@@ -328,3 +326,8 @@ class Saves:
         return WriteMeta(
             stem=stem, meta=dataclasses.replace(meta, save_seq=save.seq, files=save.files())
         )
+
+
+def _discard_order(seq: int, live: Sequence[int]) -> list[Command]:
+    """Tell every live rank to remove save ``seq``'s files (``DiscardSave``)."""
+    return [Broadcast(ranks=tuple(sorted(live)), message=m.DiscardSave(seq=seq))] if live else []
