@@ -14,7 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elche.core.checkpoint import SCHEMA_VERSION, CheckpointMeta, EpochCoverage, SaveReason
+from elche.core.checkpoint import (
+    SCHEMA_VERSION,
+    BundleFile,
+    BundleFiles,
+    CheckpointMeta,
+    EpochCoverage,
+    SaveReason,
+)
 from elche.core.config import NUMPY_PERMUTATION, ORDERS, RANDOM_SHUFFLE, CoordinatorConfig, Mode
 from elche.core.elche_state import MAX_COUNT, ElCheState, Phase
 from elche.core.errors import ConfigError
@@ -32,6 +39,12 @@ COVERAGE = (
     EpochCoverage(epoch=4, total_samples=1000, uncovered=()),
 )
 
+# What every writer of schema 3 and later names: the mode and the bundle's files.
+FILES = BundleFiles(
+    model=BundleFile(name="run.s2.model.pt", size=1024, sha256="ab" * 32),
+    optim=((0, BundleFile(name="run.s2.rank0.optim.pt", size=512, sha256="cd" * 32)),),
+)
+
 
 BASE = CheckpointMeta(
     epoch=3,
@@ -42,6 +55,9 @@ BASE = CheckpointMeta(
     seed=42,
     batch_size=32,
     epochs=10,
+    mode=Mode.CADENCE.value,
+    save_seq=2,
+    files=FILES,
 )
 
 
@@ -132,9 +148,19 @@ def test_a_key_the_writer_always_writes_is_refused_when_missing(key: str) -> Non
     del raw[key]
     with pytest.raises(ConfigError, match=rf"^{key}: is missing from the meta"):
         CheckpointMeta.from_json(json.dumps(raw))
-    raw[key] = None if key != "coverage" else []  # written as null (or empty): read so
-    if key != "mode":
+    raw[key] = None if key != "coverage" else []  # written as null (or empty)
+    if key in ("mode", "files"):  # every writer of schema 3 and later names them
+        with pytest.raises(ConfigError, match=rf"^{key}: is null in a meta of schema 4"):
+            CheckpointMeta.from_json(json.dumps(raw))
+    else:
         CheckpointMeta.from_json(json.dumps(raw))
+
+
+@pytest.mark.parametrize("key", ["mode", "files"])
+def test_a_null_mode_or_files_still_reads_in_a_meta_older_than_schema_3(key: str) -> None:
+    raw = json.loads(doc(schema_version=2))
+    raw[key] = None
+    assert getattr(CheckpointMeta.from_json(json.dumps(raw)), key) is None
 
 
 @pytest.mark.parametrize(
@@ -386,6 +412,8 @@ def metas(draw: st.DrawFn) -> CheckpointMeta:
         elche_state=draw(st.none() | elche_states()),
         coverage=tuple(draw(coverage_of(e)) for e in started),
         order=draw(st.sampled_from(ORDERS)) if version >= 4 else RANDOM_SHUFFLE,
+        mode=draw(st.sampled_from(Mode)).value if version >= 3 else None,
+        files=FILES if version >= 3 else None,
         schema_version=version,
     )
 
@@ -404,7 +432,7 @@ def test_a_schema_1_meta_names_its_rounds_sync_round_and_still_resumes() -> None
     raw["schema_version"] = 1
     raw["sync_round"] = raw.pop("rounds_done")
     parsed = CheckpointMeta.from_json(json.dumps(raw))
-    assert parsed == meta(schema_version=1)
+    assert parsed == meta(schema_version=1, save_seq=0)  # numbered saves came in schema 3
 
 
 # --- fitting the run ---------------------------------------------------------

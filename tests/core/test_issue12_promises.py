@@ -11,7 +11,7 @@ import pytest
 
 from elche.core import messages as m
 from elche.core import timeline as tl
-from elche.core.checkpoint import CheckpointMeta, EpochCoverage, SaveReason
+from elche.core.checkpoint import BundleFile, BundleFiles, CheckpointMeta, EpochCoverage, SaveReason
 from elche.core.commands import Emit, Finish, Notice, Send
 from elche.core.config import CallbackPolicy, Mode
 from elche.core.coordinator import Coordinator, RunState
@@ -254,6 +254,9 @@ def meta_doc(**overrides: object) -> dict[str, object]:
                 trend_history=(0.01,),
             ),
             coverage=(EpochCoverage(epoch=1, total_samples=640, uncovered=((320, 320),)),),
+            mode="cadence",
+            save_seq=4,
+            files=BundleFiles(model=BundleFile(name="run.s4.model.pt", size=8, sha256="0" * 64)),
         ).to_json()
     )
     raw.update(overrides)

@@ -318,6 +318,14 @@ class CheckpointMeta:
         written = ("coverage", "elche_state", *(("mode", "files") if version >= 3 else ()))
         for key in written:
             _written(doc, key, "the meta")
+        # From schema 3 on, every writer names the mode and the files: a null one would
+        # skip the mode's check, or look for the fixed names of a schema-2 bundle.
+        for key in ("mode", "files") if version >= 3 else ():
+            if doc[key] is None:
+                raise ConfigError(
+                    key, f"is null in a meta of schema {version}, whose writer always "
+                    "names it: the meta is damaged or was edited",
+                )  # fmt: skip
         try:
             reason = SaveReason(doc.get("save_reason"))
         except ValueError as exc:
