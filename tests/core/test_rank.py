@@ -407,7 +407,8 @@ def test_a_well_behaved_driver_never_hits_an_illegal_completion(
 ) -> None:
     """Any message stream, acted on between messages, by a driver that waits
     for its rounds or launches them: every action's completion is legal,
-    next_action is pure, a round in flight allows nothing but training
+    next_action is pure, a round in flight allows nothing but training (and
+    removing a discarded save's files, which comes first in every stage)
     before it lands, and counts stay sane."""
     p = proto(mode, epoch_fn=True)
     for message, num_actions in script:
@@ -423,7 +424,7 @@ def test_a_well_behaved_driver_never_hits_an_illegal_completion(
                 assert 0 < action.size <= min(32, chunk.left)
                 assert p.steps_since_sync < p.budget
             if p.in_flight:
-                assert isinstance(action, Train | Land), action
+                assert isinstance(action, Train | Land | Discard), action
             _complete(p, action, launch=launch)
             assert p.steps_since_sync >= 0
 
