@@ -32,3 +32,13 @@ def test_an_error_of_the_writer_itself_passes_through(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a state dict"):
         bundle.write_file(tmp_path / "x", fails, kind="model")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_gone_is_the_os_error_naming_the_file_not_its_temporary_name(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "gone" / "run.s1.model.pt"  # the temporary file cannot be opened
+    with pytest.raises(OSError) as info:
+        bundle.write_file(path, lambda f: torch.save({"w": torch.zeros(4)}, f), kind="model")
+    assert info.value.errno == errno.ENOENT
+    assert info.value.filename == str(path)

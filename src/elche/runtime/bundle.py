@@ -140,9 +140,13 @@ def write_whole(path: Path, write: Callable[[BinaryIO], object], *, sync: bool) 
                     raise
                 raise OSError(cause.errno, cause.strerror, str(path)) from exc
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if not isinstance(exc, OSError) or exc.filename == str(path):
+            raise
+        # The temporary file could not be opened or renamed: the user's file is ``path``.
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 class _Watched:
