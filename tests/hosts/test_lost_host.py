@@ -234,3 +234,4 @@ def test_ranks_gathering_for_the_first_group_stop_when_the_run_fails_to_form() -
         told = f"elche rank {rank} failed:\nthe run ended before its first group formed: "
         assert told + "formation timed out" in text, text[-2000:]
         assert "stopped answering" not in text and "Traceback" not in text, text[-2000:]
+        assert "the run goes on without it" not in text, text[-2000:]  # it did not

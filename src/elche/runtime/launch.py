@@ -115,6 +115,7 @@ __all__ = [
     "launch_local",
     "on_record",
     "rank_context",
+    "rank_error_file",
     "rank_spec",
     "start_coordinator",
     "start_watching",
@@ -182,11 +183,16 @@ def _rank_process(
         if isinstance(exc, DistError):  # its message goes on with torch's C++ frames
             text = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
         with contextlib.suppress(OSError):  # said below either way
-            (Path(spec.run_dir) / f"rank{spec.rank}.error").write_text(text)
+            rank_error_file(Path(spec.run_dir), spec.rank).write_text(text)
         print(f"elche rank {spec.rank} failed:\n{text}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     if state_out is not None:
         _hand_back(spec.rank, state, Path(state_out))
+
+
+def rank_error_file(run_dir: Path, rank: int) -> Path:
+    """Where rank ``rank``'s process writes why it failed, when it knows."""
+    return run_dir / f"rank{rank}.error"
 
 
 # A rank process's status when it trained to the run's end but could not write

@@ -72,6 +72,7 @@ from elche.runtime.launch import (
     fresh_bundle,
     interrupted,
     on_record,
+    rank_error_file,
     rank_spec,
     salvage_if_lost,
     start_coordinator,
@@ -630,6 +631,12 @@ def _train_in_child(
         _report_lost(host.host, spec.rank, child.exitcode)  # the one up now
     else:
         results.say_exit(spec.rank, child.exitcode)  # rank 0 tells its coordinator
-    print(f"elche: rank {spec.rank} was lost (its process ended with {child.exitcode}); "
-          "the run goes on without it", file=sys.stderr, flush=True)  # fmt: skip
+    if rank_error_file(Path(spec.run_dir), spec.rank).exists():
+        # It said why (the user's error, the run's failure to form): whether the run
+        # goes on is the coordinator's to say, in the run's result.
+        print(f"elche: rank {spec.rank}'s process ended with the error above",
+              file=sys.stderr, flush=True)  # fmt: skip
+    else:
+        print(f"elche: rank {spec.rank} was lost (its process ended with {child.exitcode}); "
+              "the run goes on without it", file=sys.stderr, flush=True)  # fmt: skip
     return {"stopped": CHILD_LOST}, {}
