@@ -98,15 +98,21 @@ class Harness:
             self.last_round[rank] = message.round
         return self.feed(MessageReceived(rank=rank, message=message))
 
-    def train(self, rank: int, steps: int, batch_ms: float = 10.0) -> list[Command]:
-        """Report ``steps`` batches of the rank's assigned work, in order."""
+    def train(
+        self, rank: int, steps: int, batch_ms: float = 10.0, *, nonfinite: bool = False
+    ) -> list[Command]:
+        """Report ``steps`` batches of the rank's assigned work, in order (``nonfinite``:
+        each with a non-finite loss)."""
         out: list[Command] = []
         bs = self.cfg.batch_size
         for _ in range(steps):
             epoch, offset, size = self.chunks[rank][0]
             take = min(bs, size)
             out += self.send(
-                rank, m.BatchDone(epoch=epoch, offset=offset, size=take, batch_ms=batch_ms)
+                rank,
+                m.BatchDone(
+                    epoch=epoch, offset=offset, size=take, batch_ms=batch_ms, nonfinite=nonfinite
+                ),
             )
             if take == size:
                 self.chunks[rank].popleft()

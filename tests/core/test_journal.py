@@ -289,3 +289,21 @@ def test_a_stop_while_the_ranks_rejoin_a_restored_coordinator_saves_once_they_ha
     assert of(h2.answer_saves(), Finish) == [
         Finish(outcome="saved_and_shutdown", reason="graceful_shutdown")
     ]
+
+
+def test_the_steps_skipped_before_a_restart_are_still_counted_at_the_runs_end() -> None:
+    # The restored coordinator counted from zero: the run's summary said fewer
+    # steps and samples were left out for a non-finite loss than were.
+    h = Harness(world_size=2, epochs=2, num_samples=1280, nonfinite="skip")
+    h.form()
+    for rank in (1, 0, 1):  # steps with a NaN loss, left out
+        h.train(rank, 1, nonfinite=True)
+    h.run_to_end(until=lambda: h.core.rounds_done >= 2)
+    record = records(h)[-1]
+    assert (record.skipped_steps, record.skipped_samples) == (3, 3 * h.cfg.batch_size)
+
+    h2 = restart(h, record)
+    h2.run_to_end()
+    end = run_end(h2)
+    assert end.outcome == "completed"
+    assert (end.skipped_steps, end.skipped_samples) == (3, 3 * h.cfg.batch_size)

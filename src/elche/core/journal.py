@@ -85,6 +85,11 @@ class JournalRecord:
     # rank applied after the record is numbered past ``last_round`` and at
     # most one past this; -1 in a record written before it was kept.
     opened_round: int = -1
+    # Steps with a non-finite loss, and the steps and samples ``nonfinite="skip"``
+    # left out: the run's summary counts them all (0 in a record written before).
+    nonfinite_steps: int = 0
+    skipped_steps: int = 0
+    skipped_samples: int = 0
 
     @property
     def open_epochs(self) -> tuple[int, ...]:
@@ -109,6 +114,9 @@ def record_of(core: Coordinator) -> JournalRecord:
         coordinator_restarts=core.coordinator_restarts,
         last_round=core.last_round,
         opened_round=core.round.number,
+        nonfinite_steps=core.failures.num_nonfinite,
+        skipped_steps=core.failures.num_skipped_steps,
+        skipped_samples=core.failures.num_skipped_samples,
     )
 
 
@@ -176,6 +184,9 @@ def restore(config: CoordinatorConfig, record: JournalRecord, *, last_save: int)
     opened = max(record.opened_round, core.restored_round)
     core.round = Round(config, core.work, number=opened)  # new rounds number past it
     core.restored_dead = record.dead_ranks
+    core.failures.num_nonfinite = record.nonfinite_steps
+    core.failures.num_skipped_steps = record.skipped_steps
+    core.failures.num_skipped_samples = record.skipped_samples
     return core
 
 
