@@ -178,3 +178,45 @@ def test_under_torchrun_a_rank_whose_model_cannot_reach_its_worker_says_which_fi
     assert "rank 1 trained to the run's end" in err
     assert "Traceback" not in err and "basic_ios" not in err, err[-4000:]
     assert "the run goes on without it" not in err, err[-4000:]
+
+
+EXIT_SCRIPT = """
+import json, os, sys
+import elche
+from tests.promises.tiny import make_model, make_optimizer, step_then_exit
+import torch
+from torch.utils.data import TensorDataset
+
+if __name__ == "__main__":
+    data = TensorDataset(torch.randn(960, 4), torch.randint(0, 2, (960,)))
+    result = elche.train(make_model, make_optimizer, step_then_exit, data, batch_size=8,
+                         epochs=2, progress=False, heartbeat_timeout_s=30.0)
+    sys.stdout.write(f"SUMMARY {json.dumps(result.summary, sort_keys=True)}\\n"
+                     if os.environ["RANK"] == "0" else "")
+"""
+
+
+def test_under_torchrun_a_rank_whose_user_code_exits_with_status_3_is_a_rank_lost(
+    tmp_path: Path,
+) -> None:
+    # Its worker read status 3 as "trained to the run's end, its model not handed
+    # back": it said so, told nobody, and the run waited for the rank's heartbeats
+    # to go stale (30 s here) with every other rank holding.
+    script = tmp_path / "train.py"
+    script.write_text(EXIT_SCRIPT)
+    repo = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+         str(script)],
+        capture_output=True, text=True, timeout=240, check=False, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
+             "EXIT_RANK": "1", "EXIT_STEP": "5", "EXIT_CODE": "3"},
+    )  # fmt: skip
+    err = done.stderr
+    assert done.returncode == 0, err[-4000:]
+    assert "rank 1 lost (process ended (exit code 3))" in err, err[-4000:]
+    assert "trained to the run's end" not in err, err[-4000:]
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("SUMMARY ")]
+    summary = json.loads(line.removeprefix("SUMMARY "))
+    assert summary["outcome"] == "completed" and summary["dead_ranks"] == [1], summary
+    assert summary["lost_samples"] == 0

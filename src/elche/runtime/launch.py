@@ -155,9 +155,12 @@ def _rank_process(
     launcher_pid: int,
     *,
     state_out: str | None = None,
+    trained: Any = None,
     streams: Sequence[Connection] = (),
 ) -> None:
     """The body of a rank process; ``state_out``: where its final model goes;
+    ``trained``: a shared flag set once the rank trained to the run's end (what
+    its torchrun worker reads: an exit status the user's code may use too);
     ``streams``: the launcher's stdout and stderr, to take (``launcher_streams``)."""
     ignore_stop_signals()  # the launcher orders the stop
     watch_launcher(launcher_pid)
@@ -186,6 +189,8 @@ def _rank_process(
             rank_error_file(Path(spec.run_dir), spec.rank).write_text(text)
         print(f"elche rank {spec.rank} failed:\n{text}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    if trained is not None:
+        trained.value = 1
     if state_out is not None:
         _hand_back(spec.rank, state, Path(state_out))
 
@@ -196,7 +201,8 @@ def rank_error_file(run_dir: Path, rank: int) -> Path:
 
 
 # A rank process's status when it trained to the run's end but could not write
-# its final model for its torchrun worker (``state_out``): not a rank lost.
+# its final model for its torchrun worker (``state_out``): not a rank lost. (The
+# worker knows by the ``trained`` flag: a user's ``os._exit(3)`` is a rank lost.)
 HANDBACK_FAILED = 3
 
 

@@ -610,15 +610,19 @@ def _train_in_child(
     returns an empty model and the run goes on without the rank.
     """
     out = Path(spec.run_dir) / f"rank{spec.rank}.state.pt"
-    child = mp.get_context("spawn").Process(
+    context = mp.get_context("spawn")
+    trained = context.Value("b", 0, lock=False)  # set by the child at the run's end
+    child = context.Process(
         target=_rank_process,
         args=(spec, fns, batch_size, dict(os.environ), os.getpid()),
-        kwargs={"state_out": str(out)},
+        kwargs={"state_out": str(out), "trained": trained},
         name=f"elche-rank{spec.rank}",
     )
     child.start()
     child.join()
-    if child.exitcode in (0, HANDBACK_FAILED):
+    # Trained to the end: its model handed back (exit 0), or not (``HANDBACK_FAILED``);
+    # any other end, an exit status of 0 or 3 from the user's code included, is a rank lost.
+    if trained.value and child.exitcode in (0, HANDBACK_FAILED):
         done = child.exitcode == 0
         state = torch.load(out, map_location="cpu") if done else {}
         out.unlink(missing_ok=True)
