@@ -196,6 +196,21 @@ def test_a_coordinator_restored_after_training_writes_the_final_model() -> None:
     assert run_end(h2).lost_samples == 0
 
 
+def test_a_restored_coordinator_journals_itself_before_it_sends_anything() -> None:
+    # Its successor numbers its frames past the count of coordinators the journal
+    # holds; one killed as its ranks rejoined had left that count as it found it.
+    h = Harness(world_size=2, epochs=2, num_samples=640)
+    h.form()
+    h.run_to_end(until=lambda: h.core.rounds_done >= 1)
+    record = records(h)[-1]
+    core = Coordinator.restore(h.cfg, record, last_save=0)
+    first, *_ = core.handle(Started(), 0.0)
+    assert isinstance(first, AppendJournal) and first.compact
+    assert first.record == dataclasses.replace(record, coordinator_restarts=1)
+    again = Coordinator.restore(h.cfg, first.record, last_save=0)
+    assert again.coordinator_restarts == 2
+
+
 def test_a_journal_of_another_world_size_is_refused_naming_it() -> None:
     h = Harness(world_size=2, epochs=1, num_samples=640)
     h.form()

@@ -221,6 +221,8 @@ class Coordinator:
         match event:
             case Started():
                 restored = self.restored_round is not None  # its ranks rejoin, or are lost
+                if restored:  # before it speaks: a successor of its own numbers past it
+                    self._out.append(AppendJournal(record=journal.record_of(self), compact=True))
                 window_s = journal.rejoin_timeout_s(self.config) if restored else None
                 self._formation_deadline_s = now_s + (window_s or self.config.formation_timeout_s)
                 self._arm()

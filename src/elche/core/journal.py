@@ -12,7 +12,13 @@ Rules:
 - The journal is bounded by the epochs open: a record whose open epochs differ
   from the previous record's is written with ``compact=True`` and replaces
   the file's records (the shell rewrites the file atomically).
-- A restarted coordinator (``restore``) starts ``FORMING`` with the ranks the
+- A restarted coordinator (``restore``) appends its own record first, before
+  it sends a frame: the count of coordinators in it is what the next
+  successor numbers its frames past (``transport.SEQ_SHIFT_PER_RESTART``). One
+  killed while its ranks rejoin left them frames numbered past the journal's
+  count, and a successor that read the same count was refused by every rank
+  (a replayed frame) and the run lost its coordinator for good.
+- A restarted coordinator starts ``FORMING`` with the ranks the
   record names live; a rank that has not rejoined within ``rejoin_timeout_s``
   (two heartbeat timeouts) is lost, its work served again. The ranks rejoin
   and say what they hold (``Held``): the
