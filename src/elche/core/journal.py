@@ -29,6 +29,9 @@ Rules:
   after the last record) is booked as committed; the batches since
   stay the rank's, uncommitted, for the next average. Everything else no
   average holds is served again, once.
+- The evals asked for and not answered are in the record (an answer is
+  journaled before it is broadcast); the restored coordinator asks them again
+  once its ranks have rejoined, and takes one answer per eval.
 
 Theory of operation: ``record_of`` reads a coordinator's state into a
 record; ``restore`` builds a coordinator from one through the checkpoint
@@ -91,6 +94,10 @@ class JournalRecord:
     # rank applied after the record is numbered past ``last_round`` and at
     # most one past this; -1 in a record written before it was kept.
     opened_round: int = -1
+    # The evals asked for and not answered: (epoch, as ``RunEval`` counts it, the
+    # rank asked). A successor asks them again, or a lost coordinator's final
+    # eval would be skipped on the way to the final save.
+    pending_evals: tuple[tuple[int, int], ...] = ()
 
     @property
     def open_epochs(self) -> tuple[int, ...]:
@@ -115,6 +122,7 @@ def record_of(core: Coordinator) -> JournalRecord:
         coordinator_restarts=core.coordinator_restarts,
         last_round=core.last_round,
         opened_round=core.round.number,
+        pending_evals=tuple(sorted(core.callbacks.pending_evals.items())),
     )
 
 
@@ -182,6 +190,7 @@ def restore(config: CoordinatorConfig, record: JournalRecord, *, last_save: int)
     opened = max(record.opened_round, core.restored_round)
     core.round = Round(config, core.work, number=opened)  # new rounds number past it
     core.restored_dead = record.dead_ranks
+    core.callbacks.pending_evals = dict(record.pending_evals)
     return core
 
 
