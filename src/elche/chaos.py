@@ -13,7 +13,8 @@ run is skipped with the reason). After each run it checks:
   ``bound_s`` (else it is killed);
 - ``outcome``: ``completed``, or ``saved_and_shutdown`` with a bundle that
   a resumed run (no faults) takes to ``completed``; or, where the save path
-  filled up, ``failed`` with a reason that says what could not be written;
+  filled up, ``failed`` with a reason that names the full disk (``No space
+  left on device``);
 - ``audit``: from the ranks' own records (``rank<R>.spans.jsonl``, what each
   averaging round took from each rank), every sample of every epoch is in
   exactly one average: 0 lost, 0 trained twice;
@@ -28,6 +29,7 @@ it in the simulator (one fault vocabulary: ``elche.core.faults``).
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import math
 import os
@@ -271,9 +273,13 @@ def _cannot_mount() -> str:
 
 
 def _says_unwritten(summary: dict[str, Any]) -> bool:
-    """A failed run's reason says that its bundle could not be written."""
-    reason = str(summary.get("reason", ""))
-    return any(word in reason for word in ("could not be written", "No space left", "resumable"))
+    """A failed run's reason says that the full disk refused a write.
+
+    "could not be written" alone is no excuse: a run whose writer was lost
+    or never answered says it too (``the bundle could not be written (no rank
+    was left to write the model)``), and that is a broken run, full disk or not.
+    """
+    return os.strerror(errno.ENOSPC) in str(summary.get("reason", ""))
 
 
 def _child(

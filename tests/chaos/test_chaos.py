@@ -76,6 +76,31 @@ def test_the_audit_counts_samples_no_average_holds_and_those_two_hold(tmp_path: 
     assert chaos.audit_spans([first], epochs=2, num_samples=10) == (7, 0)  # no resume: lost
 
 
+@pytest.mark.parametrize(
+    ("reason", "held"),
+    [
+        ("graceful_shutdown: the bundle could not be written (rank 0: OSError: [Errno 28] "
+         "No space left on device: '/x/run.s2.model.pt')", True),
+        # A broken run (chaos run 1:20 in docs/failure-modes.md): the full disk is no excuse.
+        ("single_survivor: the bundle could not be written (no rank was left to write the "
+         "model)", False),
+        ("graceful_shutdown: the bundle could not be written (the writer never answered)", False),
+    ],
+)  # fmt: skip
+def test_a_full_save_path_excuses_only_a_failure_that_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reason: str, held: bool
+) -> None:
+    summary = {"outcome": "failed", "reason": reason}
+    monkeypatch.setattr(chaos, "_child", lambda *args, **kwargs: (summary, ""))
+    monkeypatch.setattr(chaos, "_cannot_mount", lambda: "")
+    monkeypatch.setattr(chaos, "_reap_leftovers", lambda: 0)
+    plan = FaultPlan().fill_save_path(rank=0, at_epoch=1.0).kill(rank=1, at_epoch=1.2)
+    row = chaos.ChaosRun(index=0, seed="1:0", plan=plan.to_json())
+    chaos._one(row, "cadence", tmp_path, 10.0)
+    assert row.ok is held, row.failures
+    assert held or row.failures == [f"outcome failed: {reason}"]
+
+
 def test_a_failing_schedule_replays_in_the_simulator(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from elche.core import messages as m
-from elche.core.commands import AppendJournal, Finish, Send
+from elche.core.commands import AppendJournal, Emit, Finish, Send
 from elche.core.config import Mode
 from elche.core.coordinator import Coordinator, RankState, RunState
 from elche.core.dispatch import ChunkPool
@@ -16,7 +16,7 @@ from elche.core.errors import ConfigError
 from elche.core.events import RankJoined, RankLost, Started, StopRequested, TimerFired
 from elche.core.journal import JournalRecord, rejoin_timeout_s
 from elche.core.rank import Hold, RankProtocol, Train
-from elche.core.timeline import RunEnd
+from elche.core.timeline import Eval, RunEnd
 from tests.core.harness import Harness, config, messages, of
 
 
@@ -194,6 +194,41 @@ def test_a_coordinator_restored_after_training_writes_the_final_model() -> None:
     assert h2.core.state is RunState.CLOSING
     assert of(h2.answer_saves(), Finish) == [Finish(outcome="completed")]
     assert run_end(h2).lost_samples == 0
+
+
+def test_a_restored_coordinator_journals_itself_before_it_sends_anything() -> None:
+    # Its successor numbers its frames past the count of coordinators the journal
+    # holds; one killed as its ranks rejoined had left that count as it found it.
+    h = Harness(world_size=2, epochs=2, num_samples=640)
+    h.form()
+    h.run_to_end(until=lambda: h.core.rounds_done >= 1)
+    record = records(h)[-1]
+    core = Coordinator.restore(h.cfg, record, last_save=0)
+    first, *_ = core.handle(Started(), 0.0)
+    assert isinstance(first, AppendJournal) and first.compact
+    assert first.record == dataclasses.replace(record, coordinator_restarts=1)
+    again = Coordinator.restore(h.cfg, first.record, last_save=0)
+    assert again.coordinator_restarts == 2
+
+
+def test_a_coordinator_lost_during_the_last_eval_asks_for_it_again_and_takes_one_answer() -> None:
+    # Its successor went from the journal straight to the final save: the run
+    # completed without its last eval, and nothing said so.
+    h = Harness(world_size=2, epochs=1, num_samples=640, has_eval_fn=True)
+    h.form()
+    h.run_to_end(final=False)
+    assert h.core.state is RunState.FINISHING  # the eval asked for, not answered
+    h2 = restart(h, records(h)[-1])
+    (asked,) = [(r, msg) for r in range(2) for msg in h2.received(r, m.RunEval)]
+    rank, run_eval = asked
+    assert run_eval == m.RunEval(epoch=1)
+    answer = m.EvalResult(epoch=1, metric=0.9, elapsed_ms=5.0)
+    h2.send(rank, answer)
+    assert records(h2)[-1].pending_evals == ()  # a successor would not ask again
+    h2.send(rank, answer)  # the lost coordinator's ask, answered late: one eval
+    evals = [c.event for c in of(h2.log, Emit) if isinstance(c.event, Eval)]  # type: ignore[attr-defined]
+    assert evals == [Eval(epoch=1, metric=0.9, rank=rank, duration_ms=5.0)]
+    assert of(h2.answer_saves(), Finish) == [Finish(outcome="completed")]
 
 
 def test_a_journal_of_another_world_size_is_refused_naming_it() -> None:

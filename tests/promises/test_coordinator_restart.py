@@ -18,10 +18,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import zmq
 
+from elche.core import messages as m
 from elche.core.config import CoordinatorConfig, Mode
+from elche.core.journal import record_of
 from elche.runtime import launch
+from elche.runtime.addresses import BIND_ENV
+from elche.runtime.frames import SECRET_ENV, new_secret
+from elche.runtime.host import ADDRESS_LINE, config_to_json
+from elche.runtime.journal_file import JOURNAL_FILE, JournalWriter, read_journal
 from elche.runtime.launch import Supervised
+from elche.runtime.transport import RankEndpoint
+from tests.core.harness import Harness
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -167,3 +176,54 @@ def test_issue13_a_stop_asked_as_the_coordinator_died_reaches_its_successor(
     assert watched.replaced({1: -9})
     told, _ = successor.communicate(timeout=30)
     assert told.splitlines() == ["lost 1 process ended (killed by signal 9)", "stop SIGINT"]
+
+
+def _successor(run_dir: Path, secret: bytes, address: str) -> subprocess.Popen[str]:
+    """A lost coordinator's successor on ``address``, as ``restart_coordinator`` starts it."""
+    env = dict(os.environ, **{SECRET_ENV: secret.hex(), BIND_ENV: address})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elche.runtime.host", str(run_dir), "--restore"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith(ADDRESS_LINE)
+    return proc
+
+
+def test_a_successor_killed_while_its_ranks_rejoin_is_followed_by_one_they_accept(
+    tmp_path: Path,
+) -> None:
+    # The successor asks the rank to rejoin and is SIGKILLed before the rank does
+    # (before the run re-formed). The next successor used to number its frames as
+    # the first did (both read one journal record): the rank refused them as
+    # replayed and gave the coordinator up for lost.
+    h = Harness(world_size=2, epochs=2, num_samples=640, mode=Mode.CPU_CADENCE)
+    h.form()
+    h.run_to_end(until=lambda: h.core.rounds_done >= 1)
+    (tmp_path / "coordinator.json").write_text(config_to_json(h.cfg))
+    writer = JournalWriter(tmp_path / JOURNAL_FILE)
+    writer.append(record_of(h.core), compact=True)
+    writer.close()
+    secret = new_secret()
+    lost = zmq.Context.instance().socket(zmq.ROUTER)  # the lost coordinator: the rank's Hello
+    lost.bind("tcp://127.0.0.1:0")
+    address = lost.getsockopt_string(zmq.LAST_ENDPOINT)
+    rank = RankEndpoint(address=address, rank=0, world_size=2, secret=secret)
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        lost.recv_multipart()
+        lost.close(linger=0)
+        for _ in range(2):
+            procs.append(_successor(tmp_path, secret, address))
+            rank.send(m.Heartbeat(step=1))  # its DEALER reconnected by itself
+            got = rank.recv(30.0)  # (TransportError: a frame numbered as one it had)
+            assert got is not None and isinstance(got[0], m.Rejoin), got
+            procs[-1].kill()
+            procs[-1].wait(timeout=30)
+        assert read_journal(tmp_path / JOURNAL_FILE).coordinator_restarts == 2
+    finally:
+        rank.close()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)

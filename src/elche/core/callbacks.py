@@ -103,7 +103,8 @@ class Callbacks:
         """``rank`` answered an eval request; returns what to tell the others."""
         self.ledger.absorb_callback_cost(rank, msg.elapsed_ms)
         self.roles.record_cost(Role.EVAL, msg.elapsed_ms, rank=rank)
-        self.pending_evals.pop(msg.epoch, None)
+        if self.pending_evals.pop(msg.epoch, None) is None:
+            return []  # answered already (asked again by a restored coordinator)
         if msg.error is not None:
             text = eval_failed_text(rank, msg.epoch, msg.error)
             failed = tl.EvalFailed(
@@ -144,6 +145,13 @@ class Callbacks:
                 del self.pending_checkpoints[version]
                 out += self._resend_checkpoint(version, live)
         return out
+
+    def ask_again(self, live: Sequence[int]) -> list[Command]:
+        """A restored coordinator: ask again for the evals pending (the journal's:
+        its predecessor asked for them and never heard back)."""
+        epochs = sorted(self.pending_evals)
+        self.pending_evals.clear()  # (a pinned rank gone leaves one unasked, said)
+        return [self._ask_eval(epoch, live) for epoch in epochs]
 
     def _ask_eval(self, epoch: int, live: Sequence[int]) -> Command:
         rank = self.roles.holder(Role.EVAL)

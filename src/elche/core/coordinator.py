@@ -162,8 +162,8 @@ class Coordinator:
         self.coordinator_restarts = 0  # coordinators before this one (``journal.restore``)
         self.restored_round: int | None = None  # the journal's round, if restored
         self.restored_dead: tuple[int, ...] = ()  # the ranks the journal had lost
-        # (rounds done, open epochs, last round number) of the last record.
-        self._journaled: tuple[int, tuple[int, ...], int] | None = None
+        # (rounds done, open epochs, last round number, evals unanswered) of the last record.
+        self._journaled: tuple[int, tuple[int, ...], int, tuple[tuple[int, int], ...]] | None = None
         self._start_epoch = 0
         self._resume = resume
         self._unsatisfied: set[int] = set()
@@ -221,6 +221,8 @@ class Coordinator:
         match event:
             case Started():
                 restored = self.restored_round is not None  # its ranks rejoin, or are lost
+                if restored:  # before it speaks: a successor of its own numbers past it
+                    self._out.append(AppendJournal(record=journal.record_of(self), compact=True))
                 window_s = journal.rejoin_timeout_s(self.config) if restored else None
                 self._formation_deadline_s = now_s + (window_s or self.config.formation_timeout_s)
                 self._arm()
@@ -387,7 +389,9 @@ class Coordinator:
 
     def _on_callback_result(self, rank: int, msg: m.EvalResult | m.CheckpointResult) -> None:
         if isinstance(msg, m.EvalResult):
-            self._out += self.callbacks.on_eval_result(rank, msg, self.live)
+            told = self.callbacks.on_eval_result(rank, msg, self.live)
+            self._journal()  # answered: a successor does not ask for it again
+            self._out += told
         else:
             self._out += self.callbacks.on_checkpoint_result(rank, msg, self.live)
         self._maybe_close()
@@ -513,8 +517,8 @@ class Coordinator:
         self._journal()  # the epochs it settled: a successor does not settle them again
 
     def _journal(self) -> None:
-        """Append the journal record of a new round, new open epochs or a round
-        abandoned (once each).
+        """Append the journal record of a new round, new open epochs, a round
+        abandoned or an eval answered (once each).
 
         Called before any work of the new window or epoch is sent: a rank can
         only hold batches of epochs the journal knows open. After an abandoned
@@ -522,7 +526,8 @@ class Coordinator:
         """
         if self.state not in (RunState.TRAINING, RunState.FINISHING, RunState.CLOSING):
             return
-        key = (self.rounds_done, tuple(self.work.open_epochs()), self.round.number)
+        evals = tuple(sorted(self.callbacks.pending_evals.items()))
+        key = (self.rounds_done, tuple(self.work.open_epochs()), self.round.number, evals)
         if key == self._journaled:
             return
         compact = self._journaled is None or key[1] != self._journaled[1]

@@ -278,6 +278,8 @@ def maybe_form(core: Coordinator) -> None:
         core._broadcast(m.Regroup(generation=core.generation, members=core.live))
     if joinable:
         core.joins.release_roles()
+    if core.restored_round is not None:  # the evals its predecessor never heard back
+        core._out += core.callbacks.ask_again(core.workers)
     core._begin_training()
 
 

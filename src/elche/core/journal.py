@@ -12,7 +12,13 @@ Rules:
 - The journal is bounded by the epochs open: a record whose open epochs differ
   from the previous record's is written with ``compact=True`` and replaces
   the file's records (the shell rewrites the file atomically).
-- A restarted coordinator (``restore``) starts ``FORMING`` with the ranks the
+- A restarted coordinator (``restore``) appends its own record first, before
+  it sends a frame: the count of coordinators in it is what the next
+  successor numbers its frames past (``transport.SEQ_SHIFT_PER_RESTART``). One
+  killed while its ranks rejoin left them frames numbered past the journal's
+  count, and a successor that read the same count was refused by every rank
+  (a replayed frame) and the run lost its coordinator for good.
+- A restarted coordinator starts ``FORMING`` with the ranks the
   record names live; a rank that has not rejoined within ``rejoin_timeout_s``
   (two heartbeat timeouts) is lost, its work served again. The ranks rejoin
   and say what they hold (``Held``): the
@@ -23,6 +29,9 @@ Rules:
   after the last record) is booked as committed; the batches since
   stay the rank's, uncommitted, for the next average. Everything else no
   average holds is served again, once.
+- The evals asked for and not answered are in the record (an answer is
+  journaled before it is broadcast); the restored coordinator asks them again
+  once its ranks have rejoined, and takes one answer per eval.
 
 Theory of operation: ``record_of`` reads a coordinator's state into a
 record; ``restore`` builds a coordinator from one through the checkpoint
@@ -90,6 +99,10 @@ class JournalRecord:
     nonfinite_steps: int = 0
     skipped_steps: int = 0
     skipped_samples: int = 0
+    # The evals asked for and not answered: (epoch, as ``RunEval`` counts it, the
+    # rank asked). A successor asks them again, or a lost coordinator's final
+    # eval would be skipped on the way to the final save.
+    pending_evals: tuple[tuple[int, int], ...] = ()
 
     @property
     def open_epochs(self) -> tuple[int, ...]:
@@ -117,6 +130,7 @@ def record_of(core: Coordinator) -> JournalRecord:
         nonfinite_steps=core.failures.num_nonfinite,
         skipped_steps=core.failures.num_skipped_steps,
         skipped_samples=core.failures.num_skipped_samples,
+        pending_evals=tuple(sorted(core.callbacks.pending_evals.items())),
     )
 
 
@@ -187,6 +201,7 @@ def restore(config: CoordinatorConfig, record: JournalRecord, *, last_save: int)
     core.failures.num_nonfinite = record.nonfinite_steps
     core.failures.num_skipped_steps = record.skipped_steps
     core.failures.num_skipped_samples = record.skipped_samples
+    core.callbacks.pending_evals = dict(record.pending_evals)
     return core
 
 
