@@ -68,6 +68,22 @@ def test_issue12_item14_a_model_fn_failing_on_one_rank_raises_at_once() -> None:
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["cadence", "cpu-cadence"])
+def test_a_model_fn_that_builds_another_model_on_one_rank_is_refused_naming_it(
+    mode: str,
+) -> None:
+    # cadence: rank 0's broadcast of its weights aborted rank 0 in gloo (a size
+    # mismatch) and the run ended saved_and_shutdown; a rank with an extra tensor waited
+    # in the broadcast until formation timed out. cpu-cadence: rank 1 failed its first
+    # average and the run completed without it.
+    error = raised(model_fn=faulty.model_wider_on_rank1, mode=mode)
+    assert (error.rank, error.epoch, error.error_type) == (1, 0, "ValueError")
+    assert "model_fn built another model on ranks [1] than on rank 0" in error.message
+    assert "names, shapes or dtypes" in error.message
+
+
+@pytest.mark.integration
+@pytest.mark.slow
 def test_issue12_item14_the_same_error_mid_run_on_every_rank_raises() -> None:
     error = raised(step_fn=faulty.step_fails_after_a_few)
     assert error.error_type == "KeyError" and "vocabulary" in error.message

@@ -63,7 +63,7 @@ from elche.monitor.summary import rank_report_file, rank_spans_file
 from elche.runtime import bundle, salvage
 from elche.runtime.averaging import InFlight, frozen_parameters, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
-from elche.runtime.consensus import Consensus, start_from_rank0
+from elche.runtime.consensus import Consensus, layout_fingerprint, start_from_rank0
 from elche.runtime.current import providing
 from elche.runtime.data import to_device
 from elche.runtime.filling import fill_file_system
@@ -862,7 +862,9 @@ def train_rank(
     worker.consensus.keep(worker.model)  # the run's start is its first consensus
     worker.connect()
     if fingerprint is not None:  # a joiner takes the consensus in its first round instead
-        worker._send(m.InitialState(fingerprint=fingerprint))
+        worker._send(
+            m.InitialState(fingerprint=fingerprint, layout=layout_fingerprint(worker.model))
+        )
     try:
         worker.run()
     finally:
