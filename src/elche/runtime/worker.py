@@ -74,7 +74,7 @@ from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.resume import load_bundle
 from elche.runtime.shards import epoch_order
 from elche.runtime.snapshots import Layout
-from elche.runtime.stepping import MicroBatch, Stepper
+from elche.runtime.stepping import MicroBatch, Stepper, optimizer_for
 from elche.runtime.transport import RankEndpoint
 from elche.runtime.user_callbacks import checkpoint, evaluate
 from elche.runtime.user_errors import failed_report, guarded, training_error, wait_answer
@@ -178,7 +178,7 @@ class Worker:
         )  # fmt: skip
         self.device = torch.device(spec.device)
         self.model = fns.model_fn(self.device)
-        self.optimizer = fns.optimizer_fn(self.model.parameters())
+        self.optimizer = optimizer_for(fns.optimizer_fn, self.model)
         self.stepper = Stepper(
             self.model, self.optimizer, fns.step_fn, device=self.device,
             max_grad_norm=spec.max_grad_norm, options=options, progress=self.progress,
