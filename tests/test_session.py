@@ -108,6 +108,20 @@ def test_leaving_the_loop_early_ends_the_run_as_a_failure() -> None:
         fail_at(3, None)
 
 
+def test_a_loss_given_as_a_number_is_named_as_session_steps() -> None:
+    # It failed as "'float' object has no attribute 'backward'", naming nothing.
+    model = make_model()
+    session = elche.Session(
+        model, make_optimizer(model.parameters()), data(), batch_size=BATCH, epochs=1,
+        progress=False,
+    )  # fmt: skip
+    with pytest.raises(TrainingError) as caught, session:
+        for batch in session:
+            session.step(step_fn(model, batch).item())
+    assert caught.value.error_type == "TypeError"
+    assert caught.value.message.startswith("session.step was given a float (")
+
+
 def test_bad_keywords_and_several_ranks_without_a_launcher_are_config_errors(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

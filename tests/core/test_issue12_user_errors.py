@@ -307,6 +307,24 @@ def test_issue12_item15_ranks_with_other_initial_weights_are_named_once() -> Non
     assert len(texts) == 1 and "ranks [1, 2]" in texts[0] and "rank 0's weights" in texts[0]
 
 
+@pytest.mark.parametrize("mode", [Mode.CADENCE, Mode.CPU_CADENCE])
+def test_ranks_whose_model_has_another_layout_end_the_run_naming_them(mode: Mode) -> None:
+    h = Harness(world_size=3, mode=mode)
+    h.form()
+    out = h.send(0, m.InitialState(fingerprint="a", layout="L"))
+    out += h.send(2, m.InitialState(fingerprint="c", layout="W"))
+    assert h.core.state is RunState.TRAINING  # rank 1 has not reported yet
+    out += h.send(1, m.InitialState(fingerprint="a", layout="L"))
+    end = run_end(out)
+    assert end.outcome == "failed" and end.user_error is not None
+    assert (end.user_error.rank, end.user_error.epoch) == (2, 0)
+    assert end.user_error.error_type == "ValueError"
+    assert "model_fn built another model on ranks [2] than on rank 0" in end.user_error.message
+    ends = [c for c in of(out, Broadcast) if isinstance(c.message, m.Shutdown)]  # type: ignore[attr-defined]
+    assert len(ends) == 1 and ends[0].ranks == (0, 1, 2)  # type: ignore[attr-defined]
+    assert ends[0].message.user_error == end.user_error  # type: ignore[attr-defined]
+
+
 def test_issue12_item15_equal_initial_weights_say_nothing() -> None:
     h = Harness(world_size=2, mode=Mode.CPU_CADENCE)
     h.form()

@@ -31,6 +31,19 @@ def model_fails_on_rank1(device: torch.device) -> nn.Module:
     return make_model(device)
 
 
+def model_wider_on_rank1(device: torch.device) -> nn.Module:
+    """A model_fn that builds by rank: rank 1's hidden layer is wider than the others'."""
+    torch.manual_seed(0)
+    hidden = 5 if rank() == 1 else 3
+    return nn.Sequential(nn.Linear(4, hidden), nn.Linear(hidden, 2)).to(device)
+
+
+def eval_halving_the_model(model: nn.Module, dataset: object) -> float:
+    """An eval_fn that evaluates in half precision by converting the rank's model itself."""
+    model.half()
+    return 0.5
+
+
 def model_killed_on_rank1(device: torch.device) -> nn.Module:
     """A real crash before the run forms: rank 1 dies while building its model."""
     if rank() == 1:

@@ -68,6 +68,34 @@ def test_issue12_item14_a_model_fn_failing_on_one_rank_raises_at_once() -> None:
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["cadence", "cpu-cadence"])
+def test_a_model_fn_that_builds_another_model_on_one_rank_is_refused_naming_it(
+    mode: str,
+) -> None:
+    # cadence: rank 0's broadcast of its weights aborted rank 0 in gloo (a size
+    # mismatch) and the run ended saved_and_shutdown; a rank with an extra tensor waited
+    # in the broadcast until formation timed out. cpu-cadence: rank 1 failed its first
+    # average and the run completed without it.
+    error = raised(model_fn=faulty.model_wider_on_rank1, mode=mode)
+    assert (error.rank, error.epoch, error.error_type) == (1, 0, "ValueError")
+    assert "model_fn built another model on ranks [1] than on rank 0" in error.message
+    assert "names, shapes or dtypes" in error.message
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_an_eval_fn_that_changes_the_models_dtype_fails_its_rank_naming_it() -> None:
+    # The eval rank failed its next step on the dtype, blamed on step_fn; with a step
+    # that follows the model's dtype, its next average aborted it inside gloo (SIGABRT)
+    # and the run ended saved_and_shutdown, naming nothing.
+    error = raised(eval_fn=faulty.eval_halving_the_model, eval_dataset=DATA, mode="cadence")
+    assert error.error_type == "ValueError"
+    assert error.message.startswith("eval_fn changed the model's parameters or buffers")
+    assert error.bundle is not None  # the survivor saved what was trained
+
+
+@pytest.mark.integration
+@pytest.mark.slow
 def test_issue12_item14_the_same_error_mid_run_on_every_rank_raises() -> None:
     error = raised(step_fn=faulty.step_fails_after_a_few)
     assert error.error_type == "KeyError" and "vocabulary" in error.message

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import functools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -200,3 +201,55 @@ def test_a_negative_schedule_fails_the_run_naming_lr_schedule_and_its_value() ->
         )  # fmt: skip
     assert caught.value.error_type == "ValueError"
     assert caught.value.message.startswith("lr_schedule returned -1.0; it must return a finite")
+
+
+def _train_linear(**fns: object) -> elche.TrainResult:
+    args: dict[str, object] = {
+        "model_fn": fx.linear_model, "optimizer_fn": fx.linear_optimizer, "step_fn": fx.mse_step,
+    }  # fmt: skip
+    args.update(fns)
+    return elche.train(  # type: ignore[arg-type]
+        dataset=_linear_data(), batch_size=8, epochs=1, ranks=1, progress=False, **args
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("returned", "named"),
+    [(lambda loss: loss.item(), "a float ("), (lambda loss: (loss, {}), "a tuple ("),
+     (lambda loss: None, "None;")],
+    ids=["item", "tuple", "none"],
+)  # fmt: skip
+def test_a_step_fn_that_returns_no_tensor_is_named(returned: Any, named: str) -> None:
+    # It failed as "AttributeError: 'float' object has no attribute 'backward'" with a
+    # traceback of no frames (elche's, left out of the report): nothing named step_fn.
+    with pytest.raises(elche.TrainingError) as caught:
+        _train_linear(step_fn=lambda model, batch: returned(fx.mse_step(model, batch)))
+    assert caught.value.error_type == "TypeError"
+    assert caught.value.message.startswith(f"step_fn returned {named}")
+    assert "the loss as a tensor" in caught.value.message
+
+
+@pytest.mark.slow
+def test_an_optimizer_over_another_models_parameters_is_refused() -> None:
+    # It trained nothing and the run completed: the model came back as it was built.
+    other = fx.linear_model("cpu")
+    with pytest.raises(elche.TrainingError) as caught:
+        _train_linear(optimizer_fn=lambda params: fx.linear_optimizer(other.parameters()))
+    assert caught.value.error_type == "ValueError"
+    assert "none of them the model's parameters" in caught.value.message
+    with pytest.raises(elche.TrainingError) as caught:
+        _train_linear(optimizer_fn=lambda params: None)
+    assert caught.value.error_type == "TypeError"
+    assert caught.value.message.startswith("optimizer_fn returned None, not a torch.optim")
+
+
+@pytest.mark.slow
+def test_an_optimizer_over_some_of_the_models_parameters_trains_them() -> None:
+    def bias_only(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in params if p.ndim == 1], lr=0.05)
+
+    built = fx.linear_model("cpu").state_dict()
+    state = _train_linear(optimizer_fn=bias_only).state_dict
+    assert torch.equal(state["weight"], built["weight"])
+    assert not torch.equal(state["bias"], built["bias"])

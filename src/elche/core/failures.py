@@ -34,7 +34,11 @@ Rules:
 - Each rank reports a hash of the model ``model_fn`` built
   (``InitialState``); ranks whose hash differs from rank 0's are named in a
   warning once every rank reported (collective runs start from rank 0's weights, broadcast over
-  the group before training).
+  the group before training). Ranks whose model has another *layout* (parameter
+  or buffer names, shapes or dtypes: a ``model_fn`` that builds by rank) end the
+  run once every rank reported, before any average: no average can join their
+  models, and a rank left out would lose what it trained. The error names them
+  (``error_type`` ``"ValueError"``).
 - A rank *lost* before the run forms (a crash, not a ``Failed``) is survived
   when enough ranks remain (``elche.core.saves.reason_to_stop``): the run forms
   with the others. When too few remain, the run fails before training.
@@ -98,6 +102,7 @@ class UserFailures:
         self.stopped_by: UserError | None = None
         self.fingerprints: dict[int, str] = {}  # each rank's initial weights, hashed
         self.warned: set[int] = set()  # ranks already named for different initial weights
+        self.layouts: dict[int, str] = {}  # each rank's model's names, shapes and dtypes, hashed
 
     def note(
         self, rank: int, message: m.Failed, *, others: Sequence[int], run_stops: bool
@@ -136,8 +141,8 @@ def screen(core: Coordinator, rank: int, message: m.RankMessage) -> None:
             for item in items:
                 if item.nonfinite:
                     _nonfinite_loss(core, rank, item.epoch, item.size)
-        case m.InitialState(fingerprint=fingerprint):
-            _initial_state(core, rank, fingerprint)
+        case m.InitialState(fingerprint=fingerprint, layout=layout):
+            _initial_state(core, rank, fingerprint, layout)
         case m.SyncAck(post_norm=post) if post is not None and not math.isfinite(post):
             open_epochs = core.work.open_epochs()
             epoch = open_epochs[0] if open_epochs else core.epochs_completed
@@ -146,13 +151,17 @@ def screen(core: Coordinator, rank: int, message: m.RankMessage) -> None:
             pass
 
 
-def _initial_state(core: Coordinator, rank: int, fingerprint: str) -> None:
-    """Once every rank reported, warn naming those whose initial weights differ from rank 0's."""
+def _initial_state(core: Coordinator, rank: int, fingerprint: str, layout: str) -> None:
+    """Once every rank reported, end the run if a rank's model has another layout than
+    rank 0's, else warn naming those whose initial weights differ from rank 0's."""
     state = core.failures
     state.fingerprints[rank] = fingerprint
+    state.layouts[rank] = layout
     reference = state.fingerprints.get(0)
     waiting = set(range(core.config.world_size)) - set(core.dead_ranks) - set(state.fingerprints)
     if reference is None or waiting:
+        return
+    if _other_layouts(core):
         return
     odd = sorted(
         r for r, f in state.fingerprints.items() if f != reference and r not in state.warned
@@ -170,6 +179,26 @@ def _initial_state(core: Coordinator, rank: int, fingerprint: str) -> None:
         "model_fn (torch.manual_seed) so that every rank builds the same model"
     )
     core._out.append(Notice(level="warning", text=text))
+
+
+def _other_layouts(core: Coordinator) -> bool:
+    """End the run if some rank's model has another layout than rank 0's; whether it did."""
+    from elche.core.coordinator import RunState
+
+    layouts = core.failures.layouts
+    odd = sorted(r for r, layout in layouts.items() if layout and layout != layouts[0])
+    if not (odd and layouts[0] and core.state in (RunState.FORMING, RunState.TRAINING)):
+        return False
+    error = UserError(
+        rank=odd[0],
+        epoch=core.epochs_completed,
+        error_type="ValueError",
+        message=f"model_fn built another model on ranks {odd} than on rank 0: other "
+        "parameter or buffer names, shapes or dtypes. model_fn must build the same model "
+        "on every rank (only the device may differ)",
+    )
+    fail(core, failure_text(error), user_error=error)
+    return True
 
 
 def skipped_text(rank: int, epoch: int, num_skipped: int) -> str | None:

@@ -108,13 +108,16 @@ class Hello(_Msg, frozen=True):
 
 
 class InitialState(_Msg, frozen=True):
-    """Sent once after joining: a hash of the model ``model_fn`` built on this rank.
+    """Sent once after joining: hashes of the model ``model_fn`` built on this rank.
 
-    Ranks whose hash differs from rank 0's built different initial weights
-    (a ``model_fn`` that does not seed); the coordinator warns, naming them.
+    Ranks whose ``fingerprint`` differs from rank 0's built different initial
+    weights (a ``model_fn`` that does not seed); the coordinator warns, naming
+    them. Ranks whose ``layout`` differs built another model (other parameter
+    or buffer names, shapes or dtypes); the coordinator ends the run, naming them.
     """
 
-    fingerprint: str
+    fingerprint: str  # the state's names, shapes, dtypes and values
+    layout: str = ""  # its names, shapes and dtypes ("": not reported)
 
 
 class BatchDone(_Msg, frozen=True):

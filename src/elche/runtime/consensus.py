@@ -11,7 +11,12 @@ is one host copy of the model per rank, refreshed once per averaging round.
 The run's start is rank 0's model: ``start_from_rank0`` hashes the model
 ``model_fn`` built (``state_fingerprint``, reported to the coordinator, which
 names ranks that differ) and, in the collective modes, broadcasts rank 0's
-state over the group before training.
+state over the group before training. The broadcast needs every rank's state
+to be rank 0's names, shapes and dtypes (``layout_fingerprint``): the ranks
+compare theirs first, and where one differs nobody broadcasts (gloo would
+abort on a size mismatch, or wait forever for a tensor a rank does not have);
+the coordinator ends that run on the layouts the ranks report
+(``elche.core.failures``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Consensus", "start_from_rank0", "state_fingerprint"]
+__all__ = ["Consensus", "layout_fingerprint", "start_from_rank0", "state_fingerprint"]
 
 
 class Consensus:
@@ -86,8 +91,26 @@ def state_fingerprint(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+def layout_fingerprint(model: nn.Module) -> str:
+    """A hash of ``model``'s state layout (names, shapes and dtypes, not values), hex."""
+    digest = hashlib.sha256()
+    for name, value in model.state_dict().items():
+        digest.update(f"{name}:{tuple(value.shape)}:{value.dtype};".encode())
+    return digest.hexdigest()
+
+
+def _same_layouts(model: nn.Module, group: dist.ProcessGroup) -> bool:
+    """Whether every rank of ``group`` holds a model of one layout (one all-gather of
+    the 32-byte hashes, in host memory: the group is gloo's)."""
+    mine = torch.tensor(list(bytes.fromhex(layout_fingerprint(model))), dtype=torch.uint8)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return all(torch.equal(hashed, mine) for hashed in every)
+
+
 def start_from_rank0(model: nn.Module, group: dist.ProcessGroup | None) -> str:
-    """Hash ``model`` as built, then (with a group) load rank 0's state into it.
+    """Hash ``model`` as built, then (with a group) load rank 0's state into it, unless
+    some rank's model has another layout (the coordinator ends that run).
 
     Returns:
         The hash of the model as ``model_fn`` built it, for ``InitialState``.
@@ -96,6 +119,8 @@ def start_from_rank0(model: nn.Module, group: dist.ProcessGroup | None) -> str:
     if group is None:
         return fingerprint
     try:
+        if not _same_layouts(model, group):
+            return fingerprint
         with torch.no_grad():
             for value in model.state_dict().values():
                 dist.broadcast(value, src=0, group=group)

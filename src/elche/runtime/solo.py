@@ -43,7 +43,7 @@ from elche.runtime.resume import load_bundle
 from elche.runtime.shards import epoch_order
 from elche.runtime.solo_record import SoloRecord
 from elche.runtime.solo_saves import SoloSaves
-from elche.runtime.stepping import MicroBatch, Stepper
+from elche.runtime.stepping import MicroBatch, Stepper, optimizer_for
 from elche.runtime.user_callbacks import checkpoint, evaluate
 from elche.runtime.user_errors import describe
 from elche.runtime.worker import UserFns, _with_collate
@@ -319,7 +319,7 @@ def _train_solo(
     t0 = time.monotonic()
     device = torch.device(plan.devices[0])
     model = _user(0, lambda: fns.model_fn(device))
-    optimizer = _user(0, lambda: fns.optimizer_fn(model.parameters()))
+    optimizer = _user(0, lambda: optimizer_for(fns.optimizer_fn, model))
     solo = _solo(plan, fns, model, optimizer, max_grad_norm)
     solo.record = record
     solo.stop_asked = lambda: signals.received is not None

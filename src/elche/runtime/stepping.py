@@ -16,6 +16,12 @@ so a resumed optimizer, whose state carries it, scales from the same base.
 
 A NaN or infinite loss in any micro-batch leaves the step out: the gradients
 are cleared and the optimizer does not step.
+
+The user's mistakes that torch would report as elche's own (an
+``AttributeError`` in elche's frames, which the rank's report leaves out) are
+named here: a ``step_fn`` (or ``session.step``) given something other than a
+tensor (``loss_of``), and an ``optimizer_fn`` that returns no optimizer, or one
+over none of the model's parameters, which would train nothing (``optimizer_for``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import contextlib
 import functools
 import math
 import operator
+import reprlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,10 +39,11 @@ import torch
 from torch import nn
 
 from elche.core.progress import Progress
+from elche.runtime.handoff import is_handoff
 from elche.runtime.options import TrainOptions
 from elche.runtime.user_callbacks import number_of
 
-__all__ = ["MicroBatch", "Stepper", "schedule_factor"]
+__all__ = ["MicroBatch", "Stepper", "loss_of", "optimizer_for", "schedule_factor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +71,50 @@ def schedule_factor(value: Any) -> float:
             "(the factor of each param group's base lr)"
         )
     return factor
+
+
+def loss_of(value: object, step_fn: Callable[..., Any]) -> torch.Tensor:
+    """What ``step_fn`` returned, as the loss to backpropagate.
+
+    Raises:
+        TypeError: ``value`` is not a tensor (a float from ``.item()``, a tuple,
+            None), named with ``step_fn`` (``session.step`` for a Session's loop).
+    """
+    if isinstance(value, torch.Tensor):
+        return value
+    who = "session.step was given" if is_handoff(step_fn) else "step_fn returned"
+    shown = "None" if value is None else f"a {type(value).__name__} ({reprlib.repr(value)})"
+    raise TypeError(
+        f"{who} {shown}; it takes the loss as a tensor (one element, computed "
+        "with gradients), whose backward trains the model"
+    )
+
+
+def optimizer_for(optimizer_fn: Callable[..., Any], model: nn.Module) -> torch.optim.Optimizer:
+    """``optimizer_fn(model.parameters())``, checked to step some of ``model``'s parameters.
+
+    Raises:
+        TypeError: it returned no ``torch.optim.Optimizer``.
+        ValueError: its optimizer holds none of ``model``'s parameters (built
+            over another model): its steps would leave the model as it was.
+        Exception: whatever ``optimizer_fn`` raises.
+    """
+    optimizer = optimizer_fn(model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer_fn returned {reprlib.repr(optimizer)}, not a torch.optim.Optimizer "
+            "(optimizer_fn(params) -> an optimizer over those params)"
+        )
+    own = {id(p) for p in model.parameters()}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if not any(id(p) in own for p in held):
+        raise ValueError(
+            f"optimizer_fn returned an optimizer over {len(held)} tensor(s), none of them the "
+            "model's parameters: its steps would not train the model. Build it over the "
+            "params optimizer_fn(params) is given (a Session's optimizer: over the session "
+            "model's parameters)"
+        )
+    return optimizer
 
 
 class Stepper:
@@ -140,7 +192,7 @@ class Stepper:
         """The step's loss over ``micro`` as one batch (for the pacer's timing)."""
         total = sum(mb.size for mb in micro)
         with self._forward():
-            losses = [self.step_fn(model, mb.batch) for mb in micro]
+            losses = [loss_of(self.step_fn(model, mb.batch), self.step_fn) for mb in micro]
         if len(losses) == 1:
             return losses[0]  # as step_fn made it (a non-scalar loss fails as it would)
         weighted = [loss * (mb.size / total) for loss, mb in zip(losses, micro, strict=True)]
@@ -159,7 +211,7 @@ class Stepper:
         value = 0.0
         for mb in micro:
             with self._forward():
-                loss = self.step_fn(self.model, mb.batch)
+                loss = loss_of(self.step_fn(self.model, mb.batch), self.step_fn)
             part = float(loss.detach())
             if not math.isfinite(part):
                 self.optimizer.zero_grad(set_to_none=True)

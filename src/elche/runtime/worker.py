@@ -63,7 +63,7 @@ from elche.monitor.summary import rank_report_file, rank_spans_file
 from elche.runtime import bundle, salvage
 from elche.runtime.averaging import InFlight, frozen_parameters, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
-from elche.runtime.consensus import Consensus, start_from_rank0
+from elche.runtime.consensus import Consensus, layout_fingerprint, start_from_rank0
 from elche.runtime.current import providing
 from elche.runtime.data import to_device
 from elche.runtime.filling import fill_file_system
@@ -74,7 +74,7 @@ from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.resume import load_bundle
 from elche.runtime.shards import epoch_order
 from elche.runtime.snapshots import Layout
-from elche.runtime.stepping import MicroBatch, Stepper
+from elche.runtime.stepping import MicroBatch, Stepper, optimizer_for
 from elche.runtime.transport import RankEndpoint
 from elche.runtime.user_callbacks import checkpoint, evaluate
 from elche.runtime.user_errors import failed_report, guarded, training_error, wait_answer
@@ -178,7 +178,7 @@ class Worker:
         )  # fmt: skip
         self.device = torch.device(spec.device)
         self.model = fns.model_fn(self.device)
-        self.optimizer = fns.optimizer_fn(self.model.parameters())
+        self.optimizer = optimizer_for(fns.optimizer_fn, self.model)
         self.stepper = Stepper(
             self.model, self.optimizer, fns.step_fn, device=self.device,
             max_grad_norm=spec.max_grad_norm, options=options, progress=self.progress,
@@ -209,6 +209,7 @@ class Worker:
         self.step_s = 0.0  # training steps (loop + batch fetch + step + injected wait)
         self._step_end: float | None = None  # end of the last step, while training back to back
         self.samples = 0
+        self.epoch = 0  # the epoch of the last batch trained
         self.started_s = time.monotonic()
         self.last_loss: float | None = None
         self._perms: dict[int, Sequence[int]] = {}
@@ -536,6 +537,7 @@ class Worker:
         if self._flight is not None:  # trained through the round: no cost of it
             self._through_s += done - started
         self.samples += size
+        self.epoch = action.epoch
         assert self.bridge is not None
         self.bridge.step += 1
         self.unreported.append(
@@ -721,17 +723,38 @@ class Worker:
 
     def _run_callback(self, request: m.RunEval | m.RunCheckpoint) -> None:
         """Run the user's eval or checkpoint; a failure is reported, not raised
-        (``elche.runtime.user_callbacks``)."""
+        (``elche.runtime.user_callbacks``).
+
+        Raises:
+            TrainingError: the callback changed the model's layout (names, shapes
+                or dtypes, e.g. ``model.half()``): this rank's model could not be
+                averaged with the others' any more (gloo aborts on the size
+                mismatch), so the rank fails on it as on the user's error.
+        """
         started = time.perf_counter()
+        layout = layout_fingerprint(self.model)
         if isinstance(request, m.RunEval):
             metric, error = evaluate(self.fns.eval_fn, self.fns.eval_dataset, self.model)
+            self._check_layout(layout, "eval_fn")
             elapsed_ms = (time.perf_counter() - started) * 1000.0
             self._send(self.proto.evaluated(metric=metric, elapsed_ms=elapsed_ms, error=error))
             return
         checkpoint_fn = _failing_checkpoint if self._fail_checkpoint else self.fns.checkpoint_fn
         error = checkpoint(checkpoint_fn, request.version, self.model)
+        self._check_layout(layout, "checkpoint_fn")
         elapsed_ms = (time.perf_counter() - started) * 1000.0
         self._send(self.proto.checkpointed(elapsed_ms=elapsed_ms, error=error))
+
+    def _check_layout(self, before: str, callback: str) -> None:
+        if layout_fingerprint(self.model) == before:
+            return
+        exc = ValueError(
+            f"{callback} changed the model's parameters or buffers (names, shapes or dtypes; "
+            "e.g. model.half() or a new layer): it runs on one rank, whose model then cannot "
+            f"be averaged with the others'. {callback} may read the model, not rebuild it "
+            "(work on a copy: copy.deepcopy(model))"
+        )
+        raise self._user_failed(exc, self.epoch)
 
     def _coordinator_lost(self, reason: str) -> None:
         """No coordinator: keep this rank's consensus and state on disk, then stop
@@ -862,7 +885,9 @@ def train_rank(
     worker.consensus.keep(worker.model)  # the run's start is its first consensus
     worker.connect()
     if fingerprint is not None:  # a joiner takes the consensus in its first round instead
-        worker._send(m.InitialState(fingerprint=fingerprint))
+        worker._send(
+            m.InitialState(fingerprint=fingerprint, layout=layout_fingerprint(worker.model))
+        )
     try:
         worker.run()
     finally:
