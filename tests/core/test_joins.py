@@ -172,3 +172,22 @@ def test_a_join_still_waiting_when_the_run_stops_hears_how_it_ended() -> None:
     assert ends == [
         Broadcast(ranks=(0, 1, 2), message=m.Shutdown(writer=-1, saved="graceful_shutdown"))
     ]
+
+
+def test_a_join_whose_model_has_another_layout_is_refused_and_the_run_goes_on() -> None:
+    # Its first round joined tensors of other sizes: gloo aborted the run's ranks.
+    h = Harness(world_size=2, join_slots=2, num_samples=3200, epochs=2)
+    h.form()
+    for rank in (0, 1):
+        h.send(rank, m.InitialState(fingerprint="weights", layout="run-model"))
+    out = h.feed(RankJoined(rank=2, host="late-host", layout="another-model"))
+    (shutdown,) = messages(out, m.Shutdown)
+    assert isinstance(shutdown, m.Shutdown) and "built another model" in (shutdown.refused or "")
+    assert not messages(out, m.Regroup)
+    assert h.core.live == [0, 1] and h.core.rank_state[2] is RankState.VACANT
+    out = h.feed(RankJoined(rank=3, host="late-host", layout="run-model"))
+    assert [c.members for c in messages(out, m.Regroup)] == [[0, 1, 3]]  # type: ignore[attr-defined]
+    h.run_to_end(ms={0: 10.0, 1: 10.0, 3: 10.0})
+    end = _run_end(h)
+    assert end.outcome == "completed" and end.joined_ranks == (3,)
+    _every_sample_once(h)

@@ -154,6 +154,16 @@ def test_round_trip_both_ways_with_payload_frames(coord: CoordinatorEndpoint) ->
     assert coord.rejected == 0
 
 
+def test_a_joiners_hello_carries_its_models_layout(coord: CoordinatorEndpoint) -> None:
+    endpoint = RankEndpoint(
+        address=coord.address, rank=1, world_size=2, secret=coord.secret, layout="ab12"
+    )
+    try:
+        assert poll_n(coord, 1) == [Joined(rank=1, host="", layout="ab12")]
+    finally:
+        endpoint.close()
+
+
 def test_two_ranks_each_get_their_own_frames(coord: CoordinatorEndpoint) -> None:
     with join(coord, 0) as zero, join(coord, 1) as one:
         one.send(m.Heartbeat(step=1))

@@ -226,9 +226,9 @@ class Coordinator:
                 window_s = journal.rejoin_timeout_s(self.config) if restored else None
                 self._formation_deadline_s = now_s + (window_s or self.config.formation_timeout_s)
                 self._arm()
-            case RankJoined(rank=rank, host=host, held=held):
+            case RankJoined(rank=rank, host=host, held=held, layout=layout):
                 self._check_rank(rank)
-                self._on_join(rank, host, held)
+                self._on_join(rank, host, held, layout)
             case MessageReceived(rank=rank, message=message):
                 self._check_rank(rank)
                 self._on_message(rank, message)
@@ -277,9 +277,9 @@ class Coordinator:
         core.joins.expect_rejoins()
         return core
 
-    def _on_join(self, rank: int, host: str, held: m.Held | None = None) -> None:
+    def _on_join(self, rank: int, host: str, held: m.Held | None = None, layout: str = "") -> None:
         if self.rank_state[rank] is RankState.VACANT:
-            self.joins.request(rank, host, held)
+            self.joins.request(rank, host, held, layout)
             return
         if self.state is not RunState.FORMING or self.rank_state[rank] is not RankState.JOINING:
             self._evict(rank, RemoteProtocolError("joined twice", rank=rank))

@@ -37,6 +37,7 @@ class RankJoined:
     rank: int
     host: str = ""
     held: Held | None = None  # what it holds, rejoining a restarted coordinator
+    layout: str = ""  # a joiner's model's layout (``Hello.layout``)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

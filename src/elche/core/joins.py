@@ -21,7 +21,10 @@ Rules:
   work like any rank, at the anchor's count until its first window's timing
   calibrates it in proportion to its speed.
 - A join that arrives once training is over (or the run is saving) is
-  refused: the rank is told ``Shutdown`` and its slot stays unused.
+  refused: the rank is told ``Shutdown`` and its slot stays unused. So is
+  one whose model has another layout than rank 0's (``Hello.layout`` against
+  rank 0's ``InitialState.layout``, kept in the journal): its first average
+  would join tensors of other sizes, which gloo aborts on.
 - The journal records no joins. A coordinator restored from it waits for
   the slots whose ranks have samples in the consensus as for the run's own
   ranks, and takes back any joined rank that rejoins (``Hello`` with
@@ -53,6 +56,11 @@ if TYPE_CHECKING:
 
 __all__ = ["Joins"]
 
+OTHER_MODEL = (
+    "its model_fn built another model than the run's (other parameter or buffer names, "
+    "shapes or dtypes); it must build the run's model"
+)
+
 
 class Joins:
     """The join slots of one run and the ranks that took them.
@@ -65,14 +73,16 @@ class Joins:
     def __init__(self, core: Coordinator, slots: Iterable[int]) -> None:
         self.core = core
         self.pending: dict[int, str] = {}  # rank -> host, requested, not admitted yet
+        self.layouts: dict[int, str] = {}  # rank -> its model's layout, for those pending
         self.fresh: set[int] = set()  # admitted, not yet in a completed round
         self.joined: list[int] = []  # admitted, in order
         for rank in slots:
             core.elche.retire(rank)
             core.tuner.vacant.add(rank)
 
-    def request(self, rank: int, host: str, held: m.Held | None = None) -> None:
-        """A rank said ``Hello`` in vacant slot ``rank`` (``held``: rejoining with work)."""
+    def request(self, rank: int, host: str, held: m.Held | None = None, layout: str = "") -> None:
+        """A rank said ``Hello`` in vacant slot ``rank`` (``held``: rejoining with work;
+        ``layout``: its model's, hashed)."""
         from elche.core.coordinator import RankState, RunState
 
         core = self.core
@@ -89,12 +99,17 @@ class Joins:
         elif core.state not in (RunState.FORMING, RunState.TRAINING):
             why = "training is over"
         if why is not None:
-            core._out.append(Notice(level="warning", text=f"refused rank {rank}'s join: {why}"))
-            core._out.append(Send(rank=rank, message=m.Shutdown(writer=-1, refused=why)))
+            self._refuse(rank, why)
             return
         assert core.rank_state[rank] is RankState.VACANT  # the coordinator asks for those only
         self.pending[rank] = host
+        self.layouts[rank] = layout
         core.last_seen_s[rank] = core._now
+
+    def _refuse(self, rank: int, why: str) -> None:
+        core = self.core
+        core._out.append(Notice(level="warning", text=f"refused rank {rank}'s join: {why}"))
+        core._out.append(Send(rank=rank, message=m.Shutdown(writer=-1, refused=why)))
 
     def admit_pending(self) -> None:
         """Admit every requested join (the run trains, no round is in flight)."""
@@ -103,7 +118,14 @@ class Joins:
         from elche.core.coordinator import RankState
 
         core = self.core
+        run_layout = core.failures.layouts.get(0, "")  # rank 0's, reported by now
+        admitted = False
         for rank, host in sorted(self.pending.items()):
+            layout = self.layouts.pop(rank, "")
+            if layout and run_layout and layout != run_layout:
+                self._refuse(rank, OTHER_MODEL)
+                continue
+            admitted = True
             core.rank_state[rank] = RankState.LIVE
             core.hosts[rank] = host
             core.last_seen_s[rank] = core._now
@@ -115,6 +137,8 @@ class Joins:
             text = f"rank {rank} joined the running run from {host or 'an unnamed host'}"
             core._out.append(Notice(level="info", text=text))
         self.pending.clear()
+        if not admitted:
+            return  # every join refused
         core.generation += 1
         live = tuple(core.live)
         regroup = m.Regroup(generation=core.generation, members=list(live))

@@ -96,6 +96,8 @@ class JournalRecord:
     opened_round: int = -1
     # Steps with a non-finite loss, and the steps and samples ``nonfinite="skip"``
     # left out: the run's summary counts them all (0 in a record written before).
+    # Rank 0's model's layout (``InitialState.layout``): a join is checked against it.
+    layout: str = ""
     nonfinite_steps: int = 0
     skipped_steps: int = 0
     skipped_samples: int = 0
@@ -127,6 +129,7 @@ def record_of(core: Coordinator) -> JournalRecord:
         coordinator_restarts=core.coordinator_restarts,
         last_round=core.last_round,
         opened_round=core.round.number,
+        layout=core.failures.layouts.get(0, ""),
         nonfinite_steps=core.failures.num_nonfinite,
         skipped_steps=core.failures.num_skipped_steps,
         skipped_samples=core.failures.num_skipped_samples,
@@ -198,6 +201,8 @@ def restore(config: CoordinatorConfig, record: JournalRecord, *, last_save: int)
     opened = max(record.opened_round, core.restored_round)
     core.round = Round(config, core.work, number=opened)  # new rounds number past it
     core.restored_dead = record.dead_ranks
+    if record.layout:
+        core.failures.layouts[0] = record.layout
     core.failures.num_nonfinite = record.nonfinite_steps
     core.failures.num_skipped_steps = record.skipped_steps
     core.failures.num_skipped_samples = record.skipped_samples

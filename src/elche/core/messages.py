@@ -98,6 +98,9 @@ class Hello(_Msg, frozen=True):
     """A rank joined: first frame on a new connection.
 
     ``held`` is set when it reconnects after its coordinator was lost.
+    ``layout`` is a joiner's (``elche join``): its model's names, shapes and
+    dtypes hashed, as ``InitialState.layout``; a join whose model has another
+    layout than the run's is refused.
     """
 
     rank: int
@@ -105,6 +108,7 @@ class Hello(_Msg, frozen=True):
     host: str = ""
     pid: int = 0
     held: Held | None = None
+    layout: str = ""  # ("": not said)
 
 
 class InitialState(_Msg, frozen=True):

@@ -313,8 +313,8 @@ class Host:
 
     def _event(self, inbound: Joined | Received | Rejected) -> Event:
         match inbound:
-            case Joined(rank=rank, host=host, held=held):
-                return RankJoined(rank=rank, host=host, held=held)
+            case Joined(rank=rank, host=host, held=held, layout=layout):
+                return RankJoined(rank=rank, host=host, held=held, layout=layout)
             case Received(rank=rank, message=message, payload=payload):
                 if isinstance(message, m.SnapshotReady) and payload:
                     self._stash_snapshot(rank, payload)

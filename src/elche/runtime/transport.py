@@ -94,6 +94,7 @@ class Joined:
     rank: int
     host: str
     held: messages.Held | None = None  # rejoining a restarted coordinator
+    layout: str = ""  # a joiner's model's layout (``Hello.layout``)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -379,7 +380,7 @@ class CoordinatorEndpoint(_Endpoint):
             rank=hello.rank, last_seq_in=opened.seq, last_seq_out=self._seq_out
         )
         self._by_rank[hello.rank] = identity
-        return Joined(rank=hello.rank, host=hello.host, held=hello.held)
+        return Joined(rank=hello.rank, host=hello.host, held=hello.held, layout=hello.layout)
 
     def _ask_rejoin(self, identity: bytes, sender: int) -> None:
         """Tell a connection of the run that has not joined to say Hello (once)."""
@@ -452,6 +453,7 @@ class RankEndpoint(_Endpoint):
         host: str = "",
         max_frame_bytes: int = MAX_FRAME_BYTES,
         join_slots: int = 0,
+        layout: str = "",
     ) -> None:
         check_limits(world_size + join_slots, max_frame_bytes)
         if not 0 <= rank < world_size + join_slots:
@@ -471,7 +473,9 @@ class RankEndpoint(_Endpoint):
         except zmq.ZMQError as exc:
             self._socket.close(linger=0)
             raise TransportError(f"cannot connect to {address!r}: {exc}") from exc
-        hello = messages.Hello(rank=rank, world_size=world_size, host=host, pid=os.getpid())
+        hello = messages.Hello(
+            rank=rank, world_size=world_size, host=host, pid=os.getpid(), layout=layout
+        )
         try:
             self.send(hello)
         except TransportError:

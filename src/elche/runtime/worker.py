@@ -150,8 +150,9 @@ class RankSpec:
         """A ``SlowDown`` fault is planned: the rank needs a pacer even at full speed."""
         return any(isinstance(f, SlowDown) for f in self.faults)
 
-    def endpoint(self) -> RankEndpoint:
-        """This rank's connection to the coordinator (it says Hello as it opens)."""
+    def endpoint(self, layout: str = "") -> RankEndpoint:
+        """This rank's connection to the coordinator (it says Hello as it opens;
+        ``layout``: a joiner's model's, for ``Hello.layout``)."""
         return RankEndpoint(
             address=self.address,
             rank=self.rank,
@@ -159,6 +160,7 @@ class RankSpec:
             join_slots=self.join_slots,
             secret=bytes.fromhex(self.secret_hex),
             host=os.uname().nodename,
+            layout=layout,
         )
 
 
@@ -224,7 +226,7 @@ class Worker:
     def connect(self) -> None:
         spec = self.spec
         self.bridge = Bridge(
-            spec.endpoint(),
+            spec.endpoint(layout_fingerprint(self.model) if spec.joining else ""),
             heartbeat_interval_s=spec.heartbeat_interval_s,
             coordinator_timeout_s=spec.coordinator_timeout_s,
             gone_file=Path(spec.run_dir) / salvage.GONE_FILE,
