@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from elche.core import timeline as tl
@@ -93,3 +94,20 @@ def test_every_kind_round_trips() -> None:
     ]
     assert len(events) == len(tl.TimelineEvent.__args__)  # every kind is covered
     assert [tl.decode(tl.encode(event)) for event in events] == events
+
+
+def test_a_nan_or_infinite_float_reaches_the_reader(tmp_path: Path) -> None:
+    # An eval_fn that returned NaN was written as "metric": null, which the float field
+    # refused: every reader skipped the record (eval_result_fn was never called, the
+    # TensorBoard log and the trace had no eval for that epoch).
+    writer = TimelineWriter(tmp_path, started_s=0.0)
+    writer.write(tl.Eval(epoch=1, metric=float("nan"), rank=0), now_s=1.0)
+    writer.write(tl.EpochEnd(epoch=1, loss=float("inf"), rounds_done=2), now_s=2.0)
+    writer.write(tl.GuardNudge(factor=float("-inf"), old=4, new=2), now_s=3.0)
+    writer.close()
+    reader = TimelineReader(tmp_path)
+    nan_eval, inf_end, nudge = reader.new_records()
+    assert reader.skipped == 0
+    assert isinstance(nan_eval, tl.Eval) and math.isnan(nan_eval.metric)
+    assert inf_end == tl.EpochEnd(t=2.0, epoch=1, loss=float("inf"), rounds_done=2)
+    assert nudge == tl.GuardNudge(t=3.0, factor=float("-inf"), old=4, new=2)
