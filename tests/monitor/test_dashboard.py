@@ -231,3 +231,30 @@ def test_a_malformed_request_is_counted_and_one_line_not_a_traceback(
     ]
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err + captured.out
+
+
+def test_the_state_is_encoded_once_per_change_not_per_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under elche run and torchrun the dashboard shares rank 0's process: a long
+    run's state is megabytes of JSON, and encoding it for every request and every
+    /events client took that rank's time (0.1 CPU s a second per open page)."""
+    board = Dashboard(tmp_path, 1, port=0)
+    folds: list[int] = []
+    state = board.view.state
+    monkeypatch.setattr(board.view, "state", lambda: folds.append(1) or state())
+    url = board.start()
+    try:
+        writer = TimelineWriter(tmp_path, started_s=0.0)
+        writer.write(tl.RunStart(world_size=1, mode="cadence"), now_s=0.1)
+        _state_when(url, lambda s: s["run"]["phase"] == "training")
+        encoded = len(folds)
+        assert len({_get(url + "state.json")[2] for _ in range(3)}) == 1
+        assert len(folds) == encoded  # nothing changed: the same bytes, not encoded again
+        writer.write(tl.EpochEnd(epoch=0, loss=0.5, rounds_done=1), now_s=0.2)
+        writer.close()
+        _state_when(url, lambda s: s["run"]["epochs_completed"] == 1)
+        _get(url + "state.json")
+        assert len(folds) == encoded + 1  # a change is encoded once
+    finally:
+        board.stop()
