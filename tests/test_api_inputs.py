@@ -51,6 +51,8 @@ def refusal(**kw: object) -> ConfigError:
         ({"resume_from": 123}, "resume_from"),
         ({"run_dir": 5}, "run_dir"),
         ({"tensorboard_dir": 5}, "tensorboard_dir"),
+        ({"dashboard": 8080}, "dashboard"),
+        ({"dashboard": True}, "dashboard"),
         ({"crash": {0: "a"}}, "crash"),
         ({"crash": [0.5]}, "crash"),
         ({"stall": {True: 0.5}}, "stall"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
@@ -231,3 +232,74 @@ def test_a_malformed_request_is_counted_and_one_line_not_a_traceback(
     ]
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err + captured.out
+
+
+def test_the_state_is_encoded_once_per_change_not_per_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under elche run and torchrun the dashboard shares rank 0's process: a long
+    run's state is megabytes of JSON, and encoding it for every request and every
+    /events client took that rank's time (0.1 CPU s a second per open page)."""
+    board = Dashboard(tmp_path, 1, port=0)
+    folds: list[int] = []
+    state = board.view.state
+    monkeypatch.setattr(board.view, "state", lambda: folds.append(1) or state())
+    url = board.start()
+    try:
+        writer = TimelineWriter(tmp_path, started_s=0.0)
+        writer.write(tl.RunStart(world_size=1, mode="cadence"), now_s=0.1)
+        _state_when(url, lambda s: s["run"]["phase"] == "training")
+        encoded = len(folds)
+        assert len({_get(url + "state.json")[2] for _ in range(3)}) == 1
+        assert len(folds) == encoded  # nothing changed: the same bytes, not encoded again
+        writer.write(tl.EpochEnd(epoch=0, loss=0.5, rounds_done=1), now_s=0.2)
+        writer.close()
+        _state_when(url, lambda s: s["run"]["epochs_completed"] == 1)
+        _get(url + "state.json")
+        assert len(folds) == encoded + 1  # a change is encoded once
+    finally:
+        board.stop()
+
+
+def _served(url: str) -> bool:
+    try:
+        return _get(url)[0] == 200
+    except OSError:  # closed as it opened: at the cap still
+        return False
+
+
+def test_connections_past_the_cap_are_closed_and_the_dashboard_serves_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every connection held a file descriptor of the process that trains (rank 0's
+    under elche run): a thousand opened and held left it none, and its next open of
+    the timeline ended the run (EMFILE)."""
+    monkeypatch.setattr(dashboard, "MAX_CONNECTIONS", 3)
+    log = io.StringIO()
+    board = Dashboard(tmp_path, 1, port=0, log=log)
+    url = board.start()
+    host, port = url.removeprefix("http://").strip("/").rsplit(":", 1)
+    held = [socket.create_connection((host, int(port)), timeout=5) for _ in range(3)]
+    try:
+        for sock in held:  # each is being served: a request on it is answered
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(64).startswith(b"HTTP/1.1 200")
+        with (
+            socket.create_connection((host, int(port)), timeout=5) as extra,
+            contextlib.suppress(ConnectionResetError),  # closed, not left open
+        ):
+            extra.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert extra.recv(64) == b""
+    finally:
+        for sock in held:
+            sock.close()
+    try:
+        end = time.monotonic() + 10
+        while not _served(url + "metrics") and time.monotonic() < end:
+            time.sleep(0.02)  # polling cadence: the server sees the closes in its own time
+        assert _served(url + "metrics")  # served again once they closed
+    finally:
+        board.stop()
+    assert log.getvalue() == (
+        "elche: the dashboard closed a connection past its 3 open (1 closed so far)\n"
+    )

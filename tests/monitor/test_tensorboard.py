@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -67,3 +71,33 @@ def test_the_log_follows_the_timeline_into_event_files_tensorboard_reads(tmp_pat
     speeds = [(s.step, s.value) for s in reader.Scalars("rank0/samples_per_s")]
     assert speeds == [(1, 300.0), (2, 310.0)]
     assert [s.value for s in reader.Scalars("rounds/anchor")] == [10.0, 12.0]
+
+
+def test_a_disk_that_fills_up_stops_the_log_in_one_line_and_stop_returns(tmp_path: Path) -> None:
+    # tensorboardX's SummaryWriter wrote on a thread of its own: a full disk killed it
+    # with a traceback, the log's next add_scalar waited on its full queue for ever (no
+    # line of elche's), and stop() waited out its timeout with the thread still alive.
+    run_dir, disk = tmp_path / "run", tmp_path / "disk"
+    run_dir.mkdir()
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
+    try:
+        said = io.StringIO()
+        log = TensorBoardLog(run_dir, disk / "tb", log=said)
+        log.start()
+        writer = TimelineWriter(run_dir, started_s=0.0)
+        with (disk / "ballast").open("wb", buffering=0) as fh, contextlib.suppress(OSError):
+            while True:  # until the disk is full
+                fh.write(b"\0" * 4096)
+        for i in range(400):  # more than a write buffer's worth of scalars
+            writer.write(_window(0, i * 0.01, 1.0, 300.0), i * 0.01)
+        writer.close()
+        log.stop()
+        assert not log._thread.is_alive()
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
+    assert said.getvalue() == (
+        "elche: the TensorBoard log stopped: OSError(28, 'No space left on device')\n"
+    )

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from elche.core import timeline as tl
 from elche.monitor.timeline import TIMELINE_FILE, TimelineReader, TimelineWriter, read_timeline
@@ -93,3 +99,50 @@ def test_every_kind_round_trips() -> None:
     ]
     assert len(events) == len(tl.TimelineEvent.__args__)  # every kind is covered
     assert [tl.decode(tl.encode(event)) for event in events] == events
+
+
+def test_a_nan_or_infinite_float_reaches_the_reader(tmp_path: Path) -> None:
+    # An eval_fn that returned NaN was written as "metric": null, which the float field
+    # refused: every reader skipped the record (eval_result_fn was never called, the
+    # TensorBoard log and the trace had no eval for that epoch).
+    writer = TimelineWriter(tmp_path, started_s=0.0)
+    writer.write(tl.Eval(epoch=1, metric=float("nan"), rank=0), now_s=1.0)
+    writer.write(tl.EpochEnd(epoch=1, loss=float("inf"), rounds_done=2), now_s=2.0)
+    writer.write(tl.GuardNudge(factor=float("-inf"), old=4, new=2), now_s=3.0)
+    writer.close()
+    reader = TimelineReader(tmp_path)
+    nan_eval, inf_end, nudge = reader.new_records()
+    assert reader.skipped == 0
+    assert isinstance(nan_eval, tl.Eval) and math.isnan(nan_eval.metric)
+    assert inf_end == tl.EpochEnd(t=2.0, epoch=1, loss=float("inf"), rounds_done=2)
+    assert nudge == tl.GuardNudge(t=3.0, factor=float("-inf"), old=4, new=2)
+
+
+def test_a_record_torn_by_a_full_disk_costs_no_record_after_it(tmp_path: Path) -> None:
+    # The OS wrote the part of a record that fitted and the writer said nothing; once
+    # space came back, the next record went on the torn line and no reader saw it.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
+    try:
+        writer = TimelineWriter(disk, started_s=0.0)
+        writer.write(tl.SyncStart(round=0), now_s=0.0)  # the file's first page: room for more
+        with (disk / "ballast").open("wb", buffering=0) as fh, contextlib.suppress(OSError):
+            while True:  # until the disk is full
+                fh.write(b"\0" * 1024)
+        written = 0
+        with pytest.raises(OSError):
+            for number in range(1, 1000):  # until the page is full: the last one torn
+                writer.write(tl.SyncStart(round=number), now_s=1.0)
+                written = number
+        (disk / "ballast").unlink()  # space again
+        writer.write(tl.SyncStart(round=1000), now_s=2.0)
+        writer.close()
+        reader = TimelineReader(disk)
+        records = reader.new_records()
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
+    assert [r.round for r in records] == [*range(written + 1), 1000]  # type: ignore[union-attr]
+    assert reader.skipped == 1  # the torn one

@@ -146,3 +146,16 @@ def test_the_trace_is_written_whole_or_not_at_all(
     monkeypatch.undo()
     assert write_chrome_trace(RECORDS, out) > 0
     assert json.loads(out.read_text())["traceEvents"]
+
+
+def test_an_eval_that_gave_nan_is_in_the_trace_as_valid_json(tmp_path: Path) -> None:
+    # The record used to be unreadable (skipped); read, its NaN broke json.dumps.
+    run_dir = _run_dir(tmp_path)
+    writer = TimelineWriter(run_dir, started_s=0.0)
+    writer.write(tl.Eval(epoch=2, metric=float("nan"), rank=1, duration_ms=5.0), now_s=1.5)
+    writer.close()
+    out = tmp_path / "trace.json"
+    assert main(["timeline", str(run_dir), "--chrome", str(out)]) == 0
+    text = out.read_text(encoding="utf-8")
+    (nan_eval,) = [e for e in _valid(json.loads(text)) if e["name"] == "eval e2"]
+    assert nan_eval["pid"] == 2 and nan_eval["args"] == {"metric": "nan"}

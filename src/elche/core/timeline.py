@@ -11,9 +11,16 @@ On disk a record is flat: ``{"kind": "EpochEnd", "epoch": 0, ..., "t": 1.25}``.
 started, stamped by the writer (0 until then). Readers match on the struct
 types, never on the ``kind`` string, and ignore fields they do not know, so
 adding a field is compatible; renaming or removing one is not.
+
+A float that is not finite (an ``eval_fn`` that returned NaN) is written as
+a string, ``"nan"``, ``"inf"`` or ``"-inf"``, and read back as the float:
+JSON has no literal for it, and msgspec's default, ``null``, fails the
+field's type on the way back, which lost the whole record to every reader.
 """
 
 from __future__ import annotations
+
+import math
 
 import msgspec
 
@@ -273,12 +280,20 @@ TimelineEvent = (
 )
 
 _ENCODER = msgspec.json.Encoder()
-_DECODER = msgspec.json.Decoder(TimelineEvent)
+# Not strict: a float field takes the strings that ``encode`` writes for NaN and infinities.
+_DECODER = msgspec.json.Decoder(TimelineEvent, strict=False)
 
 
 def encode(event: TimelineEvent) -> bytes:
-    """One record as a JSON line's bytes (no newline)."""
-    return _ENCODER.encode(event)
+    """One record as a JSON line's bytes (no newline); a non-finite float as its text."""
+    nonfinite = {
+        name: repr(value)  # "nan", "inf", "-inf"
+        for name in event.__struct_fields__
+        if isinstance(value := getattr(event, name), float) and not math.isfinite(value)
+    }
+    if not nonfinite:
+        return _ENCODER.encode(event)
+    return _ENCODER.encode(msgspec.to_builtins(event) | nonfinite)
 
 
 def decode(line: bytes | str) -> TimelineEvent | None:

@@ -19,8 +19,12 @@ def parse_address(text: str) -> tuple[str, int]:
     """``[HOST:]PORT`` as (host, port); port 0 picks a free one.
 
     Raises:
-        ConfigError: not a port, or a port out of range.
+        ConfigError: not a string (``dashboard=8080``), not a port, or a port out of range.
     """
+    if not isinstance(text, str):
+        raise ConfigError(
+            "dashboard", f'expected "[HOST:]PORT" as a string, such as "8080", got {text!r}'
+        )
     host, _, port_text = text.strip().rpartition(":")
     host = host.strip("[]") or DEFAULT_HOST
     try:

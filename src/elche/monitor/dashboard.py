@@ -31,7 +31,10 @@ are not HTTP) is answered 400 by aiohttp and reported to the server's
 logger; ``RequestLog`` is that logger's handler: it counts the request
 (``elche_dashboard_rejected_requests_total``) and prints one line for the
 first and every ``REJECTED_REPORT_EVERY``-th, never the traceback, so a
-scanner cannot fill the run's stderr.
+scanner cannot fill the run's stderr. At most ``MAX_CONNECTIONS`` are open
+at once: one past them is closed as it opens (said as rejections are), so
+clients that open connections and hold them cannot take the file
+descriptors the training process needs.
 """
 
 from __future__ import annotations
@@ -43,10 +46,12 @@ import logging
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import TextIO
 
+import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, Counter
@@ -66,10 +71,22 @@ EVENTS_EVERY_S = 1.0
 # The coordinator reports its rejected frames so: the first is news, then one
 # line a thousand keeps the output readable under a flood.
 REJECTED_REPORT_EVERY = 1000
+# Each connection takes a file descriptor of the process that runs the dashboard
+# (elche.train's, or rank 0's under elche run and torchrun), which needs them to
+# train: connections opened and held (1000 of them, under the usual limit of
+# 1024) left it none, and its next open of the timeline ended the run. A few
+# pages and a scraper need a handful; past this many, a new one is closed.
+MAX_CONNECTIONS = 64
 ENDPOINTS = ["/", "/state.json", "/events", "/metrics"]
 _STATIC_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css",
                  ".txt": "text/plain"}  # fmt: skip
 _NO_CACHE = {"Cache-Control": "no-cache", "Access-Control-Allow-Origin": "*"}
+# A long run's state is megabytes of JSON (5000 points a series): msgspec encodes it
+# several times faster than json, writes a float that is not finite as null, and
+# the state is encoded once per change, not once per client and request. Under
+# elche run and torchrun the dashboard shares rank 0's process, so every
+# encoding is time taken from that rank's training.
+_ENCODER = msgspec.json.Encoder(enc_hook=str)
 
 
 class Dashboard:
@@ -99,6 +116,8 @@ class Dashboard:
         self._final: asyncio.Event | None = None  # set once the last fold is done
         self._error: BaseException | None = None
         self._failed_follow = False
+        self._num_refused = 0  # connections closed past MAX_CONNECTIONS
+        self._encoded: tuple[int, bytes] = (-1, b"")  # the state's JSON, for that many records
         self._thread = threading.Thread(target=self._serve, name="elche-dashboard", daemon=True)
         self.url: str | None = None
         self._static = _static_files()
@@ -164,10 +183,11 @@ class Dashboard:
         app.router.add_route("*", "/{tail:.*}", self._not_found)
         runner = web.AppRunner(app, access_log=None, handle_signals=False, logger=self._server_log)
         await runner.setup()
+        listener: asyncio.Server | None = None
         try:
-            site = web.TCPSite(runner, self._host, self._port)
-            await site.start()
-            host, port = runner.addresses[0][:2]
+            listener = await self._loop.create_server(self._protocol(runner), self._host,
+                                                      self._port)  # fmt: skip
+            host, port = listener.sockets[0].getsockname()[:2]
             self.url = f"http://{_url_host(str(host))}:{port}/"
             self._ready.set()
             while not self._stop.is_set():
@@ -176,8 +196,28 @@ class Dashboard:
                     await asyncio.wait_for(self._stop.wait(), FOLLOW_EVERY_S)
             self.follow()  # what the run wrote last: its RunEnd
         finally:
+            if listener is not None:
+                listener.close()
             self._final.set()
             await runner.cleanup()
+
+    def _protocol(self, runner: web.AppRunner) -> Callable[[], asyncio.BaseProtocol]:
+        """aiohttp's protocol for a new connection, or one that closes it past
+        ``MAX_CONNECTIONS`` (aiohttp takes every connection it is offered)."""
+        server = runner.server
+        assert server is not None  # set up
+
+        def protocol() -> asyncio.BaseProtocol:
+            if len(server.connections) < MAX_CONNECTIONS:
+                return server()
+            self._num_refused += 1
+            if self._num_refused == 1 or self._num_refused % REJECTED_REPORT_EVERY == 0:
+                print(f"elche: the dashboard closed a connection past its {MAX_CONNECTIONS} "
+                      f"open ({self._num_refused} closed so far)", file=self._log,
+                      flush=True)  # fmt: skip
+            return _Refused()
+
+        return protocol
 
     async def _page(self, request: web.Request) -> web.Response:
         body, _ = self._static["dashboard.html"]
@@ -212,12 +252,18 @@ class Dashboard:
         return response
 
     def _event_bytes(self) -> bytes:
-        text = json.dumps(self.view.state(), allow_nan=False, default=str)
-        return b"data: " + text.encode("utf-8") + b"\n\n"
+        return b"data: " + self._state_json() + b"\n\n"
+
+    def _state_json(self) -> bytes:
+        """The state as JSON, encoded once per change however many clients ask for it."""
+        if self._encoded[0] != self.view.records:
+            self._encoded = (self.view.records, _ENCODER.encode(self.view.state()))
+        return self._encoded[1]
 
     async def _state(self, request: web.Request) -> web.Response:
-        body = json.dumps(self.view.state(), allow_nan=False, default=str)
-        return web.Response(text=body, content_type="application/json", headers=_NO_CACHE)
+        return web.Response(
+            body=self._state_json(), content_type="application/json", headers=_NO_CACHE
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
         headers = dict(_NO_CACHE, **{"Content-Type": CONTENT_TYPE_LATEST})
@@ -228,6 +274,14 @@ class Dashboard:
         return web.Response(
             status=404, text=body, content_type="application/json", headers=_NO_CACHE
         )
+
+
+class _Refused(asyncio.Protocol):
+    """A connection past ``MAX_CONNECTIONS``: closed as it opens, its descriptor freed."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)  # a TCP server's
+        transport.abort()
 
 
 class RequestLog(logging.Handler):

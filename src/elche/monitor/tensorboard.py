@@ -2,11 +2,16 @@
 
 Theory of operation. ``TensorBoardLog`` is a daemon thread that follows
 ``RUN_DIR/timeline.jsonl`` (as the dashboard does) every ``FOLLOW_EVERY_S``
-and turns records into scalars through tensorboardX's ``SummaryWriter``
-(the ``elche[tensorboard]`` extra; the same writer API as
+and turns records into scalars in an event file, through tensorboardX's
+``EventsWriter`` (the ``elche[tensorboard]`` extra; the event format of
 ``torch.utils.tensorboard``, in a package of its own, so this layer, which
 imports no torch, can use it). The coordinator never waits for it: a log
 that fails is reported once and the run goes on.
+
+The thread writes the file itself. tensorboardX's ``SummaryWriter`` hands
+each event to a thread of its own through a 10-event queue: on a full disk
+that thread died with a traceback, the next ``add_scalar`` waited on the
+full queue for ever, and the run's end waited out ``stop``'s timeout.
 
 Scalars (``scalars_for``), each at a step that orders them:
 
@@ -32,7 +37,7 @@ from elche.core import timeline as tl
 from elche.monitor.timeline import TimelineReader
 
 if TYPE_CHECKING:
-    from tensorboardX import SummaryWriter
+    from tensorboardX.event_file_writer import EventsWriter
 
 __all__ = ["TensorBoardLog", "scalars_for"]
 
@@ -71,10 +76,12 @@ class TensorBoardLog:
     """
 
     def __init__(self, run_dir: Path, log_dir: Path, *, log: TextIO = sys.stderr) -> None:
-        from tensorboardX import SummaryWriter
+        from tensorboardX.event_file_writer import EventsWriter
 
         self._reader = TimelineReader(run_dir)
-        self._writer: SummaryWriter = SummaryWriter(log_dir=str(log_dir))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        # The file's name as SummaryWriter gives it: events.out.tfevents.<time>.<host>
+        self._writer: EventsWriter = EventsWriter(str(log_dir / "events"))
         self._started_wall_s = time.time()
         self._rounds = 0
         self._log = log
@@ -97,13 +104,23 @@ class TensorBoardLog:
             return
         try:
             for event in self._reader.new_records():
-                for tag, value, step in scalars_for(event, self._rounds):
-                    wall_s = self._started_wall_s + event.t
-                    self._writer.add_scalar(tag, value, step, walltime=wall_s)
+                for scalar in scalars_for(event, self._rounds):
+                    self._add(*scalar, wall_s=self._started_wall_s + event.t)
                 if isinstance(event, tl.SyncEnd):
                     self._rounds = event.round
             self._writer.flush()
         except Exception as exc:  # the log must never end the run
+            self._fail(exc)
+
+    def _add(self, tag: str, value: float, step: int, *, wall_s: float) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=value)])
+        self._writer.write_event(Event(wall_time=wall_s, step=step, summary=summary))
+
+    def _fail(self, exc: Exception) -> None:
+        if not self._failed:
             self._failed = True
             print(f"elche: the TensorBoard log stopped: {exc!r}", file=self._log, flush=True)
 
@@ -111,4 +128,7 @@ class TensorBoardLog:
         while not self._stop.wait(FOLLOW_EVERY_S):
             self.follow()
         self.follow()
-        self._writer.close()
+        try:
+            self._writer.close()
+        except OSError as exc:  # its last flush, on a full disk
+            self._fail(exc)

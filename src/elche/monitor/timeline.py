@@ -9,6 +9,11 @@ Every record reaches the file (the OS, not a buffer in the writer) before
 ``write`` returns, so ``tail -f RUN_DIR/timeline.jsonl`` and a following
 reader see each one as it happens. No fsync: the timeline is for watching a
 run, and a record lost to a machine crash costs nothing that a bundle needs.
+
+A disk that fills up can take part of a record (the OS writes what fits):
+``write`` raises for that record, and the next record the disk takes starts
+on a line of its own, so a reader loses the torn record only, not the one
+glued to it (the run's end, say, once space came back).
 """
 
 from __future__ import annotations
@@ -39,15 +44,26 @@ class TimelineWriter:
         self.path = run_dir / TIMELINE_FILE
         self._started_s = started_s
         self._file = self.path.open("ab", buffering=0)  # unbuffered: every write is visible
+        self._torn = False  # the file ends in part of a record, with no newline
 
     def write(self, event: tl.TimelineEvent, now_s: float) -> tl.TimelineEvent:
         """Stamp ``event`` with ``t`` for ``now_s`` and append it; returns the stamped record.
 
         Raises:
-            OSError: the write failed (a full disk, say); the file stays usable.
+            OSError: the write failed, maybe after part of the record (a full
+                disk, say); the file stays usable: the next record starts a line.
         """
         stamped = msgspec.structs.replace(event, t=round(now_s - self._started_s, 6))
-        self._file.write(tl.encode(stamped) + b"\n")
+        line = tl.encode(stamped) + b"\n"
+        if self._torn:
+            line = b"\n" + line
+        left = memoryview(line)
+        try:
+            while left:  # an unbuffered write may take part of it: the OS raises for the rest
+                left = left[self._file.write(left) :]
+        finally:
+            if len(left) < len(line):  # some of it reached the file
+                self._torn = bool(left)
         return stamped
 
     def close(self) -> None:

@@ -15,12 +15,15 @@ and a ``coordinator`` process (pid 0): epochs, rounds, and instants for
 anchor changes, nudges, alerts, bundles written and the run's end.
 
 Times are microseconds since the coordinator started (the records' ``t``).
+An argument that is a float but not a number JSON can hold (an eval's NaN)
+is its text, ``"nan"``, as the timeline writes it.
 Pure: records in, a JSON-able dict out.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -41,14 +44,20 @@ def _us(seconds: float) -> float:
     return round(max(seconds, 0.0) * 1e6, 3)
 
 
+def _args(args: dict[str, Any]) -> dict[str, Any]:
+    return {k: repr(v) if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in args.items()}  # fmt: skip
+
+
 def _slice(name: str, pid: int, tid: int, end_s: float, dur_s: float, **args: Any) -> Event:
     dur_s = max(dur_s, 0.0)
     return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": _us(end_s - dur_s),
-            "dur": _us(dur_s), "args": args}  # fmt: skip
+            "dur": _us(dur_s), "args": _args(args)}  # fmt: skip
 
 
 def _instant(name: str, pid: int, tid: int, t: float, **args: Any) -> Event:
-    return {"name": name, "ph": "i", "s": "t", "pid": pid, "tid": tid, "ts": _us(t), "args": args}
+    return {"name": name, "ph": "i", "s": "t", "pid": pid, "tid": tid, "ts": _us(t),
+            "args": _args(args)}  # fmt: skip
 
 
 def _meta(name: str, pid: int, value: Any, tid: int | None = None) -> Event:
