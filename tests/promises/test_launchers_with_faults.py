@@ -220,3 +220,43 @@ def test_under_torchrun_a_rank_whose_user_code_exits_with_status_3_is_a_rank_los
     summary = json.loads(line.removeprefix("SUMMARY "))
     assert summary["outcome"] == "completed" and summary["dead_ranks"] == [1], summary
     assert summary["lost_samples"] == 0
+
+
+TWICE_SCRIPT = """
+import json, os, sys
+import elche
+from tests.promises.tiny import make_model, make_optimizer, step
+import torch
+from torch.utils.data import TensorDataset
+
+if __name__ == "__main__":
+    data = TensorDataset(torch.randn(960, 4), torch.randint(0, 2, (960,)))
+    for crash in (None, {1: 0.5}):  # a script that trains twice; rank 1 dies in the second
+        result = elche.train(make_model, make_optimizer, step, data, batch_size=8, epochs=2,
+                             progress=False, crash=crash, speeds=[1.0, 0.5, 0.5])
+    if os.environ["RANK"] == "0":
+        sys.stdout.write(f"SUMMARY {json.dumps(result.summary, sort_keys=True)}\\n")
+"""
+
+
+def test_under_elche_run_a_scripts_second_run_hears_of_a_rank_lost_at_once(
+    tmp_path: Path,
+) -> None:
+    # The launcher's reports of rank exits went to the script's first run only: a rank
+    # lost in the second was found when its heartbeats went stale (30 s by default),
+    # every other rank waiting for it.
+    script = tmp_path / "train.py"
+    script.write_text(TWICE_SCRIPT)
+    repo = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run(
+        [sys.executable, "-m", "elche.cli", "run", "--nproc", "3", str(script)],
+        capture_output=True, text=True, timeout=240, check=False, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])},
+    )  # fmt: skip
+    err = done.stderr
+    assert "rank 1 lost (process ended (" in err, err[-4000:]
+    assert "heartbeat stale" not in err, err[-4000:]
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("SUMMARY ")]
+    summary = json.loads(line.removeprefix("SUMMARY "))
+    assert summary["outcome"] == "completed" and summary["dead_ranks"] == [1], summary
+    assert summary["lost_samples"] == 0

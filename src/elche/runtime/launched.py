@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -48,6 +49,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store
+from torch.distributed.rendezvous import rendezvous
 
 from elche.core.checkpoint import SaveReason
 from elche.core.errors import ConfigError, RankExcluded, TrainingError
@@ -199,7 +202,9 @@ def _train(
     multi_host = local_world < world
     if not multi_host:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", store=_launchers_store(rank, world), rank=rank, world_size=world
+    )
     rank0 = None
     if rank == 0:
         say_ranks_met()
@@ -244,6 +249,24 @@ def _train(
     if not result.state_dict:
         result.state_dict = state
     return result, stopped
+
+
+# The launcher's rendezvous store (``env://``), opened once a process: rank 0 hosts it
+# under ``elche run``, torchrun's agent under torchrun. Each ``elche.train`` call of the
+# script meets the others under a prefix of its own.
+_LAUNCHERS_STORE: list[Store] = []
+_CALLS = itertools.count(1)
+
+
+def _launchers_store(rank: int, world: int) -> Store:
+    """The store this call's default group forms over: the launcher's, under the call's
+    number. A script that calls ``elche.train`` twice used to open the rendezvous again:
+    rank 0's second store replaced its first while a faster rank had already met there,
+    and every rank waited in gloo's rendezvous for good (torch's timeout: 30 minutes)."""
+    if not _LAUNCHERS_STORE:
+        store, _, _ = next(rendezvous("env://", rank=rank, world_size=world))
+        _LAUNCHERS_STORE.append(store)
+    return PrefixStore(f"elche/train{next(_CALLS)}/", _LAUNCHERS_STORE[0])
 
 
 def _rank_outcome(
@@ -537,11 +560,19 @@ def _watch_coordinator(coordinator: Supervised, lost: dict[int, int | None]) -> 
     return thread
 
 
+# Where the launcher's reports of rank exits go: the current run's ``rank_exited``
+# (a script may call ``elche.train`` more than once; the pipe is read by one thread).
+_RANK_EXITS_TO: list[Callable[[int, int | None], None]] = []
+
+
 def _relay_rank_exits(rank_exited: Callable[[int, int | None], None]) -> None:
     """Rank 0 under ``elche run``: call ``rank_exited`` for each of the launcher's
     reports of a rank's exit (``RANK_EXITS_ENV``: ``RANK CODE`` lines, a negative
-    code the signal that ended it), on a thread."""
-    fd = os.environ.pop(RANK_EXITS_ENV, "")
+    code the signal that ended it), on a thread; from now on, until the next call
+    (the script's next ``elche.train``) takes them."""
+    first = not _RANK_EXITS_TO
+    _RANK_EXITS_TO[:] = [rank_exited]
+    fd = os.environ.pop(RANK_EXITS_ENV, "") if first else ""
     if not fd.isdigit():
         return
 
@@ -549,7 +580,7 @@ def _relay_rank_exits(rank_exited: Callable[[int, int | None], None]) -> None:
         with reports:
             for line in reports:  # EOF: the launcher is gone (``watch_launcher`` acts)
                 rank, code = (int(word) for word in line.split())
-                rank_exited(rank, code)
+                _RANK_EXITS_TO[0](rank, code)
 
     reports = open(int(fd), encoding="utf-8")  # noqa: SIM115  # the relay's, closed there
     threading.Thread(target=relay, args=(reports,), name="elche-rank-exits", daemon=True).start()
