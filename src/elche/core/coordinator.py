@@ -506,7 +506,7 @@ class Coordinator:
             rnd, sync_ms, self.live, set(self.dead_ranks), planned_ahead=self.planner.planned_ahead
         )
         self._out.extend(commands)
-        ahead.book_early(self)  # the window handed out ahead is the ledger's window now
+        results = ahead.book_early(self)  # the window handed out ahead is the ledger's now
         self.rounds_done += 1
         self.global_step += k_used
         serving = self.work.open_epochs()
@@ -515,6 +515,8 @@ class Coordinator:
         self._journal()
         self._send_progress(rnd.number)
         self._open_window()
+        for rank, result in results:  # an eval asked ahead: after the end of its epoch
+            self._on_callback_result(rank, result)
         self._journal()  # the epochs it settled: a successor does not settle them again
 
     def _journal(self) -> None:
