@@ -18,6 +18,9 @@ run is skipped with the reason). After each run it checks:
 - ``audit``: from the ranks' own records (``rank<R>.spans.jsonl``, what each
   averaging round took from each rank), every sample of every epoch is in
   exactly one average: 0 lost, 0 trained twice;
+- ``evals``: in a run that completed (itself or resumed), the timeline ends
+  every epoch once, and every epoch has its eval (the runs pass an
+  ``eval_fn``, asked after each epoch);
 - ``no_leftovers``: no process the run started outlives it (the runner is
   the subreaper of everything the run starts, so orphans come back to it).
 
@@ -39,18 +42,22 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elche.core import timeline as tl
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
+from elche.monitor.timeline import read_timeline
 from elche.runtime.filling import FILL_FILE
 
 __all__ = [
     "WORKLOAD",
     "ChaosRun",
+    "audit_evals",
     "audit_spans",
     "draw_plan",
     "print_table",
@@ -163,6 +170,25 @@ def audit_spans(run_dirs: Iterable[Path], *, epochs: int, num_samples: int) -> t
     return lost, twice
 
 
+def audit_evals(run_dirs: Iterable[Path], *, epochs: int) -> list[str]:
+    """What the runs' timelines say against "each epoch ended once, with its eval".
+
+    Returns:
+        One line per epoch of the ``epochs`` that was not ended exactly once
+        (``EpochEnd``) or has no ``Eval``, over the run and its resumed run.
+    """
+    ended: Counter[int] = Counter()
+    evaluated: set[int] = set()
+    for run_dir in run_dirs:
+        for event in read_timeline(run_dir):
+            if isinstance(event, tl.EpochEnd):
+                ended[event.epoch] += 1
+            elif isinstance(event, tl.Eval):
+                evaluated.add(event.epoch - 1)  # ``Eval.epoch``: epochs done
+    problems = [f"epoch {e} ended {ended[e]} times" for e in range(epochs) if ended[e] != 1]
+    return problems + [f"epoch {e} has no eval" for e in range(epochs) if e not in evaluated]
+
+
 def sim_command(plan_file: Path, mode: str) -> str:
     """The ``elche sim`` line that replays ``plan_file`` on the same run's shape."""
     return (
@@ -229,6 +255,7 @@ def _one(row: ChaosRun, mode: str, where: Path, bound_s: float) -> None:
     first, why = _child(where / "a", mode, row.plan, None, bound_s, tmpfs=fills)
     run_dirs = [where / "a" / "run"]
     row.outcome = str(first.get("outcome", "no result"))
+    completed = row.outcome == "completed" and not why  # by itself or resumed
     if why:
         row.failures.append(why)
     if row.outcome == "failed" and fills and not why and _says_unwritten(first):
@@ -247,6 +274,8 @@ def _one(row: ChaosRun, mode: str, where: Path, bound_s: float) -> None:
                 row.failures.append(
                     f"resume ended {resumed.get('outcome')}: {resumed.get('reason')}"
                 )
+            else:
+                completed = True
     elif row.outcome != "completed" and not why:
         row.failures.append(f"outcome {row.outcome}: {first.get('reason')}")
     row.wall_s = round(time.monotonic() - started, 2)
@@ -258,6 +287,8 @@ def _one(row: ChaosRun, mode: str, where: Path, bound_s: float) -> None:
             row.failures.append(
                 f"audit: {row.lost_samples} sample(s) lost, {row.twice_samples} trained twice"
             )
+    if completed:
+        row.failures += [f"evals: {why}" for why in audit_evals(run_dirs, epochs=EPOCHS)]
     row.left_behind = _reap_leftovers()
     if row.left_behind:
         row.failures.append(f"{row.left_behind} process(es) left behind")

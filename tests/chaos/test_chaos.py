@@ -17,8 +17,10 @@ import pytest
 
 from elche import chaos
 from elche.cli import main
+from elche.core import timeline as tl
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan, FillSavePath, Kill, KillCoordinator, Stall, StopLauncher
+from elche.monitor.timeline import TimelineWriter
 
 
 def test_a_seed_draws_the_same_schedules_and_never_kills_every_rank() -> None:
@@ -74,6 +76,48 @@ def test_the_audit_counts_samples_no_average_holds_and_those_two_hold(tmp_path: 
     _record(resumed, 1, [[1, 8, 1]])  # trained again after the resume
     assert chaos.audit_spans([first, resumed], epochs=2, num_samples=10) == (0, 1)
     assert chaos.audit_spans([first], epochs=2, num_samples=10) == (7, 0)  # no resume: lost
+
+
+def _timeline(run_dir: Path, *events: tl.TimelineEvent) -> Path:
+    run_dir.mkdir(parents=True)
+    writer = TimelineWriter(run_dir, started_s=0.0)
+    for event in events:
+        writer.write(event, 0.0)
+    writer.close()
+    return run_dir
+
+
+def test_the_eval_audit_finds_an_epoch_without_its_eval_or_ended_twice(tmp_path: Path) -> None:
+    def end(epoch: int, loss: float | None = 1.0) -> tl.EpochEnd:
+        return tl.EpochEnd(epoch=epoch, loss=loss, rounds_done=epoch + 1)
+
+    def evaluated(epoch: int) -> tl.Eval:  # ``Eval.epoch`` counts the epochs done
+        return tl.Eval(epoch=epoch + 1, metric=0.9, rank=0, duration_ms=1.0)
+
+    whole = _timeline(tmp_path / "whole", end(0), evaluated(0), end(1), evaluated(1))
+    assert chaos.audit_evals([whole], epochs=2) == []
+    first = _timeline(tmp_path / "first", end(0), evaluated(0))
+    resumed = _timeline(tmp_path / "resumed", end(1), evaluated(1))
+    assert chaos.audit_evals([first, resumed], epochs=2) == []
+    lost = _timeline(tmp_path / "lost", end(0), evaluated(0), end(1))
+    assert chaos.audit_evals([lost], epochs=2) == ["epoch 1 has no eval"]
+    twice = _timeline(tmp_path / "twice", end(0), evaluated(0), end(1), end(1, None), evaluated(1))
+    assert chaos.audit_evals([twice], epochs=2) == ["epoch 1 ended 2 times"]
+    assert chaos.audit_evals([first], epochs=2) == ["epoch 1 ended 0 times", "epoch 1 has no eval"]
+
+
+def test_a_completed_run_that_lost_an_eval_fails_the_chaos_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ends = [tl.EpochEnd(epoch=e, loss=1.0, rounds_done=e + 1) for e in range(chaos.EPOCHS)]
+    _timeline(tmp_path / "a" / "run", *ends)  # the first run's run dir; no Eval in it
+    summary = {"outcome": "completed"}
+    monkeypatch.setattr(chaos, "_child", lambda *args, **kwargs: (summary, ""))
+    monkeypatch.setattr(chaos, "audit_spans", lambda *args, **kwargs: (0, 0))
+    monkeypatch.setattr(chaos, "_reap_leftovers", lambda: 0)
+    row = chaos.ChaosRun(index=0, seed="1:0", plan=FaultPlan().to_json())
+    chaos._one(row, "cadence", tmp_path, 10.0)
+    assert row.failures == [f"evals: epoch {e} has no eval" for e in range(chaos.EPOCHS)]
 
 
 @pytest.mark.parametrize(

@@ -55,6 +55,7 @@ class Harness:
         self.averaged: list[list[tuple[int, int, int]]] = [[] for _ in range(ws)]
         self.since: list[list[tuple[int, int, int]]] = [[] for _ in range(ws)]
         self.in_averages: list[tuple[int, int, int]] = []
+        self.loss: float | None = None  # the loss every ``BatchDone`` reports
 
     def held(self, rank: int) -> m.Held:
         return m.Held(
@@ -108,12 +109,11 @@ class Harness:
         for _ in range(steps):
             epoch, offset, size = self.chunks[rank][0]
             take = min(bs, size)
-            out += self.send(
-                rank,
-                m.BatchDone(
-                    epoch=epoch, offset=offset, size=take, batch_ms=batch_ms, nonfinite=nonfinite
-                ),
-            )
+            done = m.BatchDone(
+                epoch=epoch, offset=offset, size=take, batch_ms=batch_ms, loss=self.loss,
+                nonfinite=nonfinite,
+            )  # fmt: skip
+            out += self.send(rank, done)
             if take == size:
                 self.chunks[rank].popleft()
             else:

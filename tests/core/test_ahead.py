@@ -9,12 +9,13 @@ abandoned round leaves nothing stuck.
 from __future__ import annotations
 
 from elche.core import messages as m
-from elche.core.commands import Command
+from elche.core.commands import Command, Emit
 from elche.core.config import SchedulerConfig
 from elche.core.coordinator import RunState
 from elche.core.events import RankLost
 from elche.core.planner import PROBE_STEPS
 from elche.core.roles import Role
+from elche.core.timeline import EpochEnd, Eval
 from tests.core.harness import Harness, messages
 
 
@@ -99,6 +100,20 @@ def test_the_epoch_ends_callbacks_are_asked_with_the_round_that_ends_it() -> Non
     closing = h.send(other, m.SyncAck(round=rnd.number, steps=steps))
     assert messages(closing, m.RunEval) == []
     assert messages(closing, m.EvalBroadcast) == [m.EvalBroadcast(epoch=1, metric=0.5)]
+
+
+def test_an_eval_answered_before_the_round_that_ends_its_epoch_closes_follows_the_epochs_end() -> (
+    None
+):
+    # Its Eval was written before the epoch's EpochEnd: the run's per-epoch
+    # metrics (result.epochs, metrics_fn) had no epoch to put it on and lost it.
+    h = Harness(num_samples=32 * 60, epochs=2, has_eval_fn=True)
+    _to_the_round_that_ends_epoch_0(h)
+    evaluator = h.core.roles.holder(Role.EVAL)
+    h.send(evaluator, m.EvalResult(epoch=1, metric=0.5, elapsed_ms=3.0))
+    closing = _ack(h)
+    told = [c.event for c in closing if isinstance(c, Emit)]  # type: ignore[attr-defined]
+    assert [type(e) for e in told if isinstance(e, EpochEnd | Eval)] == [EpochEnd, Eval]
 
 
 def test_no_work_goes_ahead_of_a_round_whose_epoch_end_saves_a_bundle() -> None:

@@ -16,7 +16,7 @@ from elche.core.errors import ConfigError
 from elche.core.events import RankJoined, RankLost, Started, StopRequested, TimerFired
 from elche.core.journal import JournalRecord, rejoin_timeout_s
 from elche.core.rank import Hold, RankProtocol, Train
-from elche.core.timeline import Eval, RunEnd
+from elche.core.timeline import EpochEnd, Eval, RunEnd
 from tests.core.harness import Harness, config, messages, of
 
 
@@ -228,6 +228,49 @@ def test_a_coordinator_lost_during_the_last_eval_asks_for_it_again_and_takes_one
     h2.send(rank, answer)  # the lost coordinator's ask, answered late: one eval
     evals = [c.event for c in of(h2.log, Emit) if isinstance(c.event, Eval)]  # type: ignore[attr-defined]
     assert evals == [Eval(epoch=1, metric=0.9, rank=rank, duration_ms=5.0)]
+    assert of(h2.answer_saves(), Finish) == [Finish(outcome="completed")]
+
+
+def epoch_ends(h: Harness) -> list[EpochEnd]:
+    return [c.event for c in of(h.log, Emit) if isinstance(c.event, EpochEnd)]  # type: ignore[attr-defined]
+
+
+def test_a_coordinator_lost_once_it_wrote_an_epochs_end_is_followed_by_one_that_ends_it_once() -> (
+    None
+):
+    # Its newest record was the round's, before the epoch ended: the successor ended
+    # the epoch again, and the run listed it twice (the second time without its loss).
+    h = Harness(world_size=2, epochs=2, num_samples=640, has_eval_fn=True)
+    h.loss = 0.5
+    h.form()
+    h.run_to_end(final=False)
+    last_end = max(
+        i for i, c in enumerate(h.log) if isinstance(c, Emit) and isinstance(c.event, EpochEnd)
+    )
+    record = [c.record for c in of(h.log[:last_end], AppendJournal)][-1]  # type: ignore[attr-defined]
+    assert [e.epoch for e in epoch_ends(h)] == [0, 1]
+    h2 = restart(h, record)
+    assert epoch_ends(h2) == []
+    asked = [(r, ask.epoch) for r in range(2) for ask in h2.received(r, m.RunEval)]  # type: ignore[attr-defined]
+    assert sorted(epoch for _, epoch in asked) == [1, 2]  # unanswered: asked again
+    for rank, epoch in asked:
+        h2.send(rank, m.EvalResult(epoch=epoch, metric=0.9, elapsed_ms=5.0))
+    assert of(h2.answer_saves(), Finish) == [Finish(outcome="completed")]
+
+
+def test_a_coordinator_lost_in_an_epochs_last_round_leaves_the_epochs_loss_to_its_successor() -> (
+    None
+):
+    # The ranks applied the round; its record was never written. The successor ended
+    # the epoch with no loss: the losses its batches reported were not in the journal.
+    h = Harness(world_size=2, epochs=1, num_samples=6400)
+    h.loss = 0.5
+    h.form()
+    h.run_to_end(final=False)
+    record = [r for r in records(h) if r.rounds_done < h.core.rounds_done][-1]
+    assert record.rounds_done > 0  # batches reported a loss before it
+    h2 = restart(h, record)
+    assert [(e.epoch, e.loss) for e in epoch_ends(h2)] == [(0, 0.5)]
     assert of(h2.answer_saves(), Finish) == [Finish(outcome="completed")]
 
 

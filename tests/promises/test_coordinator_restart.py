@@ -5,7 +5,8 @@ another moment: mid-run, by rank 0 when it reaches epoch 1.3 (the
 ``KillCoordinator`` fault: a SIGKILL from outside, wherever the coordinator
 is), and with the host's testing hook (``ELCHE_FAULT_COORDINATOR``: it SIGKILLs
 itself once what it sent has left) right after asking for round 3's average
-(during an averaging round) and right after ordering the final model's save.
+(during an averaging round), right after ordering the final model's save and
+right after writing the last epoch's end.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ if __name__ == "__main__":
     print(f"RETURNED {os.environ.get('RANK', 0)}", flush=True)
     if os.environ.get("RANK", "0") == "0":  # every rank holds it; one line to parse
         print("SUMMARY " + json.dumps(result.summary), flush=True)
+        print("EPOCHS " + json.dumps(result.epochs), flush=True)
 """
 
 EVERY_RANK = ["RETURNED 0", "RETURNED 1", "RETURNED 2"]
@@ -72,6 +74,7 @@ LAUNCHERS = {
         ("elche.train", "cadence", "fault"),
         ("elche-run", "cpu-cadence", "averaging:3"),
         ("torchrun", "cadence", "final"),
+        ("elche.train", "cadence", "epoch:2"),
     ],
 )
 def test_issue13_a_killed_coordinator_is_restarted_and_the_run_completes(
@@ -110,6 +113,17 @@ def test_issue13_a_killed_coordinator_is_restarted_and_the_run_completes(
     assert sum(r["samples"] for r in summary["per_rank"]) == 3 * 1437  # each sample once per epoch
     assert summary["eval_accuracy"] is not None and summary["eval_accuracy"] > 0.7
     assert summary["wall_s"] > 0
+    # Each epoch once, with its eval. Killed once it wrote the last epoch's end
+    # (epoch:2), it left a successor that ended it again (listed twice, the second
+    # time with no loss); an eval answered before its epoch's end was written was
+    # lost from its epoch.
+    (line,) = re.findall(r"EPOCHS (\[.*\])", done.stdout)
+    epochs = json.loads(line)
+    assert [(e["epoch"], e.get("eval") is not None) for e in epochs] == [
+        (0, True), (1, True), (2, True),
+    ], line  # fmt: skip
+    if kill_at == "epoch:2":  # (lost mid-round, an epoch can lose its loss: docs)
+        assert all(e["loss"] is not None for e in epochs), line
 
 
 @pytest.mark.parametrize("launcher", ["elche.train", "elche-run"])

@@ -24,8 +24,11 @@ Rules:
   rebases the rank's window to count from zero (``Planner.averaged``).
   Batches and callback results reported while the round is in flight are
   the next window's: booked in the ledger once the round closes
-  (``book_early``). The window then stands (``stands``): the round's feedback
-  (ElChe's counts, the guard's verdict) sizes the one after it.
+  (``book_early``), the results once the epoch the round ends has ended (an
+  epoch's ``Eval`` follows its ``EpochEnd``: a reader of the timeline that
+  met the eval first had no epoch to put it on). The window then stands
+  (``stands``): the round's feedback (ElChe's counts, the guard's verdict)
+  sizes the one after it.
 - A death plans the window afresh when the round closes; a round abandoned
   by a death takes the plan back (``Planner.undo_ahead``: each survivor
   holding work hears its budget before the plan again) and the work handed
@@ -77,14 +80,18 @@ def hand_out(core: Coordinator) -> None:
         core._dispatch(rank)
 
 
-def book_early(core: Coordinator) -> None:
-    """The round closed: book what its ranks reported of the next window meanwhile."""
+def book_early(core: Coordinator) -> list[tuple[int, m.EvalResult | m.CheckpointResult]]:
+    """The round closed: book the batches its ranks reported of the next window
+    meanwhile. Returns the callback results they reported meanwhile, which the
+    coordinator takes once the epoch the round ends has ended."""
     early, core._early = core._early, []
+    results: list[tuple[int, m.EvalResult | m.CheckpointResult]] = []
     for rank, msg in early:
         if isinstance(msg, m.BatchDone):
             core._time_batch(rank, msg)
         else:
-            core._on_callback_result(rank, msg)
+            results.append((rank, msg))
+    return results
 
 
 def stands(core: Coordinator) -> bool:

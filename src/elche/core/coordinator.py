@@ -162,6 +162,8 @@ class Coordinator:
         self.coordinator_restarts = 0  # coordinators before this one (``journal.restore``)
         self.restored_round: int | None = None  # the journal's round, if restored
         self.restored_dead: tuple[int, ...] = ()  # the ranks the journal had lost
+        # An open epoch's reported losses (its ``EpochEnd`` says their mean): (sum, count).
+        self.epoch_loss: dict[int, tuple[float, int]] = {}
         # (rounds done, open epochs, last round number, evals unanswered) of the last record.
         self._journaled: tuple[int, tuple[int, ...], int, tuple[tuple[int, int], ...]] | None = None
         self._start_epoch = 0
@@ -170,7 +172,6 @@ class Coordinator:
         # Asked to stop while a round was in flight, or while a coordinator restored
         # from the journal waited for its ranks: it saves once the run trains again.
         self._stop_after_round: SaveReason | None = None
-        self._epoch_loss: dict[int, tuple[float, int]] = {}
         # Batches of a window handed out ahead, and callback results, reported
         # while its round is in flight: their timing belongs to that window,
         # booked once the round closes.
@@ -377,8 +378,8 @@ class Coordinator:
         self.planner.note_progress(rank, self._now)
         self.telemetry.on_batch(rank, msg.size, msg.batch_ms, msg.loss)
         if msg.loss is not None and math.isfinite(msg.loss):
-            total, count = self._epoch_loss.get(msg.epoch, (0.0, 0))
-            self._epoch_loss[msg.epoch] = (total + msg.loss, count + 1)
+            total, count = self.epoch_loss.get(msg.epoch, (0.0, 0))
+            self.epoch_loss[msg.epoch] = (total + msg.loss, count + 1)
         if self.work.busy_samples(rank) == 0:
             self._dispatch(rank)
             self._offer_reserve(rank)
@@ -505,7 +506,7 @@ class Coordinator:
             rnd, sync_ms, self.live, set(self.dead_ranks), planned_ahead=self.planner.planned_ahead
         )
         self._out.extend(commands)
-        ahead.book_early(self)  # the window handed out ahead is the ledger's window now
+        results = ahead.book_early(self)  # the window handed out ahead is the ledger's now
         self.rounds_done += 1
         self.global_step += k_used
         serving = self.work.open_epochs()
@@ -514,6 +515,8 @@ class Coordinator:
         self._journal()
         self._send_progress(rnd.number)
         self._open_window()
+        for rank, result in results:  # an eval asked ahead: after the end of its epoch
+            self._on_callback_result(rank, result)
         self._journal()  # the epochs it settled: a successor does not settle them again
 
     def _journal(self) -> None:
@@ -538,8 +541,7 @@ class Coordinator:
 
     def _open_window(self) -> None:
         """A round closed (or training began): settle epochs, hand out work."""
-        for epoch in self.work.finished_epochs():
-            self._epoch_finished(epoch)
+        self._settle_epochs()
         if self.state is not RunState.TRAINING:
             return
         if self.work.serving_epoch() is None and not self.work.open_epochs():
@@ -588,8 +590,24 @@ class Coordinator:
         if nxt is not None and len(self.work.open_epochs()) < 2:
             self._open_epoch(nxt)
 
+    def _settle_epochs(self) -> None:
+        """End the epochs every sample of which an average holds, journaled first.
+
+        The record says them ended, their callbacks asked and their checkpoint
+        begun, before their ``EpochEnd`` is written: a coordinator lost between
+        the two left a successor the record before, which ended them again
+        (two ``EpochEnd`` for one epoch, the second without its loss).
+        """
+        out, self._out = self._out, []
+        for epoch in self.work.finished_epochs():
+            self._epoch_finished(epoch)
+        ended, self._out = self._out, out
+        if ended:
+            self._journal()
+        self._out += ended
+
     def _epoch_finished(self, epoch: int) -> None:
-        total, count = self._epoch_loss.pop(epoch, (0.0, 0))
+        total, count = self.epoch_loss.pop(epoch, (0.0, 0))
         loss = total / count if count else None
         self.epochs_completed = max(self.epochs_completed, epoch + 1)
         self._out += self.telemetry.epoch_ended(self._now, self.live, epoch)

@@ -32,6 +32,10 @@ Rules:
 - The evals asked for and not answered are in the record (an answer is
   journaled before it is broadcast); the restored coordinator asks them again
   once its ranks have rejoined, and takes one answer per eval.
+- An epoch is journaled ended (its callbacks asked, its checkpoint begun)
+  before its ``EpochEnd`` is written, so a successor ends each epoch once; the
+  open epochs' reported losses are in the record, so it ends one the lost
+  coordinator did not end with its loss.
 
 Theory of operation: ``record_of`` reads a coordinator's state into a
 record; ``restore`` builds a coordinator from one through the checkpoint
@@ -105,6 +109,9 @@ class JournalRecord:
     # rank asked). A successor asks them again, or a lost coordinator's final
     # eval would be skipped on the way to the final save.
     pending_evals: tuple[tuple[int, int], ...] = ()
+    # The losses the open epochs' batches reported: (epoch, sum, count). A successor
+    # ends an epoch with their mean, not with no loss (empty in a record written before).
+    epoch_loss: tuple[tuple[int, float, int], ...] = ()
 
     @property
     def open_epochs(self) -> tuple[int, ...]:
@@ -134,6 +141,7 @@ def record_of(core: Coordinator) -> JournalRecord:
         skipped_steps=core.failures.num_skipped_steps,
         skipped_samples=core.failures.num_skipped_samples,
         pending_evals=tuple(sorted(core.callbacks.pending_evals.items())),
+        epoch_loss=tuple((e, total, n) for e, (total, n) in sorted(core.epoch_loss.items())),
     )
 
 
@@ -207,6 +215,7 @@ def restore(config: CoordinatorConfig, record: JournalRecord, *, last_save: int)
     core.failures.num_skipped_steps = record.skipped_steps
     core.failures.num_skipped_samples = record.skipped_samples
     core.callbacks.pending_evals = dict(record.pending_evals)
+    core.epoch_loss = {e: (total, n) for e, total, n in record.epoch_loss}
     return core
 
 

@@ -128,7 +128,8 @@ RESUME_OUTER = "resume.outer.npz"
 MAX_WAIT_S = 0.5
 # Testing hook: the run's first coordinator SIGKILLs itself at a named point:
 # ``round:N`` (round N journaled), ``averaging:N`` (round N's average asked
-# for), ``final`` (the final model's save ordered). See docs/failure-modes.md.
+# for), ``epoch:N`` (epoch N's end written), ``final`` (the final model's save
+# ordered). See docs/failure-modes.md.
 FAULT_ENV = "ELCHE_FAULT_COORDINATOR"
 # Under ``elche run`` and torchrun: the rank whose process started the coordinator
 # (rank 0). Its stdin's EOF is that rank's death too, which its heartbeats would
@@ -578,6 +579,8 @@ def _due(point: str, command: Command) -> bool:
         return command.record.rounds_done >= int(number)
     if kind == "averaging" and isinstance(message, m.SyncNow | m.RequestParams):
         return message.round >= int(number)
+    if kind == "epoch" and isinstance(command, Emit) and isinstance(command.event, tl.EpochEnd):
+        return command.event.epoch >= int(number)
     if kind == "start":  # its first command: before any rank joined, no journal yet
         return True
     return kind == "final" and isinstance(message, m.Shutdown) and message.writer >= 0
