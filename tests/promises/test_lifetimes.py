@@ -264,6 +264,31 @@ def test_issue12_item12_ctrl_c_in_a_script_raises_interrupted_with_the_bundle(
     assert Path(f"{save}.meta.json").exists()
 
 
+def test_a_closed_terminals_sighup_to_a_scripts_group_saves_the_run(tmp_path: Path) -> None:
+    # A closed terminal: the shell sends SIGHUP to its job's process group, which holds
+    # the launcher, the fork server and the ranks of a local run. It ended all three
+    # there and then, nothing saved (the orphaned coordinator's ShutdownWithSave reached
+    # no rank).
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace("FINAL_HOOK", "None"))
+    save = tmp_path / "bundle"
+    with session([sys.executable, str(script), str(save), "8"], tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        os.killpg(proc.pid, signal.SIGHUP)
+        returncode, out, err = wait_exit(proc, STOP_WITHIN_S)
+        deadline = time.monotonic() + ORPHANS_GONE_WITHIN_S
+        while session_pids(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for a condition, with a deadline
+        left = session_pids(proc.pid)
+        assert not left, [command_line(pid) for pid in left]
+    assert returncode == 129, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert f"STOPPED Interrupted bundle={save} code=129" in out
+    line = only_line(err)
+    assert line.startswith("elche: interrupted by SIGHUP; the run is saved under"), line
+    assert Path(f"{save}.meta.json").exists()
+
+
 def test_issue12_item12_a_run_that_finished_before_ctrl_c_is_returned(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.replace("FINAL_HOOK", "interrupt_at_the_end").replace(
