@@ -240,10 +240,10 @@ def train(
             step, or the same exception on every rank): the failing rank, the
             epoch and the user's exception type, message and traceback.
         RuntimeError: the run failed to start or a process crashed.
-        Interrupted: SIGINT (Ctrl-C) or SIGTERM stopped the run. The ranks saved
-            a bundle first (``Interrupted.bundle``; resume with
+        Interrupted: SIGINT (Ctrl-C), SIGTERM or SIGHUP stopped the run. The ranks
+            saved a bundle first (``Interrupted.bundle``; resume with
             ``resume_from=``) and one line on stderr said where. It is a
-            ``KeyboardInterrupt`` and a ``SystemExit(130 or 143)``: uncaught,
+            ``KeyboardInterrupt`` and a ``SystemExit(130, 143 or 129)``: uncaught,
             the script stops quietly with the shell's code for that signal.
             A second Ctrl-C stops at once, without saving. A run whose
             training was over when the signal came completes and returns.

@@ -127,9 +127,12 @@ def command_line(pid: int) -> str:
 
 
 @contextmanager
-def session(args: list[str], tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
-    """Start ``args`` in a new session; kill whatever of it is left afterwards."""
-    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
+def session(
+    args: list[str], tmp_path: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[str]]:
+    """Start ``args`` in a new session (with ``env`` added to the environment); kill
+    whatever of it is left afterwards."""
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen(
         args, start_new_session=True, env=env, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
@@ -262,6 +265,69 @@ def test_issue12_item12_ctrl_c_in_a_script_raises_interrupted_with_the_bundle(
     line = only_line(err)
     assert f"resume_from={str(save)!r}" in line
     assert Path(f"{save}.meta.json").exists()
+
+
+def test_a_closed_terminals_sighup_to_a_scripts_group_saves_the_run(tmp_path: Path) -> None:
+    # A closed terminal: the shell sends SIGHUP to its job's process group, which holds
+    # the launcher, the fork server and the ranks of a local run. It ended all three
+    # there and then, nothing saved (the orphaned coordinator's ShutdownWithSave reached
+    # no rank).
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace("FINAL_HOOK", "None"))
+    save = tmp_path / "bundle"
+    with session([sys.executable, str(script), str(save), "8"], tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        os.killpg(proc.pid, signal.SIGHUP)
+        returncode, out, err = wait_exit(proc, STOP_WITHIN_S)
+        deadline = time.monotonic() + ORPHANS_GONE_WITHIN_S
+        while session_pids(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for a condition, with a deadline
+        left = session_pids(proc.pid)
+        assert not left, [command_line(pid) for pid in left]
+    assert returncode == 129, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert f"STOPPED Interrupted bundle={save} code=129" in out
+    line = only_line(err)
+    assert line.startswith("elche: interrupted by SIGHUP; the run is saved under"), line
+    assert Path(f"{save}.meta.json").exists()
+
+
+# Imported by every Python process of the test's run: holds the fork server as it starts,
+# before it imports anything of its own, where a stop signal still ends it (SIG_DFL).
+HOLD_FORK_SERVER = """
+import os, signal, time
+from pathlib import Path
+
+if b"multiprocessing.forkserver" in Path("/proc/self/cmdline").read_bytes():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    Path(os.environ["ELCHE_TEST_HELD"]).touch()
+    time.sleep(60)  # held until the test's signal ends it
+"""
+
+
+def test_ctrl_c_while_the_fork_server_starts_says_nothing_was_saved(tmp_path: Path) -> None:
+    # The first run of a process starts the fork server in the launcher's process group;
+    # until it imports elche.runtime.forkserved it dies of Ctrl-C, and the launcher, which
+    # waited for it to fork the coordinator, ended in an EOFError traceback (exit 1).
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(HOLD_FORK_SERVER)
+    held = tmp_path / "held"
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace("FINAL_HOOK", "None"))
+    path = os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")])
+    env = {"PYTHONPATH": path, "ELCHE_TEST_HELD": str(held)}
+    with session([sys.executable, str(script), str(tmp_path / "b"), "8"], tmp_path, env) as proc:
+        deadline = time.monotonic() + MID_RUN_WITHIN_S
+        while not held.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for a condition, with a deadline
+        assert held.exists(), "the fork server never started"
+        os.killpg(proc.pid, signal.SIGINT)
+        returncode, out, err = wait_exit(proc, STOP_WITHIN_S)
+    assert returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert "STOPPED Interrupted bundle=None code=130" in out
+    assert only_line(err) == "elche: interrupted by SIGINT before the run formed; nothing was saved"
 
 
 def test_issue12_item12_a_run_that_finished_before_ctrl_c_is_returned(tmp_path: Path) -> None:

@@ -707,9 +707,17 @@ def _supervise(
     cfg = plan.config
     secret = secret_from_env(os.environ) or new_secret()
     ctx = rank_context()
-    coordinator = supervised(
-        cfg, run_dir, secret, plan.resume_from, ctx, resume_seq=plan.resume_seq
-    )
+    try:
+        coordinator = supervised(
+            cfg, run_dir, secret, plan.resume_from, ctx, resume_seq=plan.resume_seq
+        )
+    except (EOFError, OSError):
+        if signals.received is None:
+            raise
+        # The group's stop signal ended the fork server as it started (the first run
+        # of this process), before it could ignore it (``elche.runtime.forkserved``):
+        # no coordinator, nothing trained; ``launch_local`` says so.
+        return []
     announce_join(coordinator.address, coordinator.group_port, run_dir, secret, cfg)
     board = start_watching(plan, run_dir, dashboard, tensorboard_dir)
     procs: list[Any] = []

@@ -5,12 +5,15 @@ Rules:
 - The launching process owns the run: ``elche.train`` in the user's script
   (a local run), or each rank's own process under ``elche run``/``torchrun``,
   whose rank 0 also owns the coordinator. No elche process outlives it.
-- SIGINT and SIGTERM are the launching process's to act on. Ctrl-C sends
-  SIGINT to the whole process group, so the coordinator runs in a process
-  group of its own (SIGTERM sent to it alone asks it to stop, as if the
-  launcher had), and the fork server and the ranks of a local run ignore
-  both (``elche.runtime.forkserved``, ``ignore_stop_signals``): nothing dies
-  mid-write, and the launcher orders the stop.
+- SIGINT, SIGTERM and SIGHUP (``STOP_SIGNALS``) are the launching process's
+  to act on. Ctrl-C sends SIGINT to the whole process group, and a closed
+  terminal SIGHUP (the shell passes it to each of its jobs' groups), so the
+  coordinator runs in a process group of its own (SIGTERM sent to it alone
+  asks it to stop, as if the launcher had), and the fork server and the
+  ranks of a local run ignore all three (``elche.runtime.forkserved``,
+  ``ignore_stop_signals``): nothing dies mid-write, and the launcher orders
+  the stop. SIGHUP stops the run as SIGTERM does; under ``nohup`` it is
+  ignored, and stays so.
 - The launcher asks the coordinator to stop with a ``stop REASON`` line on
   its stdin; the coordinator turns it into ``StopRequested``: a training run
   saves a bundle (``SaveReason.GRACEFUL_SHUTDOWN``) and the ranks exit. Then
@@ -72,7 +75,9 @@ ORPHAN_GRACE_S = 6.0
 EXIT_ORPHANED = 4
 # How often the fallback (no pidfd) looks whether the launcher still lives.
 WATCH_EVERY_S = 0.2
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP: the terminal closed. Its default ends the launcher and (in its group)
+# a local run's ranks and fork server unsaved; as a stop, the run is saved.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Under ``elche run``: the file rank 0 makes once every rank has met in torch's
 # rendezvous. Until then a rank that fails leaves the others waiting there for
 # it, so the launcher stops them all; after, the run survives the loss.
@@ -94,14 +99,15 @@ RESUME_HINT: ContextVar[Callable[[str], str]] = ContextVar("RESUME_HINT", defaul
 
 
 class Interrupted(SystemExit, KeyboardInterrupt):
-    """``elche.train`` was stopped by SIGINT or SIGTERM; what it trained is saved.
+    """``elche.train`` was stopped by SIGINT, SIGTERM or SIGHUP; what it trained is saved.
 
     Raised once the ranks have written the bundle (``bundle``, resumable with
     ``resume_from=bundle``; None when the run had not formed yet) and one line
     on stderr said where. It is a ``KeyboardInterrupt``, so ``except
     KeyboardInterrupt`` catches it, and a ``SystemExit`` with code 130
-    (SIGINT) or 143 (SIGTERM): uncaught, the script stops without a traceback
-    and with the exit status a shell gives a process those signals end.
+    (SIGINT), 143 (SIGTERM) or 129 (SIGHUP): uncaught, the script stops
+    without a traceback and with the exit status a shell gives a process
+    those signals end.
 
     Attributes:
         signal: the signal that stopped the run.
@@ -152,7 +158,7 @@ def announce(stop: Interrupted, resumed_from: str | None = None, *, earlier: boo
 
 
 class StopSignals:
-    """While entered, SIGINT and SIGTERM stop the run cleanly.
+    """While entered, SIGINT, SIGTERM and SIGHUP (``STOP_SIGNALS``) stop the run cleanly.
 
     Only the main thread may set signal handlers: entered on another thread,
     it takes the signals ``relay_stop_signals`` catches on the main thread
@@ -245,7 +251,7 @@ _RELAYS: list[_Relay] = []
 
 @contextlib.contextmanager
 def relay_stop_signals() -> Iterator[None]:
-    """On the main thread: SIGINT and SIGTERM go to a ``StopSignals`` on another thread.
+    """On the main thread: ``STOP_SIGNALS`` go to a ``StopSignals`` on another thread.
 
     While entered, a stop signal is handed to every ``StopSignals`` entered on
     another thread (``elche.Session``'s training thread), which stops the run
@@ -271,7 +277,7 @@ def relay_stop_signals() -> Iterator[None]:
 
 
 def ignore_stop_signals() -> None:
-    """SIGINT and SIGTERM do nothing here: the launching process orders the stop."""
+    """``STOP_SIGNALS`` do nothing here: the launching process orders the stop."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 

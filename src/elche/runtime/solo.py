@@ -5,7 +5,7 @@ runs at the start of each epoch, evals run after every ``eval_every`` epochs
 and after the last, and a resumed run trains only the samples its bundle lists
 as still to do. It writes the bundles a run of several ranks writes
 (``elche.runtime.solo_saves``): every ``checkpoint_every`` epochs, and when
-SIGINT or SIGTERM stops it (between two steps; then ``Interrupted``, as a run
+SIGINT, SIGTERM or SIGHUP stops it (between two steps; then ``Interrupted``, as a run
 of several ranks raises). A second Ctrl-C stops at once, saving nothing.
 """
 
