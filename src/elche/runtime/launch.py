@@ -273,7 +273,8 @@ def rank_spec(
     cfg = plan.config
     return RankSpec(
         rank=rank, world_size=cfg.world_size, address=address, secret_hex=secret.hex(),
-        run_dir=str(run_dir), mode=cfg.mode.value, seed=cfg.seed, order=cfg.order,
+        run_dir=str(run_dir), mode=cfg.mode.value, seed=cfg.seed, num_samples=cfg.num_samples,
+        order=cfg.order,
         speed=plan.speeds[rank],
         speed_base_s=plan.speed_base_s, device=plan.devices[rank], gamma=cfg.scheduler.gamma,
         max_grad_norm=max_grad_norm,
