@@ -115,3 +115,26 @@ def test_a_save_path_that_names_a_directory_is_refused(tmp_path: Path, form: str
     assert error.field == "save_path"
     assert "not a directory" in str(error) and "/run'" in str(error)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir"]  # no DIR.lock, no DIR.*
+
+
+class _Transformed(list[int]):
+    """A dataset that keeps a lambda (its transform): it cannot be pickled."""
+
+    def __init__(self) -> None:
+        super().__init__(range(8))
+        self.transform = lambda x: x
+
+
+@pytest.mark.parametrize("field", ["dataset", "eval_dataset"])
+def test_a_dataset_that_cannot_reach_the_ranks_is_refused_before_they_start(
+    field: str, tmp_path: Path
+) -> None:
+    # It escaped as a raw PicklingError from the first rank's start, after the coordinator's.
+    run_dir = tmp_path / "run"
+    kw: dict[str, object] = {field: _Transformed()}
+    if field == "eval_dataset":
+        kw["eval_fn"] = _never
+    error = refusal(**kw, ranks=2, run_dir=str(run_dir))
+    assert error.field == field
+    assert "_Transformed cannot be sent to the rank processes" in str(error)
+    assert not (run_dir / "coordinator.pid").exists()  # no coordinator started

@@ -175,6 +175,7 @@ def run_worker(mode: Mode, script: Script, tmp_path: Path) -> tuple[list[list[Se
         run_dir=str(tmp_path),
         mode=mode.value,
         seed=0,
+        num_samples=len(data),
     )
     worker = Worker(spec, fns, 32)
     link = ScriptedLink(script)

@@ -35,7 +35,15 @@ from pathlib import Path
 from typing import Any
 
 from elche._files import check_writable
-from elche.core.config import Backend, CallbackPolicy, CoordinatorConfig, Mode, SchedulerConfig
+from elche.core.config import (
+    NUMPY_PERMUTATION,
+    SHARD_ORDER,
+    Backend,
+    CallbackPolicy,
+    CoordinatorConfig,
+    Mode,
+    SchedulerConfig,
+)
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
 from elche.core.progress import Progress
@@ -301,7 +309,7 @@ def train(
             accumulate=options.accumulate, say=say,
         )  # fmt: skip
         # A resumed run draws each epoch's order as its bundle's run did.
-        config = dataclasses.replace(plan.config, order=meta.order)
+        config = dataclasses.replace(plan.config, order=meta.resumed_order(plan.config))
         plan = dataclasses.replace(plan, config=config, resume_seq=meta.save_seq)
     if run_dir is not None:  # the last check: it makes the folder, as the run would
         check_writable(Path(run_dir), "run_dir")
@@ -408,6 +416,7 @@ def _plan(
     config = CoordinatorConfig(
         mode=Mode.parse(mode), world_size=world, num_samples=num_samples,
         batch_size=batch_size, epochs=epochs, seed=seed,
+        order=SHARD_ORDER if isinstance(dataset, Shards) else NUMPY_PERMUTATION,
         scheduler=SchedulerConfig() if scheduler is None else scheduler,
         heartbeat_timeout_s=heartbeat_timeout_s,
         heartbeat_interval_s=_beat_every(heartbeat_timeout_s), max_failures=max_failures,

@@ -22,7 +22,14 @@ from elche.core.checkpoint import (
     EpochCoverage,
     SaveReason,
 )
-from elche.core.config import NUMPY_PERMUTATION, ORDERS, RANDOM_SHUFFLE, CoordinatorConfig, Mode
+from elche.core.config import (
+    NUMPY_PERMUTATION,
+    ORDERS,
+    RANDOM_SHUFFLE,
+    SHARD_ORDER,
+    CoordinatorConfig,
+    Mode,
+)
 from elche.core.elche_state import MAX_COUNT, ElCheState, Phase
 from elche.core.errors import ConfigError
 
@@ -150,7 +157,9 @@ def test_a_key_the_writer_always_writes_is_refused_when_missing(key: str) -> Non
         CheckpointMeta.from_json(json.dumps(raw))
     raw[key] = None if key != "coverage" else []  # written as null (or empty)
     if key in ("mode", "files"):  # every writer of schema 3 and later names them
-        with pytest.raises(ConfigError, match=rf"^{key}: is null in a meta of schema 4"):
+        with pytest.raises(
+            ConfigError, match=rf"^{key}: is null in a meta of schema {SCHEMA_VERSION}"
+        ):
             CheckpointMeta.from_json(json.dumps(raw))
     else:
         CheckpointMeta.from_json(json.dumps(raw))
@@ -464,6 +473,49 @@ def test_under_accumulate_a_batch_size_mismatch_names_batch_size_and_accumulate(
         "optimizer step, this run has batch_size=32 × accumulate=2 = 64"
     )
     meta(batch_size=64).check_fits(run_of(64), accumulate=2)  # 32 × 2 resumes 64 per step
+
+
+@pytest.mark.parametrize(
+    ("saved", "schema", "started", "ours", "refused"),
+    [
+        (SHARD_ORDER, 5, True, NUMPY_PERMUTATION, True),  # mid-epoch, other kind
+        (NUMPY_PERMUTATION, 5, True, SHARD_ORDER, True),
+        (RANDOM_SHUFFLE, 5, True, SHARD_ORDER, True),
+        (SHARD_ORDER, 5, True, SHARD_ORDER, False),
+        (NUMPY_PERMUTATION, 5, True, NUMPY_PERMUTATION, False),
+        (SHARD_ORDER, 5, False, NUMPY_PERMUTATION, False),  # at an epoch's end: no holes
+        (NUMPY_PERMUTATION, 4, True, SHARD_ORDER, False),  # schema 4 wrote it for shards too
+    ],
+)
+def test_a_started_epoch_resumes_only_on_a_dataset_of_its_kind(
+    saved: str, schema: int, started: bool, ours: str, refused: bool
+) -> None:
+    coverage = COVERAGE if started else ()
+    saved_meta = meta(order=saved, schema_version=schema, coverage=coverage)
+    run = dataclasses.replace(run_of(32), order=ours)
+    if not refused:
+        saved_meta.check_fits(run)
+        return
+    with pytest.raises(ConfigError, match="saved mid-epoch by a run on") as info:
+        saved_meta.check_fits(run)
+    assert info.value.field == "dataset"
+
+
+@pytest.mark.parametrize(
+    ("saved", "ours", "drawn"),
+    [
+        (RANDOM_SHUFFLE, NUMPY_PERMUTATION, RANDOM_SHUFFLE),  # an older bundle's order stays
+        (NUMPY_PERMUTATION, NUMPY_PERMUTATION, NUMPY_PERMUTATION),
+        (NUMPY_PERMUTATION, SHARD_ORDER, SHARD_ORDER),  # a schema-4 bundle of shards
+        (SHARD_ORDER, SHARD_ORDER, SHARD_ORDER),
+        (SHARD_ORDER, NUMPY_PERMUTATION, NUMPY_PERMUTATION),  # at an epoch's end
+    ],
+)
+def test_a_resumed_run_keeps_its_bundles_order_unless_either_is_sharded(
+    saved: str, ours: str, drawn: str
+) -> None:
+    run = dataclasses.replace(run_of(32), order=ours)
+    assert meta(order=saved).resumed_order(run) == drawn
 
 
 def test_a_seed_mismatch_names_both_values() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import elche
-from elche.core.config import NUMPY_PERMUTATION, RANDOM_SHUFFLE
+from elche.core.config import NUMPY_PERMUTATION, RANDOM_SHUFFLE, SHARD_ORDER
 from elche.core.dispatch import epoch_permutation
 from elche.runtime import bundle
 from elche.runtime.shards import Shards, epoch_order, numpy_permutation
@@ -104,3 +105,33 @@ def test_a_resumed_epoch_trains_its_uncovered_positions_in_its_bundles_order(
     assert callable(drawn)
     expected = drawn(N, seed=7, epoch=1)[16:40]
     assert sorted(TRAINED[-24:]) == sorted(expected)  # warm-up steps come first, if any
+
+
+@pytest.mark.slow
+def test_a_sharded_runs_bundle_resumes_on_shards_only(tmp_path: Path) -> None:
+    # Its meta said numpy-permutation: a map-style dataset of the same items
+    # resumed its holes, positions of the shards' order, in another order.
+    stem = str(tmp_path / "bundle" / "run")
+    data = _data()
+    shards = Shards([[data[i] for i in range(s, s + 24)] for s in range(0, N, 24)])
+    first = elche.train(
+        _model, _optimizer, _step, shards, batch_size=8, epochs=1, ranks=1, seed=7,
+        checkpoint_every=1, save_path=stem, progress=False, run_dir=str(tmp_path / "a"),
+    )  # fmt: skip
+    assert first.summary["outcome"] == "completed"
+    meta = json.loads(bundle.meta_path(stem).read_text(encoding="utf-8"))
+    assert meta["order"] == SHARD_ORDER
+    meta.update(epoch=1, epochs=2)  # stopped in epoch 1, positions 16..39 still to train
+    meta["coverage"] = [{"epoch": 1, "total_samples": N, "uncovered": [[16, 24]]}]
+    bundle.meta_path(stem).write_text(json.dumps(meta), encoding="utf-8")
+    resume: dict[str, Any] = {
+        "batch_size": 8, "epochs": 2, "ranks": 1, "seed": 7, "resume_from": stem,
+        "progress": False,
+    }  # fmt: skip
+    refused = r"dataset: .* saved mid-epoch by a run on an elche\.Shards, this run trains a map"
+    with pytest.raises(elche.ConfigError, match=refused):
+        elche.train(_model, _optimizer, _step, data, **resume)
+    TRAINED.clear()
+    second = elche.train(_model, _optimizer, _step, shards, **resume)
+    assert second.summary["outcome"] == "completed"
+    assert sorted(TRAINED[-24:]) == sorted(shards.order(seed=7, epoch=1)[16:40])

@@ -22,7 +22,7 @@ from elche.runtime.worker import RankSpec, Worker
 def spec(tmp_path: Path, *, rank: int, speed: float, timeout_s: float = 5.0) -> RankSpec:
     return RankSpec(
         rank=rank, world_size=2, address="tcp://127.0.0.1:1", secret_hex="00",
-        run_dir=str(tmp_path), mode="cpu-cadence", seed=0, speed=speed,
+        run_dir=str(tmp_path), mode="cpu-cadence", seed=0, num_samples=1, speed=speed,
         coordinator_timeout_s=timeout_s,
     )  # fmt: skip
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from elche.core.config import RANDOM_SHUFFLE, CoordinatorConfig, check_order
+from elche.core.config import RANDOM_SHUFFLE, SHARD_ORDER, CoordinatorConfig, check_order
 from elche.core.elche_state import ElCheState, check_range
 from elche.core.errors import ConfigError
 
@@ -45,8 +45,9 @@ __all__ = [
 # 2: ``rounds_done`` (was ``sync_round``).
 # 3: ``save_seq`` and ``files``: the bundle's numbered files, with sizes and hashes.
 # 4: ``order``, how each epoch's order was drawn (older metas: ``random-shuffle``).
+# 5: ``order`` ``shards`` for an ``elche.Shards`` run (before: ``numpy-permutation``).
 # Metas of schemas 1 and 2 are still read (their files have fixed names).
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Seeds reach torch's generators and the wire as unsigned 64-bit integers.
 MAX_SEED = 2**64 - 1
@@ -220,7 +221,9 @@ class CheckpointMeta:
         """Refuse to resume ``config`` from a meta another run wrote.
 
         The seed (each epoch's permutation), the batch size (the span grid)
-        and the mode must be the run's; so must each started epoch's length.
+        and the mode must be the run's; so must each started epoch's length,
+        and whether its order was an ``elche.Shards``' (``SHARD_ORDER``;
+        told from schema 5 on): the holes are positions of that order.
         The world size may differ: the balancer then starts afresh (its
         state is per rank). ``epochs`` may differ: a run can be resumed to go
         on for longer, or to stop sooner (an ``epoch`` at or past the new
@@ -263,6 +266,25 @@ class CheckpointMeta:
                     f"the checkpoint's epoch {started.epoch} has {started.total_samples} "
                     f"samples, this run's dataset has {config.num_samples}",
                 )
+        sharded = self.order == SHARD_ORDER
+        if self.coverage and self.schema_version >= 5 and sharded != (config.order == SHARD_ORDER):
+            kinds = ("an elche.Shards", "a map-style dataset")
+            saved, ours = kinds if sharded else kinds[::-1]
+            raise ConfigError(
+                "dataset",
+                f"the checkpoint was saved mid-epoch by a run on {saved}, this run trains "
+                f"{ours}: its epochs' order is another, so the positions left to train "
+                "would name other samples",
+            )
+
+    def resumed_order(self, config: CoordinatorConfig) -> str:
+        """The order the run ``config`` resumed from this meta draws its epochs in.
+
+        The meta's, which an older bundle's ``random-shuffle`` keeps; an
+        ``elche.Shards``' own (``SHARD_ORDER``) when either run is sharded
+        (``check_fits`` refused a started epoch of the other kind).
+        """
+        return config.order if SHARD_ORDER in (self.order, config.order) else self.order
 
     def to_json(self) -> str:
         """Pretty-printed JSON, stable key order."""

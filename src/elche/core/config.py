@@ -21,6 +21,7 @@ __all__ = [
     "NUMPY_PERMUTATION",
     "ORDERS",
     "RANDOM_SHUFFLE",
+    "SHARD_ORDER",
     "Backend",
     "CallbackPolicy",
     "CoordinatorConfig",
@@ -177,10 +178,13 @@ NONFINITE_POLICIES = ("stop", "skip")
 # the same order), 0.09 s for a million samples; ``random-shuffle``, the
 # standard library's ``random.Random(seed + epoch).shuffle``, 0.66 s for a
 # million, on every rank at every epoch's start: every run's order before
-# checkpoint metas of schema 4, which a resumed run of such a bundle keeps.
+# checkpoint metas of schema 4, which a resumed run of such a bundle keeps;
+# ``shards``, an ``elche.Shards`` dataset's own (``elche.core.shard_order``:
+# the shards shuffled, their items in order), whatever the run was asked.
 NUMPY_PERMUTATION = "numpy-permutation"
 RANDOM_SHUFFLE = "random-shuffle"
-ORDERS = (NUMPY_PERMUTATION, RANDOM_SHUFFLE)
+SHARD_ORDER = "shards"
+ORDERS = (NUMPY_PERMUTATION, RANDOM_SHUFFLE, SHARD_ORDER)
 # The largest seed a run takes: each rank seeds torch with ``seed + rank``.
 MAX_RUN_SEED = 2**63 - 1
 

@@ -28,6 +28,7 @@ from elche.runtime.joining import (
     secret_check,
 )
 from elche.runtime.lifetimes import Interrupted, StopSignals
+from elche.runtime.same_run import SAME_RUN_FIELDS
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -39,8 +40,6 @@ __all__ = ["train_joined"]
 
 # How long a joiner waits for the run's group store to take a connection at all.
 LISTEN_CHECK_S = 10.0
-# Fields of the coordinator config a joiner's script must agree on.
-_MATCHING = ("mode", "num_samples", "batch_size", "epochs", "seed")
 
 
 def train_joined(
@@ -212,7 +211,7 @@ def _int_env(name: str) -> int:
 
 def _check_same_run(mine: CoordinatorConfig, theirs: dict[str, object]) -> None:
     """The joiner's script must train what the run trains."""
-    for name in _MATCHING:
+    for name in SAME_RUN_FIELDS:
         value = getattr(mine, name)
         value = value.value if name == "mode" else value
         if theirs.get(name) != value:

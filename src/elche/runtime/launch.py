@@ -273,7 +273,8 @@ def rank_spec(
     cfg = plan.config
     return RankSpec(
         rank=rank, world_size=cfg.world_size, address=address, secret_hex=secret.hex(),
-        run_dir=str(run_dir), mode=cfg.mode.value, seed=cfg.seed, order=cfg.order,
+        run_dir=str(run_dir), mode=cfg.mode.value, seed=cfg.seed, num_samples=cfg.num_samples,
+        order=cfg.order,
         speed=plan.speeds[rank],
         speed_base_s=plan.speed_base_s, device=plan.devices[rank], gamma=cfg.scheduler.gamma,
         max_grad_norm=max_grad_norm,
@@ -643,6 +644,32 @@ def check_picklable(fns: UserFns) -> None:
     check_options_picklable(fns.options)  # lr_schedule, batch_sampler, collate_fn
 
 
+def pickled(fns: UserFns) -> bytes:
+    """``fns`` pickled by value, once for every rank (``_start_rank``); its
+    functions passed ``check_picklable``.
+
+    Raises:
+        ConfigError: naming ``dataset`` or ``eval_dataset``, whichever cannot
+            be pickled (an attribute that is a lambda, an open file, a lock).
+    """
+    try:
+        return pickle.dumps(fns)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        for name in ("dataset", "eval_dataset"):
+            value = getattr(fns, name)
+            try:
+                pickle.dumps(value)
+            except (pickle.PicklingError, AttributeError, TypeError):
+                raise ConfigError(
+                    name,
+                    f"{type(value).__name__} cannot be sent to the rank processes ({exc}): "
+                    "each rank gets a pickled copy; keep no lambda, nested function, open "
+                    "file or lock in it (open files in __getitem__, or use elche.Shards of "
+                    "top-level functions)",
+                ) from None
+        raise
+
+
 def launch_local(
     plan: Plan,
     fns: UserFns,
@@ -658,6 +685,8 @@ def launch_local(
 
     Raises:
         Interrupted: SIGINT or SIGTERM stopped the run; its bundle is saved.
+        ConfigError: the dataset cannot be sent to the ranks (``pickled``);
+            nothing has started.
     """
     t0 = time.monotonic()
     plan = with_bundle(plan, run_dir)
@@ -705,6 +734,7 @@ def _supervise(
     """Start the coordinator and the ranks, follow the run to its end (committing what
     the ranks kept if its coordinator was lost for good); its epochs."""
     cfg = plan.config
+    sent = pickled(fns)  # before anything starts
     secret = secret_from_env(os.environ) or new_secret()
     ctx = rank_context()
     try:
@@ -735,7 +765,7 @@ def _supervise(
                 plan, rank, coordinator.address, secret, run_dir, max_grad_norm=max_grad_norm,
                 group_port=coordinator.group_port,
             )  # fmt: skip
-            procs.append(_start_rank(ctx, spec, fns, cfg.batch_size))
+            procs.append(_start_rank(ctx, spec, sent, cfg.batch_size))
         while (
             time.monotonic() < stop_by
             and not failed
@@ -802,15 +832,18 @@ def _never_began(run_dir: Path) -> bool:
 
 
 def _start_rank(
-    ctx: ForkServerContext | SpawnContext, spec: RankSpec, fns: UserFns, batch_size: int
+    ctx: ForkServerContext | SpawnContext, spec: RankSpec, fns: bytes, batch_size: int
 ) -> BaseProcess:
-    """Start rank ``spec.rank``'s process; a forked one takes the launcher's stdout and stderr."""
+    """Start rank ``spec.rank``'s process; a forked one takes the launcher's stdout and stderr.
+
+    ``fns`` are pickled by value (``pickled``): the process pickler would send
+    every tensor in the dataset as a shared-memory fd (too many fds for a list
+    of them).
+    """
     with launcher_streams(ctx.get_start_method()) as streams:
         proc = ctx.Process(
             target=_rank_process,
-            # Pickled here, by value: the process pickler would send every tensor
-            # in the dataset as a shared-memory fd (too many fds for a list of them).
-            args=(spec, pickle.dumps(fns), batch_size, dict(os.environ), os.getpid()),
+            args=(spec, fns, batch_size, dict(os.environ), os.getpid()),
             kwargs={"streams": streams},
             name=f"elche-rank{spec.rank}",
         )

@@ -90,6 +90,7 @@ from elche.runtime.lifetimes import (
     watch_launcher,
 )
 from elche.runtime.plan import Hooks, Plan, TrainResult
+from elche.runtime.same_run import check_same_plans, plan_of
 from elche.runtime.shared_result import HOLD_S, ResultBoard
 from elche.runtime.worker import raise_if_refused, train_rank
 
@@ -131,6 +132,9 @@ def train_launched(
 
     Raises:
         Interrupted: a signal (or the launcher's death) stopped the run.
+        ConfigError: the ranks' scripts plan different runs (another seed,
+            dataset length, batch size, ...: ``elche.runtime.same_run``); on
+            every rank, before anything starts.
     """
     t0 = time.monotonic()
     rank = int(os.environ["RANK"])
@@ -205,6 +209,13 @@ def _train(
     dist.init_process_group(
         "gloo", store=_launchers_store(rank, world), rank=rank, world_size=world
     )
+    plans: list[Any] = [None] * world  # every rank's, to refuse a run its ranks disagree on
+    dist.all_gather_object(plans, plan_of(plan.config, fns.dataset))
+    try:
+        check_same_plans(plans)
+    except ConfigError:
+        dist.destroy_process_group()
+        raise
     rank0 = None
     if rank == 0:
         say_ranks_met()

@@ -48,7 +48,14 @@ from elche.core.dispatch import epoch_permutation
 from elche.core.errors import ConfigError
 from elche.core.shard_order import ShardOrder, shard_of, shard_starts
 
-__all__ = ["OPEN_STREAMS", "Shards", "check_dataset", "epoch_order", "numpy_permutation"]
+__all__ = [
+    "OPEN_STREAMS",
+    "Shards",
+    "check_dataset",
+    "check_length",
+    "epoch_order",
+    "numpy_permutation",
+]
 
 # Streamed shards whose iterators a reader keeps open: a rank reads its own
 # reservation forwards, and now and then a stolen or re-issued span elsewhere.
@@ -250,6 +257,26 @@ def check_dataset(dataset: Any) -> None:
             "of the epoch, and a single stream cannot be read at a position. Split it into "
             "shards and pass elche.Shards([...]) (each shard an iterable or a function "
             "returning one; see docs/training.md)",
+        )
+
+
+def check_length(dataset: Any, num_samples: int, *, epoch: int) -> None:
+    """``dataset`` still has the run's ``num_samples`` items as ``epoch``'s order is drawn.
+
+    Each rank draws the order from its own ``len(dataset)``: one whose
+    dataset has another length (it lists files still being written, or its
+    length depends on the process) reads other samples at the positions it
+    is handed, which the coordinator's exactly-once bookkeeping cannot see.
+
+    Raises:
+        ConfigError: ``len(dataset)`` is not ``num_samples``.
+    """
+    if len(dataset) != num_samples:
+        raise ConfigError(
+            "dataset",
+            f"has {len(dataset)} items as epoch {epoch} starts on this rank, but the run "
+            f"planned {num_samples} (its length when the run started): a dataset must keep "
+            "its length, the same on every rank, while training",
         )
 
 

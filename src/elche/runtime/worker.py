@@ -72,7 +72,7 @@ from elche.runtime.membership import Membership
 from elche.runtime.options import TrainOptions
 from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.resume import load_bundle
-from elche.runtime.shards import epoch_order
+from elche.runtime.shards import check_length, epoch_order
 from elche.runtime.snapshots import Layout
 from elche.runtime.stepping import MicroBatch, Stepper, optimizer_for
 from elche.runtime.transport import RankEndpoint
@@ -121,6 +121,7 @@ class RankSpec:
     run_dir: str
     mode: str
     seed: int
+    num_samples: int  # len(dataset) when the run started: each epoch's order is of it
     order: str = NUMPY_PERMUTATION  # how each epoch's order is drawn (CoordinatorConfig.order)
     speed: float = 1.0
     speed_base_s: float | None = None  # given instead of measured (benchmarks)
@@ -439,6 +440,7 @@ class Worker:
 
     def _perm(self, epoch: int) -> Sequence[int]:
         if epoch not in self._perms:
+            check_length(self.fns.dataset, self.spec.num_samples, epoch=epoch)
             order = epoch_order(
                 self.fns.dataset, seed=self.spec.seed, epoch=epoch, order=self.spec.order
             )

@@ -1,0 +1,66 @@
+"""Every rank's script must plan the same run.
+
+Under ``elche run`` or ``torchrun`` each rank's process calls ``elche.train``
+with its own arguments and builds its own dataset, and each rank turns the
+positions it is handed into samples on its own: its seed and its dataset's
+length (a ``Shards``' lengths too) draw the epoch's order
+(``elche.runtime.shards.epoch_order``), its batch size cuts its steps. A
+rank whose script differs trains other samples under the same positions,
+which the coordinator's exactly-once bookkeeping cannot see. So the
+launched ranks compare their plans before anything starts
+(``elche.runtime.launched``), and a joiner its plan against the run's
+(``elche.runtime.joined``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from elche.core.config import CoordinatorConfig
+from elche.core.errors import ConfigError
+from elche.runtime.shards import Shards
+
+__all__ = ["SAME_RUN_FIELDS", "check_same_plans", "plan_of"]
+
+# Fields of the coordinator config every rank's script must agree on.
+SAME_RUN_FIELDS = ("mode", "num_samples", "batch_size", "epochs", "seed")
+
+
+def plan_of(config: CoordinatorConfig, dataset: Any) -> dict[str, object]:
+    """What this rank's script plans: ``SAME_RUN_FIELDS``, and a ``Shards``' lengths."""
+    plan: dict[str, object] = {name: getattr(config, name) for name in SAME_RUN_FIELDS}
+    plan["mode"] = config.mode.value
+    if isinstance(dataset, Shards):
+        plan["lengths"] = list(dataset.lengths)
+    return plan
+
+
+def check_same_plans(plans: Sequence[Mapping[str, object]]) -> None:
+    """The ranks' plans (``plan_of``, rank 0's first) are alike.
+
+    Raises:
+        ConfigError: naming the first field that differs, rank 0's value and
+            the first other rank's.
+    """
+    for name, ours in plans[0].items():
+        differ = [(r, plan.get(name)) for r, plan in enumerate(plans) if plan.get(name) != ours]
+        if not differ:
+            continue
+        rank, theirs = differ[0]
+        more = f" (and {len(differ) - 1} more rank(s))" if len(differ) > 1 else ""
+        raise ConfigError(
+            name,
+            f"the ranks' scripts plan different runs: {_values(name, ours, theirs, rank)}{more}; "
+            "every rank must train the same run (each reads the samples at the positions "
+            "it is handed through its own seed, dataset and batch size)",
+        )
+
+
+def _values(name: str, ours: object, theirs: object, rank: int) -> str:
+    if name == "lengths" and isinstance(ours, list) and isinstance(theirs, list):
+        if len(ours) != len(theirs):
+            return f"rank 0 has {len(ours)} shards, rank {rank} {len(theirs)}"
+        shard = next(s for s, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
+        return f"shard {shard} has {ours[shard]} items on rank 0, {theirs[shard]} on rank {rank}"
+    return f"rank 0 has {name}={ours!r}, rank {rank} {name}={theirs!r}"
