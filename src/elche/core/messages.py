@@ -71,7 +71,8 @@ __all__ = [
 # 4: saves are numbered and confirmed (``SaveState``, ``StateSaved.files``).
 # 5: a restarted coordinator (``Rejoin``, ``Hello.held``); ``GlobalProgress``.
 # 6: ``DiscardSave``: a save that will never commit leaves no files.
-PROTOCOL_VERSION = 6
+# 7: ``Hello.layout``, ``InitialState.layout``: a model of another layout is refused.
+PROTOCOL_VERSION = 7
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag=True):
