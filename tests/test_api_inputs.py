@@ -77,6 +77,16 @@ def test_a_wrong_type_is_refused_naming_its_field(kw: dict[str, object], field: 
     assert str(error).startswith(f"{field}: ")
 
 
+@pytest.mark.parametrize(("batch_size", "accumulate"), [(16, 1), (4, 3)])
+def test_drop_last_over_a_dataset_shorter_than_one_step_is_refused(
+    batch_size: int, accumulate: int
+) -> None:
+    # It completed with the model as built: every step was short, and left out.
+    error = refusal(drop_last=True, batch_size=batch_size, accumulate=accumulate)
+    assert error.field == "drop_last"
+    assert "8 samples are fewer than one step" in str(error)
+
+
 def test_a_string_of_devices_is_refused_with_the_list_it_meant() -> None:
     # 'cpu' was read letter by letter: "'c' is not a device".
     assert "devices=['cpu']" in str(refusal(devices="cpu"))

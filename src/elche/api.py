@@ -291,6 +291,13 @@ def train(
         crash=crash, stall=stall, faults=faults, outer_lr=outer_lr,
         outer_momentum=outer_momentum, nonfinite=nonfinite, join_slots=join_slots,
     )  # fmt: skip
+    if options.drop_last and plan.config.num_samples < plan.config.batch_size:
+        raise ConfigError(
+            "drop_last",
+            f"the dataset's {plan.config.num_samples} samples are fewer than one step "
+            f"(batch_size × accumulate = {plan.config.batch_size}): drop_last would leave "
+            "every sample out and train nothing; give a smaller batch_size or drop_last=False",
+        )
     from elche.runtime.worker import UserFns
 
     fns = UserFns(
