@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -267,29 +269,60 @@ def test_issue12_item12_ctrl_c_in_a_script_raises_interrupted_with_the_bundle(
     assert Path(f"{save}.meta.json").exists()
 
 
-def test_a_closed_terminals_sighup_to_a_scripts_group_saves_the_run(tmp_path: Path) -> None:
-    # A closed terminal: the shell sends SIGHUP to its job's process group, which holds
-    # the launcher, the fork server and the ranks of a local run. It ended all three
-    # there and then, nothing saved (the orphaned coordinator's ShutdownWithSave reached
-    # no rank).
+# Makes the terminal on stdin the controlling terminal of the new session, then runs the rest.
+TAKE_THE_TERMINAL = (
+    "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
+def test_a_closed_terminal_saves_the_run_and_exits_129(tmp_path: Path) -> None:
+    # The script's terminal hangs up (its master side closes): the kernel sends SIGHUP to
+    # the terminal's foreground process group, which holds the launcher, the fork server
+    # and the ranks of a local run. It ended all three there and then, nothing saved (the
+    # orphaned coordinator's ShutdownWithSave reached no rank); then the launcher's last
+    # line, written to the terminal that was gone, raised EIO (exit 1).
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.replace("FINAL_HOOK", "None"))
     save = tmp_path / "bundle"
-    with session([sys.executable, str(script), str(save), "8"], tmp_path) as proc:
-        wait_mid_run(proc, tmp_path)
-        os.killpg(proc.pid, signal.SIGHUP)
-        returncode, out, err = wait_exit(proc, STOP_WITHIN_S)
+    out_file = tmp_path / "out.txt"
+    master, terminal = os.openpty()
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    with out_file.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", TAKE_THE_TERMINAL, sys.executable, str(script), str(save), "8"],
+            stdin=terminal, stdout=out, stderr=terminal, start_new_session=True, env=env,
+            cwd=tmp_path,
+        )  # fmt: skip
+    os.close(terminal)
+    shown = threading.Event()  # set: the terminal stops showing what the run prints
+    reader = threading.Thread(target=_show, args=(master, shown), daemon=True)
+    reader.start()
+    try:
+        wait_mid_run(proc, tmp_path)  # type: ignore[arg-type]  # it polls the process only
+        shown.set()
+        reader.join()
+        os.close(master)  # the terminal closes
+        returncode = proc.wait(timeout=STOP_WITHIN_S + 30)
         deadline = time.monotonic() + ORPHANS_GONE_WITHIN_S
         while session_pids(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.05)  # polling for a condition, with a deadline
         left = session_pids(proc.pid)
         assert not left, [command_line(pid) for pid in left]
-    assert returncode == 129, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
-    assert f"STOPPED Interrupted bundle={save} code=129" in out
-    line = only_line(err)
-    assert line.startswith("elche: interrupted by SIGHUP; the run is saved under"), line
+    finally:
+        for pid in session_pids(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+    assert returncode == 129, out_file.read_text()
+    assert f"STOPPED Interrupted bundle={save} code=129" in out_file.read_text()
     assert Path(f"{save}.meta.json").exists()
+
+
+def _show(master: int, shown: threading.Event) -> None:
+    """Read what a terminal shows (its writers would block on a full one) until ``shown``."""
+    while not shown.is_set():
+        if select.select([master], [], [], 0.05)[0]:
+            with suppress(OSError):
+                os.read(master, 65536)
 
 
 # Imported by every Python process of the test's run: holds the fork server as it starts,

@@ -548,7 +548,8 @@ class Host:
     def _print(self, level: str, text: str) -> None:
         self.stats.notices.append(f"{level}: {text}")
         if level != "info":  # info is for the summary; the user hears it from the launcher
-            print(f"elche coordinator [{level}] {text}", file=self.log, flush=True)
+            with contextlib.suppress(OSError):  # a terminal hung up: the run goes on
+                print(f"elche coordinator [{level}] {text}", file=self.log, flush=True)
 
     def _write_summary(self) -> None:
         config = self.core.config

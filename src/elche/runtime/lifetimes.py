@@ -13,7 +13,8 @@ Rules:
   ranks of a local run ignore all three (``elche.runtime.forkserved``,
   ``ignore_stop_signals``): nothing dies mid-write, and the launcher orders
   the stop. SIGHUP stops the run as SIGTERM does; under ``nohup`` it is
-  ignored, and stays so.
+  ignored, and stays so. A terminal that hung up fails every write: the
+  launcher's stdout and stderr on it then go to ``/dev/null``.
 - The launcher asks the coordinator to stop with a ``stop REASON`` line on
   its stdin; the coordinator turns it into ``StopRequested``: a training run
   saves a bundle (``SaveReason.GRACEFUL_SHUTDOWN``) and the ranks exit. Then
@@ -37,6 +38,7 @@ launcher itself, on every way it can die.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import select
 import signal
@@ -205,6 +207,8 @@ class StopSignals:
             relay.detach(self)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGHUP:
+            _drop_hung_up_streams()
         if self.received is not None:
             # Only a person presses Ctrl-C twice. Tools send SIGTERM, some of them
             # twice (``timeout`` to its child and then to its group), and end a
@@ -215,6 +219,25 @@ class StopSignals:
         self.received = signum
         if self._on_signal is not None:
             self._on_signal(signum)
+
+
+def _drop_hung_up_streams() -> None:
+    """Point stdout and stderr at ``/dev/null`` where they are a terminal that hung up.
+
+    After a hang-up every write to the terminal fails (``EIO``): the run's last
+    lines (where its bundle is, the report) would end the stop in an
+    ``OSError``. Nobody reads them now, as under ``nohup``; a stream that is a
+    file or a pipe, or a SIGHUP sent by hand, leaves them as they are.
+    """
+    for fd in (1, 2):
+        try:
+            os.write(fd, b"")
+        except OSError as exc:
+            if exc.errno != errno.EIO:
+                continue
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
 
 
 class _Relay:
