@@ -8,6 +8,7 @@ positions, and the run completed with ``lost_samples`` 0.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import elche
-from elche.core.config import CoordinatorConfig, Mode
+from elche.core.config import NUMPY_PERMUTATION, SHARD_ORDER, CoordinatorConfig, Mode
+from elche.runtime.joined import _check_same_run
 from elche.runtime.same_run import check_same_plans, plan_of
 
 SCRIPT = """
@@ -53,6 +55,23 @@ def test_plans_alike_pass_and_the_first_difference_is_named() -> None:
         elche.ConfigError, match=r"lengths: .* shard 0 has 3 items on rank 0, 2 on rank 1"
     ):
         check_same_plans([plan_of(_config(), shards), plan_of(_config(), other)])
+    # The same length, as Shards on one rank and map-style on the other: other orders.
+    with pytest.raises(
+        elche.ConfigError,
+        match=r"lengths: .* rank 0 trains a map-style dataset, rank 1 an elche.Shards",
+    ):
+        check_same_plans([plan_of(_config(), list(range(5))), plan_of(_config(), shards)])
+
+
+@pytest.mark.parametrize(("run", "joiner"), [(NUMPY_PERMUTATION, SHARD_ORDER),
+                                               (SHARD_ORDER, NUMPY_PERMUTATION)])  # fmt: skip
+def test_a_joiner_with_the_other_kind_of_dataset_is_refused(run: str, joiner: str) -> None:
+    # Its fields agreed, and it read other samples at the positions it was handed.
+    theirs = {"mode": "cadence", "num_samples": 100, "batch_size": 8, "epochs": 2, "seed": 42,
+              "order": run}  # fmt: skip
+    with pytest.raises(elche.ConfigError, match=r"^dataset: the run trains an? "):
+        _check_same_run(dataclasses.replace(_config(), order=joiner), theirs)
+    _check_same_run(dataclasses.replace(_config(), order=run), theirs)
 
 
 @pytest.mark.integration

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from elche.core.checkpoint import SaveReason
-from elche.core.config import RANDOM_SHUFFLE, CoordinatorConfig
+from elche.core.config import RANDOM_SHUFFLE, SHARD_ORDER, CoordinatorConfig
 from elche.core.errors import ConfigError, RankExcluded, TrainingError
 from elche.core.rank import COORDINATOR_LOST, FAILED, SAVED
 from elche.runtime.frames import SECRET_ENV
@@ -210,7 +210,8 @@ def _int_env(name: str) -> int:
 
 
 def _check_same_run(mine: CoordinatorConfig, theirs: dict[str, object]) -> None:
-    """The joiner's script must train what the run trains."""
+    """The joiner's script must train what the run trains: its fields, and its kind of
+    dataset (an ``elche.Shards`` draws its epochs in an order of its own)."""
     for name in SAME_RUN_FIELDS:
         value = getattr(mine, name)
         value = value.value if name == "mode" else value
@@ -218,3 +219,10 @@ def _check_same_run(mine: CoordinatorConfig, theirs: dict[str, object]) -> None:
             raise ConfigError(
                 name, f"the run trains with {name}={theirs.get(name)!r}; this script has {value!r}"
             )
+    sharded = [order == SHARD_ORDER for order in (theirs.get("order"), mine.order)]
+    if sharded[0] != sharded[1]:
+        kinds = ["an elche.Shards" if s else "a map-style dataset" for s in sharded]
+        raise ConfigError(
+            "dataset", f"the run trains {kinds[0]}; this script has {kinds[1]} (their epochs "
+            "are drawn in other orders, so the same positions would name other samples)",
+        )  # fmt: skip

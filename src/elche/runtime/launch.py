@@ -766,6 +766,7 @@ def _supervise(
                 group_port=coordinator.group_port,
             )  # fmt: skip
             procs.append(_start_rank(ctx, spec, sent, cfg.batch_size))
+        del sent  # the dataset's copy, pickled for the ranks: each has its own now
         while (
             time.monotonic() < stop_by
             and not failed

@@ -28,11 +28,11 @@ SAME_RUN_FIELDS = ("mode", "num_samples", "batch_size", "epochs", "seed")
 
 
 def plan_of(config: CoordinatorConfig, dataset: Any) -> dict[str, object]:
-    """What this rank's script plans: ``SAME_RUN_FIELDS``, and a ``Shards``' lengths."""
+    """What this rank's script plans: ``SAME_RUN_FIELDS``, and a ``Shards``' lengths
+    (None for a map-style dataset, whose epochs are drawn in another order)."""
     plan: dict[str, object] = {name: getattr(config, name) for name in SAME_RUN_FIELDS}
     plan["mode"] = config.mode.value
-    if isinstance(dataset, Shards):
-        plan["lengths"] = list(dataset.lengths)
+    plan["lengths"] = list(dataset.lengths) if isinstance(dataset, Shards) else None
     return plan
 
 
@@ -58,9 +58,16 @@ def check_same_plans(plans: Sequence[Mapping[str, object]]) -> None:
 
 
 def _values(name: str, ours: object, theirs: object, rank: int) -> str:
+    if name == "lengths" and (ours is None or theirs is None):
+        kinds = [_kind(lengths) for lengths in (ours, theirs)]
+        return f"rank 0 trains {kinds[0]}, rank {rank} {kinds[1]}"
     if name == "lengths" and isinstance(ours, list) and isinstance(theirs, list):
         if len(ours) != len(theirs):
             return f"rank 0 has {len(ours)} shards, rank {rank} {len(theirs)}"
         shard = next(s for s, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
         return f"shard {shard} has {ours[shard]} items on rank 0, {theirs[shard]} on rank {rank}"
     return f"rank 0 has {name}={ours!r}, rank {rank} {name}={theirs!r}"
+
+
+def _kind(lengths: object) -> str:
+    return "a map-style dataset" if lengths is None else "an elche.Shards"
