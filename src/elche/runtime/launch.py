@@ -761,11 +761,10 @@ def _supervise(
         for rank in range(cfg.world_size):
             if signals.received is not None:
                 break  # stopped while starting: the run will not form
-            spec = rank_spec(
+            procs.append(_start_rank(ctx, rank_spec(
                 plan, rank, coordinator.address, secret, run_dir, max_grad_norm=max_grad_norm,
                 group_port=coordinator.group_port,
-            )  # fmt: skip
-            procs.append(_start_rank(ctx, spec, sent, cfg.batch_size))
+            ), sent, cfg.batch_size))  # fmt: skip
         del sent  # the dataset's copy, pickled for the ranks: each has its own now
         while (
             time.monotonic() < stop_by
