@@ -33,7 +33,8 @@ Rules:
   journaled before it is broadcast); the restored coordinator asks them again
   once its ranks have rejoined, and takes one answer per eval.
 - An epoch is journaled ended (its callbacks asked, its checkpoint begun)
-  before its ``EpochEnd`` is written, so a successor ends each epoch once; the
+  before its ``EpochEnd`` is written, so a successor ends each epoch at most
+  once (a coordinator lost between the two leaves no ``EpochEnd``); the
   open epochs' reported losses are in the record, so it ends one the lost
   coordinator did not end with its loss.
 
@@ -100,11 +101,11 @@ class JournalRecord:
     opened_round: int = -1
     # Steps with a non-finite loss, and the steps and samples ``nonfinite="skip"``
     # left out: the run's summary counts them all (0 in a record written before).
-    # Rank 0's model's layout (``InitialState.layout``): a join is checked against it.
-    layout: str = ""
     nonfinite_steps: int = 0
     skipped_steps: int = 0
     skipped_samples: int = 0
+    # Rank 0's model's layout (``InitialState.layout``): a join is checked against it.
+    layout: str = ""
     # The evals asked for and not answered: (epoch, as ``RunEval`` counts it, the
     # rank asked). A successor asks them again, or a lost coordinator's final
     # eval would be skipped on the way to the final save.
