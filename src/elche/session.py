@@ -92,7 +92,7 @@ class Session:
     def __enter__(self) -> Session:
         if self._thread is not None:
             raise RuntimeError("a Session trains once; make a new one for another run")
-        # The rank (launched, or a run of one) stops on SIGINT/SIGTERM as elche.train does.
+        # The rank (launched, or a run of one) stops on SIGINT/SIGTERM/SIGHUP as elche.train does.
         self._relay = relay_stop_signals()
         self._relay.__enter__()
         self._thread = threading.Thread(target=self._train, name="elche-session", daemon=True)

@@ -443,7 +443,7 @@ def _launch_ranks(args: argparse.Namespace, env: dict[str, str]) -> int:
     met.unlink(missing_ok=True)  # (an exported run dir's, from an earlier run)
     env[RANKS_MET_ENV] = str(met)
     ranks = _Ranks(met)
-    # SIGINT/SIGTERM: the ranks save and exit 130/143 (elche.runtime.lifetimes);
+    # SIGINT/SIGTERM/SIGHUP: the ranks save and exit 130/143/129 (elche.runtime.lifetimes);
     # a second SIGINT kills them.
     with StopSignals(on_signal=ranks.forward) as signals:
         try:

@@ -62,7 +62,7 @@ def sigterm_raises() -> Iterator[None]:
 def interrupted_status(command: str, exc: KeyboardInterrupt) -> int:
     """The exit status of a command a signal stopped; one line on stderr unless a run
     already said where it stopped (``elche.Interrupted``)."""
-    if isinstance(exc, SystemExit):  # elche.Interrupted: its line is said, its code 130/143
+    if isinstance(exc, SystemExit):  # elche.Interrupted: its line is said, its code 130/143/129
         return int(exc.code)  # type: ignore[arg-type]  # Interrupted's code is an int
     signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
     print(f"elche {command}: interrupted by {signum.name}", file=sys.stderr)

@@ -711,7 +711,7 @@ def forked_main(args: Sequence[str], env: dict[str, str], streams: Sequence[Conn
     ``streams`` as its stdin, stdout and stderr (the launcher's pipes and its
     own stderr).
     """
-    os.setpgid(0, 0)  # SIGINT and SIGTERM are still ignored here (the fork server's)
+    os.setpgid(0, 0)  # the stop signals are still ignored here (the fork server's)
     take_environment(env)
     take_streams(streams, first_fd=0)
     sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115  # the process's own

@@ -24,7 +24,7 @@ drive the progress display and the user's ``eval_result_fn``/``metrics_fn``,
 and it watches the children: a rank that exits early is reported; the
 coordinator's heartbeat timeout decides what that means for the run. When
 the coordinator exits, the ranks get a grace period to finish, then are
-stopped. SIGINT and SIGTERM stop the run cleanly: the launcher asks the
+stopped. SIGINT, SIGTERM and SIGHUP stop the run cleanly: the launcher asks the
 coordinator to stop, the ranks save a bundle, and ``Interrupted`` is raised
 (``elche.runtime.lifetimes``); the coordinator, the fork server and the
 ranks outlive the launcher by at most ``ORPHAN_GRACE_S``.
@@ -684,7 +684,7 @@ def launch_local(
     """Run ``plan`` with one local process per rank; see ``elche.train``.
 
     Raises:
-        Interrupted: SIGINT or SIGTERM stopped the run; its bundle is saved.
+        Interrupted: SIGINT, SIGTERM or SIGHUP stopped the run; its bundle is saved.
         ConfigError: the dataset cannot be sent to the ranks (``pickled``);
             nothing has started.
     """

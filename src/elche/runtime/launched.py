@@ -125,7 +125,7 @@ def train_launched(
 ) -> TrainResult:
     """Train this process as rank ``$RANK`` of ``$WORLD_SIZE``; see ``elche.train``.
 
-    SIGINT and SIGTERM stop the run cleanly (``elche.runtime.lifetimes``):
+    SIGINT, SIGTERM and SIGHUP stop the run cleanly (``elche.runtime.lifetimes``):
     rank 0 asks its coordinator to stop, every rank saves, and every rank's
     ``elche.train`` raises ``Interrupted``; rank 0 prints the one line. A
     rank whose launcher dies ends within ``ORPHAN_GRACE_S``.

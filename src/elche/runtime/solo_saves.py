@@ -10,7 +10,7 @@ run of one rank or of several, and one of several ranks resumes one rank.
 
 Where: ``save_path``, or ``RUN_DIR/checkpoint`` when the run names none (as a
 run of several ranks does). When: every ``checkpoint_every`` epochs
-(``SaveReason.CHECKPOINT``), and when SIGINT or SIGTERM stops the run
+(``SaveReason.CHECKPOINT``), and when SIGINT, SIGTERM or SIGHUP stops the run
 (``SaveReason.GRACEFUL_SHUTDOWN``), between two steps: the model then holds
 every step trained, and the meta lists the rest of the epoch as still to do.
 """
