@@ -21,7 +21,7 @@ from elche.core.progress import Progress
 from elche.runtime.loading import Loader
 from elche.runtime.options import TrainOptions
 from elche.runtime.shards import epoch_order
-from elche.runtime.stepping import Stepper, schedule_factor
+from elche.runtime.stepping import Stepper, optimizer_for, schedule_factor
 from tests.runtime import byo_fns as fx
 
 N = 100
@@ -242,6 +242,32 @@ def test_an_optimizer_over_another_models_parameters_is_refused() -> None:
         _train_linear(optimizer_fn=lambda params: None)
     assert caught.value.error_type == "TypeError"
     assert caught.value.message.startswith("optimizer_fn returned None, not a torch.optim")
+
+
+class _Wrapped:
+    """An optimizer of a library's own class, with ``torch.optim.Optimizer``'s interface."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        self.param_groups = inner.param_groups
+
+    def step(self, closure: Any = None) -> None:
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
+def test_an_optimizer_with_the_optimizer_interface_is_taken() -> None:
+    model = fx.linear_model("cpu")
+    wrapped = _Wrapped(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert optimizer_for(lambda params: wrapped, model) is wrapped
 
 
 @pytest.mark.slow

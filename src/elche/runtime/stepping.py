@@ -90,17 +90,25 @@ def loss_of(value: object, step_fn: Callable[..., Any]) -> torch.Tensor:
     )
 
 
+# What elche uses of an optimizer.
+OPTIMIZER_INTERFACE = ("step", "zero_grad", "param_groups", "state_dict", "load_state_dict")
+
+
 def optimizer_for(optimizer_fn: Callable[..., Any], model: nn.Module) -> torch.optim.Optimizer:
     """``optimizer_fn(model.parameters())``, checked to step some of ``model``'s parameters.
 
+    An optimizer is a ``torch.optim.Optimizer`` or one with its interface
+    (``OPTIMIZER_INTERFACE``, as some libraries' wrappers are): elche steps it,
+    schedules its groups' learning rates and saves its state.
+
     Raises:
-        TypeError: it returned no ``torch.optim.Optimizer``.
+        TypeError: it returned no optimizer.
         ValueError: its optimizer holds none of ``model``'s parameters (built
             over another model): its steps would leave the model as it was.
         Exception: whatever ``optimizer_fn`` raises.
     """
-    optimizer = optimizer_fn(model.parameters())
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    optimizer: torch.optim.Optimizer = optimizer_fn(model.parameters())  # or its like
+    if not all(hasattr(optimizer, name) for name in OPTIMIZER_INTERFACE):
         raise TypeError(
             f"optimizer_fn returned {reprlib.repr(optimizer)}, not a torch.optim.Optimizer "
             "(optimizer_fn(params) -> an optimizer over those params)"
