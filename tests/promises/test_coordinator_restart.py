@@ -24,7 +24,7 @@ import zmq
 from elche.core import messages as m
 from elche.core.config import CoordinatorConfig, Mode
 from elche.core.journal import record_of
-from elche.runtime import launch
+from elche.runtime import bundle, launch
 from elche.runtime.addresses import BIND_ENV
 from elche.runtime.frames import SECRET_ENV, new_secret
 from elche.runtime.host import ADDRESS_LINE, config_to_json
@@ -241,3 +241,50 @@ def test_a_successor_killed_while_its_ranks_rejoin_is_followed_by_one_they_accep
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=30)
+
+
+SAVING = """
+import json, sys
+import elche
+from elche.workloads import digits
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    result = elche.train(
+        digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+        batch_size=32, epochs=2, mode="cadence", heartbeat_timeout_s=5.0, ranks=3,
+        checkpoint_every=1, save_path=sys.argv[1], progress=False,
+    )
+    print("SUMMARY " + json.dumps(result.summary), flush=True)
+    print("EPOCHS " + json.dumps([e["epoch"] for e in result.epochs]), flush=True)
+"""
+
+
+def test_a_coordinator_lost_between_a_saves_files_and_its_meta_leaves_no_files_of_it(
+    tmp_path: Path,
+) -> None:
+    """Killed once the ranks wrote the last checkpoint's files, before its meta
+    (``save:2``): the run completes, the meta before stands, and the files of
+    the save that never committed go (its successor removes them)."""
+    script = tmp_path / "train.py"
+    script.write_text(SAVING)
+    stem = tmp_path / "bundle" / "ck"
+    stem.parent.mkdir()
+    env = dict(os.environ, ELCHE_FAULT_COORDINATOR="save:2")
+    done = subprocess.run(
+        [sys.executable, str(script), str(stem)],
+        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "restarting it from the journal" in done.stderr
+    (line,) = re.findall(r"SUMMARY (\{.*\})", done.stdout)
+    summary = json.loads(line)
+    assert summary["outcome"] == "completed" and summary["lost_samples"] == 0, summary
+    assert json.loads(re.findall(r"EPOCHS (\[.*\])", done.stdout)[0]) == [0, 1]
+    meta = bundle.read_meta(str(stem))
+    assert meta is not None and meta.save_seq == 1 and meta.files is not None
+    named = [meta.files.model, *(f for _, f in meta.files.optim)]
+    for f in named:
+        bundle.verify(stem.parent / f.name, f, what="file")
+    left = {p.name for p in stem.parent.iterdir()} - {"ck.lock", "ck.meta.json"}
+    assert left == {f.name for f in named}, sorted(left)

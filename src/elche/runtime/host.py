@@ -129,7 +129,8 @@ MAX_WAIT_S = 0.5
 # Testing hook: the run's first coordinator SIGKILLs itself at a named point:
 # ``round:N`` (round N journaled), ``averaging:N`` (round N's average asked
 # for), ``epoch:N`` (epoch N's end written), ``final`` (the final model's save
-# ordered). See docs/failure-modes.md.
+# ordered), ``save:N`` (save N's files in, its meta not yet written). See
+# docs/failure-modes.md.
 FAULT_ENV = "ELCHE_FAULT_COORDINATOR"
 # Under ``elche run`` and torchrun: the rank whose process started the coordinator
 # (rank 0). Its stdin's EOF is that rank's death too, which its heartbeats would
@@ -169,6 +170,8 @@ class Host:
         last = 0 if self._committed is None else self._committed.save_seq
         if restore is not None:
             self.core = Coordinator.restore(config, restore, last_save=last)
+            if config.save_path:  # a save its predecessor left without its meta never commits
+                bundle.prune(config.save_path, {last})
         else:
             self.core = Coordinator(config, resume=resume, last_save=last)
         self._journal = JournalWriter(run_dir / JOURNAL_FILE)
@@ -344,6 +347,8 @@ class Host:
         self._sync_journal()  # the new window's work is out: off the ranks' restart
 
     def _execute(self, command: Command) -> None:
+        if self._kill_at.startswith("save:") and isinstance(command, WriteMeta):
+            self._fault(command)  # before the meta: the ranks' files are in, uncommitted
         match command:
             case Send(rank=rank, message=message):
                 self._send(rank, message)
@@ -371,10 +376,15 @@ class Host:
                 self.finish = command
             case _:
                 assert_never(command)
+        if not self._kill_at.startswith("save:"):
+            self._fault(command)
+
+    def _fault(self, command: Command) -> None:
+        """The testing hook (``FAULT_ENV``): SIGKILL this first coordinator at its point."""
         if self._kill_at and self.core.coordinator_restarts == 0 and _due(self._kill_at, command):
             self.endpoint.close()  # what was sent leaves first: the hook kills after it
             zmq.Context.instance().term()
-            os.kill(os.getpid(), signal.SIGKILL)  # the testing hook (FAULT_ENV)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _carry_on_stats(self) -> None:
         """A successor's summary counts what its predecessors saw (the timeline says it)."""
@@ -582,6 +592,8 @@ def _due(point: str, command: Command) -> bool:
         return message.round >= int(number)
     if kind == "epoch" and isinstance(command, Emit) and isinstance(command.event, tl.EpochEnd):
         return command.event.epoch >= int(number)
+    if kind == "save" and isinstance(command, WriteMeta):
+        return command.meta.save_seq >= int(number)
     if kind == "start":  # its first command: before any rank joined, no journal yet
         return True
     return kind == "final" and isinstance(message, m.Shutdown) and message.writer >= 0
