@@ -119,6 +119,17 @@ def test_a_joined_rank_rejoining_a_restarted_coordinator_is_refused() -> None:
     assert h.core.live == [0, 1]
 
 
+def test_a_joined_rank_rejoining_a_restarted_coordinator_holding_nothing_joins_again() -> None:
+    # Admitted just before its coordinator was lost, it had trained nothing: it was
+    # refused all the same ("join again"), with no work of it to hand out again.
+    h = Harness(world_size=2, join_slots=1)
+    h.form()
+    out = h.feed(RankJoined(rank=2, held=m.Held(last_round=0)))
+    assert not messages(out, m.Shutdown)
+    assert [c.members for c in messages(out, m.Regroup)] == [[0, 1, 2]]  # type: ignore[attr-defined]
+    assert h.core.live == [0, 1, 2]
+
+
 def test_a_joiner_lost_before_admission_is_no_dead_rank() -> None:
     h = Harness(world_size=2, join_slots=1)
     h.form()

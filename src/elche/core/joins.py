@@ -31,7 +31,8 @@ Rules:
   ``held``) while it forms; the group re-forms and the roles the journal
   left on a vacant slot move on. A joined rank that rejoins only after the
   restored coordinator formed is refused (the rank stops; its work was
-  handed out again).
+  handed out again), unless it holds no batch: then it is a join like any
+  (one admitted just before its coordinator was lost, say).
 - Joined ranks are counted in ``RunEnd.joined_ranks``; a joined rank that
   dies is lost like any other (its unaveraged work goes back to the pools).
 
@@ -92,7 +93,8 @@ class Joins:
             self._take_back(rank)  # a joined rank rejoins the restored coordinator
             core._on_join(rank, host, held)
             return
-        if rejoining:  # the restored coordinator formed without it: its work was re-issued
+        if held is not None and (held.averaged or held.since):
+            # The restored coordinator formed without it: its work was re-issued.
             why = "a restarted coordinator formed without it; join again"
         elif rank in self.pending:
             why = "it asked twice"
