@@ -87,6 +87,16 @@ def test_drop_last_over_a_dataset_shorter_than_one_step_is_refused(
     assert "8 samples are fewer than one step" in str(error)
 
 
+@pytest.mark.parametrize(("ranks", "mode"), [(65530, "cadence"), (65535, "cpu-async")])
+def test_more_ranks_than_a_frame_can_name_are_refused_before_any_process_starts(
+    ranks: int, mode: str
+) -> None:
+    # elche demo --ranks 100000 failed in the coordinator's process, a traceback and
+    # exit 1; a collective run keeps 8 more ids for joining ranks.
+    error = refusal(ranks=ranks, mode=mode)
+    assert error.field == "ranks" and f"got {ranks}" in str(error)
+
+
 def test_a_string_of_devices_is_refused_with_the_list_it_meant() -> None:
     # 'cpu' was read letter by letter: "'c' is not a device".
     assert "devices=['cpu']" in str(refusal(devices="cpu"))

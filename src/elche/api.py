@@ -48,6 +48,7 @@ from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
 from elche.core.progress import Progress
 from elche.runtime.bundle import meta_path
+from elche.runtime.frames import COORDINATOR_SENDER
 from elche.runtime.options import check_options
 from elche.runtime.plan import Hooks, Plan, TrainResult, hold_save_path
 from elche.runtime.shards import Shards, check_dataset
@@ -420,6 +421,8 @@ def _plan(
         check_writable(Path(save_path).parent, "save_path")
     if resume_from is not None and not meta_path(resume_from).exists():
         raise ConfigError("resume_from", f"no checkpoint meta at {meta_path(resume_from)}")
+    slots = _join_slots(Mode.parse(mode), world, join_slots)
+    _check_sender_ids(world, slots)
     config = CoordinatorConfig(
         mode=Mode.parse(mode), world_size=world, num_samples=num_samples,
         batch_size=batch_size, epochs=epochs, seed=seed,
@@ -432,7 +435,7 @@ def _plan(
         save_path=save_path, easgd_alpha=easgd_alpha, outer_lr=outer_lr,
         outer_momentum=outer_momentum, nonfinite=nonfinite,
         max_coordinator_restarts=max_coordinator_restarts,
-        join_slots=_join_slots(Mode.parse(mode), world, join_slots),
+        join_slots=slots,
     )  # fmt: skip
     return Plan(
         config=config, speeds=speeds_t, speed_base_s=_speed_base(speed_base_s),
@@ -648,6 +651,23 @@ def _join_slots(mode: Mode, world: int, given: int | None) -> int:
             "join_slots", f"a run of one rank has no coordinator to join; got {given!r}"
         )
     return given
+
+
+def _check_sender_ids(world: int, join_slots: int) -> None:
+    """Refuse more rank ids (``world`` and the joiners' slots) than a frame's sender
+    field holds beside the coordinator's (``runtime.frames``), here rather than in
+    the coordinator's process, where it failed the launch with a traceback.
+
+    Raises:
+        ConfigError: (field ``ranks``) ``world + join_slots`` is ``COORDINATOR_SENDER``
+            or more.
+    """
+    if world + join_slots >= COORDINATOR_SENDER:
+        most = COORDINATOR_SENDER - 1 - join_slots
+        raise ConfigError(
+            "ranks", f"at most {most} ranks fit a frame's sender field (beside {join_slots} "
+            f"slots for joining ranks), got {world}"
+        )  # fmt: skip
 
 
 def _world_size(

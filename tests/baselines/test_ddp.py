@@ -294,3 +294,40 @@ def test_a_failed_run_leaves_no_torch_error_file_behind(
     with pytest.raises(RuntimeError, match="rank 1 broke on purpose"):
         ddp._spawn_ranks(_rank_1_raises, _plan(60.0), nprocs=2, timeout_s=60.0)
     assert list(tmp_path.glob("pytorch-errorfile-*")) == []
+
+
+class _DeafRank:
+    """A rank process that ignores SIGTERM, as one forked from elche's fork server
+    does; it writes what is done to it in ``log``."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log, self.alive = name, log, True
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def terminate(self) -> None:
+        self.log.append(f"terminate {self.name}")
+
+    def kill(self) -> None:
+        self.log.append(f"kill {self.name}")
+        self.alive = False
+
+    def join(self, timeout: float | None = None) -> None:
+        self.log.append(f"join {self.name}")
+
+
+def test_stopped_ranks_are_killed_together_after_one_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Killed one grace apart, each rank's peers outlived it by a second and printed
+    # a traceback for each connection closed under them (an interrupted bench's
+    # torchft ranks did, pages of them).
+    monkeypatch.setattr(ddp, "GRACE_S", 0.0)
+    log: list[str] = []
+    ranks = [_DeafRank(str(r), log) for r in range(3)]
+    ddp._stop_all(ranks)  # type: ignore[arg-type]  # fakes of BaseProcess's few methods
+    kills = [i for i, entry in enumerate(log) if entry.startswith("kill")]
+    assert [log[i] for i in kills] == ["kill 0", "kill 1", "kill 2"]
+    assert kills == list(range(kills[0], kills[0] + 3))  # nothing waited between them
+    assert not any(rank.alive for rank in ranks)

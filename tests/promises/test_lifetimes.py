@@ -332,7 +332,8 @@ import os, signal, time
 from pathlib import Path
 
 if b"multiprocessing.forkserver" in Path("/proc/self/cmdline").read_bytes():
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a server that Ctrl-C ends, as before it
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # started with it blocked
     Path(os.environ["ELCHE_TEST_HELD"]).touch()
     time.sleep(60)  # held until the test's signal ends it
 """
@@ -361,6 +362,34 @@ def test_ctrl_c_while_the_fork_server_starts_says_nothing_was_saved(tmp_path: Pa
     assert "Traceback" not in err, err[-3000:]
     assert "STOPPED Interrupted bundle=None code=130" in out
     assert only_line(err) == "elche: interrupted by SIGINT before the run formed; nothing was saved"
+
+
+SIGNAL_THE_STARTING_FORK_SERVER = """
+import os, signal, sys, time
+from multiprocessing import forkserver
+from elche.runtime.launch import rank_context
+
+rank_context()
+forkserver.ensure_running()  # (started already, where rank_context starts it)
+pid = forkserver._forkserver._forkserver_pid
+os.kill(pid, signal.SIGINT)  # while it imports its preloads
+time.sleep(1.0)
+ended, status = os.waitpid(pid, os.WNOHANG)
+if not ended:
+    os.kill(pid, signal.SIGKILL)  # (not to import torch for nothing)
+print("ended" if ended else "alive")
+"""
+
+
+def test_a_signal_while_the_fork_server_imports_does_not_end_it() -> None:
+    # Ctrl-C in the second or two before the fork server ignored it ended the server in
+    # a KeyboardInterrupt traceback, in the middle of an elche demo's start-up.
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNAL_THE_STARTING_FORK_SERVER],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert done.stdout.strip() == "alive", done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
 def test_issue12_item12_a_run_that_finished_before_ctrl_c_is_returned(tmp_path: Path) -> None:

@@ -75,6 +75,7 @@ from elche.runtime.host import (
 from elche.runtime.joining import announce_join
 from elche.runtime.journal_file import JOURNAL_FILE
 from elche.runtime.lifetimes import (
+    STOP_SIGNALS,
     Interrupted,
     StopSignals,
     announce,
@@ -630,7 +631,28 @@ def rank_context() -> ForkServerContext | SpawnContext:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    _start_fork_server()
     return ctx
+
+
+def _start_fork_server() -> None:
+    """Start the fork server (if it is not running) with the stop signals blocked.
+
+    It inherits the mask, so a Ctrl-C to the process group while it imports
+    (a second or two) waits, pending, until ``elche.runtime.forkserved``,
+    its first preload, has ignored the three and unblocked them; it ended
+    the server in a ``KeyboardInterrupt`` traceback. (Python's resource
+    tracker starts so.) Here, a stop signal that came meanwhile is delivered
+    once they are unblocked.
+    """
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()  # first: starting, it unblocks SIGINT and SIGTERM
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def check_picklable(fns: UserFns) -> None:
