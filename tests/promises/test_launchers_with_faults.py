@@ -133,6 +133,30 @@ def test_issue12_item13_issue15_item5_a_completed_run_keeps_only_its_record(
     assert f"elche: report at {run_dir / 'report.html'}" in err
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+REPO = str(Path(__file__).resolve().parents[2])  # the scripts import tests.promises.tiny
+
+
+def run_script(
+    tmp_path: Path, text: str, launcher: list[str], *args: str, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Write ``text`` as ``train.py`` and run it under ``launcher`` with ``args``, the
+    repository on its path and ``env`` added."""
+    script = tmp_path / "train.py"
+    script.write_text(text)
+    path = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [*launcher, str(script), *args], capture_output=True, text=True, timeout=240,
+        check=False, cwd=tmp_path, env={**os.environ, "PYTHONPATH": path, **env},
+    )  # fmt: skip
+
+
+def rank0_summary(stdout: str) -> dict[str, object]:
+    """The one ``SUMMARY`` line rank 0 printed, parsed."""
+    (line,) = [x for x in stdout.splitlines() if x.startswith("SUMMARY ")]
+    return json.loads(line.removeprefix("SUMMARY "))  # type: ignore[no-any-return]  # JSON
+
+
 HANDBACK_SCRIPT = """
 import os, sys
 import elche
@@ -156,18 +180,11 @@ def test_under_torchrun_a_rank_whose_model_cannot_reach_its_worker_says_which_fi
     # in the run dir; torch.save turned a full disk there into "RuntimeError:
     # basic_ios::clear: iostream error" with elche's traceback, and the worker said
     # the rank "was lost; the run goes on without it" after the run had completed.
-    script, run_dir = tmp_path / "train.py", tmp_path / "run"
-    script.write_text(HANDBACK_SCRIPT)
+    run_dir = tmp_path / "run"
     run_dir.mkdir()
     for name in ("rank1.state.pt", "rank1.state.pt.tmp"):  # every write: ENOSPC
         (run_dir / name).symlink_to("/dev/full")
-    repo = str(Path(__file__).resolve().parents[2])
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script), str(run_dir)],
-        capture_output=True, text=True, timeout=240, check=False, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])},
-    )  # fmt: skip
+    done = run_script(tmp_path, HANDBACK_SCRIPT, [*TORCHRUN, "--nproc-per-node", "2"], str(run_dir))
     assert done.returncode == 0, done.stderr[-4000:]
     assert sorted(re.findall(r"RETURNED \d \w+", done.stdout)) == [
         "RETURNED 0 completed", "RETURNED 1 completed",
@@ -202,22 +219,15 @@ def test_under_torchrun_a_rank_whose_user_code_exits_with_status_3_is_a_rank_los
     # Its worker read status 3 as "trained to the run's end, its model not handed
     # back": it said so, told nobody, and the run waited for the rank's heartbeats
     # to go stale (30 s here) with every other rank holding.
-    script = tmp_path / "train.py"
-    script.write_text(EXIT_SCRIPT)
-    repo = str(Path(__file__).resolve().parents[2])
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-         str(script)],
-        capture_output=True, text=True, timeout=240, check=False, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
-             "EXIT_RANK": "1", "EXIT_STEP": "5", "EXIT_CODE": "3"},
+    done = run_script(
+        tmp_path, EXIT_SCRIPT, [*TORCHRUN, "--nproc-per-node", "3"],
+        EXIT_RANK="1", EXIT_STEP="5", EXIT_CODE="3",
     )  # fmt: skip
     err = done.stderr
     assert done.returncode == 0, err[-4000:]
     assert "rank 1 lost (process ended (exit code 3))" in err, err[-4000:]
     assert "trained to the run's end" not in err, err[-4000:]
-    (line,) = [x for x in done.stdout.splitlines() if x.startswith("SUMMARY ")]
-    summary = json.loads(line.removeprefix("SUMMARY "))
+    summary = rank0_summary(done.stdout)
     assert summary["outcome"] == "completed" and summary["dead_ranks"] == [1], summary
     assert summary["lost_samples"] == 0
 
@@ -245,18 +255,12 @@ def test_under_elche_run_a_scripts_second_run_hears_of_a_rank_lost_at_once(
     # The launcher's reports of rank exits went to the script's first run only: a rank
     # lost in the second was found when its heartbeats went stale (30 s by default),
     # every other rank waiting for it.
-    script = tmp_path / "train.py"
-    script.write_text(TWICE_SCRIPT)
-    repo = str(Path(__file__).resolve().parents[2])
-    done = subprocess.run(
-        [sys.executable, "-m", "elche.cli", "run", "--nproc", "3", str(script)],
-        capture_output=True, text=True, timeout=240, check=False, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])},
-    )  # fmt: skip
+    done = run_script(
+        tmp_path, TWICE_SCRIPT, [sys.executable, "-m", "elche.cli", "run", "--nproc", "3"]
+    )
     err = done.stderr
     assert "rank 1 lost (process ended (" in err, err[-4000:]
     assert "heartbeat stale" not in err, err[-4000:]
-    (line,) = [x for x in done.stdout.splitlines() if x.startswith("SUMMARY ")]
-    summary = json.loads(line.removeprefix("SUMMARY "))
+    summary = rank0_summary(done.stdout)
     assert summary["outcome"] == "completed" and summary["dead_ranks"] == [1], summary
     assert summary["lost_samples"] == 0

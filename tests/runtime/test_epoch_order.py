@@ -89,13 +89,11 @@ def test_a_resumed_epoch_trains_its_uncovered_positions_in_its_bundles_order(
     assert first.summary["outcome"] == "completed"
     meta = json.loads(bundle.meta_path(stem).read_text(encoding="utf-8"))
     assert meta["order"] == NUMPY_PERMUTATION  # what a new run draws
-    # The bundle as a run of ``schema`` would have left it stopped in epoch 1,
-    # positions 16..39 of it still to train (``ranks=1`` resumes it in this process).
-    meta.update(schema_version=schema, epoch=1, epochs=2)
-    meta["coverage"] = [{"epoch": 1, "total_samples": N, "uncovered": [[16, 24]]}]
+    # The bundle as a run of ``schema`` would have left it (``ranks=1`` resumes it here).
+    meta["schema_version"] = schema
     if order is None:
         del meta["order"]
-    bundle.meta_path(stem).write_text(json.dumps(meta), encoding="utf-8")
+    _stop_in_epoch_1(stem, meta)
     TRAINED.clear()
     second = elche.train(
         _model, _optimizer, _step, data, batch_size=8, epochs=2, ranks=1, seed=7,
@@ -105,6 +103,13 @@ def test_a_resumed_epoch_trains_its_uncovered_positions_in_its_bundles_order(
     assert callable(drawn)
     expected = drawn(N, seed=7, epoch=1)[16:40]
     assert sorted(TRAINED[-24:]) == sorted(expected)  # warm-up steps come first, if any
+
+
+def _stop_in_epoch_1(stem: str, meta: dict[str, Any]) -> None:
+    """Write ``meta`` back as a bundle stopped in epoch 1 of 2, positions 16..39 still to train."""
+    meta.update(epoch=1, epochs=2)
+    meta["coverage"] = [{"epoch": 1, "total_samples": N, "uncovered": [[16, 24]]}]
+    bundle.meta_path(stem).write_text(json.dumps(meta), encoding="utf-8")
 
 
 @pytest.mark.slow
@@ -121,9 +126,7 @@ def test_a_sharded_runs_bundle_resumes_on_shards_only(tmp_path: Path) -> None:
     assert first.summary["outcome"] == "completed"
     meta = json.loads(bundle.meta_path(stem).read_text(encoding="utf-8"))
     assert meta["order"] == SHARD_ORDER
-    meta.update(epoch=1, epochs=2)  # stopped in epoch 1, positions 16..39 still to train
-    meta["coverage"] = [{"epoch": 1, "total_samples": N, "uncovered": [[16, 24]]}]
-    bundle.meta_path(stem).write_text(json.dumps(meta), encoding="utf-8")
+    _stop_in_epoch_1(stem, meta)
     resume: dict[str, Any] = {
         "batch_size": 8, "epochs": 2, "ranks": 1, "seed": 7, "resume_from": stem,
         "progress": False,
