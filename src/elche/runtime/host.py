@@ -347,8 +347,9 @@ class Host:
         self._sync_journal()  # the new window's work is out: off the ranks' restart
 
     def _execute(self, command: Command) -> None:
-        if self._kill_at.startswith("save:") and isinstance(command, WriteMeta):
-            self._fault(command)  # before the meta: the ranks' files are in, uncommitted
+        committing = isinstance(command, WriteMeta)  # the hook's ``save:N`` kills before it
+        if committing:
+            self._fault(command)
         match command:
             case Send(rank=rank, message=message):
                 self._send(rank, message)
@@ -376,8 +377,8 @@ class Host:
                 self.finish = command
             case _:
                 assert_never(command)
-        if not self._kill_at.startswith("save:"):
-            self._fault(command)
+        if not committing:
+            self._fault(command)  # after: what was sent leaves first
 
     def _fault(self, command: Command) -> None:
         """The testing hook (``FAULT_ENV``): SIGKILL this first coordinator at its point."""
