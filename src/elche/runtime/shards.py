@@ -52,7 +52,6 @@ __all__ = [
     "OPEN_STREAMS",
     "Shards",
     "check_dataset",
-    "check_length",
     "epoch_order",
     "numpy_permutation",
 ]
@@ -216,14 +215,25 @@ class Shards:
 
 
 def epoch_order(
-    dataset: Any, *, seed: int, epoch: int, order: str = NUMPY_PERMUTATION
+    dataset: Any,
+    *,
+    seed: int,
+    epoch: int,
+    order: str = NUMPY_PERMUTATION,
+    num_samples: int | None = None,
 ) -> Sequence[int]:
     """The dataset index at each position of ``epoch``.
 
     ``Shards``: its shards shuffled. Any other dataset: every item shuffled,
     as ``order`` says (``elche.core.config.ORDERS``): ``numpy-permutation``
     (``numpy_permutation``) or ``random-shuffle`` (``epoch_permutation``).
+
+    Raises:
+        ConfigError: ``dataset`` no longer has the run's ``num_samples`` items
+            (``_check_length``), when given.
     """
+    if num_samples is not None:
+        _check_length(dataset, num_samples, epoch=epoch)
     if isinstance(dataset, Shards):
         return dataset.order(seed=seed, epoch=epoch)
     if order == RANDOM_SHUFFLE:
@@ -260,7 +270,7 @@ def check_dataset(dataset: Any) -> None:
         )
 
 
-def check_length(dataset: Any, num_samples: int, *, epoch: int) -> None:
+def _check_length(dataset: Any, num_samples: int, *, epoch: int) -> None:
     """``dataset`` still has the run's ``num_samples`` items as ``epoch``'s order is drawn.
 
     Each rank draws the order from its own ``len(dataset)``: one whose

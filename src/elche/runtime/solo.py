@@ -40,7 +40,7 @@ from elche.runtime.loading import Loader, StepPlan
 from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.resume import load_bundle
-from elche.runtime.shards import check_length, epoch_order
+from elche.runtime.shards import epoch_order
 from elche.runtime.solo_record import SoloRecord
 from elche.runtime.solo_saves import SoloSaves
 from elche.runtime.stepping import MicroBatch, Stepper, optimizer_for
@@ -378,9 +378,11 @@ def _solo(
 
     def perm(epoch: int) -> Sequence[int]:
         if epoch not in perms:
-            check_length(fns.dataset, cfg.num_samples, epoch=epoch)
             perms.clear()
-            perms[epoch] = epoch_order(fns.dataset, seed=cfg.seed, epoch=epoch, order=cfg.order)
+            perms[epoch] = epoch_order(
+                fns.dataset, seed=cfg.seed, epoch=epoch, order=cfg.order,
+                num_samples=cfg.num_samples,
+            )  # fmt: skip
         return perms[epoch]
 
     loader = Loader(

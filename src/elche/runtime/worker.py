@@ -72,7 +72,7 @@ from elche.runtime.membership import Membership
 from elche.runtime.options import TrainOptions
 from elche.runtime.pacing import Pacer, pacer_for
 from elche.runtime.resume import load_bundle
-from elche.runtime.shards import check_length, epoch_order
+from elche.runtime.shards import epoch_order
 from elche.runtime.snapshots import Layout
 from elche.runtime.stepping import MicroBatch, Stepper, optimizer_for
 from elche.runtime.transport import RankEndpoint
@@ -440,10 +440,11 @@ class Worker:
 
     def _perm(self, epoch: int) -> Sequence[int]:
         if epoch not in self._perms:
-            check_length(self.fns.dataset, self.spec.num_samples, epoch=epoch)
+            spec = self.spec
             order = epoch_order(
-                self.fns.dataset, seed=self.spec.seed, epoch=epoch, order=self.spec.order
-            )
+                self.fns.dataset, seed=spec.seed, epoch=epoch, order=spec.order,
+                num_samples=spec.num_samples,
+            )  # fmt: skip
             self._perms = {epoch: order}
         return self._perms[epoch]
 
