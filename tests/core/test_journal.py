@@ -180,8 +180,9 @@ def test_the_journal_is_compacted_when_the_open_epochs_change_and_bounded_by_the
     assert appended[-1].record.rounds_done == h.core.rounds_done  # type: ignore[attr-defined]
     for command in appended:
         assert len(command.record.coverage) <= 2  # type: ignore[attr-defined]
-    keys = [(c.record.rounds_done, c.record.open_epochs) for c in appended]  # type: ignore[attr-defined]
-    rounds = [r for r, _ in keys]
+    # (A round that ends an epoch is journaled as it starts too: opened_round tells.)
+    keys = [(c.record.rounds_done, c.record.open_epochs, c.record.opened_round) for c in appended]  # type: ignore[attr-defined]
+    rounds = [r for r, _, _ in keys]
     assert rounds == sorted(rounds) and len(keys) == len(set(keys))  # each new state once
 
 
@@ -272,6 +273,30 @@ def test_a_coordinator_lost_in_an_epochs_last_round_leaves_the_epochs_loss_to_it
     h2 = restart(h, record)
     assert [(e.epoch, e.loss) for e in epoch_ends(h2)] == [(0, 0.5)]
     assert of(h2.answer_saves(), Finish) == [Finish(outcome="completed")]
+
+
+@pytest.mark.parametrize("applied", [False, True])
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_a_coordinator_lost_in_an_epochs_only_round_leaves_the_epochs_loss_to_its_successor(
+    applied: bool, epochs: int
+) -> None:
+    # Every loss of a one-window epoch is reported after its opening's record; the
+    # successor of a coordinator lost in its round ended it with loss null.
+    h = Harness(world_size=2, epochs=epochs, num_samples=640)
+    h.loss = 0.5
+    h.form()
+    last = epochs - 1  # the last epoch: no next one opens as its round starts
+    h.run_to_end(until=lambda: h.core.round.in_flight and h.core.work.open_epochs() == [last])
+    if applied:  # the ranks applied the round; its record was never written
+        for rank in range(2):
+            h.send(rank, m.SyncAck(round=h.core.round.number, steps=len(h.since[rank])))
+        record = [r for r in records(h) if r.rounds_done < h.core.rounds_done][-1]
+    else:
+        record = records(h)[-1]
+    h2 = restart(h, record)
+    h2.run_to_end()
+    assert [(e.epoch, e.loss) for e in epoch_ends(h2)] == [(last, 0.5)]
+    assert of(h2.log, Finish) == [Finish(outcome="completed")]
 
 
 def test_a_journal_of_another_world_size_is_refused_naming_it() -> None:

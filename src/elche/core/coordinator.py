@@ -438,6 +438,8 @@ class Coordinator:
         if live and any(self.work.steps_since_sync(r) > 0 for r in live):
             self._out += self.round.start(set(live), self._now, self.generation)
             ahead.hand_out(self)
+            if self.work.trained_epochs():  # the round may end them: their losses are all in
+                self._journal()
 
     def _on_sync_ack(self, rank: int, msg: m.SyncAck) -> None:
         if self.round.late_ack(rank, msg):

@@ -36,7 +36,10 @@ Rules:
   before its ``EpochEnd`` is written, so a successor ends each epoch at most
   once (a coordinator lost between the two leaves no ``EpochEnd``); the
   open epochs' reported losses are in the record, so it ends one the lost
-  coordinator did not end with its loss.
+  coordinator did not end with its loss. A round that may end an epoch
+  (every sample of it trained, ``WorkBook.trained_epochs``) is journaled as
+  it starts, with all that epoch's losses: an epoch one window long has no
+  record between its opening and its round's.
 
 Theory of operation: ``record_of`` reads a coordinator's state into a
 record; ``restore`` builds a coordinator from one through the checkpoint

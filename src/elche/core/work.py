@@ -130,6 +130,18 @@ class WorkBook:
             size for pending in self._uncommitted for _, size in pending
         )
 
+    def trained_epochs(self) -> list[int]:
+        """Open epochs every sample of which is trained: an average of every batch
+        reported so far would end them."""
+        reported: dict[int, int] = {}
+        for pending in self._uncommitted:
+            for epoch, size in pending:
+                reported[epoch] = reported.get(epoch, 0) + size
+        return [
+            e for e, pool in sorted(self.pools.items())
+            if pool.committed() + reported.get(e, 0) >= pool.total
+        ]  # fmt: skip
+
     def open_epochs(self) -> list[int]:
         """Epochs opened and not finished, in ascending order."""
         return sorted(self.pools)
