@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from elche.core import messages as m
-from elche.core.commands import AppendJournal, Emit, Finish, Send
+from elche.core.commands import AppendJournal, Emit, Finish, Notice, Send
 from elche.core.config import Mode
 from elche.core.coordinator import Coordinator, RankState, RunState
 from elche.core.dispatch import ChunkPool
@@ -226,9 +226,13 @@ def test_a_coordinator_lost_during_the_last_eval_asks_for_it_again_and_takes_one
     answer = m.EvalResult(epoch=1, metric=0.9, elapsed_ms=5.0)
     h2.send(rank, answer)
     assert records(h2)[-1].pending_evals == ()  # a successor would not ask again
-    h2.send(rank, answer)  # the lost coordinator's ask, answered late: one eval
+    out = h2.send(rank, answer)  # the lost coordinator's ask, answered late: one eval
     evals = [c.event for c in of(h2.log, Emit) if isinstance(c.event, Eval)]  # type: ignore[attr-defined]
     assert evals == [Eval(epoch=1, metric=0.9, rank=rank, duration_ms=5.0)]
+    # The second answer is counted and said, not dropped unseen.
+    assert h2.core.stale_messages == 1
+    (said,) = of(out, Notice)
+    assert said.level == "warning" and f"rank {rank} answered eval_fn after epoch 0" in said.text  # type: ignore[attr-defined]
     assert of(h2.answer_saves(), Finish) == [Finish(outcome="completed")]
 
 

@@ -23,6 +23,13 @@ Rules:
   loudly rather than re-route), so an eval owed by a dead pinned rank is
   given up with an error notice; under ``FASTEST`` the role has already moved
   to a live rank.
+- An answer to a request no longer pending (a restored coordinator asked
+  again what its predecessor had asked, and both asks were answered) is
+  counted stale and said in a warning; nothing else comes of it (a failed
+  one is not retried). Its wall time is still taken out of the rank's window
+  timing: the rank spent it on the callback, not training, and the balancer
+  would read it as slowness. It does not feed the callback's cost estimate,
+  which sizes the slack for one run per epoch end: the first answer gave it.
 - A rank that dies with requests pending: its eval is asked again of the
   eval role (already re-resolved) or given up as above; its checkpoint goes
   to the checkpoint role, already re-resolved by the policy, unless that rank
@@ -99,12 +106,32 @@ class Callbacks:
         self.ledger.absorb_callback_cost(rank, elapsed_ms)
         self.roles.record_cost(Role.EPOCH, elapsed_ms, rank=rank)
 
+    def answered_already(self, msg: m.EvalResult | m.CheckpointResult) -> bool:
+        """Whether ``msg`` answers a request no longer pending (asked again by a
+        restored coordinator and answered twice)."""
+        if isinstance(msg, m.EvalResult):
+            return msg.epoch not in self.pending_evals
+        return msg.version not in self.pending_checkpoints
+
+    def on_answered_twice(self, rank: int, msg: m.EvalResult | m.CheckpointResult) -> Command:
+        """``rank`` answered a request answered already: its time is taken out of
+        the rank's window timing, the answer goes; returns the warning that says so."""
+        self.ledger.absorb_callback_cost(rank, msg.elapsed_ms)
+        if isinstance(msg, m.EvalResult):
+            what = f"eval_fn after epoch {msg.epoch - 1}"
+        else:
+            what = f"checkpoint_fn for checkpoint v{msg.version}"
+        text = (
+            f"rank {rank} answered {what} again (asked again by a restored coordinator); "
+            "the first answer stands, this one is ignored"
+        )
+        return Notice(level="warning", text=text)
+
     def on_eval_result(self, rank: int, msg: m.EvalResult, live: Sequence[int]) -> list[Command]:
-        """``rank`` answered an eval request; returns what to tell the others."""
+        """``rank`` answered a pending eval request; returns what to tell the others."""
         self.ledger.absorb_callback_cost(rank, msg.elapsed_ms)
         self.roles.record_cost(Role.EVAL, msg.elapsed_ms, rank=rank)
-        if self.pending_evals.pop(msg.epoch, None) is None:
-            return []  # answered already (asked again by a restored coordinator)
+        del self.pending_evals[msg.epoch]
         if msg.error is not None:
             text = eval_failed_text(rank, msg.epoch, msg.error)
             failed = tl.EvalFailed(
@@ -119,7 +146,7 @@ class Callbacks:
     def on_checkpoint_result(
         self, rank: int, msg: m.CheckpointResult, live: Sequence[int]
     ) -> list[Command]:
-        """``rank`` answered a checkpoint request; returns a retry or a notice."""
+        """``rank`` answered a pending checkpoint request; returns a retry or a notice."""
         self.ledger.absorb_callback_cost(rank, msg.elapsed_ms)
         ran = tl.CheckpointRan(
             version=msg.version, rank=rank, duration_ms=msg.elapsed_ms,

@@ -389,6 +389,10 @@ class Coordinator:
             self._out += self.telemetry.held(rank, self.work.steps_since_sync(rank))
 
     def _on_callback_result(self, rank: int, msg: m.EvalResult | m.CheckpointResult) -> None:
+        if self.callbacks.answered_already(msg):  # asked again after a restore: answered twice
+            self.stale_messages += 1
+            self._out.append(self.callbacks.on_answered_twice(rank, msg))
+            return
         if isinstance(msg, m.EvalResult):
             told = self.callbacks.on_eval_result(rank, msg, self.live)
             self._journal()  # answered: a successor does not ask for it again
