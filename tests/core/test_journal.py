@@ -16,7 +16,7 @@ from elche.core.errors import ConfigError
 from elche.core.events import RankJoined, RankLost, Started, StopRequested, TimerFired
 from elche.core.journal import JournalRecord, rejoin_timeout_s
 from elche.core.rank import Hold, RankProtocol, Train
-from elche.core.timeline import EpochEnd, Eval, RunEnd
+from elche.core.timeline import CheckpointRan, EpochEnd, Eval, RunEnd
 from tests.core.harness import Harness, config, messages, of
 
 
@@ -233,6 +233,33 @@ def test_a_coordinator_lost_during_the_last_eval_asks_for_it_again_and_takes_one
     assert h2.core.stale_messages == 1
     (said,) = of(out, Notice)
     assert said.level == "warning" and f"rank {rank} answered eval_fn after epoch 0" in said.text  # type: ignore[attr-defined]
+    assert of(h2.answer_saves(), Finish) == [Finish(outcome="completed")]
+
+
+def test_a_coordinator_lost_while_a_checkpoint_fn_ran_asks_for_it_again_and_takes_one_answer() -> (
+    None
+):
+    # Its successor knew of no checkpoint asked: the ranks forget their predecessor's
+    # orders as they rejoin, so the run went on to the final save without the last
+    # checkpoint_fn, and nothing said so.
+    h = Harness(world_size=2, epochs=1, num_samples=640, checkpoint_every=1)
+    h.form()
+    h.run_to_end(final=False)
+    assert h.core.state is RunState.FINISHING  # the checkpoint asked for, not answered
+    assert records(h)[-1].pending_checkpoints == ((1, h.core.callbacks.pending_checkpoints[1]),)
+    h2 = restart(h, records(h)[-1])
+    assert h2.core.state is RunState.FINISHING
+    (asked,) = [(r, msg) for r in range(2) for msg in h2.received(r, m.RunCheckpoint)]
+    rank, run_checkpoint = asked
+    assert run_checkpoint == m.RunCheckpoint(version=1)
+    answer = m.CheckpointResult(version=1, elapsed_ms=5.0)
+    h2.send(rank, answer)
+    assert records(h2)[-1].pending_checkpoints == ()  # a successor would not ask again
+    # The lost coordinator's ask, answered late (and failed): said, not retried.
+    out = h2.send(rank, m.CheckpointResult(version=1, elapsed_ms=5.0, error="disk full"))
+    assert h2.core.stale_messages == 1
+    assert [n.level for n in of(out, Notice)] == ["warning"] and not of(out, Send)  # type: ignore[attr-defined]
+    assert [c.event.version for c in of(h2.log, Emit) if isinstance(c.event, CheckpointRan)] == [1]  # type: ignore[attr-defined]
     assert of(h2.answer_saves(), Finish) == [Finish(outcome="completed")]
 
 

@@ -174,11 +174,16 @@ class Callbacks:
         return out
 
     def ask_again(self, live: Sequence[int]) -> list[Command]:
-        """A restored coordinator: ask again for the evals pending (the journal's:
-        its predecessor asked for them and never heard back)."""
-        epochs = sorted(self.pending_evals)
+        """A restored coordinator: ask again for the evals and checkpoints pending
+        (the journal's: its predecessor asked for them and never heard back; the
+        ranks forgot its orders as they rejoined)."""
+        epochs, versions = sorted(self.pending_evals), sorted(self.pending_checkpoints)
         self.pending_evals.clear()  # (a pinned rank gone leaves one unasked, said)
-        return [self._ask_eval(epoch, live) for epoch in epochs]
+        self.pending_checkpoints.clear()
+        out = [self._ask_eval(epoch, live) for epoch in epochs]
+        for version in versions:
+            out += self._resend_checkpoint(version, live)
+        return out
 
     def _ask_eval(self, epoch: int, live: Sequence[int]) -> Command:
         rank = self.roles.holder(Role.EVAL)

@@ -94,6 +94,8 @@ from elche.core.work import WorkBook
 
 __all__ = ["Coordinator", "RankState", "RunState"]
 
+_Asked = tuple[tuple[int, int], ...]  # callbacks asked and unanswered: (epoch or version, rank)
+
 
 class Coordinator:
     """The sans-IO coordinator of one training run.
@@ -164,8 +166,9 @@ class Coordinator:
         self.restored_dead: tuple[int, ...] = ()  # the ranks the journal had lost
         # An open epoch's reported losses (its ``EpochEnd`` says their mean): (sum, count).
         self.epoch_loss: dict[int, tuple[float, int]] = {}
-        # (rounds done, open epochs, last round number, evals unanswered) of the last record.
-        self._journaled: tuple[int, tuple[int, ...], int, tuple[tuple[int, int], ...]] | None = None
+        # (rounds done, open epochs, last round number, (evals, checkpoints) unanswered)
+        # of the last record.
+        self._journaled: tuple[int, tuple[int, ...], int, tuple[_Asked, _Asked]] | None = None
         self._start_epoch = 0
         self._resume = resume
         self._unsatisfied: set[int] = set()
@@ -398,7 +401,9 @@ class Coordinator:
             self._journal()  # answered: a successor does not ask for it again
             self._out += told
         else:
-            self._out += self.callbacks.on_checkpoint_result(rank, msg, self.live)
+            told = self.callbacks.on_checkpoint_result(rank, msg, self.live)
+            self._journal()  # answered (or asked of another rank): as a successor must know
+            self._out += told
         self._maybe_close()
 
     def _time_batch(self, rank: int, msg: m.BatchDone) -> None:
@@ -527,7 +532,7 @@ class Coordinator:
 
     def _journal(self) -> None:
         """Append the journal record of a new round, new open epochs, a round
-        abandoned or an eval answered (once each).
+        abandoned or a callback asked or answered (once each).
 
         Called before any work of the new window or epoch is sent: a rank can
         only hold batches of epochs the journal knows open. After an abandoned
@@ -535,8 +540,12 @@ class Coordinator:
         """
         if self.state not in (RunState.TRAINING, RunState.FINISHING, RunState.CLOSING):
             return
-        evals = tuple(sorted(self.callbacks.pending_evals.items()))
-        key = (self.rounds_done, tuple(self.work.open_epochs()), self.round.number, evals)
+        asked = self.callbacks
+        pending = (
+            tuple(sorted(asked.pending_evals.items())),
+            tuple(sorted(asked.pending_checkpoints.items())),
+        )
+        key = (self.rounds_done, tuple(self.work.open_epochs()), self.round.number, pending)
         if key == self._journaled:
             return
         compact = self._journaled is None or key[1] != self._journaled[1]

@@ -29,9 +29,11 @@ Rules:
   after the last record) is booked as committed; the batches since
   stay the rank's, uncommitted, for the next average. Everything else no
   average holds is served again, once.
-- The evals asked for and not answered are in the record (an answer is
-  journaled before it is broadcast); the restored coordinator asks them again
-  once its ranks have rejoined, and takes one answer per eval.
+- The evals and checkpoints asked for and not answered are in the record (an
+  answer is journaled before it is broadcast); the restored coordinator asks
+  them again once its ranks have rejoined (they forgot its predecessor's
+  orders), and takes one answer per eval and checkpoint: another is counted
+  stale and said (``Callbacks.on_answered_twice``).
 - An epoch is journaled ended (its callbacks asked, its checkpoint begun)
   before its ``EpochEnd`` is written, so a successor ends each epoch at most
   once (a coordinator lost between the two leaves no ``EpochEnd``); the
@@ -113,6 +115,9 @@ class JournalRecord:
     # rank asked). A successor asks them again, or a lost coordinator's final
     # eval would be skipped on the way to the final save.
     pending_evals: tuple[tuple[int, int], ...] = ()
+    # The checkpoints asked for and not answered: (version, the rank asked). A
+    # successor asks them again: the ranks forget their orders as they rejoin.
+    pending_checkpoints: tuple[tuple[int, int], ...] = ()
     # The losses the open epochs' batches reported: (epoch, sum, count). A successor
     # ends an epoch with their mean, not with no loss (empty in a record written before).
     epoch_loss: tuple[tuple[int, float, int], ...] = ()
@@ -145,6 +150,7 @@ def record_of(core: Coordinator) -> JournalRecord:
         skipped_steps=core.failures.num_skipped_steps,
         skipped_samples=core.failures.num_skipped_samples,
         pending_evals=tuple(sorted(core.callbacks.pending_evals.items())),
+        pending_checkpoints=tuple(sorted(core.callbacks.pending_checkpoints.items())),
         epoch_loss=tuple((e, total, n) for e, (total, n) in sorted(core.epoch_loss.items())),
     )
 
@@ -219,6 +225,7 @@ def restore(config: CoordinatorConfig, record: JournalRecord, *, last_save: int)
     core.failures.num_skipped_steps = record.skipped_steps
     core.failures.num_skipped_samples = record.skipped_samples
     core.callbacks.pending_evals = dict(record.pending_evals)
+    core.callbacks.pending_checkpoints = dict(record.pending_checkpoints)
     core.epoch_loss = {e: (total, n) for e, total, n in record.epoch_loss}
     return core
 
