@@ -75,8 +75,22 @@ def test_a_shard_that_ends_early_or_runs_long_is_a_config_error() -> None:
         short[3]
     long = Shards([functools.partial(numbers, 0, 3)], lengths=[2])
     assert long[0] == (0, 0)
-    with pytest.raises(elche.ConfigError, match="shard 0 yields more items"):
+    with pytest.raises(
+        elche.ConfigError, match="shard 0 yields at least 3 items, but its length is 2"
+    ):
         long[1]
+
+
+def test_a_stream_said_empty_that_yields_items_is_refused_when_built() -> None:
+    # No rank reads a shard of length 0: its items were left out of every epoch, unseen.
+    OPENED.clear()
+    with pytest.raises(elche.ConfigError, match="lengths: shard 1 yields items, lengths says 0"):
+        Shards([functools.partial(numbers, 0, 2), functools.partial(numbers, 1, 3)], lengths=[2, 0])
+    assert OPENED == [1]  # only the shard said empty was opened
+    empty = Shards(
+        [functools.partial(numbers, 0, 2), functools.partial(numbers, 1, 0)], lengths=[2, 0]
+    )
+    assert len(empty) == 2
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,10 @@ Lengths: given (``lengths=``), or taken from ``len()`` of the indexable
 shards and counted with one full pass over each streamed shard when
 ``Shards`` is built (in the process that builds it). A stream that ends
 before its length, or yields more than it, raises ``ConfigError`` when it
-is read: the epoch's positions would no longer name the same items.
+is read (the reader of its last item reads one more): the epoch's
+positions would no longer name the same items. A stream given length 0 has
+no item to read, so ``Shards`` opens it when built and refuses it if it
+yields one: its items would be left out of every epoch, unseen.
 """
 
 from __future__ import annotations
@@ -173,7 +176,7 @@ class Shards:
             extra = next(iterator, _END)
             _close(iterator)
             if extra is not _END:
-                raise _changed(shard, "yields more items", length)
+                raise _changed(shard, f"yields at least {length + 1} items", length)
         return value
 
     def _iterate(self, shard: int) -> Iterator[Any]:
@@ -202,7 +205,21 @@ class Shards:
                 raise ConfigError(
                     "lengths", f"shard {i} has {len(self.shards[i])} items, lengths says {n}"
                 )
+            if self._kinds[i] != _INDEXED and n == 0 and not self._empty(i):
+                raise ConfigError(
+                    "lengths",
+                    f"shard {i} yields items, lengths says 0: no rank would ever read them "
+                    "(give its length, or leave lengths out to have it counted)",
+                )
         return lengths
+
+    def _empty(self, shard: int) -> bool:
+        """Whether streamed ``shard`` yields nothing (one item read at most)."""
+        iterator = self._iterate(shard)
+        try:
+            return next(iterator, _END) is _END
+        finally:
+            _close(iterator)
 
     def _count(self, shard: int) -> int:
         if self._kinds[shard] == _INDEXED:
