@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from typing import assert_never
 
-from elche.core import ahead, failures, joins, journal, liveness
+from elche.core import ahead, ending, failures, joins, journal, liveness
 from elche.core import messages as m
 from elche.core import timeline as tl
 from elche.core.callbacks import Callbacks
@@ -60,7 +60,6 @@ from elche.core.commands import (
     Broadcast,
     Command,
     Emit,
-    Finish,
     Notice,
     Send,
 )
@@ -84,7 +83,7 @@ from elche.core.planner import Planner
 from elche.core.rank import SaveKind
 from elche.core.roles import CallbackRoles
 from elche.core.rounds import Round
-from elche.core.saves import SaveRound, Saves, reason_to_stop
+from elche.core.saves import Saves, reason_to_stop
 from elche.core.scheduler import ElChe
 from elche.core.stall import StallWatch
 from elche.core.states import RankState, RankStates, RunState
@@ -246,7 +245,7 @@ class Coordinator:
             case TimerFired():
                 self._on_timer()
             case StopRequested(reason=reason, host_lost=host_lost):
-                self._stop(reason, host_lost=host_lost)
+                ending.stop(self, reason, host_lost=host_lost)
             case MetaWriteFailed(seq=seq):  # the shell said why
                 self._out += self.saves.meta_failed(seq, self.live)
             case _:
@@ -254,7 +253,7 @@ class Coordinator:
         stop_as = self._stop_after_round
         if stop_as is not None and self.state is RunState.TRAINING and not self.round.in_flight:
             self._stop_after_round = None
-            self._save(stop_as)  # the round it waited for is over
+            ending.save_and_stop(self, stop_as)  # the round it waited for is over
         if self.state is RunState.TRAINING and not self.round.in_flight:
             self.joins.admit_pending()
         if self.state is RunState.TRAINING:
@@ -634,7 +633,7 @@ class Coordinator:
             self._out += self.callbacks.at_epoch_end(done, self.workers)
         if self.callbacks.checkpoint_due(done) and self.config.save_path is not None:
             # A newer bundle supersedes one still being written.
-            meta = self._meta(SaveReason.CHECKPOINT)
+            meta = ending.meta(self, SaveReason.CHECKPOINT)
             self._out += self.saves.start(SaveKind.CHECKPOINT, self.workers, self._now, meta=meta)
 
     def _end_of_training(self) -> None:
@@ -643,7 +642,7 @@ class Coordinator:
             return
         self.state = RunState.CLOSING
         self._out += self.saves.start(SaveKind.FINAL, self.workers, self._now)
-        self._settle()  # with no rank left nobody can write it
+        ending.settle(self)  # with no rank left nobody can write it
 
     def _maybe_close(self) -> None:
         """A callback answered: a finishing run may now be done."""
@@ -672,7 +671,7 @@ class Coordinator:
             return
         if self.state in (RunState.SAVING, RunState.CLOSING):
             self._out += self.saves.lost(rank, self.workers)
-            self._settle()
+            ending.settle(self)
             return
         self.round.leave(rank)  # what an average already holds stays committed
         reissued = self.work.forfeit(rank)
@@ -692,10 +691,10 @@ class Coordinator:
             None if over else reason_to_stop(self.config, len(self.dead_ranks), len(live))
         )
         if reason_to_save is not None:
-            self._save(reason_to_save)
+            ending.save_and_stop(self, reason_to_save)
             return
         self._out += self.saves.lost(rank, live)
-        self._settle()
+        ending.settle(self)
         self._out += self.callbacks.on_death(rank, self.workers)
         self._after_death()
         self._maybe_close()  # what the dead rank owed may have been all that was left
@@ -731,127 +730,13 @@ class Coordinator:
             self.planner.note_work_returned(rank)
             self._dispatch(rank)
 
-    def _save(self, reason: SaveReason) -> None:
-        """Ask the survivors to save and stop; the meta follows their answers."""
-        if self.state in (RunState.SAVING, RunState.CLOSING, RunState.DONE):
-            return
-        self.state = RunState.SAVING
-        if reason is SaveReason.GRACEFUL_SHUTDOWN:  # asked to stop: the launcher tells the user
-            self._notice("info", "stopping on request; saving state")
-        else:
-            self._notice(
-                "error", f"run cannot continue ({reason.value}); saving state and stopping"
-            )
-        self._out += self.saves.start(SaveKind.SHUTDOWN, self.workers, self._now, reason=reason)
-        self._settle()
-
-    def _settle(self) -> None:
-        """Act on the saves nothing more will come for (see ``elche.core.saves``)."""
-        stem = self.config.save_path
-        for save in self.saves.take_settled():
-            if not save.committed:  # its files, whole or not, are of use to nobody
-                self._out += self.saves.discard(save, self.live)
-            if save.kind is SaveKind.CHECKPOINT:
-                if not save.committed:
-                    text = f"checkpoint bundle {save.seq} was not written ({save.failure()})"
-                    self._notice("error", text + "; training goes on")
-                elif stem is not None and save.meta is not None:
-                    self._out.append(self.saves.commit(stem, save.meta, save))
-                self._maybe_close()
-                continue
-            if save.kind is SaveKind.FINAL and not save.committed and self._keep_trained(save):
-                continue
-            cause = save.reason or SaveReason.GRACEFUL_SHUTDOWN
-            reason = cause.value
-            if cause is SaveReason.FINAL_MODEL_UNWRITTEN:
-                reason += f": the final model could not be written ({self.saves.unwritten_final})"
-            # The held ranks exit, told how the run ended (a rank not asked to save, a
-            # joiner not yet in a round, knows nothing else): failed, saved, or completed.
-            if not save.committed:
-                what = "the final model" if save.kind is SaveKind.FINAL else f"{reason}: the bundle"
-                failure = f"{what} could not be written ({save.failure()})"
-                self._end_ranks(m.Shutdown(writer=-1, failure=failure))
-                self._finish("failed", failure)
-                continue
-            saved = cause.value if save.kind is SaveKind.SHUTDOWN else ""
-            self._end_ranks(m.Shutdown(writer=-1, saved=saved))
-            if save.kind is SaveKind.FINAL:
-                self._finish("completed")
-            else:
-                assert save.writer is not None  # a committed save has its writer
-                if not self.failures.restored:  # else the ranks saved their last consensus
-                    # The canonical model holds the writer's unaveraged steps.
-                    self.work.commit(save.writer, self.work.steps_since_sync(save.writer))
-                if stem is not None:
-                    self._out.append(self.saves.commit(stem, self._meta(cause), save))
-                self._finish("saved_and_shutdown", reason)
-
-    def _keep_trained(self, final: SaveRound) -> bool:
-        """No rank could write the final model: the trained model is saved as a
-        bundle with nothing left to train instead (resuming it writes the final
-        model), unless its writers never answered or no rank is left. Returns
-        whether that save started.
-        """
-        if final.timed_out or not self.workers or self.config.save_path is None:
-            return False
-        self.saves.unwritten_final = final.failure()
-        self._notice(
-            "error", f"the final model could not be written ({self.saves.unwritten_final}); "
-            "saving the trained model as a bundle instead",
-        )  # fmt: skip
-        self.state = RunState.SAVING
-        reason = SaveReason.FINAL_MODEL_UNWRITTEN
-        self._out += self.saves.start(SaveKind.SHUTDOWN, self.workers, self._now, reason=reason)
-        return True
-
-    def _stop(self, reason: str, *, host_lost: bool) -> None:
-        """Asked to stop: a training run saves; one whose training is over completes.
-
-        A round in flight ends first: a rank already inside its collective
-        cannot hear the save order until its peers join it, and peers told to
-        save instead never would (it would wait out the collective timeout,
-        and the stop would save nothing). A coordinator restored from the
-        journal saves once its ranks have rejoined: they hold what the run
-        trained, which a stop before forming would throw away.
-        """
-        save_as = SaveReason.COORDINATOR_HOST_LOST if host_lost else SaveReason.GRACEFUL_SHUTDOWN
-        stopping = f"stopping ({reason})" if host_lost else "stopping on request"
-        if self.state is RunState.FORMING and self.restored_round is not None:
-            self._stop_after_round = save_as  # its ranks hold the run: save once they rejoin
-            self._notice("info", f"{stopping} once the ranks have rejoined")
-        elif self.state is RunState.FORMING:
-            failures.fail(self, f"stopped before the run formed ({reason})")
-        elif self.state is RunState.TRAINING and self.round.in_flight:
-            self._stop_after_round = save_as
-            number = self.round.number
-            self._notice("info", f"{stopping} once averaging round {number} ends")
-        elif self.state is RunState.TRAINING:
-            self._save(save_as)
-
-    def _meta(self, reason: SaveReason) -> CheckpointMeta:
-        open_epochs = self.work.open_epochs()
-        return CheckpointMeta(
-            epoch=open_epochs[0] if open_epochs else self.epochs_completed,
-            global_step=self.global_step,
-            rounds_done=self.rounds_done,
-            world_size=self.config.world_size,
-            reason=reason,
-            seed=self.config.seed,
-            order=self.config.order,
-            batch_size=self.config.batch_size,
-            epochs=self.config.epochs,
-            mode=self.config.mode.value,
-            elche_state=self.tuner.saved_state(),
-            coverage=self.work.coverage(),
-        )
-
     def _on_state_saved(self, rank: int, msg: m.StateSaved) -> None:
         out = self.saves.answered(rank, msg, self.workers)
         if out is None:
             self.stale_messages += 1
             return
         self._out += out
-        self._settle()
+        ending.settle(self)
 
     # -- timers ----------------------------------------------------------------
 
@@ -904,32 +789,6 @@ class Coordinator:
 
     def _emit(self, event: tl.TimelineEvent) -> None:
         self._out.append(Emit(event=event))
-
-    def _finish(
-        self, outcome: str, reason: str = "", user_error: tl.UserError | None = None
-    ) -> None:
-        self.state = RunState.DONE
-        self.outcome = outcome
-        done = self.epochs_completed
-        self._emit(
-            tl.RunEnd(
-                outcome=outcome,
-                reason=reason,
-                epochs_completed=done,
-                rounds_done=self.rounds_done,
-                lost_samples=self.work.samples_missing(done),
-                dead_ranks=tuple(sorted(self.dead_ranks)),
-                rejected_frames=self.rejected_frames,
-                anchor=self.elche.anchor,
-                samples_per_rank=tuple(self.work.samples_committed[: self.joins.ranks_used()]),
-                user_error=user_error or self.failures.stopped_by,
-                coordinator_restarts=self.coordinator_restarts,
-                joined_ranks=tuple(self.joins.joined),
-                skipped_steps=self.failures.num_skipped_steps,
-                skipped_samples=self.failures.num_skipped_samples,
-            )
-        )
-        self._out.append(Finish(outcome=outcome, reason=reason))
 
 
 def _balancer_state(resume: CheckpointMeta | None, world_size: int) -> ElCheState | None:

@@ -47,9 +47,8 @@ Theory of operation: ``UserFailures.note`` is the decision (pure, on the
 reports alone). The functions below are the coordinator's handlers for these
 cases (``Coordinator`` calls them with itself, to keep its module small):
 ``on_failed`` for a ``Failed`` message, ``lost_forming`` for a rank lost
-while the run forms, ``maybe_form`` after each join or such loss, and
-``fail`` to end a run that has nothing to save (every live rank is told
-``Shutdown(failure=...)``, so none waits for a coordinator that is gone).
+while the run forms, and ``maybe_form`` after each join or such loss; a run
+that has nothing to save ends through ``elche.core.ending.fail``.
 """
 
 from __future__ import annotations
@@ -58,6 +57,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from elche.core import ending
 from elche.core import messages as m
 from elche.core.checkpoint import SaveReason
 from elche.core.commands import Notice, ReformFirstGroup, Send
@@ -70,7 +70,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "UserFailures",
-    "fail",
     "failure_text",
     "lost_forming",
     "maybe_form",
@@ -197,7 +196,7 @@ def _other_layouts(core: Coordinator) -> bool:
         "parameter or buffer names, shapes or dtypes. model_fn must build the same model "
         "on every rank (only the device may differ)",
     )
-    fail(core, failure_text(error), user_error=error)
+    ending.fail(core, failure_text(error), user_error=error)
     return True
 
 
@@ -240,7 +239,7 @@ def _stop_nonfinite(core: Coordinator, rank: int, epoch: int, what: str) -> None
         "consensus (nonfinite='skip' skips such steps instead)",
     )
     core._out.append(Notice(level="error", text=f"rank {rank}: {what} in epoch {epoch}"))
-    core._save(SaveReason.NONFINITE)
+    ending.save_and_stop(core, SaveReason.NONFINITE)
 
 
 def on_failed(core: Coordinator, rank: int, message: m.Failed) -> None:
@@ -261,7 +260,7 @@ def on_failed(core: Coordinator, rank: int, message: m.Failed) -> None:
         return
     core.rank_state[rank] = RankState.DEAD
     core.dead_ranks.append(rank)
-    fail(core, failure_text(error), user_error=error)
+    ending.fail(core, failure_text(error), user_error=error)
 
 
 def lost_forming(core: Coordinator, rank: int, reason: str) -> None:
@@ -271,7 +270,7 @@ def lost_forming(core: Coordinator, rank: int, reason: str) -> None:
     left = [r for r, s in enumerate(core.rank_state) if s in (RankState.JOINING, RankState.LIVE)]
     why = reason_to_stop(core.config, len(core.dead_ranks), len(left))
     if why is not None:
-        fail(core, f"rank {rank} lost before the run formed ({reason}); {why.value}")
+        ending.fail(core, f"rank {rank} lost before the run formed ({reason}); {why.value}")
         return
     core.elche.retire(rank)
     core.roles.on_death(rank, left, core.elche.smoothed_ms_per_batch)
@@ -310,11 +309,3 @@ def maybe_form(core: Coordinator) -> None:
     if core.restored_round is not None:  # the evals its predecessor never heard back
         core._out += core.callbacks.ask_again(core.workers)
     core._begin_training()
-
-
-def fail(core: Coordinator, reason: str, *, user_error: UserError | None = None) -> None:
-    """End a run that cannot start or go on and has nothing to save."""
-    core._out.append(Notice(level="error", text=f"the run failed: {reason}"))
-    core.failure = m.Shutdown(failure=reason, user_error=user_error)
-    core._end_ranks(core.failure)
-    core._finish("failed", reason, user_error)

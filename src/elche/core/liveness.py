@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from elche.core import failures, journal
+from elche.core import ending, journal
 from elche.core import messages as m
 from elche.core.checkpoint import SaveReason
 from elche.core.commands import Send
@@ -53,7 +53,7 @@ def on_timer(core: Coordinator) -> None:
             return
         if now >= core._formation_deadline_s:
             joined = sum(s is RankState.LIVE for s in core.rank_state)
-            failures.fail(
+            ending.fail(
                 core,
                 f"formation timed out: {joined}/{core.config.world_size} ranks joined "
                 f"within {core.config.formation_timeout_s:g} s",
@@ -66,7 +66,7 @@ def on_timer(core: Coordinator) -> None:
     late = core.saves.overdue(now, core.workers)
     if late:
         core._out += late
-        core._settle()
+        ending.settle(core)
         if core.outcome is not None:
             return
     timeout = core.config.heartbeat_timeout_s
@@ -78,7 +78,7 @@ def on_timer(core: Coordinator) -> None:
     if core.state is RunState.TRAINING and core.round.in_flight and stalled:
         core._notice("error", f"averaging round {core.round.number} stalled")
         core.round.close()
-        core._save(SaveReason.REDUCE_STALL)
+        ending.save_and_stop(core, SaveReason.REDUCE_STALL)
     if core.outcome is None:
         core._out += core.stall.check(core, now)
         core._broadcast(m.CoordHeartbeat())
