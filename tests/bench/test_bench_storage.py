@@ -1,4 +1,5 @@
-"""``elche bench`` whose ``--out`` fills up or turns read-only: what it measured is not lost.
+"""``elche bench`` whose output is incomplete (a run failed, an ``--out`` that fills up or
+turns read-only) says what it lacks and exits 1; what it measured is not lost.
 
 The disk is a small ``tmpfs`` (root only; skipped elsewhere), filled or
 remounted read-only by the test.
@@ -71,3 +72,21 @@ def test_results_the_out_dir_refuses_go_to_stdout_and_each_file_is_named(
         *(f"elche bench: not written: {f}: {reason}" for f in files),
         "elche bench: output incomplete; what was measured is in stdout (the results JSON)",
     ]
+
+
+def test_a_failed_run_makes_the_output_incomplete_and_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    failed = {**fake_run("torch-ddp", 1.0, final_loss=1.0, eval_=0.0), "error": "boom"}
+    runs = [fake_run("solo", 2.0, final_loss=0.1, eval_=0.9), failed]
+    monkeypatch.setattr(elche.bench.runner, "run_suite", lambda suite, **kwargs: runs)
+    monkeypatch.setitem(suites.SUITES, "quick", FAKE)
+    code = main(["bench", "--suite", "quick", "--no-progress", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 1  # it was 0: a failed cell was said only in report.md
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        "elche bench: digits-cnn [1,0.5] torch-ddp failed: boom",
+        f"elche bench: output incomplete; what was measured is in {tmp_path}/results.json",
+    ]
+    assert json.loads((tmp_path / "results.json").read_text())["runs"] == runs

@@ -703,7 +703,9 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             "solo rank, in this invocation, and write report.md, results.json and PNG "
             "charts with the ratios against DDP, each system's final eval and its time "
             "to the workload's target eval, and each elche and solo run's own report, "
-            "timeline and summary to runs/NN-WORKLOAD-SYSTEM/."
+            "timeline and summary to runs/NN-WORKLOAD-SYSTEM/. Exits 1, naming each, when a "
+            "run failed or an output could not be written (the results JSON then goes to "
+            "stdout)."
         ),
     )
     bench.add_argument(
