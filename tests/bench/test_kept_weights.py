@@ -5,7 +5,9 @@ from __future__ import annotations
 import errno
 import multiprocessing
 import os
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -147,3 +149,34 @@ def test_a_copy_a_full_disk_refused_is_named_with_the_reason(
     assert str(info.value) == f"[Errno 28] No space left on device: '{kept}/000000{SUFFIX}'"
     assert left == ["000000.unwritten-ENOSPC", "000001.unwritten-ENOSPC"]  # no partial file
     assert "Traceback" not in capfd.readouterr().err
+
+
+def _keep_then_exit_when_told(directory: str, kept: Any, go: Any) -> None:
+    KeepWeights(directory)(get_workload("digits-ae").make_model("cpu"), None)
+    kept.set()
+    go.wait(60)
+
+
+def test_a_copy_a_read_only_disk_refused_is_said_so(tmp_path: Path) -> None:
+    # A read-only disk takes no rename either: the number stays reserved, and the
+    # bench said the copies' process had died.
+    work = get_workload("digits-ae")
+    _, test_set = work.load_split(0)
+    fork = multiprocessing.get_context("fork")
+    kept_one, go = fork.Event(), fork.Event()
+    with small_disk(tmp_path / "disk", "256k") as disk:
+        kept = disk / "kept"
+        kept.mkdir()
+        child = fork.Process(target=_keep_then_exit_when_told, args=(str(kept), kept_one, go))
+        child.start()
+        assert kept_one.wait(60)
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        go.set()
+        child.join(timeout=60)
+        assert child.exitcode == 0
+        with pytest.raises(RuntimeError) as info:
+            evaluate_kept("digits-ae", kept, test_set, final=snapshot(work.make_model("cpu")))
+    assert str(info.value).startswith(
+        f"kept copies never written (cannot write in {kept}: [Errno 30] Read-only file system"
+    )
+    assert str(info.value).endswith(": ['000000.reserved']")

@@ -18,7 +18,9 @@ them and puts each one's eval where its number stands. A copy that cannot be
 written (a full or read-only disk) leaves its number renamed to say why,
 ``NNNNNN.unwritten-ENOSPC``: a rename needs no room, and the bench's process,
 not the rank's, is the one that can tell the user (``evaluate_kept`` raises
-the ``OSError`` naming the copy's file). Writing each copy
+the ``OSError`` naming the copy's file). On a read-only disk, which takes no
+rename either, the number stays reserved and ``evaluate_kept`` finds the
+folder unwritable and says so. Writing each copy
 inside the clock instead (a ``torch.save`` on the rank the eval role holds,
 usually the fastest) held that rank 3-8 ms an epoch on digits-cnn in a loaded
 run, where DDP's in-memory copy costs ~0.1 ms: the same work in every clock
@@ -37,6 +39,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from elche._files import check_writable
+from elche.core.errors import ConfigError
 
 __all__ = ["KeepWeights", "evaluate_kept"]
 
@@ -161,8 +166,18 @@ def evaluate_kept(
         raise OSError(code, os.strerror(code), str(_kept(reserved)))
     unwritten = sorted(p.name for p in directory.glob(f"*{RESERVED}"))
     if unwritten:
-        raise RuntimeError(f"kept copies never written (their process died): {unwritten}")
+        raise RuntimeError(f"kept copies never written ({_why_unmarked(directory)}): {unwritten}")
     paths = sorted(directory.glob(f"*{SUFFIX}"))
     states = [torch.load(path, map_location="cpu", weights_only=True) for path in paths]
     *kept, last = eval_snapshots(workload, [*states, final], eval_dataset)
     return kept, last
+
+
+def _why_unmarked(directory: Path) -> str:
+    """Why copies were left neither written nor marked: a disk that takes no rename
+    either (read-only) says so; otherwise their process died before its exit."""
+    try:
+        check_writable(directory, "kept")
+    except ConfigError as exc:
+        return str(exc).removeprefix("kept: ")
+    return "their process died"
