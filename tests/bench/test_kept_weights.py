@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from elche.baselines.ddp import eval_snapshots, snapshot
 from elche.bench.kept_weights import SUFFIX, KeepWeights, evaluate_kept
 from elche.bench.runner import _kept_evals
 from elche.workloads import get as get_workload
+from tests.promises.test_storage import fill, small_disk
 
 
 def test_each_kept_copy_is_numbered_and_evaluated_after_the_clock(tmp_path: Path) -> None:
@@ -111,3 +115,68 @@ def test_a_copy_whose_process_died_unwritten_is_named(tmp_path: Path) -> None:
     (tmp_path / "000000.reserved").touch()  # a number taken by a process killed before its exit
     with pytest.raises(RuntimeError, match=r"never written .*000000\.reserved"):
         evaluate_kept("digits-ae", tmp_path, test_set, final=snapshot(work.make_model("cpu")))
+
+
+def _keep_two_in_a_child(directory: str) -> None:
+    work = get_workload("digits-ae")
+    keep = KeepWeights(directory)
+    keep(work.make_model("cpu"), None)
+    keep(work.make_model("cpu"), None)
+
+
+def test_a_copy_a_full_disk_refused_is_named_with_the_reason(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The rank's exit thread wrote its copies on a full disk: torch.save's own error, a
+    # two-exception traceback on the rank's stderr, a .tmp left, and the bench said
+    # the copies' process had died.
+    work = get_workload("digits-ae")
+    _, test_set = work.load_split(0)
+    with small_disk(tmp_path / "disk", "256k") as disk:
+        kept = disk / "kept"
+        kept.mkdir()
+        fill(disk)
+        child = multiprocessing.get_context("fork").Process(
+            target=_keep_two_in_a_child, args=(str(kept),)
+        )
+        child.start()
+        child.join(timeout=60)
+        assert child.exitcode == 0
+        with pytest.raises(OSError) as info:
+            evaluate_kept("digits-ae", kept, test_set, final=snapshot(work.make_model("cpu")))
+        left = sorted(p.name for p in kept.iterdir())
+    assert info.value.errno == errno.ENOSPC
+    assert str(info.value) == f"[Errno 28] No space left on device: '{kept}/000000{SUFFIX}'"
+    assert left == ["000000.unwritten-ENOSPC", "000001.unwritten-ENOSPC"]  # no partial file
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def _keep_then_exit_when_told(directory: str, kept: Any, go: Any) -> None:
+    KeepWeights(directory)(get_workload("digits-ae").make_model("cpu"), None)
+    kept.set()
+    go.wait(60)
+
+
+def test_a_copy_a_read_only_disk_refused_is_said_so(tmp_path: Path) -> None:
+    # A read-only disk takes no rename either: the number stays reserved, and the
+    # bench said the copies' process had died.
+    work = get_workload("digits-ae")
+    _, test_set = work.load_split(0)
+    fork = multiprocessing.get_context("fork")
+    kept_one, go = fork.Event(), fork.Event()
+    with small_disk(tmp_path / "disk", "256k") as disk:
+        kept = disk / "kept"
+        kept.mkdir()
+        child = fork.Process(target=_keep_then_exit_when_told, args=(str(kept), kept_one, go))
+        child.start()
+        assert kept_one.wait(60)
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        go.set()
+        child.join(timeout=60)
+        assert child.exitcode == 0
+        with pytest.raises(RuntimeError) as info:
+            evaluate_kept("digits-ae", kept, test_set, final=snapshot(work.make_model("cpu")))
+    assert str(info.value).startswith(
+        f"kept copies never written (cannot write in {kept}: [Errno 30] Read-only file system"
+    )
+    assert str(info.value).endswith(": ['000000.reserved']")

@@ -32,8 +32,9 @@ from typing import Any
 
 from elche._files import check_writable
 from elche.bench.suites import SUITES, Suite
+from elche.runtime.bundle import write_whole
 
-__all__ = ["SUITES", "Suite", "default_out_dir", "machine", "run_bench"]
+__all__ = ["SUITES", "Suite", "default_out_dir", "incomplete", "machine", "run_bench"]
 
 
 def default_out_dir(now: dt.datetime | None = None) -> Path:
@@ -79,7 +80,11 @@ def run_bench(
         progress: show a live display on stderr.
 
     Returns:
-        The results document (``results.json``'s content).
+        The results document (``results.json``'s content). Its ``unwritten``
+        lists, ``{file, error}`` each (``error``: the reason), the outputs
+        that a full or read-only ``out_dir`` refused once the suite had run
+        (``results.json`` too: the document is then only what this returns);
+        none is left in part, and the others are still written.
 
     Raises:
         ConfigError: (field ``out_dir``) ``out_dir`` cannot be made or written;
@@ -97,8 +102,13 @@ def run_bench(
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     runs = run_suite(suite, progress=progress, runs_dir=out_dir / "runs")
     rows = build_rows(suite, runs)
-    out_dir.mkdir(parents=True, exist_ok=True)  # (made above; gone since, made again)
-    charts = write_charts(rows, out_dir)
+    unwritten: list[OSError] = []
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)  # (made above; gone since, made again)
+    except OSError as exc:  # each file below says so
+        unwritten.append(exc)
+    charts, failed = write_charts(rows, out_dir)
+    unwritten += failed
     doc: dict[str, Any] = {
         "suite": suite.name,
         "date": date,
@@ -132,6 +142,31 @@ def run_bench(
         "runs": runs,
     }
     doc["total_s"] = round(time.perf_counter() - started, 1)
-    (out_dir / "results.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    (out_dir / "report.md").write_text(render(doc), encoding="utf-8")
+    doc["unwritten"] = [_unwritten(exc) for exc in unwritten]
+    _write(out_dir / "results.json", json.dumps(doc, indent=1) + "\n", doc["unwritten"])
+    _write(out_dir / "report.md", render(doc), doc["unwritten"])  # (it names what failed before)
     return doc
+
+
+def incomplete(doc: dict[str, Any]) -> list[str]:
+    """What ``run_bench``'s output lacks, a line each: every failed run, every file not written."""
+    lines = [
+        f"{run['workload']} [{','.join(f'{s:g}' for s in run['speeds'])}] {run['system']} "
+        f"failed: {run['error']}"
+        for run in doc["runs"]
+        if run.get("error")
+    ]
+    return lines + [f"not written: {u['file']}: {u['error']}" for u in doc["unwritten"]]
+
+
+def _write(path: Path, text: str, unwritten: list[dict[str, str]]) -> None:
+    """Write ``path`` whole; if it cannot be, no part of it, and its error goes to ``unwritten``."""
+    try:
+        write_whole(path, lambda f: f.write(text.encode("utf-8")), sync=False)
+    except OSError as exc:
+        unwritten.append(_unwritten(exc))
+
+
+def _unwritten(exc: OSError) -> dict[str, str]:
+    """An output's error as results.json lists it: its file, and why (``strerror``)."""
+    return {"file": str(exc.filename), "error": exc.strerror or str(exc)}

@@ -15,9 +15,12 @@ Figures are small (≈ 60–90 KB at 80 dpi) so they can live in the repository.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from elche.runtime.bundle import write_whole
 
 __all__ = ["DPI", "write_charts"]
 
@@ -27,7 +30,9 @@ PANEL_IN = (4.6, 3.2)  # width, height of one rig's panel, inches
 Row = Mapping[str, Any]
 
 
-def write_charts(rows: Sequence[Row], out_dir: Path) -> dict[str, dict[str, str]]:
+def write_charts(
+    rows: Sequence[Row], out_dir: Path
+) -> tuple[dict[str, dict[str, str]], list[OSError]]:
     """Draw every chart of ``rows`` into ``out_dir``.
 
     Args:
@@ -36,12 +41,15 @@ def write_charts(rows: Sequence[Row], out_dir: Path) -> dict[str, dict[str, str]
 
     Returns:
         ``{workload: {"loss" | "share" | "idle": file name}}``, file names
-        relative to ``out_dir``.
+        relative to ``out_dir``, of the charts written; and the error of each
+        chart that could not be (a full or read-only disk), naming its file:
+        it is left out, no part of it on disk.
     """
     import matplotlib
 
     matplotlib.use("Agg")  # headless: no display, no GUI toolkit
     written: dict[str, dict[str, str]] = {}
+    failed: list[OSError] = []
     for name in dict.fromkeys(row["workload"] for row in rows):
         mine = [r for r in rows if r["workload"] == name and not r.get("error")]
         rigs = list(dict.fromkeys((tuple(r["speeds"]), r.get("link_mbit")) for r in mine))
@@ -50,10 +58,15 @@ def write_charts(rows: Sequence[Row], out_dir: Path) -> dict[str, dict[str, str]
         files = {}
         for kind, draw in (("loss", _loss), ("share", _share), ("idle", _idle)):
             file = f"{name}-{kind}.png"
-            _figure(name, kind=kind, rigs=rigs, rows=mine, draw=draw, path=out_dir / file)
+            try:
+                _figure(name, kind=kind, rigs=rigs, rows=mine, draw=draw, path=out_dir / file)
+            except OSError as exc:
+                failed.append(exc)
+                continue
             files[kind] = file
-        written[name] = files
-    return written
+        if files:
+            written[name] = files
+    return written, failed
 
 
 def _figure(
@@ -79,8 +92,10 @@ def _figure(
         across = "" if link is None else f", links {link:g} Mbit/s"
         ax.set_title("speeds " + ", ".join(f"{s:g}" for s in rig) + across, fontsize=9)
         ax.tick_params(labelsize=7)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    try:
+        write_whole(path, functools.partial(fig.savefig, dpi=DPI, format="png"), sync=False)
+    finally:
+        plt.close(fig)
 
 
 def _loss(ax: Any, rig: tuple[float, ...], cell: Sequence[Row]) -> None:

@@ -14,7 +14,13 @@ The copies reach the disk after the clock: each process that kept one
 writes them when its main thread ends (a rank process's exit, after the
 run's final average), and ``evaluate_kept`` writes those of its own process
 first (``ranks=1`` trains in the bench's process). Then the bench evaluates
-them and puts each one's eval where its number stands. Writing each copy
+them and puts each one's eval where its number stands. A copy that cannot be
+written (a full or read-only disk) leaves its number renamed to say why,
+``NNNNNN.unwritten-ENOSPC``: a rename needs no room, and the bench's process,
+not the rank's, is the one that can tell the user (``evaluate_kept`` raises
+the ``OSError`` naming the copy's file). On a read-only disk, which takes no
+rename either, the number stays reserved and ``evaluate_kept`` finds the
+folder unwritable and says so. Writing each copy
 inside the clock instead (a ``torch.save`` on the rank the eval role holds,
 usually the fastest) held that rank 3-8 ms an epoch on digits-cnn in a loaded
 run, where DDP's in-memory copy costs ~0.1 ms: the same work in every clock
@@ -25,15 +31,23 @@ wall through this machine's noise). The evaluation itself, which a user's
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elche._files import check_writable
+from elche.core.errors import ConfigError
+
 __all__ = ["KeepWeights", "evaluate_kept"]
 
 SUFFIX = ".kept.pt"
 RESERVED = ".reserved"  # a copy's number, taken in the clock; its weights come later
+UNWRITTEN = ".unwritten-"  # + the errno's name: a number whose weights could not be written
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +71,7 @@ def _reserve(directory: Path) -> Path:
     """The next copy's number, as an empty file made exclusively (one eval at a time)."""
     number = sum(1 for _ in directory.glob(f"*{SUFFIX}"))
     number += sum(1 for _ in directory.glob(f"*{RESERVED}"))
+    number += sum(1 for _ in directory.glob(f"*{UNWRITTEN}*"))
     while True:
         path = directory / f"{number:06d}{RESERVED}"
         try:
@@ -92,18 +107,34 @@ class _Held:
         self.write()
 
     def write(self) -> None:
-        """Write every copy held to its reserved number (``NNNNNN.kept.pt``)."""
+        """Write every copy held to its reserved number (``NNNNNN.kept.pt``).
+
+        A copy that cannot be written is dropped, its number renamed to
+        ``NNNNNN.unwritten-ERRNO`` (kept as ``.reserved`` if even that fails)
+        and no partial file left; the others are still tried.
+        """
         import torch
+
+        from elche.runtime.bundle import write_whole
 
         while True:
             with self.lock:
                 if not self.copies:
                     return
                 reserved, state = self.copies.pop(0)
-            tmp = reserved.with_suffix(".tmp")
-            torch.save(state, tmp)
-            tmp.rename(reserved.with_name(reserved.name.removesuffix(RESERVED) + SUFFIX))
+            try:
+                write_whole(_kept(reserved), functools.partial(torch.save, state), sync=False)
+            except OSError as exc:
+                name = errno.errorcode.get(exc.errno or 0, "EIO")
+                with contextlib.suppress(OSError):  # evaluate_kept names the number either way
+                    reserved.rename(reserved.with_suffix(UNWRITTEN + name))
+                continue
             reserved.unlink()
+
+
+def _kept(reserved: Path) -> Path:
+    """The file a reserved number's weights go to (``NNNNNN.kept.pt``)."""
+    return reserved.with_name(reserved.name.removesuffix(RESERVED) + SUFFIX)
 
 
 _HELD = _Held()
@@ -118,6 +149,8 @@ def evaluate_kept(
     (the last epoch's consensus, as it usually is) it is not evaluated twice.
 
     Raises:
+        OSError: a copy could not be written (a full or read-only disk),
+            naming its file and the reason, as ``open`` would.
         RuntimeError: a copy's number was taken but its weights never
             written (its process died before its exit).
     """
@@ -126,10 +159,25 @@ def evaluate_kept(
     from elche.baselines.ddp import eval_snapshots
 
     _HELD.write()  # this process's own copies (``ranks=1`` trains here)
+    failed = sorted(directory.glob(f"*{UNWRITTEN}*"))
+    if failed:
+        reserved = failed[0].with_suffix(RESERVED)
+        code = getattr(errno, failed[0].suffix.removeprefix(UNWRITTEN), errno.EIO)
+        raise OSError(code, os.strerror(code), str(_kept(reserved)))
     unwritten = sorted(p.name for p in directory.glob(f"*{RESERVED}"))
     if unwritten:
-        raise RuntimeError(f"kept copies never written (their process died): {unwritten}")
+        raise RuntimeError(f"kept copies never written ({_why_unmarked(directory)}): {unwritten}")
     paths = sorted(directory.glob(f"*{SUFFIX}"))
     states = [torch.load(path, map_location="cpu", weights_only=True) for path in paths]
     *kept, last = eval_snapshots(workload, [*states, final], eval_dataset)
     return kept, last
+
+
+def _why_unmarked(directory: Path) -> str:
+    """Why copies were left neither written nor marked: a disk that takes no rename
+    either (read-only) says so; otherwise their process died before its exit."""
+    try:
+        check_writable(directory, "kept")
+    except ConfigError as exc:
+        return str(exc).removeprefix("kept: ")
+    return "their process died"

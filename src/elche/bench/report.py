@@ -114,6 +114,8 @@ def render(doc: Mapping[str, Any]) -> str:
     lines += _dashboard_section(doc.get("dashboard_cost") or [])
     for note in doc.get("notes") or []:
         lines.append(f"- {note}")
+    for failure in doc.get("unwritten") or []:  # a full or read-only out dir (``run_bench``)
+        lines.append(f"- not written: {failure['file']}: {failure['error']}")
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -703,7 +703,9 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             "solo rank, in this invocation, and write report.md, results.json and PNG "
             "charts with the ratios against DDP, each system's final eval and its time "
             "to the workload's target eval, and each elche and solo run's own report, "
-            "timeline and summary to runs/NN-WORKLOAD-SYSTEM/."
+            "timeline and summary to runs/NN-WORKLOAD-SYSTEM/. Exits 1, naming each, when a "
+            "run failed or an output could not be written (the results JSON then goes to "
+            "stdout)."
         ),
     )
     bench.add_argument(
@@ -740,7 +742,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     import dataclasses
 
     from elche._files import check_writable
-    from elche.bench import SUITES, default_out_dir, run_bench
+    from elche.bench import SUITES, default_out_dir, incomplete, run_bench
     from elche.bench.suites import with_dashboard
     from elche.runtime.options import check_wire
 
@@ -772,10 +774,19 @@ def _run_bench(args: argparse.Namespace) -> int:
     # SIGTERM ends the bench as Ctrl-C does (``endings.sigterm_raises``), through its
     # cleanup: a hosts suite's rigs (namespaces, their /etc and /tmp) are removed.
     doc = run_bench(suite, out_dir, command=command, progress=not args.no_progress)
-    if args.json:
-        print(json.dumps(doc))
-    else:
-        print(f"elche bench: wrote {out_dir / 'report.md'} and {out_dir / 'results.json'}")
+    results = str(out_dir / "results.json")
+    kept = all(u["file"] != results for u in doc["unwritten"])
+    if args.json or not kept:
+        print(json.dumps(doc))  # a results.json the disk refused is not lost
+    lacks = incomplete(doc)
+    for line in lacks:
+        print(f"elche bench: {line}", file=sys.stderr)
+    if lacks:
+        where = results if kept else "stdout (the results JSON)"
+        print(f"elche bench: output incomplete; what was measured is in {where}", file=sys.stderr)
+        return 1
+    if not args.json:
+        print(f"elche bench: wrote {out_dir / 'report.md'} and {results}")
     return 0
 
 
