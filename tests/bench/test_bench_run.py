@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -40,14 +39,15 @@ def test_tiny_bench_writes_json_report_and_charts(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-    request: pytest.FixtureRequest,
 ) -> None:
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
     monkeypatch.setitem(suites.SUITES, "quick", TINY)
     # Short: the fork server's socket goes in it, and an AF_UNIX path holds 107 bytes
     # (under tmp_path it did not fit once pytest's session number had three digits).
+    # It stays to the session's end, pruned with pytest's base: the fork server and
+    # multiprocessing's folder made in it serve this worker's later tests (removed
+    # here, the next test to start ranks failed with FileNotFoundError).
     scratch = Path(tempfile.mkdtemp(prefix="eb-"))
-    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     out = tmp_path / "bench"
 
