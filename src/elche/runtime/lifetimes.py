@@ -12,9 +12,14 @@ Rules:
   asks it to stop, as if the launcher had), and the fork server and the
   ranks of a local run ignore all three (``elche.runtime.forkserved``,
   ``ignore_stop_signals``): nothing dies mid-write, and the launcher orders
-  the stop. SIGHUP stops the run as SIGTERM does; under ``nohup`` it is
-  ignored, and stays so. A terminal that hung up fails every write: the
-  launcher's stdout and stderr on it then go to ``/dev/null``.
+  the stop. Under ``elche run`` a stop signal that reaches a rank but 0
+  without its launcher (``kill PID``, a scheduler ending one rank) stops
+  that rank alone: it leaves the run as a lost rank does, its data trained
+  by the others (``stop_came_alone``; rank 0, the coordinator's host, stops
+  the whole run, which cannot go on without it). SIGHUP stops the run as
+  SIGTERM does; under ``nohup`` it is ignored, and stays so. A terminal
+  that hung up fails every write: the launcher's stdout and stderr on it
+  then go to ``/dev/null``.
 - The launcher asks the coordinator to stop with a ``stop REASON`` line on
   its stdin; the coordinator turns it into ``StopRequested``: a training run
   saves a bundle (``SaveReason.GRACEFUL_SHUTDOWN``) and the ranks exit. Then
@@ -42,6 +47,7 @@ import errno
 import os
 import select
 import signal
+import stat
 import sys
 import threading
 import time
@@ -57,14 +63,17 @@ __all__ = [
     "RANKS_MET_ENV",
     "RANK_EXITS_ENV",
     "RESUME_HINT",
+    "RUN_STOPS_ENV",
     "Interrupted",
     "StopSignals",
     "announce",
+    "end_as_signalled",
     "ignore_stop_signals",
     "launcher_stream",
     "launcher_streams",
     "relay_stop_signals",
     "say_ranks_met",
+    "stop_came_alone",
     "take_environment",
     "take_streams",
     "watch_launcher",
@@ -89,6 +98,10 @@ RANKS_MET_ENV = "ELCHE_RANKS_MET"
 # them on to its coordinator, which loses the rank at once: its heartbeats
 # would take ``heartbeat_timeout_s`` (30 s by default), the run waiting for it.
 RANK_EXITS_ENV = "ELCHE_RANK_EXITS"
+# Under ``elche run``, in every rank: the file descriptor of a pipe's read end;
+# the launcher writes to the pipe before it passes a stop signal on to the
+# ranks. A rank whose stop signal finds it empty was sent the signal alone.
+RUN_STOPS_ENV = "ELCHE_RUN_STOPS"
 
 
 def _resume_from(stem: str) -> str:
@@ -303,6 +316,38 @@ def ignore_stop_signals() -> None:
     """``STOP_SIGNALS`` do nothing here: the launching process orders the stop."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def stop_came_alone() -> bool:
+    """Whether the stop signal this rank just got was sent to it alone, not by its launcher.
+
+    Under ``elche run`` the launcher passes every stop of the run on, having
+    written to the pipe ``RUN_STOPS_ENV`` names first; a signal that finds
+    the pipe empty came from elsewhere, to this rank alone. Elsewhere (torchrun,
+    whose agent stops the run by signalling every worker; a pipe this process
+    no longer has), every stop signal is the run's.
+    """
+    fd = os.environ.get(RUN_STOPS_ENV, "")
+    if not fd.isdigit():
+        return False
+    try:
+        if not stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
+            return False  # (the script closed it, and the number went to another file)
+        readable, _, _ = select.select([int(fd)], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable  # (the launcher's death, EOF, reads as its stop)
+
+
+def end_as_signalled(signum: int) -> None:
+    """End this process at once, as stop signal ``signum`` does by default: its
+    launcher sees it killed by that signal. Nothing here is cleaned up, as for
+    a rank SIGKILLed: the run goes on without it."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+        signal.raise_signal(signum)
+    os._exit(128 + signum)  # (off the main thread: the shell's status for that signal)
 
 
 def take_environment(env: Mapping[str, str]) -> None:
