@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import select
 import signal
@@ -51,6 +52,7 @@ import stat
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from multiprocessing.connection import Connection
@@ -177,8 +179,10 @@ class StopSignals:
 
     Only the main thread may set signal handlers: entered on another thread,
     it takes the signals ``relay_stop_signals`` catches on the main thread
-    (``elche.Session`` trains on a thread of its own), and without a relay
-    the signals act as before.
+    (``elche.Session`` trains on a thread of its own). Without a relay the
+    signals act as before: Ctrl-C raises ``KeyboardInterrupt`` on the main
+    thread; if that ends it (uncaught), the interpreter, before it waits for
+    the other threads, hands this the SIGINT (``_on_main_thread_end``).
 
     The first signal is recorded in ``received`` (and passed to
     ``on_signal``, run in the signal handler: keep it short); a later SIGINT
@@ -204,6 +208,8 @@ class StopSignals:
         if threading.current_thread() is not threading.main_thread():
             if _RELAYS:
                 _RELAYS[-1].attach(self)
+            else:
+                _wait_main_thread_end(self)
             return self
         for sig in STOP_SIGNALS:
             if signal.getsignal(sig) is not signal.SIG_IGN:
@@ -218,6 +224,7 @@ class StopSignals:
         self._previous.clear()
         for relay in _RELAYS:
             relay.detach(self)
+        _UNRELAYED.pop(self, None)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGHUP:
@@ -232,6 +239,74 @@ class StopSignals:
         self.received = signum
         if self._on_signal is not None:
             self._on_signal(signum)
+
+
+# ``StopSignals`` entered on threads but the main one, with no relay, each with the
+# end of its thread (``_end_of_this_thread``): the SIGINT of a main thread that
+# Ctrl-C ends is theirs.
+_UNRELAYED: dict[StopSignals, threading.Event] = {}
+
+
+def _wait_main_thread_end(taker: StopSignals) -> None:
+    """Give ``taker`` the SIGINT of a main thread that Ctrl-C ends (``_on_main_thread_end``).
+
+    ``threading._register_atexit`` (CPython's, since 3.9; ``concurrent.futures``
+    uses it) runs a function when the main thread is done, before the
+    interpreter waits for the others: ``atexit`` runs after, and a thread
+    joining the main thread wakes only after an executor's threads ended.
+    Without it, a Ctrl-C leaves the run training as before.
+    """
+    _hook_main_thread_end()
+    _UNRELAYED[taker] = _end_of_this_thread()
+
+
+@functools.cache
+def _hook_main_thread_end() -> None:
+    register = getattr(threading, "_register_atexit", None)
+    with contextlib.suppress(RuntimeError):  # (the interpreter is shutting down)
+        if register is not None:
+            register(_on_main_thread_end)
+
+
+def _on_main_thread_end() -> None:
+    """The main thread is done: if its uncaught ``KeyboardInterrupt`` ended it (Ctrl-C,
+    which it alone hears), the runs training on other threads stop as that SIGINT
+    stops one on the main thread. The interpreter then waits for their threads.
+
+    A main thread that ended otherwise (its code done, the run left to its thread)
+    leaves them training.
+    """
+    if not isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+        return
+    stopping = dict(_UNRELAYED)
+    for taker in stopping:
+        if taker.received is None:
+            taker._handle(signal.SIGINT, None)
+    # Python 3.11's ``Thread.join``, interrupted, marks the thread it waited for as
+    # ended, and the interpreter would then exit under the run's stop, cutting it
+    # short: wait for each thread as the interpreter waits for a thread that runs.
+    # A second Ctrl-C ends the wait, and the process.
+    for ended in stopping.values():
+        ended.wait()
+
+
+class _Marker:
+    """An object the thread-local data of one thread alone holds."""
+
+
+_THIS_THREAD = threading.local()
+
+
+def _end_of_this_thread() -> threading.Event:
+    """An event set once the calling thread has ended: its thread-local data, dropped
+    then, held the only reference to a marker whose finalizer sets it."""
+    ended: threading.Event | None = getattr(_THIS_THREAD, "ended", None)
+    if ended is None:
+        ended = threading.Event()
+        marker = _Marker()
+        weakref.finalize(marker, ended.set).atexit = False
+        _THIS_THREAD.marker, _THIS_THREAD.ended = marker, ended
+    return ended
 
 
 def _drop_hung_up_streams() -> None:
