@@ -256,6 +256,12 @@ def train(
             the script stops quietly with the shell's code for that signal.
             A second Ctrl-C stops at once, without saving. A run whose
             training was over when the signal came completes and returns.
+            Called on a thread but the main one, where Python delivers the
+            signals, a Ctrl-C raises ``KeyboardInterrupt`` on the main thread;
+            if that ends it (uncaught), this call is stopped the same way (the
+            run saved, the line said, ``Interrupted`` raised on its thread)
+            before the interpreter exits. A main thread that catches it leaves
+            the run training.
     """
     _check_user_fns(
         model_fn=model_fn, optimizer_fn=optimizer_fn, step_fn=step_fn, epoch_fn=epoch_fn,

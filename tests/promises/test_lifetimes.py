@@ -269,6 +269,58 @@ def test_issue12_item12_ctrl_c_in_a_script_raises_interrupted_with_the_bundle(
     assert Path(f"{save}.meta.json").exists()
 
 
+THREAD_SCRIPT = """
+import sys, threading
+import elche
+from elche.workloads import digits
+
+def train():
+    train_set, _ = digits.load_digits_split(seed=0)
+    try:
+        result = elche.train(
+            digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+            batch_size=32, epochs=int(sys.argv[2]), speeds=SPEEDS, progress=False,
+            save_path=sys.argv[1],
+        )
+    except KeyboardInterrupt as stop:
+        print(f"STOPPED {type(stop).__name__} bundle={stop.bundle} code={stop.code}", flush=True)
+        raise
+    print(f"COMPLETED {result.summary['outcome']}", flush=True)
+
+if __name__ == "__main__":
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    trainer.join()  # Ctrl-C: a KeyboardInterrupt here, on the main thread
+"""
+
+
+# As the test above, with one rank and with two (a local run's launcher on the thread).
+@pytest.mark.parametrize(("speeds", "epochs"), [("[0.05, 0.02]", "8"), ("[0.5]", "40")])
+def test_ctrl_c_while_elche_train_runs_on_another_thread_saves_the_run(
+    tmp_path: Path, speeds: str, epochs: str
+) -> None:
+    # The main thread's KeyboardInterrupt ended the script's own code, and the
+    # interpreter then waited for the thread: the run trained on, unseen, to its end,
+    # its result going nowhere.
+    script = tmp_path / "train.py"
+    script.write_text(THREAD_SCRIPT.replace("SPEEDS", speeds))
+    save = tmp_path / "bundle"
+    with session([sys.executable, str(script), str(save), epochs], tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        os.killpg(proc.pid, signal.SIGINT)
+        returncode, out, err = wait_exit(proc, STOP_WITHIN_S)
+    assert returncode == -signal.SIGINT, err[-3000:]  # the main thread's KeyboardInterrupt
+    assert "COMPLETED" not in out, out
+    assert f"STOPPED Interrupted bundle={save} code=130" in out, out + err[-3000:]
+    # Beside the tracebacks of the script's own threads, the one line:
+    said = [line for line in elche_lines(err) if line.startswith("elche: ")]
+    assert said == [
+        f"elche: interrupted by SIGINT; the run is saved under {save}; resume with: "
+        f"resume_from={str(save)!r}"
+    ], err[-3000:]
+    assert Path(f"{save}.meta.json").exists()
+
+
 # Makes the terminal on stdin the controlling terminal of the new session, then runs the rest.
 TAKE_THE_TERMINAL = (
     "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "

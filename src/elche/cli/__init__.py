@@ -437,7 +437,7 @@ def _run_env(args: argparse.Namespace) -> tuple[dict[str, str], bool]:
 
 def _launch_ranks(args: argparse.Namespace, env: dict[str, str]) -> int:
     """Start the ranks, pass the stop signals on, wait; ``elche run``'s exit status."""
-    from elche.runtime.lifetimes import RANKS_MET_ENV, StopSignals
+    from elche.runtime.lifetimes import RANKS_MET_ENV, STOP_SIGNALS, StopSignals
 
     met = Path(env["ELCHE_RUN_DIR"]) / "ranks_met"  # rank 0 makes it once every rank met
     met.unlink(missing_ok=True)  # (an exported run dir's, from an earlier run)
@@ -474,7 +474,12 @@ def _launch_ranks(args: argparse.Namespace, env: dict[str, str]) -> int:
     stopped = None if signals.received is None else 128 + signals.received
     failed = [(rank, code) for rank, code in enumerate(codes) if code not in (0, stopped)]
     for rank, code in failed:
-        print(f"elche run: rank {rank} {_ended(code)}", file=sys.stderr)
+        if stopped is None and -code in STOP_SIGNALS:  # sent to that rank alone: it left
+            name = signal.Signals(-code).name
+            print(f"elche run: rank {rank} was stopped by {name}; the run went on without it",
+                  file=sys.stderr)  # fmt: skip
+        else:
+            print(f"elche run: rank {rank} {_ended(code)}", file=sys.stderr)
     if failed:
         return _status(failed[0][1])
     return stopped if stopped in codes else 0
@@ -497,6 +502,10 @@ class _Ranks:
     Once the run formed, the exit of a rank but 0 is reported to rank 0 at
     once (``RANK_EXITS_ENV``, a pipe), which tells its coordinator: the rank
     is lost then, not when its heartbeats go stale, the run waiting for it.
+
+    Every stop it passes on it first marks as the run's (``RUN_STOPS_ENV``, a
+    pipe every rank holds): a rank that gets a stop signal unmarked was sent
+    it alone, and leaves the run (``elche.runtime.lifetimes.stop_came_alone``).
     """
 
     def __init__(self, met: Path) -> None:
@@ -505,18 +514,21 @@ class _Ranks:
         self.stopped_early: int | None = None
         self.kill_at: float | None = None  # (monotonic) the stopped ranks' grace ends
         self._exits, self._exits_out = os.pipe()  # rank 0 reads, the launcher writes
+        self._stops, self._stops_out = os.pipe()  # every rank looks, the launcher writes
 
     def start(self, command: list[str], env: dict[str, str]) -> None:
-        from elche.runtime.lifetimes import RANK_EXITS_ENV
+        from elche.runtime.lifetimes import RANK_EXITS_ENV, RUN_STOPS_ENV
 
+        env = dict(env, **{RUN_STOPS_ENV: str(self._stops)})
         if self.procs:
-            self.procs.append(subprocess.Popen(command, env=env, process_group=0))
+            self.procs.append(
+                subprocess.Popen(command, env=env, process_group=0, pass_fds=(self._stops,))
+            )
             return
         env = dict(env, **{RANK_EXITS_ENV: str(self._exits)})  # rank 0's alone
+        fds = (self._exits, self._stops)
         try:
-            self.procs.append(
-                subprocess.Popen(command, env=env, process_group=0, pass_fds=(self._exits,))
-            )
+            self.procs.append(subprocess.Popen(command, env=env, process_group=0, pass_fds=fds))
         finally:
             os.close(self._exits)
 
@@ -529,15 +541,18 @@ class _Ranks:
                 os.write(self._exits_out, f"{rank} {proc.returncode}\n".encode())
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self._exits_out)
+        for fd in (self._exits_out, self._stops, self._stops_out):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def forward(self, signum: int) -> None:
-        """Pass a stop signal on (run in the signal handler)."""
+        """Pass a stop signal on, marked as the run's (run in the signal handler)."""
         if self.stopped_early is None and not self.met.exists():
             self.stopped_early = signum
             self.kill_at = time.monotonic() + STARTUP_STOP_GRACE_S
             signum = signal.SIGTERM
+        with contextlib.suppress(OSError):  # (one byte, in an empty pipe)
+            os.write(self._stops_out, b"s")
         for proc in self.procs:
             with contextlib.suppress(OSError):
                 proc.send_signal(signum)

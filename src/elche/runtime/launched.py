@@ -86,7 +86,9 @@ from elche.runtime.lifetimes import (
     RANK_EXITS_ENV,
     Interrupted,
     StopSignals,
+    end_as_signalled,
     say_ranks_met,
+    stop_came_alone,
     watch_launcher,
 )
 from elche.runtime.plan import Hooks, Plan, TrainResult
@@ -127,8 +129,10 @@ def train_launched(
 
     SIGINT, SIGTERM and SIGHUP stop the run cleanly (``elche.runtime.lifetimes``):
     rank 0 asks its coordinator to stop, every rank saves, and every rank's
-    ``elche.train`` raises ``Interrupted``; rank 0 prints the one line. A
-    rank whose launcher dies ends within ``ORPHAN_GRACE_S``.
+    ``elche.train`` raises ``Interrupted``; rank 0 prints the one line. Under
+    ``elche run`` one that reaches a rank but 0 alone ends that rank's process,
+    and the run goes on without it. A rank whose launcher dies ends within
+    ``ORPHAN_GRACE_S``.
 
     Raises:
         Interrupted: a signal (or the launcher's death) stopped the run.
@@ -145,9 +149,12 @@ def train_launched(
         if host:
             host[0].ask_stop(reason)
 
-    with StopSignals(
-        on_signal=lambda signum: ask_stop(signal.Signals(signum).name), force_on_repeat=False
-    ) as signals:
+    def on_signal(signum: int) -> None:
+        if rank != 0 and stop_came_alone():
+            _leave(rank, signum)
+        ask_stop(signal.Signals(signum).name)
+
+    with StopSignals(on_signal=on_signal, force_on_repeat=False) as signals:
         watch_launcher(os.getppid(), on_gone=lambda: ask_stop("the launching process is gone"))
         result, stopped = _train(
             plan, fns, hooks, rank=rank, host_box=host, signals=signals,
@@ -170,6 +177,18 @@ def train_launched(
     if rank == 0:
         raise interrupted(signum, result, save_path, resumed_from=plan.resume_from, t0=t0)
     raise Interrupted(signum, bundle, result)
+
+
+def _leave(rank: int, signum: int) -> None:
+    """A stop signal came to this rank alone (``stop_came_alone``): the rank leaves the
+    run as a lost rank does (its launcher tells the coordinator at once, and its
+    unfinished data goes to the others); its process ends by that signal."""
+    name = signal.Signals(signum).name
+    line = (f"elche rank {rank}: {name} came to this rank alone: it leaves the run, which "
+            "goes on without it (to stop the whole run, signal elche run)\n")  # fmt: skip
+    with contextlib.suppress(OSError):  # (os.write: a print may be under way here)
+        os.write(2, line.encode())
+    end_as_signalled(signum)
 
 
 def whole_lines() -> None:

@@ -12,9 +12,14 @@ Rules:
   asks it to stop, as if the launcher had), and the fork server and the
   ranks of a local run ignore all three (``elche.runtime.forkserved``,
   ``ignore_stop_signals``): nothing dies mid-write, and the launcher orders
-  the stop. SIGHUP stops the run as SIGTERM does; under ``nohup`` it is
-  ignored, and stays so. A terminal that hung up fails every write: the
-  launcher's stdout and stderr on it then go to ``/dev/null``.
+  the stop. Under ``elche run`` a stop signal that reaches a rank but 0
+  without its launcher (``kill PID``, a scheduler ending one rank) stops
+  that rank alone: it leaves the run as a lost rank does, its data trained
+  by the others (``stop_came_alone``; rank 0, the coordinator's host, stops
+  the whole run, which cannot go on without it). SIGHUP stops the run as
+  SIGTERM does; under ``nohup`` it is ignored, and stays so. A terminal
+  that hung up fails every write: the launcher's stdout and stderr on it
+  then go to ``/dev/null``.
 - The launcher asks the coordinator to stop with a ``stop REASON`` line on
   its stdin; the coordinator turns it into ``StopRequested``: a training run
   saves a bundle (``SaveReason.GRACEFUL_SHUTDOWN``) and the ranks exit. Then
@@ -39,12 +44,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import select
 import signal
+import stat
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from multiprocessing.connection import Connection
@@ -57,14 +65,17 @@ __all__ = [
     "RANKS_MET_ENV",
     "RANK_EXITS_ENV",
     "RESUME_HINT",
+    "RUN_STOPS_ENV",
     "Interrupted",
     "StopSignals",
     "announce",
+    "end_as_signalled",
     "ignore_stop_signals",
     "launcher_stream",
     "launcher_streams",
     "relay_stop_signals",
     "say_ranks_met",
+    "stop_came_alone",
     "take_environment",
     "take_streams",
     "watch_launcher",
@@ -89,6 +100,10 @@ RANKS_MET_ENV = "ELCHE_RANKS_MET"
 # them on to its coordinator, which loses the rank at once: its heartbeats
 # would take ``heartbeat_timeout_s`` (30 s by default), the run waiting for it.
 RANK_EXITS_ENV = "ELCHE_RANK_EXITS"
+# Under ``elche run``, in every rank: the file descriptor of a pipe's read end;
+# the launcher writes to the pipe before it passes a stop signal on to the
+# ranks. A rank whose stop signal finds it empty was sent the signal alone.
+RUN_STOPS_ENV = "ELCHE_RUN_STOPS"
 
 
 def _resume_from(stem: str) -> str:
@@ -164,8 +179,10 @@ class StopSignals:
 
     Only the main thread may set signal handlers: entered on another thread,
     it takes the signals ``relay_stop_signals`` catches on the main thread
-    (``elche.Session`` trains on a thread of its own), and without a relay
-    the signals act as before.
+    (``elche.Session`` trains on a thread of its own). Without a relay the
+    signals act as before: Ctrl-C raises ``KeyboardInterrupt`` on the main
+    thread; if that ends it (uncaught), the interpreter, before it waits for
+    the other threads, hands this the SIGINT (``_on_main_thread_end``).
 
     The first signal is recorded in ``received`` (and passed to
     ``on_signal``, run in the signal handler: keep it short); a later SIGINT
@@ -191,6 +208,8 @@ class StopSignals:
         if threading.current_thread() is not threading.main_thread():
             if _RELAYS:
                 _RELAYS[-1].attach(self)
+            else:
+                _wait_main_thread_end(self)
             return self
         for sig in STOP_SIGNALS:
             if signal.getsignal(sig) is not signal.SIG_IGN:
@@ -205,6 +224,7 @@ class StopSignals:
         self._previous.clear()
         for relay in _RELAYS:
             relay.detach(self)
+        _UNRELAYED.pop(self, None)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGHUP:
@@ -219,6 +239,74 @@ class StopSignals:
         self.received = signum
         if self._on_signal is not None:
             self._on_signal(signum)
+
+
+# ``StopSignals`` entered on threads but the main one, with no relay, each with the
+# end of its thread (``_end_of_this_thread``): the SIGINT of a main thread that
+# Ctrl-C ends is theirs.
+_UNRELAYED: dict[StopSignals, threading.Event] = {}
+
+
+def _wait_main_thread_end(taker: StopSignals) -> None:
+    """Give ``taker`` the SIGINT of a main thread that Ctrl-C ends (``_on_main_thread_end``).
+
+    ``threading._register_atexit`` (CPython's, since 3.9; ``concurrent.futures``
+    uses it) runs a function when the main thread is done, before the
+    interpreter waits for the others: ``atexit`` runs after, and a thread
+    joining the main thread wakes only after an executor's threads ended.
+    Without it, a Ctrl-C leaves the run training as before.
+    """
+    _hook_main_thread_end()
+    _UNRELAYED[taker] = _end_of_this_thread()
+
+
+@functools.cache
+def _hook_main_thread_end() -> None:
+    register = getattr(threading, "_register_atexit", None)
+    with contextlib.suppress(RuntimeError):  # (the interpreter is shutting down)
+        if register is not None:
+            register(_on_main_thread_end)
+
+
+def _on_main_thread_end() -> None:
+    """The main thread is done: if its uncaught ``KeyboardInterrupt`` ended it (Ctrl-C,
+    which it alone hears), the runs training on other threads stop as that SIGINT
+    stops one on the main thread. The interpreter then waits for their threads.
+
+    A main thread that ended otherwise (its code done, the run left to its thread)
+    leaves them training.
+    """
+    if not isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+        return
+    stopping = dict(_UNRELAYED)
+    for taker in stopping:
+        if taker.received is None:
+            taker._handle(signal.SIGINT, None)
+    # Python 3.11's ``Thread.join``, interrupted, marks the thread it waited for as
+    # ended, and the interpreter would then exit under the run's stop, cutting it
+    # short: wait for each thread as the interpreter waits for a thread that runs.
+    # A second Ctrl-C ends the wait, and the process.
+    for ended in stopping.values():
+        ended.wait()
+
+
+class _Marker:
+    """An object the thread-local data of one thread alone holds."""
+
+
+_THIS_THREAD = threading.local()
+
+
+def _end_of_this_thread() -> threading.Event:
+    """An event set once the calling thread has ended: its thread-local data, dropped
+    then, held the only reference to a marker whose finalizer sets it."""
+    ended: threading.Event | None = getattr(_THIS_THREAD, "ended", None)
+    if ended is None:
+        ended = threading.Event()
+        marker = _Marker()
+        weakref.finalize(marker, ended.set).atexit = False
+        _THIS_THREAD.marker, _THIS_THREAD.ended = marker, ended
+    return ended
 
 
 def _drop_hung_up_streams() -> None:
@@ -303,6 +391,38 @@ def ignore_stop_signals() -> None:
     """``STOP_SIGNALS`` do nothing here: the launching process orders the stop."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def stop_came_alone() -> bool:
+    """Whether the stop signal this rank just got was sent to it alone, not by its launcher.
+
+    Under ``elche run`` the launcher passes every stop of the run on, having
+    written to the pipe ``RUN_STOPS_ENV`` names first; a signal that finds
+    the pipe empty came from elsewhere, to this rank alone. Elsewhere (torchrun,
+    whose agent stops the run by signalling every worker; a pipe this process
+    no longer has), every stop signal is the run's.
+    """
+    fd = os.environ.get(RUN_STOPS_ENV, "")
+    if not fd.isdigit():
+        return False
+    try:
+        if not stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
+            return False  # (the script closed it, and the number went to another file)
+        readable, _, _ = select.select([int(fd)], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable  # (the launcher's death, EOF, reads as its stop)
+
+
+def end_as_signalled(signum: int) -> None:
+    """End this process at once, as stop signal ``signum`` does by default: its
+    launcher sees it killed by that signal. Nothing here is cleaned up, as for
+    a rank SIGKILLed: the run goes on without it."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+        signal.raise_signal(signum)
+    os._exit(128 + signum)  # (off the main thread: the shell's status for that signal)
 
 
 def take_environment(env: Mapping[str, str]) -> None:
