@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from elche import FaultPlan, cli
-from elche.cli import _available_mib, _parser, draw_speeds, endings, main
+from elche.cli import _parser, draw_speeds, endings, main
+from elche.cli.run import available_mib
 
 CONTRACT = {
     "mode", "world_size", "epochs_completed", "samples_trained", "virtual_wall_s",
@@ -202,7 +203,7 @@ def test_bad_input_found_off_the_tested_path_is_one_line_naming_the_field(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], said: str
 ) -> None:
     # Each of these ended in a traceback (or, for --ranks -1, blamed --speeds).
-    if args[0] == "run" and _available_mib() is None:
+    if args[0] == "run" and available_mib() is None:
         pytest.skip("no /proc/meminfo: elche run cannot tell what fits, and would start them")
     binary, file = tmp_path / "faults.json", tmp_path / "a-file"
     binary.write_bytes(b"\xff\xfe")
