@@ -13,11 +13,8 @@ permutation, mapped to dataset indices; every step is reported with
 ``epoch_fn`` runs on every rank when it starts a new epoch, so a learning-rate
 schedule stays the same everywhere.
 
-Testing hooks: the rank's faults (``RankSpec.faults``, ``elche.core.faults``)
-are checked before each batch, by progress (``at_epoch``) and by wall seconds
-since the training loop began (``at_s``). ``Kill`` SIGKILLs the process,
-``Stall`` freezes the heartbeats and hangs, ``SlowDown`` re-paces every later
-step, ``FailCheckpoint`` makes every later checkpoint report an error.
+Its saves are ``elche.runtime.rank_saves``'s; its testing hooks (the faults of
+``RankSpec.faults``, checked before each batch) are ``elche.runtime.rank_faults``'s.
 """
 
 from __future__ import annotations
@@ -26,14 +23,12 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, assert_never
+from typing import Any, assert_never
 
 import msgspec
 import torch
@@ -42,35 +37,26 @@ from torch import nn
 
 from elche.core import messages as m
 from elche.core import rank as r
-from elche.core.checkpoint import SaveReason
 from elche.core.config import NUMPY_PERMUTATION, Backend, Mode
 from elche.core.errors import RankExcluded
 from elche.core.faults import (
-    FailCheckpoint,
     Fault,
-    FillSavePath,
-    Join,
-    Kill,
-    KillCoordinator,
     SlowDown,
-    Stall,
-    StopLauncher,
-    position,
 )
 from elche.core.progress import Progress
 from elche.core.rank import RankProtocol
 from elche.monitor.summary import rank_report_file, rank_spans_file
-from elche.runtime import bundle, salvage
+from elche.runtime import bundle, rank_saves, salvage
 from elche.runtime.averaging import InFlight, frozen_parameters, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
 from elche.runtime.consensus import Consensus, layout_fingerprint, start_from_rank0
 from elche.runtime.current import providing
 from elche.runtime.data import to_device
-from elche.runtime.filling import fill_file_system
 from elche.runtime.loading import Loader, StepPlan
 from elche.runtime.membership import Membership
 from elche.runtime.options import TrainOptions
 from elche.runtime.pacing import Pacer, pacer_for
+from elche.runtime.rank_faults import RankFaults
 from elche.runtime.resume import load_bundle
 from elche.runtime.shards import epoch_order
 from elche.runtime.snapshots import Layout
@@ -217,10 +203,8 @@ class Worker:
         self.last_loss: float | None = None
         self._perms: dict[int, Sequence[int]] = {}
         self.bridge: Bridge | None = None
-        self._faults = [f for f in spec.faults if not f.from_start]  # not fired yet
-        self._fail_checkpoint = any(f.from_start for f in spec.faults)
+        self.faults = RankFaults(spec.faults)  # testing hooks
         self._spans_refused = False  # the run dir refused this rank's span record (said once)
-        self._loop_started_s = time.monotonic()  # reset when run() begins (at_s counts from it)
 
     # -- setup ---------------------------------------------------------------
 
@@ -332,7 +316,7 @@ class Worker:
     def run(self) -> str:
         """Train until told to stop; returns why it stopped."""
         assert self.bridge is not None
-        self._loop_started_s = time.monotonic()
+        self.faults.start()
         try:
             with providing(self.progress):
                 return self._loop()
@@ -360,7 +344,7 @@ class Worker:
                 case r.Hold():
                     self._wait()
                 case r.Save():
-                    self._save(action)
+                    rank_saves.save(self, action)
                 case r.Discard():
                     self._discard()
                 case r.FormGroup(generation=generation, members=members):
@@ -395,7 +379,7 @@ class Worker:
 
     def _handle(self, item: Any) -> None:
         if isinstance(item, CoordinatorLost):
-            self._coordinator_lost(item.reason)
+            rank_saves.coordinator_lost(self, item.reason)
             return
         message, payload = item
         if isinstance(message, m.Update):
@@ -461,63 +445,8 @@ class Worker:
             for at in range(chunk.cursor, chunk.offset + chunk.size, step)
         ]
 
-    def _inject_faults(self, batch: r.Train) -> None:
-        """Testing hooks: before ``batch``, fire this rank's faults that are due, in order."""
-        if not self._faults:
-            return
-        at = position(epoch=batch.epoch, offset=batch.offset, num_samples=len(self.fns.dataset))
-        elapsed_s = time.monotonic() - self._loop_started_s
-        pending, self._faults = self._faults, []
-        for fault in pending:
-            if fault.due(epoch=at, elapsed_s=elapsed_s):
-                self._fire(fault, at)
-            else:
-                self._faults.append(fault)
-
-    def _fire(self, fault: Fault, at: float) -> None:
-        rank = self.spec.rank
-        match fault:
-            case Kill():
-                print(f"elche rank {rank}: crashing on purpose at {at:.2f}", file=sys.stderr)
-                os.kill(os.getpid(), signal.SIGKILL)
-            case Stall():
-                print(f"elche rank {rank}: stalling on purpose at {at:.2f}", file=sys.stderr)
-                assert self.bridge is not None
-                self.bridge.freeze()
-                threading.Event().wait()  # hangs until the launcher kills the process
-            case SlowDown(speed=speed):
-                print(f"elche rank {rank}: slowing to {speed:g} at {at:.2f}", file=sys.stderr)
-                assert self.pacer is not None  # warm_up built one (slows_later)
-                self.pacer.set_speed(speed)
-            case FailCheckpoint():
-                self._fail_checkpoint = True
-            case KillCoordinator():
-                self._kill_coordinator(at)
-            case Join():  # no rank's fault in a real run (FaultPlan.check): elche join
-                pass
-            case StopLauncher():
-                print(f"elche rank {rank}: SIGTERM to the launcher at {at:.2f}", file=sys.stderr)
-                if self.spec.launcher_pid is not None:
-                    os.kill(self.spec.launcher_pid, signal.SIGTERM)
-            case FillSavePath():
-                folder = Path(self.spec.save_path or self.spec.run_dir).parent
-                print(f"elche rank {rank}: {fill_file_system(folder)} at {at:.2f}", file=sys.stderr)
-            case _:
-                assert_never(fault)
-
-    def _kill_coordinator(self, at: float) -> None:
-        """The ``KillCoordinator`` fault: SIGKILL the coordinator named in the run dir."""
-        rank = self.spec.rank
-        try:
-            pid = int((Path(self.spec.run_dir) / "coordinator.pid").read_text(encoding="utf-8"))
-            os.kill(pid, signal.SIGKILL)
-        except (OSError, ValueError) as exc:
-            print(f"elche rank {rank}: cannot kill the coordinator: {exc}", file=sys.stderr)
-            return
-        print(f"elche rank {rank}: killed the coordinator on purpose at {at:.2f}", file=sys.stderr)
-
     def _train_one(self, action: r.Train) -> None:
-        self._inject_faults(action)
+        self.faults.before(self, action)
         size = action.size
         # Back to back, a step starts where the last one ended: the loop's own
         # cost (messages, reports) is part of this rank's step rate, which is
@@ -744,7 +673,7 @@ class Worker:
             elapsed_ms = (time.perf_counter() - started) * 1000.0
             self._send(self.proto.evaluated(metric=metric, elapsed_ms=elapsed_ms, error=error))
             return
-        checkpoint_fn = _failing_checkpoint if self._fail_checkpoint else self.fns.checkpoint_fn
+        checkpoint_fn = self.faults.checkpoint_fn(self.fns.checkpoint_fn)
         error = checkpoint(checkpoint_fn, request.version, self.model)
         self._check_layout(layout, "checkpoint_fn")
         elapsed_ms = (time.perf_counter() - started) * 1000.0
@@ -760,73 +689,6 @@ class Worker:
             "(work on a copy: copy.deepcopy(model))"
         )
         raise self._user_failed(exc, self.epoch)
-
-    def _coordinator_lost(self, reason: str) -> None:
-        """No coordinator: keep this rank's consensus and state on disk, then stop
-        (``elche.runtime.salvage``: the launcher may commit them as a bundle). A
-        joined rank keeps none: a salvage commits the launched ranks' states only."""
-        where = None
-        self._take_up_local()  # the model holds every batch ``held`` names
-        if self.spec.save_path is not None and not self.spec.joining:
-            kept = self.consensus.state
-            where = salvage.keep_local_state(
-                Path(self.spec.run_dir), self.spec.save_path, self.spec.rank,
-                consensus_round=self.consensus.round, held=self.proto.held(),
-                write_model=None if kept is None else (lambda f: torch.save(kept, f)),
-                write_optim=self._torch_save(self.optimizer),
-            )  # fmt: skip
-        print(
-            f"elche rank {self.spec.rank}: lost the coordinator ({reason}); "
-            + (f"local state saved as {where}; " if where else "")
-            + "stopping",
-            file=sys.stderr,
-            flush=True,
-        )
-        self.proto.coordinator_lost(reason)
-
-    def _save(self, order: r.Save) -> None:
-        """Write save ``order.seq`` durably and report its files (``elche.runtime.bundle``)."""
-        self._report()  # the coordinator books the writer's batches before its save
-        if order.reason == SaveReason.NONFINITE.value:  # save the last finite consensus
-            self.consensus.restore(self.model)
-        error: str | None = None
-        files: list[m.SavedFile] = []
-        try:
-            files = self._write_save(order)
-        except (OSError, RuntimeError) as exc:  # the file's, named; or torch.save's own
-            error = f"{type(exc).__name__}: {exc}"
-        stop = order.kind is r.SaveKind.SHUTDOWN and order.reason != SaveReason.NONFINITE.value
-        if stop and any(f.kind == "model" for f in files):  # the bundle's model holds them:
-            self._record_spans(self.proto.held().since, f"save {order.seq}")  # (coordinator too)
-        self._send(self.proto.saved(files=files, error=error))
-
-    def _write_save(self, order: r.Save) -> list[m.SavedFile]:
-        if order.kind is r.SaveKind.FINAL:
-            path = Path(self.spec.run_dir) / bundle.FINAL_MODEL
-            return [bundle.write_file(path, self._torch_save(self.model), kind="final")]
-        stem = self.spec.save_path
-        if stem is None:
-            return []
-        folder = Path(stem).parent
-        folder.mkdir(parents=True, exist_ok=True)
-        # Files of saves that never committed go first: they would take this one's room.
-        bundle.prune(stem, {order.seq, order.keep})
-        files: list[m.SavedFile] = []
-        try:
-            if order.writer:
-                path = folder / bundle.model_name(stem, order.seq)
-                files.append(bundle.write_file(path, self._torch_save(self.model), kind="model"))
-            path = folder / bundle.optim_name(stem, order.seq, self.spec.rank)
-            files.append(bundle.write_file(path, self._torch_save(self.optimizer), kind="optim"))
-        except BaseException:  # the answer names no file: none of them stays
-            for saved in files:
-                (folder / saved.name).unlink(missing_ok=True)
-            raise
-        return files
-
-    @staticmethod
-    def _torch_save(owner: nn.Module | torch.optim.Optimizer) -> Callable[[BinaryIO], None]:
-        return lambda f: torch.save(owner.state_dict(), f)
 
     def report(self) -> dict[str, object]:
         wall = time.monotonic() - self.started_s
@@ -849,12 +711,6 @@ class Worker:
             "wire_rounds": self.wire.rounds,
             "overlapped_rounds": self.overlapped,
         }
-
-
-def _failing_checkpoint(version: int, model: nn.Module) -> None:
-    """The ``checkpoint_fn`` of a rank under a ``FailCheckpoint`` fault."""
-    del version, model
-    raise OSError("disk full (FailCheckpoint fault)")
 
 
 def _with_collate(options: TrainOptions, collate_fn: Any) -> TrainOptions:
