@@ -72,6 +72,11 @@ def run_bench(
 ) -> dict[str, Any]:
     """Run ``suite`` and write ``results.json``, ``report.md`` and PNG charts.
 
+    ``results.json`` and ``report.md`` are also written after each run, with
+    the runs so far and the cells not run yet (``not_run``): a bench killed
+    outright (SIGKILL, a lost machine) leaves what it measured. A write that
+    fails then is left for the last one to say.
+
     Args:
         suite: what to run.
         out_dir: created if missing (before anything runs); existing files of
@@ -84,34 +89,56 @@ def run_bench(
         lists, ``{file, error}`` each (``error``: the reason), the outputs
         that a full or read-only ``out_dir`` refused once the suite had run
         (``results.json`` too: the document is then only what this returns);
-        none is left in part, and the others are still written.
+        none is left in part, and the others are still written. Ctrl-C or
+        SIGTERM stops the run in progress as it stops any (``run_suite``), and
+        the outputs are written for the runs before it: ``interrupted`` names
+        the signal (``"SIGINT"``; None when the suite ran to its end) and
+        ``not_run`` lists the cells left, the stopped one first
+        (``Cell.to_json``). A second signal while they are written stops the
+        writes; each file is then whole, the last after-each-run one or this one.
 
     Raises:
         ConfigError: (field ``out_dir``) ``out_dir`` cannot be made or written;
             nothing has run.
     """
     from elche.bench.charts import write_charts
-    from elche.bench.peers_report import peers_acceptance
-    from elche.bench.report import acceptance, dashboard_cost, hosts_acceptance, render
-    from elche.bench.rows import build_rows
-    from elche.bench.runner import available_suite, run_suite
+    from elche.bench.runner import Run, available_suite, run_suite
 
     check_writable(out_dir, "out_dir")  # before the suite's minutes, not after
     started = time.perf_counter()
     suite = available_suite(suite, say=lambda text: print(text, file=sys.stderr))
-    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    runs = run_suite(suite, progress=progress, runs_dir=out_dir / "runs")
-    rows = build_rows(suite, runs)
+    about = _about(suite, command, out_dir)
+    measured: list[Run] = []
+
+    def measured_one(run: Run) -> None:
+        measured.append(run)
+        _write_outputs(out_dir, _document(suite, about, measured, started), [])  # see above
+
+    interrupted = None
+    try:
+        runs = run_suite(suite, progress=progress, on_run=measured_one, runs_dir=out_dir / "runs")
+    except KeyboardInterrupt as stop:
+        from elche.cli.endings import stop_signal
+
+        runs, interrupted = measured, stop_signal(stop).name
+    doc = _document(suite, about, runs, started, interrupted=interrupted)
     unwritten: list[OSError] = []
     try:
         out_dir.mkdir(parents=True, exist_ok=True)  # (made above; gone since, made again)
     except OSError as exc:  # each file below says so
         unwritten.append(exc)
-    charts, failed = write_charts(rows, out_dir)
-    unwritten += failed
-    doc: dict[str, Any] = {
+    doc["charts"], failed = write_charts(doc["rows"], out_dir)
+    doc["total_s"] = round(time.perf_counter() - started, 1)
+    doc["unwritten"] = [_unwritten(exc) for exc in unwritten + failed]
+    _write_outputs(out_dir, doc, doc["unwritten"])
+    return doc
+
+
+def _about(suite: Suite, command: str, out_dir: Path) -> dict[str, Any]:
+    """What every write of the results says of the suite, whatever has run."""
+    return {
         "suite": suite.name,
-        "date": date,
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,
         "machine": machine(),
         "repeats": suite.repeats,
@@ -130,22 +157,50 @@ def run_bench(
         "headline_workloads": list(suite.headline_workloads),
         "rigs": [list(rig) for rig in suite.rigs],
         "systems": ["solo", *suite.systems],
+        "link_mbit": list(suite.link_mbit),
+        "notes": list(suite.notes),
+        "out_dir": str(out_dir),
+    }
+
+
+def _document(
+    suite: Suite,
+    about: dict[str, Any],
+    runs: list[dict[str, Any]],
+    started: float,
+    *,
+    interrupted: str | None = None,
+) -> dict[str, Any]:
+    """The results document of ``runs``, the first ``len(runs)`` of ``suite.cells()``,
+    without charts (``charts``) or failed writes (``unwritten``) yet."""
+    from elche.bench.peers_report import peers_acceptance
+    from elche.bench.report import acceptance, dashboard_cost, hosts_acceptance
+    from elche.bench.rows import build_rows
+
+    rows = build_rows(suite, runs)
+    return {
+        **about,
         "rows": rows,
         "acceptance": acceptance(rows),
         "peers_acceptance": peers_acceptance(rows),
         "hosts_acceptance": hosts_acceptance(rows),
-        "link_mbit": list(suite.link_mbit),
         "dashboard_cost": dashboard_cost(rows),
-        "charts": charts,
-        "notes": list(suite.notes),
-        "out_dir": str(out_dir),
+        "charts": {},
         "runs": runs,
+        "interrupted": interrupted,
+        "not_run": [cell.to_json() for cell in suite.cells()[len(runs) :]],
+        "total_s": round(time.perf_counter() - started, 1),
+        "unwritten": [],
     }
-    doc["total_s"] = round(time.perf_counter() - started, 1)
-    doc["unwritten"] = [_unwritten(exc) for exc in unwritten]
-    _write(out_dir / "results.json", json.dumps(doc, indent=1) + "\n", doc["unwritten"])
-    _write(out_dir / "report.md", render(doc), doc["unwritten"])  # (it names what failed before)
-    return doc
+
+
+def _write_outputs(out_dir: Path, doc: dict[str, Any], unwritten: list[dict[str, str]]) -> None:
+    """Write ``results.json`` and ``report.md`` of ``doc``; each that cannot be goes to
+    ``unwritten``."""
+    from elche.bench.report import render
+
+    _write(out_dir / "results.json", json.dumps(doc, indent=1) + "\n", unwritten)
+    _write(out_dir / "report.md", render(doc), unwritten)  # (it names what failed before)
 
 
 def incomplete(doc: dict[str, Any]) -> list[str]:

@@ -92,6 +92,7 @@ def render(doc: Mapping[str, Any]) -> str:
         f"- whole invocation: {doc['total_s']:.0f} s; repeats per cell: {doc['repeats']} "
         "(the run of median wall time is shown; systems interleaved, DDP in every repeat)",
         *_runs_line(doc),
+        *_partial_line(doc),
         "",
         "Columns: *wall* is each system's training clock (first batch to the end of "
         "training, start-up excluded); *× DDP* is wall ÷ torch DDP's wall on the same "
@@ -127,6 +128,20 @@ def _runs_line(doc: Mapping[str, Any]) -> list[str]:
         "- each elche and solo run's own report, timeline and summary: "
         "`runs/NN-WORKLOAD-SYSTEM/` (`report.html`; `elche timeline` reads the folder)"
     ]
+
+
+def _partial_line(doc: Mapping[str, Any]) -> list[str]:
+    """What the suite did not run, when it was stopped (or is still running) before its end."""
+    left = doc.get("not_run") or []
+    if not left:
+        return []
+    done = f"{len(doc['runs'])} of {len(doc['runs']) + len(left)} runs"
+    why = (
+        f"interrupted by {doc['interrupted']} after {done}"
+        if doc.get("interrupted")
+        else f"{done} so far (written after each run: the bench was still running, or was killed)"
+    )
+    return [f"- **partial: {why}**; not run: {', '.join(cell['cell'] for cell in left)}"]
 
 
 def _workload_section(name: str, rows: Sequence[Row], doc: Mapping[str, Any]) -> list[str]:

@@ -65,7 +65,7 @@ Run directories. Given ``runs_dir``, each elche and solo run writes its files
 to ``runs_dir/NN-WORKLOAD-SYSTEM`` (``NN`` its place in the suite) and a
 completed one is trimmed to its record (report, timeline, summary: what
 ``elche timeline`` and a browser read), which its ``Run``'s ``run_dir`` names;
-a failed one keeps every file. Without it each run writes to a temporary
+a failed or stopped one keeps every file. Without it each run writes to a temporary
 directory that goes with the run. Either way the runs are not joinable
 (``join_slots=0``): a rank joining a measured run would change what it measures.
 """
@@ -136,6 +136,12 @@ def run_suite(
 
     Returns:
         One ``Run`` per training run, ``suite.num_runs()`` in all.
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C or SIGTERM (``elche.Interrupted`` from an elche
+            or solo run): the run in progress was stopped as that signal stops
+            it, its processes ended, and is not recorded; ``on_run`` had every
+            run before it, in order, as ``suite.cells()`` lists them.
     """
     runs: list[Run] = []
     splits: dict[WorkloadPlan, Split] = {}
@@ -143,44 +149,27 @@ def run_suite(
     capacities: dict[tuple[str, tuple[float, ...]], dict[str, Any] | None] = {}
     with _display(suite.num_runs(), enabled=progress) as show, contextlib.ExitStack() as stack:
         rigs = _host_rigs(suite, stack)
-        for repeat in range(suite.repeats):
-            order = suite.systems if repeat % 2 == 0 else tuple(reversed(suite.systems))
-            for plan in suite.workloads:
-                if plan not in splits:
-                    workload = get_workload(plan.name)
-                    splits[plan] = _load(plan, suite.seed)
-                    bases[plan.name] = measure_speed_base_s(workload, splits[plan], plan.batch_size)
-                    for rig in suite.rigs:
-                        show(f"{plan.name} [{_rig(rig)}] capacity ({suite.capacity_s:g} s)")
-                        capacities[plan.name, rig] = _capacity(suite, plan, rig, bases[plan.name])
-                jobs = [(SOLO, (1.0,), None)] + [
-                    (s, rig, link) for rig in suite.rigs for link in suite.links() for s in order
-                ]
-                for system, speeds, link in jobs:
-                    hosts = rigs.get((len(speeds), link)) if link is not None else None
-                    show(
-                        f"{plan.name} [{_rig(speeds)}]{_link(link)} {system} (repeat {repeat + 1})"
-                    )
-                    run = run_one(
-                        system, plan, speeds, seed=suite.seed, split=splits[plan],
-                        speed_base_s=bases[plan.name], hosts=hosts, wire=suite.wire,
-                        overlap=suite.overlap,
-                        run_dir=_named(runs_dir, len(runs), plan.name, system),
-                    )  # fmt: skip
-                    run["repeat"] = repeat
-                    run["capacity"] = capacities.get((plan.name, tuple(speeds)))  # solo: None
-                    runs.append(run)
-                    if on_run is not None:
-                        on_run(run)
-        for seed, plan, system, speeds in suite.seed_jobs():
-            show(f"{plan.name} [{_rig(speeds)}] {system} (seed {seed})")
+        for cell in suite.cells():
+            plan = cell.plan
+            if plan not in splits:
+                workload = get_workload(plan.name)
+                splits[plan] = _load(plan, suite.seed)
+                bases[plan.name] = measure_speed_base_s(workload, splits[plan], plan.batch_size)
+                for rig in suite.rigs:
+                    show(f"{plan.name} [{_rig(rig)}] capacity ({suite.capacity_s:g} s)")
+                    capacities[plan.name, rig] = _capacity(suite, plan, rig, bases[plan.name])
+            show(cell.label())
+            link = cell.link_mbit
             run = run_one(
-                system, plan, speeds, seed=seed, split=_load(plan, seed),
-                speed_base_s=bases[plan.name], wire=suite.wire, overlap=suite.overlap,
-                run_dir=_named(runs_dir, len(runs), plan.name, f"{system}-seed{seed}"),
+                cell.system, plan, cell.speeds, seed=cell.seed,
+                split=_load(plan, cell.seed) if cell.extra_seed else splits[plan],
+                speed_base_s=bases[plan.name],
+                hosts=rigs.get((len(cell.speeds), link)) if link is not None else None,
+                wire=suite.wire, overlap=suite.overlap,
+                run_dir=_named(runs_dir, len(runs), plan.name, cell.name),
             )  # fmt: skip
-            run["repeat"] = 0
-            run["capacity"] = capacities.get((plan.name, tuple(speeds)))  # solo: None
+            run["repeat"] = cell.repeat
+            run["capacity"] = capacities.get((plan.name, cell.speeds))  # solo: None
             runs.append(run)
             if on_run is not None:
                 on_run(run)
@@ -615,10 +604,6 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _rig(speeds: Sequence[float]) -> str:
     return ",".join(f"{s:g}" for s in speeds)
-
-
-def _link(link_mbit: float | None) -> str:
-    return "" if link_mbit is None else f" {link_mbit:g} Mbit/s"
 
 
 @contextmanager

@@ -33,6 +33,7 @@ __all__ = [
     "TORCHFT_SYSTEMS",
     "WAIT_SUFFIX",
     "WIRE_SUFFIX",
+    "Cell",
     "Suite",
     "WorkloadPlan",
     "split_averaging",
@@ -93,6 +94,39 @@ class WorkloadPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class Cell:
+    """One training run of a suite: ``system`` trains ``plan`` on the rig ``speeds``."""
+
+    plan: WorkloadPlan
+    system: str
+    speeds: tuple[float, ...]  # solo: (1.0,), one rank at speed 1
+    repeat: int
+    seed: int
+    link_mbit: float | None = None  # across namespace hosts at this rate; None: this host
+    extra_seed: bool = False  # one of ``Suite.seed_jobs``, run after the repeats
+
+    @property
+    def name(self) -> str:
+        """The system, and the seed of an extra-seed run: ``cadence-seed1``."""
+        return f"{self.system}-seed{self.seed}" if self.extra_seed else self.system
+
+    def label(self) -> str:
+        """How the progress and the report name it: ``digits-cnn [1,0.5] cadence (repeat 1)``."""
+        rig = ",".join(f"{s:g}" for s in self.speeds)
+        link = "" if self.link_mbit is None else f" {self.link_mbit:g} Mbit/s"
+        when = f"seed {self.seed}" if self.extra_seed else f"repeat {self.repeat + 1}"
+        return f"{self.plan.name} [{rig}]{link} {self.system} ({when})"
+
+    def to_json(self) -> dict[str, object]:
+        """The cell as ``results.json`` lists one not run."""
+        return {
+            "workload": self.plan.name, "system": self.system, "speeds": list(self.speeds),
+            "link_mbit": self.link_mbit, "repeat": self.repeat, "seed": self.seed,
+            "cell": self.label(),
+        }  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
 class Suite:
     """A benchmark: every workload × rig × system, ``repeats`` times.
 
@@ -131,8 +165,29 @@ class Suite:
 
     def num_runs(self) -> int:
         """How many training runs the suite makes (solo included)."""
-        per_workload = 1 + len(self.rigs) * len(self.links()) * len(self.systems)
-        return self.repeats * len(self.workloads) * per_workload + len(self.seed_jobs())
+        return len(self.cells())
+
+    def cells(self) -> list[Cell]:
+        """Every training run of the suite, in running order (``bench.runner.run_suite``).
+
+        Each repeat trains each workload ``solo``, then every rig and link rate
+        every system (odd repeats in reverse order); the ``seed_jobs`` follow.
+        """
+        cells: list[Cell] = []
+        for repeat in range(self.repeats):
+            order = self.systems if repeat % 2 == 0 else tuple(reversed(self.systems))
+            for plan in self.workloads:
+                cells.append(Cell(plan, SOLO, (1.0,), repeat, self.seed))
+                cells += [
+                    Cell(plan, system, rig, repeat, self.seed, link)
+                    for rig in self.rigs
+                    for link in self.links()
+                    for system in order
+                ]
+        return cells + [
+            Cell(plan, system, rig, 0, seed, extra_seed=True)
+            for seed, plan, system, rig in self.seed_jobs()
+        ]
 
     def seed_jobs(self) -> list[tuple[int, WorkloadPlan, str, tuple[float, ...]]]:
         """``(seed, plan, system, rig)`` of every extra-seed run, in running order."""

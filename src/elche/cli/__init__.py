@@ -462,7 +462,8 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             "to the workload's target eval, and each elche and solo run's own report, "
             "timeline and summary to runs/NN-WORKLOAD-SYSTEM/. Exits 1, naming each, when a "
             "run failed or an output could not be written (the results JSON then goes to "
-            "stdout)."
+            "stdout); Ctrl-C or SIGTERM writes what was measured, marked interrupted, and "
+            "exits 130 (143)."
         ),
     )
     bench.add_argument(
@@ -529,7 +530,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     command += "" if args.overlap else " --no-overlap"
     command += " --json" if args.json else ""
     # SIGTERM ends the bench as Ctrl-C does (``endings.sigterm_raises``), through its
-    # cleanup: a hosts suite's rigs (namespaces, their /etc and /tmp) are removed.
+    # cleanup: a hosts suite's rigs (namespaces, their /etc and /tmp) are removed, and
+    # what it measured is written (``doc["interrupted"]``), 130 or 143 its status.
     doc = run_bench(suite, out_dir, command=command, progress=not args.no_progress)
     results = str(out_dir / "results.json")
     kept = all(u["file"] != results for u in doc["unwritten"])
@@ -538,10 +540,12 @@ def _run_bench(args: argparse.Namespace) -> int:
     lacks = incomplete(doc)
     for line in lacks:
         print(f"elche bench: {line}", file=sys.stderr)
-    if lacks:
+    stop, done = doc["interrupted"], f"{len(doc['runs'])} of {len(doc['runs'] + doc['not_run'])}"
+    if lacks or stop:
         where = results if kept else "stdout (the results JSON)"
-        print(f"elche bench: output incomplete; what was measured is in {where}", file=sys.stderr)
-        return 1
+        said = f"interrupted by {stop} after {done} runs" if stop else "output incomplete"
+        print(f"elche bench: {said}; what was measured is in {where}", file=sys.stderr)
+        return 128 + signal.Signals[stop] if stop else 1
     if not args.json:
         print(f"elche bench: wrote {out_dir / 'report.md'} and {results}")
     return 0

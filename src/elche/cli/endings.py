@@ -32,6 +32,7 @@ __all__ = [
     "sigterm_raises",
     "stdout_closed",
     "stdout_to_devnull",
+    "stop_signal",
 ]
 
 
@@ -64,9 +65,19 @@ def interrupted_status(command: str, exc: KeyboardInterrupt) -> int:
     already said where it stopped (``elche.Interrupted``)."""
     if isinstance(exc, SystemExit):  # elche.Interrupted: its line is said, its code 130/143/129
         return int(exc.code)  # type: ignore[arg-type]  # Interrupted's code is an int
-    signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+    signum = stop_signal(exc)
     print(f"elche {command}: interrupted by {signum.name}", file=sys.stderr)
     return 128 + signum
+
+
+def stop_signal(exc: KeyboardInterrupt) -> signal.Signals:
+    """The signal that raised ``exc``: a run's ``elche.Interrupted`` names its own,
+    ``Terminated`` is SIGTERM's, any other ``KeyboardInterrupt`` Ctrl-C's."""
+    from elche.runtime.lifetimes import Interrupted
+
+    if isinstance(exc, Interrupted):
+        return exc.signal
+    return signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
 
 
 def stdout_closed() -> bool:

@@ -1,0 +1,217 @@
+"""``elche bench`` stopped by Ctrl-C or SIGTERM keeps what it measured.
+
+End to end, the bench CLI runs in a session of its own on a tiny suite (solo,
+cadence, torch DDP); the test signals its whole process group, as Ctrl-C
+would, once cadence's run has finished an epoch (its timeline's first
+``EpochEnd``), then finds every process of the session by its id
+(``test_lifetimes``). The others stop a fake measuring step in the CLI's own
+process, as the signal's handler would (``test_bench_storage``). Before,
+nothing was written until the last run was over: a stopped bench lost every
+run it had measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import elche.bench
+import elche.bench.charts
+import elche.bench.runner
+from elche.bench import suites
+from elche.cli import endings, main
+from tests.bench.test_bench_storage import FAKE
+from tests.bench.test_metrics import fake_run
+from tests.promises.test_lifetimes import (
+    MID_RUN_WITHIN_S,
+    ORPHANS_GONE_WITHIN_S,
+    command_line,
+    session_pids,
+)
+
+# Cadence trains long enough (20 epochs of ~0.1 s) that the signal, sent at its
+# first epoch's end, finds it training.
+SCRIPT = """
+import sys
+from elche.bench import suites
+from elche.bench.suites import Suite, WorkloadPlan
+from elche.cli import main
+
+if __name__ == "__main__":
+    suites.SUITES["quick"] = Suite(
+        name="quick", workloads=(WorkloadPlan("digits-logreg", epochs=20),),
+        rigs=((1.0, 0.5),), systems=("cadence", "torch-ddp"), capacity_s=0,
+    )
+    sys.exit(main(["bench", "--suite", "quick", "--no-progress", *sys.argv[1:]]))
+"""
+NOT_RUN = ["digits-logreg [1,0.5] cadence (repeat 1)", "digits-logreg [1,0.5] torch-ddp (repeat 1)"]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_ctrl_c_mid_bench_writes_the_runs_it_measured_and_exits_130(tmp_path: Path) -> None:
+    sig, code, json_out = signal.SIGINT, 130, True  # SIGTERM's 143 is the next test's
+    out = tmp_path / "bench"
+    script = tmp_path / "bench.py"
+    script.write_text(SCRIPT)
+    # Short: the fork server's socket goes in it, and an AF_UNIX path holds 107 bytes.
+    scratch = Path(tempfile.mkdtemp(prefix="eb-"))
+    env = dict(os.environ, TMPDIR=str(scratch), PYTHONUNBUFFERED="1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    args = [sys.executable, str(script), "--out", str(out), *(["--json"] if json_out else [])]
+    with (tmp_path / "stderr").open("w+") as stderr:
+        proc = subprocess.Popen(
+            args, start_new_session=True, env=env, text=True, cwd=tmp_path,
+            stdout=subprocess.PIPE, stderr=stderr,
+        )  # fmt: skip
+        try:
+            _wait_training(proc, out / "runs" / "01-digits-logreg-cadence" / "timeline.jsonl")
+            # Written after each run: a bench killed outright keeps what it measured.
+            so_far = json.loads((out / "results.json").read_text())
+            assert [r["system"] for r in so_far["runs"]] == ["solo"]
+            assert so_far["interrupted"] is None
+            assert [cell["cell"] for cell in so_far["not_run"]] == NOT_RUN
+            os.killpg(proc.pid, sig)  # Ctrl-C reaches every process of the group
+            stdout, _ = proc.communicate(timeout=60)
+            _wait_gone(proc.pid)
+        finally:
+            for pid in session_pids(proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            proc.kill()
+            proc.communicate(timeout=30)
+            shutil.rmtree(scratch, ignore_errors=True)
+        stderr.seek(0)
+        err = stderr.read()
+    assert proc.returncode == code, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1] == (
+        f"elche bench: interrupted by {sig.name} after 1 of 3 runs; "
+        f"what was measured is in {out}/results.json"
+    )
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["interrupted"] == sig.name
+    assert [r["system"] for r in doc["runs"]] == ["solo"]
+    assert doc["runs"][0]["error"] is None and doc["runs"][0]["wall_s"] > 0
+    assert [cell["cell"] for cell in doc["not_run"]] == NOT_RUN  # the stopped run first
+    assert [row["system"] for row in doc["rows"]] == ["solo"]
+    assert (out / doc["charts"]["digits-logreg"]["loss"]).read_bytes()[:4] == b"\x89PNG"
+    assert json.loads(stdout) == doc if json_out else stdout == ""
+    assert (
+        f"- **partial: interrupted by {sig.name} after 1 of 3 runs**; not run: "
+        f"{', '.join(NOT_RUN)}\n"
+    ) in (out / "report.md").read_text()
+
+
+def _wait_training(proc: subprocess.Popen[str], timeline: Path) -> None:
+    """Until ``timeline`` has an ``EpochEnd`` record."""
+    deadline = time.monotonic() + MID_RUN_WITHIN_S
+    while time.monotonic() < deadline:
+        if timeline.exists() and '"EpochEnd"' in timeline.read_text():
+            return
+        assert proc.poll() is None, "the bench ended before it was interrupted"
+        time.sleep(0.02)  # polling for a condition, with a deadline
+    raise AssertionError("cadence's run never finished an epoch")
+
+
+def _measure_one_then(
+    stop: Callable[[], None],
+) -> Callable[..., list[dict[str, Any]]]:
+    """A ``run_suite`` that measures solo, then is stopped by ``stop``."""
+
+    def run_suite(suite: suites.Suite, **kwargs: Any) -> list[dict[str, Any]]:
+        kwargs["on_run"](fake_run("solo", 2.0, final_loss=0.1, eval_=0.9))
+        stop()
+        raise AssertionError("not stopped")
+
+    return run_suite
+
+
+def _wait_gone(sid: int) -> None:
+    """Until no process of session ``sid`` is left (the fork server's exit takes a moment)."""
+    deadline = time.monotonic() + ORPHANS_GONE_WITHIN_S
+    while session_pids(sid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling for a condition, with a deadline
+    left = session_pids(sid)
+    assert not left, [command_line(pid) for pid in left]
+
+
+def test_sigterm_between_runs_writes_what_was_measured_and_exits_143(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def terminated() -> None:
+        raise endings.Terminated  # SIGTERM's handler, in main, outside an elche run
+
+    monkeypatch.setattr(elche.bench.runner, "run_suite", _measure_one_then(terminated))
+    monkeypatch.setitem(suites.SUITES, "quick", FAKE)
+    code = main(["bench", "--suite", "quick", "--no-progress", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 143  # it was 143 too, with nothing written
+    assert captured.out == ""
+    assert captured.err == (
+        "elche bench: interrupted by SIGTERM after 1 of 2 runs; "
+        f"what was measured is in {tmp_path}/results.json\n"
+    )
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert (doc["interrupted"], [r["system"] for r in doc["runs"]]) == ("SIGTERM", ["solo"])
+    assert doc["not_run"] == [
+        {
+            "workload": "digits-cnn", "system": "torch-ddp", "speeds": [1.0, 0.5],
+            "link_mbit": None, "repeat": 0, "seed": 0,
+            "cell": "digits-cnn [1,0.5] torch-ddp (repeat 1)",
+        }
+    ]  # fmt: skip
+    assert (
+        "- **partial: interrupted by SIGTERM after 1 of 2 runs**; "
+        "not run: digits-cnn [1,0.5] torch-ddp (repeat 1)\n"
+    ) in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("during", ["charts", "results.json"])
+def test_a_second_ctrl_c_while_writing_leaves_each_file_whole(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    during: str,
+) -> None:
+    write_whole = elche.bench.write_whole
+
+    def part_then_ctrl_c(path: Path, write: object, *, sync: bool) -> None:
+        def part(f: Any) -> None:
+            f.write(b'{"suite": ')
+            raise KeyboardInterrupt
+
+        write_whole(path, part, sync=sync)
+
+    def ctrl_c(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    def twice() -> None:  # the first stops the suite, the second comes while it writes
+        if during == "charts":
+            monkeypatch.setattr(elche.bench.charts, "_figure", ctrl_c)
+        else:
+            monkeypatch.setattr(elche.bench, "write_whole", part_then_ctrl_c)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(elche.bench.runner, "run_suite", _measure_one_then(twice))
+    monkeypatch.setitem(suites.SUITES, "quick", FAKE)
+    code = main(["bench", "--suite", "quick", "--no-progress", "--out", str(tmp_path)])
+    assert code == 130
+    assert capsys.readouterr().err == "elche bench: interrupted by SIGINT\n"
+    # Each file is whole: results.json the one written after the last run.
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert (doc["interrupted"], [r["system"] for r in doc["runs"]]) == (None, ["solo"])
+    assert [cell["system"] for cell in doc["not_run"]] == ["torch-ddp"]
+    assert "- **partial: 1 of 2 runs so far" in (tmp_path / "report.md").read_text()
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
