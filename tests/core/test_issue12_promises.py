@@ -5,6 +5,7 @@ Each test is named after the item it pins down and failed before its fix.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -349,6 +350,39 @@ def test_issue12_item11_a_bundle_resumes_on_another_world_size_with_a_fresh_bala
     assert state.phase is Phase.PROBE
     assert h.core.work.open_epochs() == [1]  # the bundle's unfinished epoch goes on
     assert h.core.rounds_done == 8
+
+
+@pytest.mark.parametrize(
+    ("saved", "join_slots", "kept"),
+    [
+        ((10.0, 20.0), 2, (10.0, 20.0, 0.0, 0.0)),  # saved with join_slots=0, resumed with 2
+        ((10.0, 20.0, *[0.0] * 8), 0, (10.0, 20.0)),  # saved with the 8 default slots, with 0
+    ],
+)
+def test_a_bundle_resumes_with_other_join_slots_keeping_each_ranks_balancer_state(
+    saved: tuple[float, ...], join_slots: int, kept: tuple[float, ...]
+) -> None:
+    # The balancer's state has an entry per rank id, joiners' slots included; one of
+    # another length crashed the coordinator before the run began ("saved for 10
+    # ranks, this run has 2"), and the resume failed as "coordinator_lost".
+    meta = CheckpointMeta.from_json(json.dumps(with_state(smoothed_ms_per_batch=list(saved))))
+    h = resumed(meta, join_slots=join_slots)
+    h.form()
+    state = h.core.tuner.saved_state()
+    assert state.smoothed_ms_per_batch == kept  # the two ranks' paces go on; slots unmeasured
+    assert (state.anchor, state.anchor_rank, state.phase) == (10, 1, Phase.WARMUP)
+    assert h.core.work.open_epochs() == [1]
+
+
+def test_a_balancer_state_naming_an_anchor_past_this_runs_slots_starts_it_unelected() -> None:
+    state = ElCheState(
+        anchor=10, anchor_rank=5, smoothed_ms_per_batch=(10.0, 20.0, 0.0, 0.0, 0.0, 30.0),
+        phase=Phase.WARMUP, calibration_count=4,
+    )  # fmt: skip
+    assert state.for_slots(2) == dataclasses.replace(
+        state, anchor_rank=None, smoothed_ms_per_batch=(10.0, 20.0)
+    )
+    assert state.for_slots(6) == state
 
 
 def test_issue12_item11_coverage_of_another_dataset_length_is_refused() -> None:

@@ -131,7 +131,7 @@ class Coordinator:
         self.callbacks = Callbacks(every, self.roles, self.ledger)
         self.tuner = Tuner(
             every, self.elche, self.callbacks, self.planner, self.work,
-            ledger=self.ledger, saved=_balancer_state(resume, config.world_size),
+            ledger=self.ledger, saved=_balancer_state(resume, config),
         )  # fmt: skip
         self.saves = Saves(
             config, max(last_save, resume.save_seq if resume else 0), committed=last_save
@@ -791,8 +791,9 @@ class Coordinator:
         self._out.append(Emit(event=event))
 
 
-def _balancer_state(resume: CheckpointMeta | None, world_size: int) -> ElCheState | None:
-    """The balancer's saved state, if it is for this many ranks (else it starts afresh)."""
-    if resume is None or resume.world_size != world_size:
+def _balancer_state(resume: CheckpointMeta | None, config: CoordinatorConfig) -> ElCheState | None:
+    """The balancer's saved state, if it is for this many ranks (else it starts afresh),
+    over this run's rank ids: the saving run may have had other ``join_slots``."""
+    if resume is None or resume.world_size != config.world_size or resume.elche_state is None:
         return None
-    return resume.elche_state
+    return resume.elche_state.for_slots(config.num_slots)

@@ -12,6 +12,7 @@ configuration, and the transient state belongs to the window that was cut.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Mapping
@@ -95,6 +96,20 @@ class ElCheState:
             raise ConfigError("smoothed_ms_per_batch", "entries must be finite and >= 0")
         if self.trend_history is not None and not all(map(math.isfinite, self.trend_history)):
             raise ConfigError("trend_history", "entries must be finite")
+
+    def for_slots(self, num_slots: int) -> ElCheState:
+        """This state for a run of ``num_slots`` rank ids (its ranks, then the
+        joiners' slots): each entry is a rank id's, so a run resumed with other
+        ``join_slots`` keeps its ranks' paces, and slots it adds start
+        unmeasured (0). An anchor rank past them starts unelected."""
+        paces = self.smoothed_ms_per_batch[:num_slots]
+        paces += (0.0,) * (num_slots - len(paces))
+        rank = (
+            self.anchor_rank
+            if self.anchor_rank is not None and self.anchor_rank < num_slots
+            else None
+        )
+        return dataclasses.replace(self, smoothed_ms_per_batch=paces, anchor_rank=rank)
 
     def to_json(self) -> dict[str, object]:
         """A JSON-ready mapping; the phase is its lower-case name."""
