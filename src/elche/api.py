@@ -47,7 +47,7 @@ from elche.core.config import (
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
 from elche.core.progress import Progress
-from elche.runtime.bundle import meta_path
+from elche.runtime.bundle import meta_path, no_meta
 from elche.runtime.frames import COORDINATOR_SENDER
 from elche.runtime.options import check_options
 from elche.runtime.plan import Hooks, Plan, TrainResult, hold_save_path
@@ -426,7 +426,7 @@ def _plan(
         _check_stem(save_path)
         check_writable(Path(save_path).parent, "save_path")
     if resume_from is not None and not meta_path(resume_from).exists():
-        raise ConfigError("resume_from", f"no checkpoint meta at {meta_path(resume_from)}")
+        raise no_meta(resume_from)
     slots = _join_slots(Mode.parse(mode), world, join_slots)
     _check_sender_ids(world, slots)
     config = CoordinatorConfig(

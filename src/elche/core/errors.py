@@ -50,6 +50,7 @@ class ConfigError(Error, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
 
 
 class ProtocolError(Error):

@@ -46,6 +46,7 @@ __all__ = [
     "meta_path",
     "model_name",
     "next_seq",
+    "no_meta",
     "optim_name",
     "outer_name",
     "prune",
@@ -184,6 +185,38 @@ def write_meta(stem: str, meta: CheckpointMeta) -> None:
     write_file(meta_path(stem), lambda f: f.write(text), kind="meta")
 
 
+def no_meta(stem: str) -> ConfigError:
+    """The error for ``resume_from=stem`` where ``stem`` has no meta, saying what
+    ``stem`` is instead where that is plain: the meta itself, a folder of bundles,
+    another file (a model, a run's ``final_model.pt``)."""
+    where, path = meta_path(stem), Path(stem)
+    said = f"no checkpoint meta at {where}"
+    if stem.endswith(".meta.json") and path.is_file():
+        return ConfigError(
+            "resume_from",
+            f"{said}: {stem!r} is the meta itself; pass its bundle's stem, "
+            f"resume_from={stem.removesuffix('.meta.json')!r}",
+        )
+    if path.is_dir():
+        inside = sorted(
+            str(p.with_name(p.name.removesuffix(".meta.json"))) for p in path.glob("*.meta.json")
+        )
+        named = f", e.g. {inside[0]!r}" if inside else " (it holds no STEM.meta.json)"
+        return ConfigError(
+            "resume_from",
+            f"{said}: {stem!r} is a folder; a bundle is a stem, STEM.meta.json and the files it "
+            f"names beside it: name the bundle inside it{named}",
+        )
+    if path.is_file():
+        return ConfigError(
+            "resume_from",
+            f"{said}: {stem!r} is a file, not a bundle's stem (STEM.meta.json and the files it "
+            "names); a run's final model is no bundle: it holds the weights only (torch.load "
+            "it), and a run resumes from the bundles it saved (save_path, checkpoint_every)",
+        )
+    return ConfigError("resume_from", said)
+
+
 def check_unchanged(stem: str, meta: CheckpointMeta, seq: int | None) -> None:
     """``meta``, read at ``stem`` now, is of the save the run was checked at (``seq``).
 
@@ -309,14 +342,19 @@ def locate(stem: str, meta: CheckpointMeta, world_size: int) -> BundlePaths:
 
 
 def verify(path: Path, expected: BundleFile, *, what: str) -> None:
-    """Refuse a bundle file that is missing or not the one its meta names.
+    """Refuse a bundle file that is missing, unreadable or not the one its meta names.
 
     Raises:
-        ConfigError: ``resume_from``, naming the file and what differs.
+        ConfigError: ``resume_from``, naming the file and what is wrong.
     """
     if not path.exists():
         raise ConfigError("resume_from", f"the bundle's {what} {path} is missing")
-    size, digest = _digest(path)
+    try:
+        size, digest = _digest(path)
+    except OSError as exc:  # a folder in its place, no permission, a failing disk
+        raise ConfigError(
+            "resume_from", f"cannot read the bundle's {what} {path}: {exc.strerror or exc}"
+        ) from None
     if size != expected.size or digest != expected.sha256:
         raise ConfigError(
             "resume_from",

@@ -48,8 +48,8 @@ def check_resume(
     batch size mismatch names it.
 
     Raises:
-        ConfigError: no readable meta, a mismatch with the run, a file that is
-            missing or changed, a model of other keys or shapes, or an
+        ConfigError: no readable meta (naming it), a mismatch with the run, a
+            file that is missing, unreadable or changed, a model of other keys or shapes, or an
             optimizer state that does not fit ``optimizer_fn``'s optimizer.
     """
     where = bundle.meta_path(stem)
@@ -59,7 +59,10 @@ def check_resume(
         raise ConfigError("resume_from", f"no checkpoint meta at {where}: {exc}") from None
     except UnicodeDecodeError:
         raise ConfigError("resume_from", f"{where} is not a checkpoint meta (not text)") from None
-    meta = CheckpointMeta.from_json(text)
+    try:
+        meta = CheckpointMeta.from_json(text)
+    except ConfigError as exc:  # truncated, edited, of a newer elche: which file it is
+        raise ConfigError(exc.field, f"{exc.message} (in {where})") from None
     meta.check_fits(config, accumulate=accumulate)
     paths = bundle.locate(stem, meta, config.world_size)
     if meta.files is not None:
