@@ -47,6 +47,7 @@ from elche.core.config import (
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
 from elche.core.progress import Progress
+from elche.runtime import bundle
 from elche.runtime.bundle import meta_path, no_meta
 from elche.runtime.frames import COORDINATOR_SENDER
 from elche.runtime.options import check_options
@@ -171,8 +172,10 @@ def train(
             most (default 3; 0: never). See ``docs/failure-modes.md``.
         progress: show a live progress display on stderr.
         run_dir: where the run's files go (default: a new temp directory,
-            which a completed run trims to its report, timeline and summary;
-            ``summary["run_dir"]`` and ``summary["report"]`` name them).
+            which a completed run trims to its report, timeline and summary,
+            and the last bundle ``checkpoint_every`` asked for;
+            ``summary["run_dir"]``, ``summary["report"]`` and
+            ``summary["bundle"]`` name them).
         outer_lr: DiLoCo outer optimizer (Nesterov momentum on the averaged
             pseudo-gradient) in the coordinator, cpu-* modes only; None (the
             default) averages plainly. Suggested: 0.7.
@@ -788,17 +791,30 @@ def _train_cluster(
 def tidy_run_dir(result: TrainResult, directory: Path) -> None:
     """Trim a completed run's directory to its record; keep any other run's whole.
 
-    A completed run has nothing to resume, so its bundle, model states and
-    logs go; its report, timeline and summary (``KEPT_FILES``, a few hundred
-    kB) stay, so ``summary["report"]`` names a file that exists.
+    A completed run has nothing to resume, so its model states and logs go;
+    its report, timeline and summary (``KEPT_FILES``, a few hundred kB) stay,
+    so ``summary["report"]`` names a file that exists. So does the last
+    bundle ``checkpoint_every`` asked for, which ``summary["bundle"]`` names
+    (it continues the run for more epochs).
     """
     if result.summary.get("outcome") != "completed":
         print(f"elche: the run's files are kept in {directory}", file=sys.stderr, flush=True)
         return
+    kept = KEPT_FILES | _bundle_files(result.summary.get("bundle"), directory)
     for path in directory.iterdir():
-        if path.name in KEPT_FILES:
+        if path.name in kept:
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+
+
+def _bundle_files(stem: object, directory: Path) -> frozenset[str]:
+    """The names of the files of the bundle at ``stem``, if it is in ``directory``."""
+    meta = bundle.read_meta(stem) if isinstance(stem, str) else None
+    if meta is None or Path(str(stem)).parent != directory:
+        return frozenset()
+    paths = bundle.locate(str(stem), meta, meta.world_size)
+    files = [bundle.meta_path(str(stem)), paths.model, *paths.optim.values()]
+    return frozenset(p.name for p in (*files, *([paths.outer] if paths.outer else [])))

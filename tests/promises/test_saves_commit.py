@@ -258,3 +258,30 @@ def test_issue12_item08_a_stop_whose_meta_cannot_be_written_is_not_announced_as_
     assert "its meta could not be written" in str(result.summary["reason"])
     assert result.summary["bundle"] is None
     assert not bundle.meta_path(str(stem)).exists()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_checkpoints_a_completed_run_in_a_temporary_dir_asked_for_stay_and_resume(
+    ranks: int,
+) -> None:
+    # No run_dir, no save_path: the run's bundles go to its temporary directory,
+    # which a completed run trims to its record. The last bundle checkpoint_every
+    # asked for stays, as the summary names it: it was removed with the rest,
+    # and resuming it for more epochs said its meta was missing.
+    first = elche.train(
+        make_model, make_optimizer, step, DATA, batch_size=8, epochs=2, ranks=ranks,
+        checkpoint_every=1, progress=False,
+    )  # fmt: skip
+    assert first.summary["outcome"] == "completed"
+    stem = first.summary["bundle"]
+    assert isinstance(stem, str) and bundle.meta_path(stem).exists(), stem
+    on_disk = bundle_on_disk(stem)
+    assert on_disk.model.exists() and all(p.exists() for p in on_disk.optim.values())
+    kept = {p.name for p in Path(stem).parent.iterdir()}
+    assert {"summary.json", "timeline.jsonl"} <= kept and "final_model.pt" not in kept, kept
+    more = elche.train(
+        make_model, make_optimizer, step, DATA, batch_size=8, epochs=3, ranks=ranks,
+        resume_from=stem, progress=False,
+    )  # fmt: skip
+    assert more.summary["outcome"] == "completed"
+    assert more.summary["epochs_completed"] == 3 and more.summary["lost_samples"] == 0

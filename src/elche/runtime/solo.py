@@ -454,7 +454,7 @@ def _result(solo: _Solo, t0: float, run_dir: str | None) -> TrainResult:
         "dead_ranks": [],
         "outcome": "completed",
         "reason": "",
-        "bundle": None,
+        "bundle": solo.bundles[-1]["stem"] if solo.bundles else None,  # as with more ranks
         "bundles": solo.bundles,
         "notices": solo.notices,
         "per_rank": [
