@@ -69,6 +69,7 @@ __all__ = [
     "Interrupted",
     "StopSignals",
     "announce",
+    "drop_hung_up_streams",
     "end_as_signalled",
     "ignore_stop_signals",
     "launcher_stream",
@@ -228,7 +229,7 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGHUP:
-            _drop_hung_up_streams()
+            drop_hung_up_streams()
         if self.received is not None:
             # Only a person presses Ctrl-C twice. Tools send SIGTERM, some of them
             # twice (``timeout`` to its child and then to its group), and end a
@@ -309,7 +310,7 @@ def _end_of_this_thread() -> threading.Event:
     return ended
 
 
-def _drop_hung_up_streams() -> None:
+def drop_hung_up_streams() -> None:
     """Point stdout and stderr at ``/dev/null`` where they are a terminal that hung up.
 
     After a hang-up every write to the terminal fails (``EIO``): the run's last
