@@ -71,6 +71,7 @@ __all__ = [
     "announce",
     "drop_hung_up_streams",
     "end_as_signalled",
+    "held_stop_signals",
     "ignore_stop_signals",
     "launcher_stream",
     "launcher_streams",
@@ -386,6 +387,25 @@ def relay_stop_signals() -> Iterator[None]:
         _RELAYS.remove(relay)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def held_stop_signals() -> Iterator[None]:
+    """While entered (on the main thread), a stop signal (``STOP_SIGNALS``) waits: on
+    a clean exit it is raised again, to the handlers of before.
+
+    For a step that a stop must not cut in two, such as starting processes
+    that only their parent's cleanup ends, the parent knowing none of them
+    yet. A second Ctrl-C ends the wait at once (``StopSignals``). Elsewhere
+    than the main thread it holds nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    with StopSignals() as held:
+        yield
+    if held.received is not None:
+        signal.raise_signal(held.received)
 
 
 def ignore_stop_signals() -> None:
