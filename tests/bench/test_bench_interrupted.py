@@ -1,13 +1,13 @@
-"""``elche bench`` stopped by Ctrl-C or SIGTERM keeps what it measured.
+"""``elche bench`` stopped by Ctrl-C, SIGTERM or SIGHUP keeps what it measured.
 
 End to end, the bench CLI runs in a session of its own on a tiny suite (solo,
 cadence, torch DDP); the test signals its whole process group, as Ctrl-C
 would, once cadence's run has finished an epoch (its timeline's first
-``EpochEnd``), then finds every process of the session by its id
-(``test_lifetimes``). The others stop a fake measuring step in the CLI's own
-process, as the signal's handler would (``test_bench_storage``). Before,
-nothing was written until the last run was over: a stopped bench lost every
-run it had measured.
+``EpochEnd``), or closes the terminal of a bench whose DDP cell is next,
+then finds every process of the session by its id (``test_lifetimes``). The
+others stop a fake measuring step in the CLI's own process, as the signal's
+handler would (``test_bench_storage``). Before, nothing was written until the
+last run was over: a stopped bench lost every run it had measured.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,8 +37,10 @@ from tests.bench.test_metrics import fake_run
 from tests.promises.test_lifetimes import (
     MID_RUN_WITHIN_S,
     ORPHANS_GONE_WITHIN_S,
+    TAKE_THE_TERMINAL,
     command_line,
     session_pids,
+    show_terminal,
 )
 
 # Cadence trains long enough (20 epochs of ~0.1 s) that the signal, sent at its
@@ -77,7 +80,7 @@ def test_ctrl_c_mid_bench_writes_the_runs_it_measured_and_exits_130(tmp_path: Pa
             stdout=subprocess.PIPE, stderr=stderr,
         )  # fmt: skip
         try:
-            _wait_training(proc, out / "runs" / "01-digits-logreg-cadence" / "timeline.jsonl")
+            _wait_for(proc, out / "runs" / "01-digits-logreg-cadence" / "timeline.jsonl")
             # Written after each run: a bench killed outright keeps what it measured.
             so_far = json.loads((out / "results.json").read_text())
             assert [r["system"] for r in so_far["runs"]] == ["solo"]
@@ -114,15 +117,65 @@ def test_ctrl_c_mid_bench_writes_the_runs_it_measured_and_exits_130(tmp_path: Pa
     ) in (out / "report.md").read_text()
 
 
-def _wait_training(proc: subprocess.Popen[str], timeline: Path) -> None:
-    """Until ``timeline`` has an ``EpochEnd`` record."""
+def _wait_for(proc: subprocess.Popen[str], path: Path, text: str = '"EpochEnd"') -> None:
+    """Until ``path`` holds ``text`` (a timeline's first ``EpochEnd`` record)."""
     deadline = time.monotonic() + MID_RUN_WITHIN_S
     while time.monotonic() < deadline:
-        if timeline.exists() and '"EpochEnd"' in timeline.read_text():
+        if path.exists() and text in path.read_text():
             return
         assert proc.poll() is None, "the bench ended before it was interrupted"
         time.sleep(0.02)  # polling for a condition, with a deadline
-    raise AssertionError("cadence's run never finished an epoch")
+    raise AssertionError(f"{path} never held {text}")
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_closed_terminal_outside_an_elche_run_writes_what_was_measured_and_exits_129(
+    tmp_path: Path,
+) -> None:
+    # The bench's terminal hangs up once solo is measured, torch DDP's cell next: the
+    # kernel sends SIGHUP to the terminal's foreground process group (the bench, DDP's
+    # ranks). Outside an elche run nothing handled it: the bench died there and then,
+    # its results.json still saying it was running, DDP's cell not named as not run.
+    out = tmp_path / "bench"
+    script = tmp_path / "bench.py"
+    ddp_only = SCRIPT.replace('("cadence", "torch-ddp")', '("torch-ddp",)')
+    script.write_text(ddp_only.replace("epochs=20", "epochs=5"))  # DDP starts for seconds
+    scratch = Path(tempfile.mkdtemp(prefix="eb-"))
+    env = dict(os.environ, TMPDIR=str(scratch), PYTHONUNBUFFERED="1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    args = [sys.executable, str(script), "--out", str(out), "--json"]
+    master, terminal = os.openpty()
+    with (tmp_path / "stdout").open("w") as stdout:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", TAKE_THE_TERMINAL, *args], stdin=terminal, stdout=stdout,
+            stderr=terminal, start_new_session=True, env=env, text=True, cwd=tmp_path,
+        )  # fmt: skip
+    os.close(terminal)
+    shown = threading.Event()  # set: the terminal stops showing what the bench prints
+    reader = threading.Thread(target=show_terminal, args=(master, shown), daemon=True)
+    reader.start()
+    try:
+        _wait_for(proc, out / "results.json", '"system": "solo"')  # written after each run
+        shown.set()
+        reader.join()
+        os.close(master)  # the terminal closes
+        returncode = proc.wait(timeout=60)
+        _wait_gone(proc.pid)
+    finally:
+        for pid in session_pids(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait(timeout=30)
+        shutil.rmtree(scratch, ignore_errors=True)
+    printed = (tmp_path / "stdout").read_text()
+    assert returncode == 129, printed[-3000:]  # its stderr went with the terminal
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["interrupted"] == "SIGHUP"
+    assert [r["system"] for r in doc["runs"]] == ["solo"]
+    assert [cell["cell"] for cell in doc["not_run"]] == NOT_RUN[1:]
+    assert json.loads(printed) == doc
 
 
 def _measure_one_then(
