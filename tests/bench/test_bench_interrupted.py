@@ -12,6 +12,7 @@ last run was over: a stopped bench lost every run it had measured.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ import elche.bench
 import elche.bench.charts
 import elche.bench.runner
 from elche.bench import suites
+from elche.bench.kept_weights import KeepWeights
 from elche.cli import endings, main
 from tests.bench.test_bench_storage import FAKE
 from tests.bench.test_metrics import fake_run
@@ -99,6 +101,7 @@ def test_ctrl_c_mid_bench_writes_the_runs_it_measured_and_exits_130(tmp_path: Pa
         err = stderr.read()
     assert proc.returncode == code, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+    assert "resume" not in err, err[-3000:]  # the bench resumes none of its runs
     assert err.splitlines()[-1] == (
         f"elche bench: interrupted by {sig.name} after 1 of 3 runs; "
         f"what was measured is in {out}/results.json"
@@ -268,3 +271,40 @@ def test_a_second_ctrl_c_while_writing_leaves_each_file_whole(
     assert [cell["system"] for cell in doc["not_run"]] == ["torch-ddp"]
     assert "- **partial: 1 of 2 runs so far" in (tmp_path / "report.md").read_text()
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
+
+
+# Solo trains in the bench's own process: a signal it sends itself lands in the run.
+SOLO_FIRST = suites.Suite(
+    name="quick", workloads=(suites.WorkloadPlan("digits-logreg", epochs=2),),
+    rigs=((1.0, 0.5),), systems=("torch-ddp",), capacity_s=0,
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class _StoppedAtTheFirstEval(KeepWeights):
+    """The bench's ``eval_fn`` (it runs at each epoch's end, in the clock), which sends
+    this process SIGINT at the first, as Ctrl-C would."""
+
+    def __call__(self, model: Any, dataset: Any) -> float:
+        if not any(Path(self.directory).iterdir()):
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().__call__(model, dataset)
+
+
+def test_a_stopped_run_says_where_it_is_saved_not_how_to_resume_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Its line said "resume with: resume_from=…", which the bench never does.
+    monkeypatch.setattr(elche.bench.runner, "KeepWeights", _StoppedAtTheFirstEval)
+    monkeypatch.setitem(suites.SUITES, "quick", SOLO_FIRST)
+    code = main(["bench", "--suite", "quick", "--no-progress", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 130, err
+    run_dir = tmp_path / "runs" / "00-digits-logreg-solo"
+    assert "resume" not in err
+    assert err.splitlines()[-2:] == [  # after its run's first line: where it is
+        f"elche: interrupted by SIGINT; the run is saved under {run_dir}/checkpoint",
+        "elche bench: interrupted by SIGINT after 0 of 2 runs; "
+        f"what was measured is in {tmp_path}/results.json",
+    ]
+    assert (run_dir / "checkpoint.meta.json").exists()

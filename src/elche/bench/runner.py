@@ -97,6 +97,7 @@ from elche.bench.suites import (
 from elche.core import timeline as tl
 from elche.monitor.summary import rank_report_file
 from elche.monitor.timeline import read_timeline
+from elche.runtime.lifetimes import RESUME_HINT
 from elche.workloads import Workload, load_split
 from elche.workloads import get as get_workload
 
@@ -285,6 +286,7 @@ def run_one(
         "error": None,
     }
     started = time.perf_counter()
+    hint = RESUME_HINT.set(None)  # a stopped run says where it is saved: the bench resumes none
     try:
         if hosts is not None and system != SOLO:
             named, wire, overlap = split_averaging(system, wire, overlap)
@@ -314,6 +316,8 @@ def run_one(
             )  # fmt: skip
     except Exception as exc:  # a failed cell is reported, the suite goes on
         record["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        RESUME_HINT.reset(hint)
     record["total_s"] = round(time.perf_counter() - started, 3)
     return record
 

@@ -113,8 +113,11 @@ def _resume_from(stem: str) -> str:
 
 
 # How the one line an interrupted run prints says to resume bundle ``stem``:
-# ``elche demo`` sets its own command line here.
-RESUME_HINT: ContextVar[Callable[[str], str]] = ContextVar("RESUME_HINT", default=_resume_from)
+# ``elche demo`` sets its own command line here; None where nothing resumes the
+# run (``elche bench``'s runs): the line says where it is saved, not how to resume.
+RESUME_HINT: ContextVar[Callable[[str], str] | None] = ContextVar(
+    "RESUME_HINT", default=_resume_from
+)
 
 
 class Interrupted(SystemExit, KeyboardInterrupt):
@@ -148,32 +151,33 @@ class Interrupted(SystemExit, KeyboardInterrupt):
 
 def announce(stop: Interrupted, resumed_from: str | None = None, *, earlier: bool = False) -> None:
     """The one line on stderr an interrupted run prints: where it is and how to resume
-    (``resumed_from``: the bundle the run started from, which a stop saving nothing
-    leaves as it was; ``earlier``: ``stop.bundle`` is a checkpoint this run committed
-    before, its stop's own save having failed)."""
+    (``RESUME_HINT``; ``resumed_from``: the bundle the run started from, which a stop
+    saving nothing leaves as it was; ``earlier``: ``stop.bundle`` is a checkpoint this
+    run committed before, its stop's own save having failed)."""
     name = stop.signal.name
     summary = getattr(stop.result, "summary", None) or {}
     if earlier and stop.bundle is not None:
         text = (
             f"elche: interrupted by {name}; the stop's save failed ({summary.get('reason')}), "
-            f"but the run's last checkpoint, {stop.bundle}, is whole: resume with: "
-            f"{RESUME_HINT.get()(stop.bundle)}"
+            f"but the run's last checkpoint, {stop.bundle}, is whole{_resume(stop.bundle)}"
         )
     elif stop.bundle is None and summary.get("outcome") == "failed":  # it trained; none fit
         text = f"elche: interrupted by {name}; nothing could be saved: {summary.get('reason')}"
     elif stop.bundle is None:
         text = f"elche: interrupted by {name} before the run formed; nothing was saved"
     else:
-        text = (
-            f"elche: interrupted by {name}; the run is saved under {stop.bundle}; "
-            f"resume with: {RESUME_HINT.get()(stop.bundle)}"
-        )
+        text = f"elche: interrupted by {name}; the run is saved under {stop.bundle}"
+        text += _resume(stop.bundle, ";")
     if stop.bundle is None and resumed_from is not None:
-        text += (
-            f"; the bundle it resumed from is as it was: resume with: "
-            f"{RESUME_HINT.get()(resumed_from)}"
-        )
+        text += f"; the bundle it resumed from is as it was{_resume(resumed_from)}"
     print(text, file=sys.stderr, flush=True)
+
+
+def _resume(stem: str, after: str = ":") -> str:
+    """How ``announce``'s line goes on to say to resume bundle ``stem`` (``RESUME_HINT``):
+    ``after`` and ``resume with: …``, or nothing where nothing resumes the run."""
+    hint = RESUME_HINT.get()
+    return "" if hint is None else f"{after} resume with: {hint(stem)}"
 
 
 class StopSignals:
