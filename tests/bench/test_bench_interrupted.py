@@ -308,3 +308,67 @@ def test_a_stopped_run_says_where_it_is_saved_not_how_to_resume_it(
         f"what was measured is in {tmp_path}/results.json",
     ]
     assert (run_dir / "checkpoint.meta.json").exists()
+
+
+@pytest.mark.parametrize(
+    "system", ["solo", pytest.param("cadence", marks=[pytest.mark.slow, pytest.mark.integration])]
+)
+def test_a_stop_once_a_run_has_trained_waits_for_its_record(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    system: str,
+) -> None:
+    # SIGTERM while the bench evaluated a trained run's kept copies ended the evaluation:
+    # the run, trained to its end, was not recorded, and was listed as not run.
+    evaluate_kept = elche.bench.runner.evaluate_kept
+    evaluated: list[str] = []
+
+    def stopped_meanwhile(workload: str, directory: Path, *args: Any, **kwargs: Any) -> Any:
+        evaluated.append(directory.parent.name)
+        if directory.parent.name.endswith(system):
+            os.kill(os.getpid(), signal.SIGTERM)  # the signal comes while it evaluates
+        return evaluate_kept(workload, directory, *args, **kwargs)
+
+    monkeypatch.setattr(elche.bench.runner, "evaluate_kept", stopped_meanwhile)
+    suite = dataclasses.replace(SOLO_FIRST, systems=(system,)) if system != "solo" else SOLO_FIRST
+    monkeypatch.setitem(suites.SUITES, "quick", suite)
+    code = main(["bench", "--suite", "quick", "--no-progress", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    done = ["solo"] if system == "solo" else ["solo", system]
+    assert code == 143, err
+    assert evaluated == [f"{i:02d}-digits-logreg-{name}" for i, name in enumerate(done)]
+    assert err.splitlines()[-1] == (
+        f"elche bench: interrupted by SIGTERM after {len(done)} of 2 runs; "
+        f"what was measured is in {tmp_path}/results.json"
+    )
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["interrupted"] == "SIGTERM"
+    assert [r["system"] for r in doc["runs"]] == done
+    stopped = doc["runs"][-1]
+    assert stopped["error"] is None and stopped["wall_s"] > 0 and stopped["total_s"] > 0
+    # Every kept copy evaluated: accuracies, not the copies' numbers (0, 1).
+    assert 0 < stopped["eval"] < 1
+    assert [0 < epoch["eval"] < 1 for epoch in stopped["per_epoch"]] == [True, True]
+    assert len(doc["not_run"]) == 2 - len(done)
+
+
+def test_a_run_that_fails_once_a_stop_waits_is_recorded_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def stopped_then_refused(workload: str, directory: Path, *args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise OSError(28, "No space left on device", str(directory / "000000.kept.pt"))
+
+    monkeypatch.setattr(elche.bench.runner, "evaluate_kept", stopped_then_refused)
+    monkeypatch.setitem(suites.SUITES, "quick", SOLO_FIRST)
+    code = main(["bench", "--suite", "quick", "--no-progress", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 143, err
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["interrupted"] == "SIGTERM"
+    kept = tmp_path / "runs" / "00-digits-logreg-solo" / "kept" / "000000.kept.pt"
+    assert [(r["system"], r["error"]) for r in doc["runs"]] == [
+        ("solo", f"OSError: [Errno 28] No space left on device: '{kept}'")
+    ]
+    assert [cell["system"] for cell in doc["not_run"]] == ["torch-ddp"]
