@@ -382,32 +382,67 @@ def test_a_signal_in_start_up_is_one_line_and_the_shells_status(
     assert capsys.readouterr().err == f"elche {command}: interrupted by {name}\n"
 
 
-def test_sigterm_unwinds_like_ctrl_c_and_is_143(
+@pytest.mark.parametrize(("name", "code"), [("SIGTERM", 143), ("SIGHUP", 129)])
+@pytest.mark.parametrize("command", ["demo", "compare"])
+def test_sigterm_or_sighup_unwinds_like_ctrl_c_with_the_shells_status(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+    name: str,
+    code: int,
+) -> None:
+    # SIGHUP (a closed terminal, a dropped ssh) was left to its default: it ended the
+    # command there and then, a baseline's ranks and files left behind.
+    import os
+    import signal
+
+    cleaned = []
+    signum = signal.Signals[name]
+
+    def start_up(*args: object, **kwargs: object) -> None:
+        try:
+            os.kill(os.getpid(), signum)  # its handler raises here, inside the try
+        finally:
+            cleaned.append(True)
+
+    def not_main(signum: int, frame: object) -> None:
+        raise AssertionError("main left the signal to its old handler (the default kills)")
+
+    monkeypatch.setattr(cli, "_demo_summary", start_up)
+    monkeypatch.setattr("elche.bench.runner.measure_speed_base_s", start_up)
+    previous = signal.signal(signum, not_main)
+    try:
+        assert main([command, "--no-progress"] if command == "demo" else [command]) == code
+        assert signal.getsignal(signum) is not_main  # restored
+    finally:
+        signal.signal(signum, previous)
+    assert cleaned == [True]
+    assert capsys.readouterr().err == f"elche {command}: interrupted by {name}\n"
+
+
+def test_a_sighup_ignored_under_nohup_stays_ignored(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import os
     import signal
 
-    cleaned = []
+    handlers = []
 
-    def start_up(**kwargs: object) -> None:
-        try:
-            os.kill(os.getpid(), signal.SIGTERM)  # its handler raises here, inside the try
-        finally:
-            cleaned.append(True)
-
-    def not_main(signum: int, frame: object) -> None:
-        raise AssertionError("main left SIGTERM to its old handler (the default kills)")
+    def start_up(**kwargs: object) -> dict[str, object]:
+        handlers.append(signal.getsignal(signal.SIGHUP))
+        os.kill(os.getpid(), signal.SIGHUP)  # nothing happens
+        return {"joined_as": 1}
 
     monkeypatch.setattr(cli, "_demo_summary", start_up)
-    previous = signal.signal(signal.SIGTERM, not_main)
+    monkeypatch.setattr(cli, "_joined_demo", lambda summary, as_json: 0)
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        assert main(["demo", "--no-progress"]) == 143
-        assert signal.getsignal(signal.SIGTERM) is not_main  # restored
+        assert main(["demo", "--no-progress"]) == 0
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    assert cleaned == [True]
-    assert capsys.readouterr().err == "elche demo: interrupted by SIGTERM\n"
+        signal.signal(signal.SIGHUP, previous)
+    assert handlers == [signal.SIG_IGN]
+    assert capsys.readouterr().err == ""
 
 
 def test_a_run_that_said_where_it_stopped_is_not_said_again(

@@ -17,6 +17,7 @@ import sys
 import threading
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -252,6 +253,41 @@ def test_a_failing_rank_raises_with_its_traceback_and_stops_the_others() -> None
 def test_a_run_past_its_timeout_is_stopped() -> None:
     with pytest.raises(RuntimeError, match="timeout"):
         ddp._spawn_ranks(_every_rank_hangs, _plan(1.0), nprocs=2, timeout_s=1.0)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_stop_while_the_ranks_start_stops_every_one_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A stop signal (a closed terminal's SIGHUP to an elche bench) that came while
+    # start_processes forked the ranks raised in it, before _spawn_ranks had them: the
+    # ranks started so far, deaf to it, were left waiting for their peers, and the fork
+    # server lived on for them after the bench had ended.
+    import signal
+
+    from elche.cli.endings import Terminated, stop_signals_raise
+
+    started: list[Any] = []
+    start_processes = ddp.start_processes
+
+    def started_then_stopped(*args: Any, **kwargs: Any) -> Any:
+        context = start_processes(*args, **kwargs)
+        started.extend(context.processes)
+        os.kill(os.getpid(), signal.SIGHUP)  # before start_processes returns
+        return context
+
+    monkeypatch.setattr(ddp, "GRACE_S", 0.0)
+    monkeypatch.setattr(ddp, "start_processes", started_then_stopped)
+    try:
+        with stop_signals_raise(), pytest.raises(Terminated) as info:
+            ddp._spawn_ranks(_every_rank_hangs, _plan(60.0), nprocs=2, timeout_s=60.0)
+        assert info.value.signal == signal.SIGHUP
+        assert [rank.is_alive() for rank in started] == [False, False]
+    finally:
+        for rank in started:
+            rank.kill()
+            rank.join()
 
 
 PROBE = "ELCHE_TEST_SPAWN_PROBE"

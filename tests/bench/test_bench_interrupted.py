@@ -1,17 +1,18 @@
-"""``elche bench`` stopped by Ctrl-C or SIGTERM keeps what it measured.
+"""``elche bench`` stopped by Ctrl-C, SIGTERM or SIGHUP keeps what it measured.
 
 End to end, the bench CLI runs in a session of its own on a tiny suite (solo,
 cadence, torch DDP); the test signals its whole process group, as Ctrl-C
 would, once cadence's run has finished an epoch (its timeline's first
-``EpochEnd``), then finds every process of the session by its id
-(``test_lifetimes``). The others stop a fake measuring step in the CLI's own
-process, as the signal's handler would (``test_bench_storage``). Before,
-nothing was written until the last run was over: a stopped bench lost every
-run it had measured.
+``EpochEnd``), or closes the terminal of a bench whose DDP cell is next,
+then finds every process of the session by its id (``test_lifetimes``). The
+others stop a fake measuring step in the CLI's own process, as the signal's
+handler would (``test_bench_storage``). Before, nothing was written until the
+last run was over: a stopped bench lost every run it had measured.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,14 +32,17 @@ import elche.bench
 import elche.bench.charts
 import elche.bench.runner
 from elche.bench import suites
+from elche.bench.kept_weights import KeepWeights
 from elche.cli import endings, main
 from tests.bench.test_bench_storage import FAKE
 from tests.bench.test_metrics import fake_run
 from tests.promises.test_lifetimes import (
     MID_RUN_WITHIN_S,
     ORPHANS_GONE_WITHIN_S,
+    TAKE_THE_TERMINAL,
     command_line,
     session_pids,
+    show_terminal,
 )
 
 # Cadence trains long enough (20 epochs of ~0.1 s) that the signal, sent at its
@@ -77,7 +82,7 @@ def test_ctrl_c_mid_bench_writes_the_runs_it_measured_and_exits_130(tmp_path: Pa
             stdout=subprocess.PIPE, stderr=stderr,
         )  # fmt: skip
         try:
-            _wait_training(proc, out / "runs" / "01-digits-logreg-cadence" / "timeline.jsonl")
+            _wait_for(proc, out / "runs" / "01-digits-logreg-cadence" / "timeline.jsonl")
             # Written after each run: a bench killed outright keeps what it measured.
             so_far = json.loads((out / "results.json").read_text())
             assert [r["system"] for r in so_far["runs"]] == ["solo"]
@@ -96,6 +101,7 @@ def test_ctrl_c_mid_bench_writes_the_runs_it_measured_and_exits_130(tmp_path: Pa
         err = stderr.read()
     assert proc.returncode == code, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+    assert "resume" not in err, err[-3000:]  # the bench resumes none of its runs
     assert err.splitlines()[-1] == (
         f"elche bench: interrupted by {sig.name} after 1 of 3 runs; "
         f"what was measured is in {out}/results.json"
@@ -114,15 +120,65 @@ def test_ctrl_c_mid_bench_writes_the_runs_it_measured_and_exits_130(tmp_path: Pa
     ) in (out / "report.md").read_text()
 
 
-def _wait_training(proc: subprocess.Popen[str], timeline: Path) -> None:
-    """Until ``timeline`` has an ``EpochEnd`` record."""
+def _wait_for(proc: subprocess.Popen[str], path: Path, text: str = '"EpochEnd"') -> None:
+    """Until ``path`` holds ``text`` (a timeline's first ``EpochEnd`` record)."""
     deadline = time.monotonic() + MID_RUN_WITHIN_S
     while time.monotonic() < deadline:
-        if timeline.exists() and '"EpochEnd"' in timeline.read_text():
+        if path.exists() and text in path.read_text():
             return
         assert proc.poll() is None, "the bench ended before it was interrupted"
         time.sleep(0.02)  # polling for a condition, with a deadline
-    raise AssertionError("cadence's run never finished an epoch")
+    raise AssertionError(f"{path} never held {text}")
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_closed_terminal_outside_an_elche_run_writes_what_was_measured_and_exits_129(
+    tmp_path: Path,
+) -> None:
+    # The bench's terminal hangs up once solo is measured, torch DDP's cell next: the
+    # kernel sends SIGHUP to the terminal's foreground process group (the bench, DDP's
+    # ranks). Outside an elche run nothing handled it: the bench died there and then,
+    # its results.json still saying it was running, DDP's cell not named as not run.
+    out = tmp_path / "bench"
+    script = tmp_path / "bench.py"
+    ddp_only = SCRIPT.replace('("cadence", "torch-ddp")', '("torch-ddp",)')
+    script.write_text(ddp_only.replace("epochs=20", "epochs=5"))  # DDP starts for seconds
+    scratch = Path(tempfile.mkdtemp(prefix="eb-"))
+    env = dict(os.environ, TMPDIR=str(scratch), PYTHONUNBUFFERED="1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    args = [sys.executable, str(script), "--out", str(out), "--json"]
+    master, terminal = os.openpty()
+    with (tmp_path / "stdout").open("w") as stdout:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", TAKE_THE_TERMINAL, *args], stdin=terminal, stdout=stdout,
+            stderr=terminal, start_new_session=True, env=env, text=True, cwd=tmp_path,
+        )  # fmt: skip
+    os.close(terminal)
+    shown = threading.Event()  # set: the terminal stops showing what the bench prints
+    reader = threading.Thread(target=show_terminal, args=(master, shown), daemon=True)
+    reader.start()
+    try:
+        _wait_for(proc, out / "results.json", '"system": "solo"')  # written after each run
+        shown.set()
+        reader.join()
+        os.close(master)  # the terminal closes
+        returncode = proc.wait(timeout=60)
+        _wait_gone(proc.pid)
+    finally:
+        for pid in session_pids(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait(timeout=30)
+        shutil.rmtree(scratch, ignore_errors=True)
+    printed = (tmp_path / "stdout").read_text()
+    assert returncode == 129, printed[-3000:]  # its stderr went with the terminal
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["interrupted"] == "SIGHUP"
+    assert [r["system"] for r in doc["runs"]] == ["solo"]
+    assert [cell["cell"] for cell in doc["not_run"]] == NOT_RUN[1:]
+    assert json.loads(printed) == doc
 
 
 def _measure_one_then(
@@ -215,3 +271,104 @@ def test_a_second_ctrl_c_while_writing_leaves_each_file_whole(
     assert [cell["system"] for cell in doc["not_run"]] == ["torch-ddp"]
     assert "- **partial: 1 of 2 runs so far" in (tmp_path / "report.md").read_text()
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
+
+
+# Solo trains in the bench's own process: a signal it sends itself lands in the run.
+SOLO_FIRST = suites.Suite(
+    name="quick", workloads=(suites.WorkloadPlan("digits-logreg", epochs=2),),
+    rigs=((1.0, 0.5),), systems=("torch-ddp",), capacity_s=0,
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class _StoppedAtTheFirstEval(KeepWeights):
+    """The bench's ``eval_fn`` (it runs at each epoch's end, in the clock), which sends
+    this process SIGINT at the first, as Ctrl-C would."""
+
+    def __call__(self, model: Any, dataset: Any) -> float:
+        if not any(Path(self.directory).iterdir()):
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().__call__(model, dataset)
+
+
+def test_a_stopped_run_says_where_it_is_saved_not_how_to_resume_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Its line said "resume with: resume_from=…", which the bench never does.
+    monkeypatch.setattr(elche.bench.runner, "KeepWeights", _StoppedAtTheFirstEval)
+    monkeypatch.setitem(suites.SUITES, "quick", SOLO_FIRST)
+    code = main(["bench", "--suite", "quick", "--no-progress", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 130, err
+    run_dir = tmp_path / "runs" / "00-digits-logreg-solo"
+    assert "resume" not in err
+    assert err.splitlines()[-2:] == [  # after its run's first line: where it is
+        f"elche: interrupted by SIGINT; the run is saved under {run_dir}/checkpoint",
+        "elche bench: interrupted by SIGINT after 0 of 2 runs; "
+        f"what was measured is in {tmp_path}/results.json",
+    ]
+    assert (run_dir / "checkpoint.meta.json").exists()
+
+
+@pytest.mark.parametrize(
+    "system", ["solo", pytest.param("cadence", marks=[pytest.mark.slow, pytest.mark.integration])]
+)
+def test_a_stop_once_a_run_has_trained_waits_for_its_record(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    system: str,
+) -> None:
+    # SIGTERM while the bench evaluated a trained run's kept copies ended the evaluation:
+    # the run, trained to its end, was not recorded, and was listed as not run.
+    evaluate_kept = elche.bench.runner.evaluate_kept
+    evaluated: list[str] = []
+
+    def stopped_meanwhile(workload: str, directory: Path, *args: Any, **kwargs: Any) -> Any:
+        evaluated.append(directory.parent.name)
+        if directory.parent.name.endswith(system):
+            os.kill(os.getpid(), signal.SIGTERM)  # the signal comes while it evaluates
+        return evaluate_kept(workload, directory, *args, **kwargs)
+
+    monkeypatch.setattr(elche.bench.runner, "evaluate_kept", stopped_meanwhile)
+    suite = dataclasses.replace(SOLO_FIRST, systems=(system,)) if system != "solo" else SOLO_FIRST
+    monkeypatch.setitem(suites.SUITES, "quick", suite)
+    code = main(["bench", "--suite", "quick", "--no-progress", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    done = ["solo"] if system == "solo" else ["solo", system]
+    assert code == 143, err
+    assert evaluated == [f"{i:02d}-digits-logreg-{name}" for i, name in enumerate(done)]
+    assert err.splitlines()[-1] == (
+        f"elche bench: interrupted by SIGTERM after {len(done)} of 2 runs; "
+        f"what was measured is in {tmp_path}/results.json"
+    )
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["interrupted"] == "SIGTERM"
+    assert [r["system"] for r in doc["runs"]] == done
+    stopped = doc["runs"][-1]
+    assert stopped["error"] is None and stopped["wall_s"] > 0 and stopped["total_s"] > 0
+    # Every kept copy evaluated: accuracies, not the copies' numbers (0, 1).
+    assert 0 < stopped["eval"] < 1
+    assert [0 < epoch["eval"] < 1 for epoch in stopped["per_epoch"]] == [True, True]
+    assert len(doc["not_run"]) == 2 - len(done)
+
+
+def test_a_run_that_fails_once_a_stop_waits_is_recorded_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def stopped_then_refused(workload: str, directory: Path, *args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise OSError(28, "No space left on device", str(directory / "000000.kept.pt"))
+
+    monkeypatch.setattr(elche.bench.runner, "evaluate_kept", stopped_then_refused)
+    monkeypatch.setitem(suites.SUITES, "quick", SOLO_FIRST)
+    code = main(["bench", "--suite", "quick", "--no-progress", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 143, err
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["interrupted"] == "SIGTERM"
+    kept = tmp_path / "runs" / "00-digits-logreg-solo" / "kept" / "000000.kept.pt"
+    assert [(r["system"], r["error"]) for r in doc["runs"]] == [
+        ("solo", f"OSError: [Errno 28] No space left on device: '{kept}'")
+    ]
+    assert [cell["system"] for cell in doc["not_run"]] == ["torch-ddp"]

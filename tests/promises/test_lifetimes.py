@@ -348,7 +348,7 @@ def test_a_closed_terminal_saves_the_run_and_exits_129(tmp_path: Path) -> None:
         )  # fmt: skip
     os.close(terminal)
     shown = threading.Event()  # set: the terminal stops showing what the run prints
-    reader = threading.Thread(target=_show, args=(master, shown), daemon=True)
+    reader = threading.Thread(target=show_terminal, args=(master, shown), daemon=True)
     reader.start()
     try:
         wait_mid_run(proc, tmp_path)  # type: ignore[arg-type]  # it polls the process only
@@ -369,7 +369,7 @@ def test_a_closed_terminal_saves_the_run_and_exits_129(tmp_path: Path) -> None:
     assert Path(f"{save}.meta.json").exists()
 
 
-def _show(master: int, shown: threading.Event) -> None:
+def show_terminal(master: int, shown: threading.Event) -> None:
     """Read what a terminal shows (its writers would block on a full one) until ``shown``."""
     while not shown.is_set():
         if select.select([master], [], [], 0.05)[0]:

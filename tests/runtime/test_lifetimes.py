@@ -11,7 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from elche.runtime.lifetimes import Interrupted, StopSignals, announce, relay_stop_signals
+from elche.runtime.lifetimes import (
+    RESUME_HINT,
+    Interrupted,
+    StopSignals,
+    announce,
+    relay_stop_signals,
+)
 
 
 def test_interrupted_is_a_keyboard_interrupt_and_a_quiet_exit_status() -> None:
@@ -115,3 +121,23 @@ def test_a_resumed_run_stopped_before_it_saved_points_back_at_its_bundle(
     )
     announce(Interrupted(signal.SIGINT, "/tmp/b/run", None), resumed_from="/tmp/b/run")
     assert "as it was" not in capsys.readouterr().err  # it saved anew: that is the line
+
+
+def test_a_run_nothing_resumes_says_where_it_is_saved_and_no_more(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # elche bench's runs: "resume with: resume_from=…" was untrue there.
+    token = RESUME_HINT.set(None)
+    try:
+        announce(Interrupted(signal.SIGINT, "/tmp/b/run", None))
+        announce(Interrupted(signal.SIGTERM, "/tmp/b/run", None), earlier=True)
+        announce(Interrupted(signal.SIGINT, None, None), resumed_from="/tmp/b/run")
+    finally:
+        RESUME_HINT.reset(token)
+    assert capsys.readouterr().err.splitlines() == [
+        "elche: interrupted by SIGINT; the run is saved under /tmp/b/run",
+        "elche: interrupted by SIGTERM; the stop's save failed (None), but the run's last "
+        "checkpoint, /tmp/b/run, is whole",
+        "elche: interrupted by SIGINT before the run formed; nothing was saved; the bundle "
+        "it resumed from is as it was",
+    ]

@@ -221,19 +221,22 @@ def _spawn_ranks(
             ``timeout_s`` (all are terminated).
     """
     from elche.runtime.launch import rank_context  # the launcher's side only
-    from elche.runtime.lifetimes import launcher_streams
+    from elche.runtime.lifetimes import held_stop_signals, launcher_streams
 
     method = rank_context().get_start_method()  # elche's warm fork server, where there is one
-    with launcher_streams(method) as streams:
-        context: ProcessContext = start_processes(  # type: ignore[no-untyped-call]  # untyped
-            _in_environment,
-            args=(fn, dict(os.environ), streams, plan),
-            nprocs=nprocs,
-            join=False,
-            start_method=method,
-        )
+    context: ProcessContext | None = None
     deadline_s = time.monotonic() + timeout_s
     try:
+        # A stop while they start comes once all are known, so the cleanup below
+        # stops them: raised in between, it left the ranks started so far running.
+        with held_stop_signals(), launcher_streams(method) as streams:
+            context = start_processes(  # type: ignore[no-untyped-call]  # untyped
+                _in_environment,
+                args=(fn, dict(os.environ), streams, plan),
+                nprocs=nprocs,
+                join=False,
+                start_method=method,
+            )
         while not context.join(
             timeout=max(deadline_s - time.monotonic(), 0.0), grace_period=GRACE_S
         ):
@@ -242,8 +245,9 @@ def _spawn_ranks(
     except ProcessException as exc:
         raise RuntimeError(f"{system}: rank {exc.error_index} failed: {exc}") from exc
     finally:
-        _stop_all(context.processes)
-        _remove_error_files(context)
+        if context is not None:
+            _stop_all(context.processes)
+            _remove_error_files(context)
 
 
 def _in_environment(

@@ -89,9 +89,10 @@ def run_bench(
         lists, ``{file, error}`` each (``error``: the reason), the outputs
         that a full or read-only ``out_dir`` refused once the suite had run
         (``results.json`` too: the document is then only what this returns);
-        none is left in part, and the others are still written. Ctrl-C or
-        SIGTERM stops the run in progress as it stops any (``run_suite``), and
-        the outputs are written for the runs before it: ``interrupted`` names
+        none is left in part, and the others are still written. Ctrl-C,
+        SIGTERM or SIGHUP stops the run in progress as it stops any
+        (``run_suite``; one that has trained is kept), and the outputs are
+        written for the runs before it: ``interrupted`` names
         the signal (``"SIGINT"``; None when the suite ran to its end) and
         ``not_run`` lists the cells left, the stopped one first
         (``Cell.to_json``). A second signal while they are written stops the

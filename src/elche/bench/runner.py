@@ -61,6 +61,13 @@ apart. ``syncs`` counts averaging rounds for elche and gradient all-reduces
 A run that raises is recorded with ``error`` set and no numbers; the suite
 goes on.
 
+Stops. Ctrl-C, SIGTERM or SIGHUP stops the run in progress, which is not
+recorded, and the suite. One that comes once an elche or solo run has
+trained, while its kept copies are evaluated (as ``elche.train`` finishes a
+run whose training was over), waits for the record: the run is recorded
+whole, then the suite stops (``StoppedAfterTraining``). A second Ctrl-C
+stops at once.
+
 Run directories. Given ``runs_dir``, each elche and solo run writes its files
 to ``runs_dir/NN-WORKLOAD-SYSTEM`` (``NN`` its place in the suite) and a
 completed one is trimmed to its record (report, timeline, summary: what
@@ -76,6 +83,7 @@ import contextlib
 import dataclasses
 import json
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -97,6 +105,7 @@ from elche.bench.suites import (
 from elche.core import timeline as tl
 from elche.monitor.summary import rank_report_file
 from elche.monitor.timeline import read_timeline
+from elche.runtime.lifetimes import RESUME_HINT, StopSignals
 from elche.workloads import Workload, load_split
 from elche.workloads import get as get_workload
 
@@ -106,6 +115,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DDP_TIMEOUT_S",
     "Run",
+    "StoppedAfterTraining",
     "available_suite",
     "elche_record",
     "measure_speed_base_s",
@@ -116,6 +126,20 @@ __all__ = [
 Run = dict[str, Any]  # one JSON-ready run record (see the module docstring)
 DDP_TIMEOUT_S = 900.0  # a hung baseline must not hang the suite; ~10× a full-suite run
 Split = tuple[Any, Any]
+
+
+class StoppedAfterTraining(KeyboardInterrupt):
+    """A stop signal came once a run had trained; it waited for the run's record.
+
+    Attributes:
+        run: the run's record, whole (``run_one``'s, once it passes through).
+        signum: the signal, for the caller to raise once it has kept ``run``.
+    """
+
+    def __init__(self, run: Run, signum: int) -> None:
+        super().__init__(signum)
+        self.run = run
+        self.signum = signum
 
 
 def run_suite(
@@ -138,10 +162,12 @@ def run_suite(
         One ``Run`` per training run, ``suite.num_runs()`` in all.
 
     Raises:
-        KeyboardInterrupt: Ctrl-C or SIGTERM (``elche.Interrupted`` from an elche
-            or solo run): the run in progress was stopped as that signal stops
-            it, its processes ended, and is not recorded; ``on_run`` had every
-            run before it, in order, as ``suite.cells()`` lists them.
+        KeyboardInterrupt: Ctrl-C, SIGTERM or SIGHUP (``elche.Interrupted`` from
+            an elche or solo run): the run in progress was stopped as that signal
+            stops it, its processes ended, and is not recorded; ``on_run`` had
+            every run before it, in order, as ``suite.cells()`` lists them. A
+            signal that came once that run had trained is raised once ``on_run``
+            has had it too (see the module docstring).
     """
     runs: list[Run] = []
     splits: dict[WorkloadPlan, Split] = {}
@@ -160,19 +186,26 @@ def run_suite(
                     capacities[plan.name, rig] = _capacity(suite, plan, rig, bases[plan.name])
             show(cell.label())
             link = cell.link_mbit
-            run = run_one(
-                cell.system, plan, cell.speeds, seed=cell.seed,
-                split=_load(plan, cell.seed) if cell.extra_seed else splits[plan],
-                speed_base_s=bases[plan.name],
-                hosts=rigs.get((len(cell.speeds), link)) if link is not None else None,
-                wire=suite.wire, overlap=suite.overlap,
-                run_dir=_named(runs_dir, len(runs), plan.name, cell.name),
-            )  # fmt: skip
+            late: StoppedAfterTraining | None = None
+            try:
+                run = run_one(
+                    cell.system, plan, cell.speeds, seed=cell.seed,
+                    split=_load(plan, cell.seed) if cell.extra_seed else splits[plan],
+                    speed_base_s=bases[plan.name],
+                    hosts=rigs.get((len(cell.speeds), link)) if link is not None else None,
+                    wire=suite.wire, overlap=suite.overlap,
+                    run_dir=_named(runs_dir, len(runs), plan.name, cell.name),
+                )  # fmt: skip
+            except StoppedAfterTraining as stop:
+                run, late = stop.run, stop
             run["repeat"] = cell.repeat
             run["capacity"] = capacities.get((plan.name, cell.speeds))  # solo: None
             runs.append(run)
             if on_run is not None:
                 on_run(run)
+            if late is not None:
+                signal.raise_signal(late.signum)  # as it came (KeyboardInterrupt, Terminated)
+                raise late
     return runs
 
 
@@ -266,6 +299,11 @@ def run_one(
 
     Returns:
         The run record; ``error`` holds the message if the run failed.
+
+    Raises:
+        StoppedAfterTraining: a stop signal came once an elche or solo run had
+            trained; it carries the run's whole record.
+        KeyboardInterrupt: any other stop signal; the run is not recorded.
     """
     workload = get_workload(plan.name)
     data = split if split is not None else _load(plan, seed)
@@ -285,6 +323,7 @@ def run_one(
         "error": None,
     }
     started = time.perf_counter()
+    hint = RESUME_HINT.set(None)  # a stopped run says where it is saved: the bench resumes none
     try:
         if hosts is not None and system != SOLO:
             named, wire, overlap = split_averaging(system, wire, overlap)
@@ -312,8 +351,14 @@ def run_one(
                     keep_in=run_dir,
                 )
             )  # fmt: skip
+    except StoppedAfterTraining as late:
+        record.update(late.run, total_s=round(time.perf_counter() - started, 3))
+        late.run = record
+        raise
     except Exception as exc:  # a failed cell is reported, the suite goes on
-        record["error"] = f"{type(exc).__name__}: {exc}"
+        record["error"] = _error(exc)
+    finally:
+        RESUME_HINT.reset(hint)
     record["total_s"] = round(time.perf_counter() - started, 3)
     return record
 
@@ -424,25 +469,41 @@ def _solo(
     def on_epoch(record: dict[str, object]) -> None:
         epoch_ends.append((time.perf_counter(), record.get("loss"), record.get("eval")))
 
+    record: Run = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank process runs (honest efficiency denominator)
     try:
-        with _run_dir(keep_in) as tmp:  # as elche's runs
-            kept = tmp / "kept"
-            kept.mkdir()
-            result = train(
-                workload.make_model, workload.make_optimizer, step, split[0],
-                batch_size=plan.batch_size, epochs=plan.epochs, ranks=1, speeds=[1.0], seed=seed,
-                eval_fn=KeepWeights(str(kept)), eval_dataset=split[1], eval_every=1,
-                metrics_fn=on_epoch, progress=False, run_dir=str(tmp),
-            )  # fmt: skip
-            evals, metric = evaluate_kept(plan.name, kept, split[1], final=result.state_dict)
-            _trim(result, keep_in)
+        with contextlib.ExitStack() as trained:
+            with _run_dir(keep_in) as tmp:  # as elche's runs
+                kept = tmp / "kept"
+                kept.mkdir()
+                result = train(
+                    workload.make_model, workload.make_optimizer, step, split[0],
+                    batch_size=plan.batch_size, epochs=plan.epochs, ranks=1, speeds=[1.0],
+                    seed=seed, eval_fn=KeepWeights(str(kept)), eval_dataset=split[1],
+                    eval_every=1, metrics_fn=on_epoch, progress=False, run_dir=str(tmp),
+                )  # fmt: skip
+                trained.enter_context(_stops_wait(record))
+                evals, metric = evaluate_kept(plan.name, kept, split[1], final=result.state_dict)
+                _trim(result, keep_in)
+            t0 = first_step[0] if first_step else 0.0
+            record.update(_solo_record(result.summary, t0, epoch_ends, evals, metric))
+            record["run_dir"] = None if keep_in is None else str(keep_in)
     finally:
         torch.set_num_threads(threads)
-    summary = result.summary
-    t0 = first_step[0] if first_step else 0.0
-    samples = int(summary["per_rank"][0]["samples"])  # type: ignore[index]  # JSON-shaped summary
+    return record
+
+
+def _solo_record(
+    summary: dict[str, Any],
+    t0: float,
+    epoch_ends: Sequence[tuple[float, object, object]],
+    evals: Sequence[float],
+    metric: float,
+) -> Run:
+    """A solo run's numbers: its summary's, each epoch end's (``t`` from ``t0``, its
+    first step) with its kept copy's eval, and the final model's ``metric``."""
+    samples = int(summary["per_rank"][0]["samples"])
     return {
         "wall_s": summary["wall_s"],
         "startup_s": summary["startup_s"],
@@ -460,7 +521,6 @@ def _solo(
             evals,
         ),
         "per_rank": [{"rank": 0, "speed": 1.0, "samples": samples, "busy_s": summary["wall_s"]}],
-        "run_dir": None if keep_in is None else str(keep_in),
     }
 
 
@@ -481,28 +541,53 @@ def _elche(
     from elche.api import train
     from elche.bench.watch import Watch, watched_dashboard
 
+    record: Run = {}
     watching = watched_dashboard() if dashboard else contextlib.nullcontext(None)
-    with _run_dir(keep_in) as run_dir, watching as watch:
-        kept = run_dir / "kept"
-        kept.mkdir()
-        result = train(
-            workload.make_model, workload.make_optimizer, workload.step_fn, split[0],
-            batch_size=plan.batch_size, epochs=plan.epochs, mode=mode, speeds=list(speeds),
-            speed_base_s=speed_base_s, eval_fn=KeepWeights(str(kept)), eval_dataset=split[1],
-            eval_every=1, join_slots=0,
-            seed=seed, progress=False, run_dir=str(run_dir), wire=wire, overlap=overlap,
-            dashboard=watch.address if isinstance(watch, Watch) else None,
-        )  # fmt: skip
-        timeline = read_timeline(run_dir)
-        reports = [_read_json(rank_report_file(run_dir, r)) for r in range(len(speeds))]
-        evals, final = evaluate_kept(plan.name, kept, split[1], final=result.state_dict)
-        _trim(result, keep_in)
-    record = elche_record(mode, dict(result.summary), timeline, reports)
-    record["per_epoch"] = _kept_evals(record["per_epoch"], evals)
-    record["eval"] = final
-    record["dashboard_polls"] = watch.polls if isinstance(watch, Watch) else None
-    record["run_dir"] = None if keep_in is None else str(keep_in)
+    with contextlib.ExitStack() as trained:
+        with _run_dir(keep_in) as run_dir, watching as watch:
+            kept = run_dir / "kept"
+            kept.mkdir()
+            result = train(
+                workload.make_model, workload.make_optimizer, workload.step_fn, split[0],
+                batch_size=plan.batch_size, epochs=plan.epochs, mode=mode, speeds=list(speeds),
+                speed_base_s=speed_base_s, eval_fn=KeepWeights(str(kept)), eval_dataset=split[1],
+                eval_every=1, join_slots=0,
+                seed=seed, progress=False, run_dir=str(run_dir), wire=wire, overlap=overlap,
+                dashboard=watch.address if isinstance(watch, Watch) else None,
+            )  # fmt: skip
+            trained.enter_context(_stops_wait(record))
+            timeline = read_timeline(run_dir)
+            reports = [_read_json(rank_report_file(run_dir, r)) for r in range(len(speeds))]
+            evals, final = evaluate_kept(plan.name, kept, split[1], final=result.state_dict)
+            _trim(result, keep_in)
+        record.update(elche_record(mode, dict(result.summary), timeline, reports))
+        record["per_epoch"] = _kept_evals(record["per_epoch"], evals)
+        record["eval"] = final
+        record["dashboard_polls"] = watch.polls if isinstance(watch, Watch) else None
+        record["run_dir"] = None if keep_in is None else str(keep_in)
     return record
+
+
+@contextmanager
+def _stops_wait(record: Run) -> Iterator[None]:
+    """From here on (a run has trained), a stop signal waits for ``record``, filled
+    meanwhile: on the way out it raises ``StoppedAfterTraining`` with it, or with the
+    error of a failure meanwhile (see the module docstring)."""
+    with StopSignals() as late:
+        try:
+            yield
+        except Exception as exc:
+            if late.received is None:
+                raise
+            record.clear()
+            record["error"] = _error(exc)
+    if late.received is not None:
+        raise StoppedAfterTraining(record, late.received)
+
+
+def _error(exc: Exception) -> str:
+    """A failed run's ``error``."""
+    return f"{type(exc).__name__}: {exc}"
 
 
 @contextmanager

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from elche.cli.endings import (
     interrupted_status,
-    sigterm_raises,
     stdout_closed,
     stdout_to_devnull,
+    stop_signals_raise,
 )
 from elche.cli.run import run_script
 from elche.cli.sim import check_reached, check_speeds_given, draw_speeds, read_faults, run_sim
@@ -34,14 +34,14 @@ __all__ = ["draw_speeds", "main"]
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``elche`` console script; returns the exit code.
 
-    Bad input is one line and exit 2. A Ctrl-C (or SIGTERM) that no run
-    handled, in start-up say, is one line and 130 (143), as a shell reports
+    Bad input is one line and exit 2. A Ctrl-C (SIGTERM, SIGHUP) that no run
+    handled, in start-up say, is one line and 130 (143, 129), as a shell reports
     a process those signals end; a stdout whose reader went away (``elche
     timeline RUN | head``) ends the command quietly with 141 (SIGPIPE's).
     """
     parser = _parser()
     args = parser.parse_args(argv)
-    with sigterm_raises():
+    with stop_signals_raise():
         try:
             code: int = args.run(args)
             sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
@@ -529,9 +529,9 @@ def _run_bench(args: argparse.Namespace) -> int:
     command += f" --wire {args.wire}" if args.wire != "fp32" else ""
     command += "" if args.overlap else " --no-overlap"
     command += " --json" if args.json else ""
-    # SIGTERM ends the bench as Ctrl-C does (``endings.sigterm_raises``), through its
-    # cleanup: a hosts suite's rigs (namespaces, their /etc and /tmp) are removed, and
-    # what it measured is written (``doc["interrupted"]``), 130 or 143 its status.
+    # SIGTERM and SIGHUP end the bench as Ctrl-C does (``endings.stop_signals_raise``):
+    # through its cleanup (a hosts suite's rigs, namespaces and their /etc and /tmp, are
+    # removed), what it measured written (``doc["interrupted"]``), 130, 143 or 129 its status.
     doc = run_bench(suite, out_dir, command=command, progress=not args.no_progress)
     results = str(out_dir / "results.json")
     kept = all(u["file"] != results for u in doc["unwritten"])

@@ -1,11 +1,13 @@
 """How an ``elche`` command ends when something outside it stops it.
 
-- SIGINT (Ctrl-C) or SIGTERM that no run handles (start-up: torch's import,
-  the data's load; ``elche compare``'s DDP phase): one line, ``elche CMD:
+- SIGINT (Ctrl-C), SIGTERM or SIGHUP (a closed terminal) that no run handles
+  (start-up: torch's import, the data's load; ``elche compare``'s DDP phase;
+  ``elche bench`` between runs and in its baselines): one line, ``elche CMD:
   interrupted by SIGINT``, and the status a shell gives a process that signal
-  ends (130, 143), with no traceback. ``sigterm_raises`` turns SIGTERM into
-  ``Terminated``, a ``KeyboardInterrupt``, so it unwinds through the same
-  ``finally`` blocks as Ctrl-C. A run's own handler
+  ends (130, 143, 129), with no traceback. ``stop_signals_raise`` turns SIGTERM
+  and SIGHUP into ``Terminated``, a ``KeyboardInterrupt``, so they unwind
+  through the same ``finally`` blocks as Ctrl-C; a SIGHUP the process ignores
+  (``nohup``) stays ignored. A run's own handler
   (``elche.runtime.lifetimes.StopSignals``) takes over while it runs, and the
   ``elche.Interrupted`` it raises has said its line already.
 - A stdout whose reader went away (``elche timeline RUN | head -1``): quiet,
@@ -29,35 +31,61 @@ from collections.abc import Iterator
 __all__ = [
     "Terminated",
     "interrupted_status",
-    "sigterm_raises",
     "stdout_closed",
     "stdout_to_devnull",
     "stop_signal",
+    "stop_signals_raise",
 ]
+
+# The stop signals ``stop_signals_raise`` turns into ``Terminated``; SIGINT raises
+# Python's own ``KeyboardInterrupt``.
+RAISED = (signal.SIGTERM, signal.SIGHUP)
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM outside a run's own handling: unwinds like Ctrl-C, through every ``finally``."""
+    """SIGTERM or SIGHUP outside a run's own handling: unwinds like Ctrl-C, through every
+    ``finally``.
+
+    Attributes:
+        signal: the signal that raised it (SIGTERM unless given).
+    """
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__()
+        self.signal = signal.Signals(signum)
 
 
 @contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """While entered (on the main thread), SIGTERM raises ``Terminated``, so start-up
-    and a baseline's processes are cleaned up as for Ctrl-C; a run's own handler
-    (``elche.runtime.lifetimes.StopSignals``) takes over while it runs."""
-    ignored = signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # it stays so
-    if ignored or threading.current_thread() is not threading.main_thread():
+def stop_signals_raise() -> Iterator[None]:
+    """While entered (on the main thread), SIGTERM and SIGHUP raise ``Terminated``, so
+    start-up, a bench and a baseline's processes are cleaned up as for Ctrl-C; a run's
+    own handler (``elche.runtime.lifetimes.StopSignals``) takes over while it runs.
+
+    A signal the process ignores (``nohup``'s SIGHUP) stays ignored. A SIGHUP first
+    points stdout and stderr at /dev/null where they are a terminal that hung up
+    (``lifetimes.drop_hung_up_streams``): the command's last lines would fail there.
+    """
+    from elche.runtime.lifetimes import drop_hung_up_streams
+
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def terminate(signum: int, frame: object) -> None:
-        raise Terminated
+        if signum == signal.SIGHUP:
+            drop_hung_up_streams()
+        raise Terminated(signum)
 
-    previous = signal.signal(signal.SIGTERM, terminate)
+    previous = {
+        sig: signal.signal(sig, terminate)
+        for sig in RAISED
+        if signal.getsignal(sig) is not signal.SIG_IGN  # it stays so
+    }
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def interrupted_status(command: str, exc: KeyboardInterrupt) -> int:
@@ -71,13 +99,13 @@ def interrupted_status(command: str, exc: KeyboardInterrupt) -> int:
 
 
 def stop_signal(exc: KeyboardInterrupt) -> signal.Signals:
-    """The signal that raised ``exc``: a run's ``elche.Interrupted`` names its own,
-    ``Terminated`` is SIGTERM's, any other ``KeyboardInterrupt`` Ctrl-C's."""
+    """The signal that raised ``exc``: a run's ``elche.Interrupted`` and ``Terminated``
+    name their own, any other ``KeyboardInterrupt`` is Ctrl-C's."""
     from elche.runtime.lifetimes import Interrupted
 
-    if isinstance(exc, Interrupted):
+    if isinstance(exc, Interrupted | Terminated):
         return exc.signal
-    return signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+    return signal.SIGINT
 
 
 def stdout_closed() -> bool:

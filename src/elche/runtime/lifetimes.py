@@ -69,7 +69,9 @@ __all__ = [
     "Interrupted",
     "StopSignals",
     "announce",
+    "drop_hung_up_streams",
     "end_as_signalled",
+    "held_stop_signals",
     "ignore_stop_signals",
     "launcher_stream",
     "launcher_streams",
@@ -111,8 +113,11 @@ def _resume_from(stem: str) -> str:
 
 
 # How the one line an interrupted run prints says to resume bundle ``stem``:
-# ``elche demo`` sets its own command line here.
-RESUME_HINT: ContextVar[Callable[[str], str]] = ContextVar("RESUME_HINT", default=_resume_from)
+# ``elche demo`` sets its own command line here; None where nothing resumes the
+# run (``elche bench``'s runs): the line says where it is saved, not how to resume.
+RESUME_HINT: ContextVar[Callable[[str], str] | None] = ContextVar(
+    "RESUME_HINT", default=_resume_from
+)
 
 
 class Interrupted(SystemExit, KeyboardInterrupt):
@@ -146,32 +151,33 @@ class Interrupted(SystemExit, KeyboardInterrupt):
 
 def announce(stop: Interrupted, resumed_from: str | None = None, *, earlier: bool = False) -> None:
     """The one line on stderr an interrupted run prints: where it is and how to resume
-    (``resumed_from``: the bundle the run started from, which a stop saving nothing
-    leaves as it was; ``earlier``: ``stop.bundle`` is a checkpoint this run committed
-    before, its stop's own save having failed)."""
+    (``RESUME_HINT``; ``resumed_from``: the bundle the run started from, which a stop
+    saving nothing leaves as it was; ``earlier``: ``stop.bundle`` is a checkpoint this
+    run committed before, its stop's own save having failed)."""
     name = stop.signal.name
     summary = getattr(stop.result, "summary", None) or {}
     if earlier and stop.bundle is not None:
         text = (
             f"elche: interrupted by {name}; the stop's save failed ({summary.get('reason')}), "
-            f"but the run's last checkpoint, {stop.bundle}, is whole: resume with: "
-            f"{RESUME_HINT.get()(stop.bundle)}"
+            f"but the run's last checkpoint, {stop.bundle}, is whole{_resume(stop.bundle)}"
         )
     elif stop.bundle is None and summary.get("outcome") == "failed":  # it trained; none fit
         text = f"elche: interrupted by {name}; nothing could be saved: {summary.get('reason')}"
     elif stop.bundle is None:
         text = f"elche: interrupted by {name} before the run formed; nothing was saved"
     else:
-        text = (
-            f"elche: interrupted by {name}; the run is saved under {stop.bundle}; "
-            f"resume with: {RESUME_HINT.get()(stop.bundle)}"
-        )
+        text = f"elche: interrupted by {name}; the run is saved under {stop.bundle}"
+        text += _resume(stop.bundle, ";")
     if stop.bundle is None and resumed_from is not None:
-        text += (
-            f"; the bundle it resumed from is as it was: resume with: "
-            f"{RESUME_HINT.get()(resumed_from)}"
-        )
+        text += f"; the bundle it resumed from is as it was{_resume(resumed_from)}"
     print(text, file=sys.stderr, flush=True)
+
+
+def _resume(stem: str, after: str = ":") -> str:
+    """How ``announce``'s line goes on to say to resume bundle ``stem`` (``RESUME_HINT``):
+    ``after`` and ``resume with: …``, or nothing where nothing resumes the run."""
+    hint = RESUME_HINT.get()
+    return "" if hint is None else f"{after} resume with: {hint(stem)}"
 
 
 class StopSignals:
@@ -228,7 +234,7 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGHUP:
-            _drop_hung_up_streams()
+            drop_hung_up_streams()
         if self.received is not None:
             # Only a person presses Ctrl-C twice. Tools send SIGTERM, some of them
             # twice (``timeout`` to its child and then to its group), and end a
@@ -309,7 +315,7 @@ def _end_of_this_thread() -> threading.Event:
     return ended
 
 
-def _drop_hung_up_streams() -> None:
+def drop_hung_up_streams() -> None:
     """Point stdout and stderr at ``/dev/null`` where they are a terminal that hung up.
 
     After a hang-up every write to the terminal fails (``EIO``): the run's last
@@ -385,6 +391,25 @@ def relay_stop_signals() -> Iterator[None]:
         _RELAYS.remove(relay)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def held_stop_signals() -> Iterator[None]:
+    """While entered (on the main thread), a stop signal (``STOP_SIGNALS``) waits: on
+    a clean exit it is raised again, to the handlers of before.
+
+    For a step that a stop must not cut in two, such as starting processes
+    that only their parent's cleanup ends, the parent knowing none of them
+    yet. A second Ctrl-C ends the wait at once (``StopSignals``). Elsewhere
+    than the main thread it holds nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    with StopSignals() as held:
+        yield
+    if held.received is not None:
+        signal.raise_signal(held.received)
 
 
 def ignore_stop_signals() -> None:
