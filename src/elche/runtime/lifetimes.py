@@ -91,9 +91,12 @@ WATCH_EVERY_S = 0.2
 # SIGHUP: the terminal closed. Its default ends the launcher and (in its group)
 # a local run's ranks and fork server unsaved; as a stop, the run is saved.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# Under ``elche run``: the file rank 0 makes once every rank has met in torch's
-# rendezvous. Until then a rank that fails leaves the others waiting there for
-# it, so the launcher stops them all; after, the run survives the loss.
+# Under ``elche run``, in rank 0 alone: the file descriptor of a pipe's write end,
+# where rank 0 writes once every rank has met in torch's rendezvous. Until then a
+# rank that fails leaves the others waiting there for it, so the launcher stops
+# them all; after, the run survives the loss. (A pipe, not a file in the run
+# directory: a full disk, a tmp cleaner or another run in an exported
+# ``ELCHE_RUN_DIR`` took a formed run for one that had not formed.)
 RANKS_MET_ENV = "ELCHE_RANKS_MET"
 # Under ``elche run``, in rank 0 alone: the file descriptor where the launcher
 # reports each other rank's exit, one ``RANK CODE`` line each. Rank 0 passes
@@ -402,16 +405,28 @@ def stop_came_alone() -> bool:
     whose agent stops the run by signalling every worker; a pipe this process
     no longer has), every stop signal is the run's.
     """
-    fd = os.environ.get(RUN_STOPS_ENV, "")
-    if not fd.isdigit():
+    fd = _launchers_pipe(RUN_STOPS_ENV)
+    if fd is None:
         return False
     try:
-        if not stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
-            return False  # (the script closed it, and the number went to another file)
-        readable, _, _ = select.select([int(fd)], [], [], 0)
+        readable, _, _ = select.select([fd], [], [], 0)
     except (OSError, ValueError):
         return False
     return not readable  # (the launcher's death, EOF, reads as its stop)
+
+
+def _launchers_pipe(name: str) -> int | None:
+    """The pipe end the launcher passed this process as environment variable ``name``,
+    or None where there is none."""
+    fd = os.environ.get(name, "")
+    if not fd.isdigit():
+        return None
+    try:
+        if not stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
+            return None  # (the script closed it, and the number went to another file)
+    except OSError:
+        return None
+    return int(fd)
 
 
 def end_as_signalled(signum: int) -> None:
@@ -473,10 +488,10 @@ def take_streams(streams: Sequence[Connection], *, first_fd: int = 1) -> None:
 
 def say_ranks_met() -> None:
     """Rank 0, past torch's rendezvous: tell a launcher that asked (``RANKS_MET_ENV``)."""
-    path = os.environ.get(RANKS_MET_ENV)
-    if path:
-        with contextlib.suppress(OSError):  # (then a rank lost later ends the run)
-            open(path, "ab").close()
+    fd = _launchers_pipe(RANKS_MET_ENV)
+    if fd is not None:
+        with contextlib.suppress(OSError):  # (a launcher gone: its ranks end)
+            os.write(fd, b"m")
 
 
 def watch_launcher(
