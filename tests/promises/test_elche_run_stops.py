@@ -237,6 +237,27 @@ def test_a_sigterm_to_one_rank_alone_stops_that_rank_and_the_run_goes_on(
     assert audit_spans([run_dir], epochs=8, num_samples=num_samples) == (0, 0)  # each once
 
 
+def test_a_sigterm_to_rank_0_alone_stops_the_run_said_once(tmp_path: Path) -> None:
+    # Rank 0 hosts the coordinator: the run stops, saved, and every rank exits 143; elche
+    # run then said "rank N exited with code 143" for each rank, as if each had failed.
+    (tmp_path / "train.py").write_text(RUN_SCRIPT)
+    save = tmp_path / "bundle"
+    args = [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", "train.py", str(save)]
+    with session(args, tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        rank0 = worker_of(proc.pid, 0)
+        assert rank0 is not None, "no rank 0 process"
+        os.kill(rank0, signal.SIGTERM)
+        returncode, _, err = wait_exit(proc, STOP_WITHIN_S)
+    assert returncode == 143, err[-3000:]
+    assert elche_lines(err) == [
+        f"elche: interrupted by SIGTERM; the run is saved under {save}; resume with: "
+        f"resume_from={str(save)!r}",
+        "elche run: the run stopped on a SIGTERM sent to rank 0 (the coordinator's host) "
+        "alone, not to elche run",
+    ], err[-3000:]
+
+
 def test_ctrl_c_saves_a_run_whose_exported_run_dir_another_elche_run_used(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -110,7 +110,7 @@ def _run_env(args: argparse.Namespace) -> tuple[dict[str, str], bool]:
 
 def _launch_ranks(args: argparse.Namespace, env: dict[str, str]) -> int:
     """Start the ranks, pass the stop signals on, wait; ``elche run``'s exit status."""
-    from elche.runtime.lifetimes import STOP_SIGNALS, StopSignals
+    from elche.runtime.lifetimes import StopSignals
 
     ranks = _Ranks()
     # SIGINT/SIGTERM/SIGHUP: the ranks save and exit 130/143/129 (elche.runtime.lifetimes);
@@ -140,7 +140,25 @@ def _launch_ranks(args: argparse.Namespace, env: dict[str, str]) -> int:
               f"reached the run, which cannot form without it; the other ranks were "
               f"stopped (nothing was trained)", file=sys.stderr)  # fmt: skip
         return _status(codes[cut_short])
-    stopped = None if signals.received is None else 128 + signals.received
+    return _formed_run_ended(codes, signals.received)
+
+
+def _formed_run_ended(codes: list[int], received: int | None) -> int:
+    """Say how the ranks of a run that formed ended (``codes``: their ``returncode``s;
+    ``received``: the stop signal elche run passed on); ``elche run``'s exit status.
+
+    A stop signal sent to rank 0 alone stops the whole run as one sent to elche
+    run does (rank 0 hosts the coordinator): every rank exits with the status of
+    that signal, which is said once, not as each rank's failure.
+    """
+    from elche.runtime.lifetimes import STOP_SIGNALS
+
+    stopped = None if received is None else 128 + received
+    if stopped is None and codes[0] - 128 in STOP_SIGNALS:  # rank 0's Interrupted
+        stopped = codes[0]
+        name = signal.Signals(stopped - 128).name
+        print(f"elche run: the run stopped on a {name} sent to rank 0 (the coordinator's "
+              "host) alone, not to elche run", file=sys.stderr)  # fmt: skip
     failed = [(rank, code) for rank, code in enumerate(codes) if code not in (0, stopped)]
     for rank, code in failed:
         if stopped is None and -code in STOP_SIGNALS:  # sent to that rank alone: it left
