@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.promises.test_storage import small_disk
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 if not Path("/proc/self/stat").exists():  # the session scan reads /proc
@@ -319,6 +321,47 @@ def test_ctrl_c_while_elche_train_runs_on_another_thread_saves_the_run(
         f"resume_from={str(save)!r}"
     ], err[-3000:]
     assert Path(f"{save}.meta.json").exists()
+
+
+FULL_DISK_SCRIPT = """
+import os, signal, sys
+import elche
+from elche.workloads import digits
+
+def fill_then_interrupt(entry):  # the first epoch ended: the run dir's disk fills, then Ctrl-C
+    if entry["epoch"] == 0:
+        with open(sys.argv[1] + "/ballast", "wb", buffering=0) as fh:
+            try:
+                while True:
+                    fh.write(bytes(65536))
+            except OSError:
+                pass
+        os.kill(os.getpid(), signal.SIGINT)
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    elche.train(
+        digits.make_model, digits.make_optimizer, digits.step_fn, train_set, batch_size=32,
+        epochs=8, speeds=[0.05, 0.02], progress=False, run_dir=sys.argv[1] + "/run",
+        metrics_fn=fill_then_interrupt,
+    )
+"""
+
+
+def test_ctrl_c_on_a_full_disk_says_why_nothing_was_saved(tmp_path: Path) -> None:
+    # The coordinator could write no summary, and the launcher said the run that had
+    # trained an epoch was "interrupted by SIGINT before the run formed".
+    script = tmp_path / "train.py"
+    script.write_text(FULL_DISK_SCRIPT)
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        with session([sys.executable, str(script), str(disk)], tmp_path) as proc:
+            returncode, _, err = wait_exit(proc, MID_RUN_WITHIN_S)
+        said = [line for line in elche_lines(err) if line.startswith("elche: ")]
+    assert returncode == 130, err[-3000:]
+    assert said[-1] == (
+        "elche: interrupted by SIGINT; nothing could be saved: the coordinator exited "
+        f"without a summary; see {disk}/run"
+    ), err[-3000:]
 
 
 # Makes the terminal on stdin the controlling terminal of the new session, then runs the rest.

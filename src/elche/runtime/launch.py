@@ -719,15 +719,19 @@ def launch_local(
         )  # fmt: skip
         try:
             result = collect(plan, run_dir, t0, epochs)
-        except RuntimeError:  # the coordinator left no summary
+        except RuntimeError as exc:  # the coordinator left no summary
             if signals.received is None:
                 raise
+            # A run that began (an epoch ended, or a journal kept), on a full disk, say:
+            # why nothing is saved. Else it had not formed.
+            began = bool(epochs) or not _never_began(run_dir)
             raise interrupted(
                 signals.received,
                 None,
                 plan.config.save_path,
                 resumed_from=plan.resume_from,
                 t0=t0,
+                unsaved=str(exc) if began else None,
             ) from None
     if signals.received is not None and result.summary.get("outcome") != "completed":
         raise interrupted(
@@ -893,16 +897,18 @@ def interrupted(
     *,
     resumed_from: str | None = None,
     t0: float | None = None,
+    unsaved: str | None = None,
 ) -> Interrupted:
     """The ``Interrupted`` to raise for a run ``signum`` stopped, announced on stderr.
 
     When the stop's own save failed (a full disk), a checkpoint the run committed
     at ``save_path`` since ``t0`` is the bundle it names: whole, and resumable.
+    ``unsaved``: why a run that began and left no ``result`` saved nothing.
     """
     saved = result is not None and result.summary.get("outcome") == "saved_and_shutdown"
     earlier = None if saved or t0 is None else fresh_bundle(save_path, t0)
     stop = Interrupted(signum, save_path if saved else earlier, result)
-    announce(stop, resumed_from, earlier=earlier is not None)
+    announce(stop, resumed_from, earlier=earlier is not None, unsaved=unsaved)
     return stop
 
 

@@ -147,21 +147,31 @@ class Interrupted(SystemExit, KeyboardInterrupt):
         return f"interrupted by {self.signal.name}; {saved}"
 
 
-def announce(stop: Interrupted, resumed_from: str | None = None, *, earlier: bool = False) -> None:
+def announce(
+    stop: Interrupted,
+    resumed_from: str | None = None,
+    *,
+    earlier: bool = False,
+    unsaved: str | None = None,
+) -> None:
     """The one line on stderr an interrupted run prints: where it is and how to resume
     (``resumed_from``: the bundle the run started from, which a stop saving nothing
     leaves as it was; ``earlier``: ``stop.bundle`` is a checkpoint this run committed
-    before, its stop's own save having failed)."""
+    before, its stop's own save having failed; ``unsaved``: why a run that began
+    and has no result saved nothing). A run with neither a result nor ``unsaved``
+    had not formed."""
     name = stop.signal.name
     summary = getattr(stop.result, "summary", None) or {}
+    if summary.get("outcome") == "failed":  # it trained; none fit
+        unsaved = str(summary.get("reason"))
     if earlier and stop.bundle is not None:
         text = (
-            f"elche: interrupted by {name}; the stop's save failed ({summary.get('reason')}), "
+            f"elche: interrupted by {name}; the stop's save failed ({unsaved}), "
             f"but the run's last checkpoint, {stop.bundle}, is whole: resume with: "
             f"{RESUME_HINT.get()(stop.bundle)}"
         )
-    elif stop.bundle is None and summary.get("outcome") == "failed":  # it trained; none fit
-        text = f"elche: interrupted by {name}; nothing could be saved: {summary.get('reason')}"
+    elif stop.bundle is None and unsaved is not None:
+        text = f"elche: interrupted by {name}; nothing could be saved: {unsaved}"
     elif stop.bundle is None:
         text = f"elche: interrupted by {name} before the run formed; nothing was saved"
     else:
