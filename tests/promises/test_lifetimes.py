@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from elche.chaos import audit_spans
+from elche.workloads import digits
 from tests.promises.test_storage import small_disk
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -362,6 +364,47 @@ def test_ctrl_c_on_a_full_disk_says_why_nothing_was_saved(tmp_path: Path) -> Non
         "elche: interrupted by SIGINT; nothing could be saved: the coordinator exited "
         f"without a summary; see {disk}/run"
     ), err[-3000:]
+
+
+PIDS_SCRIPT = """
+import os, sys
+from pathlib import Path
+import elche
+from elche.workloads import digits
+
+def step(model, batch):  # each rank says its pid, for the test to signal one
+    said = Path(sys.argv[1]) / f"pid{os.environ['ELCHE_RANK']}"
+    if not said.exists():
+        said.write_text(str(os.getpid()))
+    return digits.step_fn(model, batch)
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    result = elche.train(
+        digits.make_model, digits.make_optimizer, step, train_set, batch_size=32, epochs=8,
+        speeds=[0.05, 0.05, 0.02], heartbeat_timeout_s=30.0, progress=False,
+        run_dir=sys.argv[1] + "/run",
+    )
+    print(f"RETURNED {result.summary['outcome']}", flush=True)
+"""
+
+
+def test_a_sigterm_to_one_rank_of_a_local_run_alone_stops_that_rank(tmp_path: Path) -> None:
+    # A local run's ranks ignored every stop signal: one sent SIGTERM by itself (`kill
+    # PID`, a scheduler) trained on, as if nothing had come. Now it leaves the run as
+    # a lost rank does, and the run goes on without it, each sample trained once.
+    (tmp_path / "train.py").write_text(PIDS_SCRIPT)
+    with session([sys.executable, "train.py", str(tmp_path)], tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        os.kill(int((tmp_path / "pid2").read_text()), signal.SIGTERM)
+        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    assert returncode == 0, err[-3000:]
+    assert "RETURNED completed" in out, out + err[-3000:]
+    assert "elche rank 2: SIGTERM came to this rank alone: it leaves the run" in err, err[-3000:]
+    timeline = (tmp_path / "run" / "timeline.jsonl").read_text()
+    assert '"kind":"RankLost","rank":2,"reason":"process ended (killed by signal 15)"' in timeline
+    num_samples = len(digits.load_digits_split(seed=0)[0])
+    assert audit_spans([tmp_path / "run"], epochs=8, num_samples=num_samples) == (0, 0)
 
 
 # Makes the terminal on stdin the controlling terminal of the new session, then runs the rest.

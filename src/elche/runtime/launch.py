@@ -82,6 +82,7 @@ from elche.runtime.lifetimes import (
     ignore_stop_signals,
     launcher_stream,
     launcher_streams,
+    leave_on_stop_signals,
     take_environment,
     take_streams,
     watch_launcher,
@@ -158,12 +159,24 @@ def _rank_process(
     state_out: str | None = None,
     trained: Any = None,
     streams: Sequence[Connection] = (),
+    local: bool = False,
 ) -> None:
     """The body of a rank process; ``state_out``: where its final model goes;
     ``trained``: a shared flag set once the rank trained to the run's end (what
     its torchrun worker reads: an exit status the user's code may use too);
-    ``streams``: the launcher's stdout and stderr, to take (``launcher_streams``)."""
-    ignore_stop_signals()  # the launcher orders the stop
+    ``streams``: the launcher's stdout and stderr, to take (``launcher_streams``).
+
+    A local run's rank (``local``) runs in a process group of its own: the stop
+    signals of the launcher's group (Ctrl-C) are the launcher's, which stops the
+    run through the coordinator, so one that reaches the rank was sent to it
+    alone, and the rank leaves the run. Elsewhere (a torchrun worker's child,
+    whose agent signals the worker's whole group) the rank ignores them.
+    """
+    if local:  # (forked with the three ignored: none ends it before it has left the group)
+        os.setpgid(0, 0)
+        leave_on_stop_signals(spec.rank, f"the process that called elche.train, PID {launcher_pid}")
+    else:
+        ignore_stop_signals()  # the launcher orders the stop
     watch_launcher(launcher_pid)
     take_environment(env)
     take_streams(streams)
@@ -870,7 +883,7 @@ def _start_rank(
         proc = ctx.Process(
             target=_rank_process,
             args=(spec, fns, batch_size, dict(os.environ), os.getpid()),
-            kwargs={"streams": streams},
+            kwargs={"streams": streams, "local": True},
             name=f"elche-rank{spec.rank}",
         )
         proc.start()

@@ -9,14 +9,16 @@ Rules:
   to act on. Ctrl-C sends SIGINT to the whole process group, and a closed
   terminal SIGHUP (the shell passes it to each of its jobs' groups), so the
   coordinator runs in a process group of its own (SIGTERM sent to it alone
-  asks it to stop, as if the launcher had), and the fork server and the
-  ranks of a local run ignore all three (``elche.runtime.forkserved``,
-  ``ignore_stop_signals``): nothing dies mid-write, and the launcher orders
-  the stop. Under ``elche run`` a stop signal that reaches a rank but 0
-  without its launcher (``kill PID``, a scheduler ending one rank) stops
-  that rank alone: it leaves the run as a lost rank does, its data trained
-  by the others (``stop_came_alone``; rank 0, the coordinator's host, stops
-  the whole run, which cannot go on without it). SIGHUP stops the run as
+  asks it to stop, as if the launcher had), the fork server ignores all
+  three (``elche.runtime.forkserved``), and the ranks of a local run fork
+  with them ignored and leave for process groups of their own: nothing dies
+  mid-write, and the launcher orders the stop. A stop signal that reaches a
+  local rank (``kill PID``, a scheduler ending one rank) was sent to it
+  alone, and stops that rank alone: it leaves the run as a lost rank does,
+  its data trained by the others (``leave_on_stop_signals``). So does one
+  that reaches a rank but 0 of ``elche run`` without its launcher
+  (``stop_came_alone``; rank 0, the coordinator's host, stops the whole
+  run, which cannot go on without it). SIGHUP stops the run as
   SIGTERM does; under ``nohup`` it is ignored, and stays so. A terminal
   that hung up fails every write: the launcher's stdout and stderr on it
   then go to ``/dev/null``.
@@ -73,6 +75,8 @@ __all__ = [
     "ignore_stop_signals",
     "launcher_stream",
     "launcher_streams",
+    "leave_on_stop_signals",
+    "leave_run",
     "relay_stop_signals",
     "say_ranks_met",
     "stop_came_alone",
@@ -437,6 +441,27 @@ def _launchers_pipe(name: str) -> int | None:
     except OSError:
         return None
     return int(fd)
+
+
+def leave_on_stop_signals(rank: int, launcher: str) -> None:
+    """A stop signal that reaches this rank's process makes the rank leave the run
+    (``leave_run``): a local run's rank, in a process group of its own, which its
+    launcher never signals (it stops the run through the coordinator)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, _: leave_run(rank, signum, launcher))
+
+
+def leave_run(rank: int, signum: int, launcher: str) -> None:
+    """A stop signal came to this rank alone: the rank leaves the run as a lost rank
+    does (its launcher tells the coordinator at once, and its unfinished data goes to
+    the others), saying so; its process ends by that signal (``end_as_signalled``).
+    ``launcher``: what to signal to stop the whole run instead."""
+    name = signal.Signals(signum).name
+    line = (f"elche rank {rank}: {name} came to this rank alone: it leaves the run, which "
+            f"goes on without it (to stop the whole run, signal {launcher})\n")  # fmt: skip
+    with contextlib.suppress(OSError):  # (os.write: a print may be under way here)
+        os.write(2, line.encode())
+    end_as_signalled(signum)
 
 
 def end_as_signalled(signum: int) -> None:
