@@ -223,6 +223,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
+            _quiet_interrupted_threads()
             if _RELAYS:
                 _RELAYS[-1].attach(self)
             else:
@@ -305,6 +306,22 @@ def _on_main_thread_end() -> None:
     # A second Ctrl-C ends the wait, and the process.
     for ended in stopping.values():
         ended.wait()
+
+
+@functools.cache
+def _quiet_interrupted_threads() -> None:
+    """A thread that an uncaught ``Interrupted`` ends ends quietly, as one that
+    ``SystemExit`` ends: the one line said the stop, where Python's hook, which
+    spares ``SystemExit`` alone, printed a traceback. A hook of the script's own
+    (``threading.excepthook`` set) is left as it is."""
+    if threading.excepthook is not threading.__excepthook__:
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is None or not issubclass(args.exc_type, Interrupted):
+            threading.__excepthook__(args)
+
+    threading.excepthook = hook
 
 
 class _Marker:
