@@ -24,7 +24,10 @@ from elche.chaos import audit_spans
 from elche.workloads import digits
 from tests.promises.test_lifetimes import (
     MID_RUN_WITHIN_S,
+    RUN_SCRIPT,
+    STOP_WITHIN_S,
     elche_lines,
+    only_line,
     session,
     session_pids,
     wait_exit,
@@ -232,6 +235,52 @@ def test_a_sigterm_to_one_rank_alone_stops_that_rank_and_the_run_goes_on(
     assert '"kind":"RankLost","rank":2,"reason":"process ended (killed by signal 15)"' in timeline
     num_samples = len(digits.load_digits_split(seed=0)[0])
     assert audit_spans([run_dir], epochs=8, num_samples=num_samples) == (0, 0)  # each once
+
+
+def test_a_sigterm_to_rank_0_alone_stops_the_run_said_once(tmp_path: Path) -> None:
+    # Rank 0 hosts the coordinator: the run stops, saved, and every rank exits 143; elche
+    # run then said "rank N exited with code 143" for each rank, as if each had failed.
+    (tmp_path / "train.py").write_text(RUN_SCRIPT)
+    save = tmp_path / "bundle"
+    args = [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", "train.py", str(save)]
+    with session(args, tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        rank0 = worker_of(proc.pid, 0)
+        assert rank0 is not None, "no rank 0 process"
+        os.kill(rank0, signal.SIGTERM)
+        returncode, _, err = wait_exit(proc, STOP_WITHIN_S)
+    assert returncode == 143, err[-3000:]
+    assert elche_lines(err) == [
+        f"elche: interrupted by SIGTERM; the run is saved under {save}; resume with: "
+        f"resume_from={str(save)!r}",
+        "elche run: the run stopped on a SIGTERM sent to rank 0 (the coordinator's host) "
+        "alone, not to elche run",
+    ], err[-3000:]
+
+
+def test_ctrl_c_saves_a_run_whose_exported_run_dir_another_elche_run_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # elche run knew the run had formed by a file rank 0 made in the run dir, which
+    # another elche run there removed (as a full disk, or a tmp cleaner, never let it
+    # be): Ctrl-C then killed the ranks mid-save and said "before the run formed ...
+    # (nothing was trained)".
+    monkeypatch.setenv("ELCHE_RUN_DIR", str(tmp_path / "run"))
+    (tmp_path / "train.py").write_text(RUN_SCRIPT)
+    (tmp_path / "other.py").write_text("")
+    save = tmp_path / "bundle"
+    args = [sys.executable, "-m", "elche.cli", "run", "--nproc", "2"]
+    with session([*args, "train.py", str(save)], tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        with session([*args, "other.py"], tmp_path) as other:
+            assert wait_exit(other, MID_RUN_WITHIN_S)[0] == 0
+        os.killpg(proc.pid, signal.SIGINT)
+        returncode, _, err = wait_exit(proc, STOP_WITHIN_S)
+    assert returncode == 130, err[-3000:]
+    assert only_line(err) == (
+        f"elche: interrupted by SIGINT; the run is saved under {save}; resume with: "
+        f"resume_from={str(save)!r}"
+    ), err[-3000:]
 
 
 def test_a_rank_killed_before_it_joined_the_coordinator_leaves_the_others_the_run(

@@ -25,6 +25,10 @@ from pathlib import Path
 
 import pytest
 
+from elche.chaos import audit_spans
+from elche.workloads import digits
+from tests.promises.test_storage import small_disk
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 if not Path("/proc/self/stat").exists():  # the session scan reads /proc
@@ -312,13 +316,97 @@ def test_ctrl_c_while_elche_train_runs_on_another_thread_saves_the_run(
     assert returncode == -signal.SIGINT, err[-3000:]  # the main thread's KeyboardInterrupt
     assert "COMPLETED" not in out, out
     assert f"STOPPED Interrupted bundle={save} code=130" in out, out + err[-3000:]
-    # Beside the tracebacks of the script's own threads, the one line:
+    # The thread that Interrupted ends ends quietly, as SystemExit ends one (it printed
+    # "Exception in thread" and a traceback); beside the main thread's traceback, the line:
+    assert "Exception in thread" not in err, err[-3000:]
     said = [line for line in elche_lines(err) if line.startswith("elche: ")]
     assert said == [
         f"elche: interrupted by SIGINT; the run is saved under {save}; resume with: "
         f"resume_from={str(save)!r}"
     ], err[-3000:]
     assert Path(f"{save}.meta.json").exists()
+
+
+FULL_DISK_SCRIPT = """
+import os, signal, sys
+import elche
+from elche.workloads import digits
+
+def fill_then_interrupt(entry):  # the first epoch ended: the run dir's disk fills, then Ctrl-C
+    if entry["epoch"] == 0:
+        with open(sys.argv[1] + "/ballast", "wb", buffering=0) as fh:
+            try:
+                while True:
+                    fh.write(bytes(65536))
+            except OSError:
+                pass
+        os.kill(os.getpid(), signal.SIGINT)
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    elche.train(
+        digits.make_model, digits.make_optimizer, digits.step_fn, train_set, batch_size=32,
+        epochs=8, speeds=[0.05, 0.02], progress=False, run_dir=sys.argv[1] + "/run",
+        metrics_fn=fill_then_interrupt,
+    )
+"""
+
+
+def test_ctrl_c_on_a_full_disk_says_why_nothing_was_saved(tmp_path: Path) -> None:
+    # The coordinator could write no summary, and the launcher said the run that had
+    # trained an epoch was "interrupted by SIGINT before the run formed".
+    script = tmp_path / "train.py"
+    script.write_text(FULL_DISK_SCRIPT)
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        with session([sys.executable, str(script), str(disk)], tmp_path) as proc:
+            returncode, _, err = wait_exit(proc, MID_RUN_WITHIN_S)
+        said = [line for line in elche_lines(err) if line.startswith("elche: ")]
+    assert returncode == 130, err[-3000:]
+    assert said[-1] == (
+        "elche: interrupted by SIGINT; nothing could be saved: the coordinator exited "
+        f"without a summary; see {disk}/run"
+    ), err[-3000:]
+
+
+PIDS_SCRIPT = """
+import os, sys
+from pathlib import Path
+import elche
+from elche.workloads import digits
+
+def step(model, batch):  # each rank says its pid, for the test to signal one
+    said = Path(sys.argv[1]) / f"pid{os.environ['ELCHE_RANK']}"
+    if not said.exists():
+        said.write_text(str(os.getpid()))
+    return digits.step_fn(model, batch)
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    result = elche.train(
+        digits.make_model, digits.make_optimizer, step, train_set, batch_size=32, epochs=8,
+        speeds=[0.05, 0.05, 0.02], heartbeat_timeout_s=30.0, progress=False,
+        run_dir=sys.argv[1] + "/run",
+    )
+    print(f"RETURNED {result.summary['outcome']}", flush=True)
+"""
+
+
+def test_a_sigterm_to_one_rank_of_a_local_run_alone_stops_that_rank(tmp_path: Path) -> None:
+    # A local run's ranks ignored every stop signal: one sent SIGTERM by itself (`kill
+    # PID`, a scheduler) trained on, as if nothing had come. Now it leaves the run as
+    # a lost rank does, and the run goes on without it, each sample trained once.
+    (tmp_path / "train.py").write_text(PIDS_SCRIPT)
+    with session([sys.executable, "train.py", str(tmp_path)], tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        os.kill(int((tmp_path / "pid2").read_text()), signal.SIGTERM)
+        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    assert returncode == 0, err[-3000:]
+    assert "RETURNED completed" in out, out + err[-3000:]
+    assert "elche rank 2: SIGTERM came to this rank alone: it leaves the run" in err, err[-3000:]
+    timeline = (tmp_path / "run" / "timeline.jsonl").read_text()
+    assert '"kind":"RankLost","rank":2,"reason":"process ended (killed by signal 15)"' in timeline
+    num_samples = len(digits.load_digits_split(seed=0)[0])
+    assert audit_spans([tmp_path / "run"], epochs=8, num_samples=num_samples) == (0, 0)
 
 
 # Makes the terminal on stdin the controlling terminal of the new session, then runs the rest.

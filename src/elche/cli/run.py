@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -109,12 +110,9 @@ def _run_env(args: argparse.Namespace) -> tuple[dict[str, str], bool]:
 
 def _launch_ranks(args: argparse.Namespace, env: dict[str, str]) -> int:
     """Start the ranks, pass the stop signals on, wait; ``elche run``'s exit status."""
-    from elche.runtime.lifetimes import RANKS_MET_ENV, STOP_SIGNALS, StopSignals
+    from elche.runtime.lifetimes import StopSignals
 
-    met = Path(env["ELCHE_RUN_DIR"]) / "ranks_met"  # rank 0 makes it once every rank met
-    met.unlink(missing_ok=True)  # (an exported run dir's, from an earlier run)
-    env[RANKS_MET_ENV] = str(met)
-    ranks = _Ranks(met)
+    ranks = _Ranks()
     # SIGINT/SIGTERM/SIGHUP: the ranks save and exit 130/143/129 (elche.runtime.lifetimes);
     # a second SIGINT kills them.
     with StopSignals(on_signal=ranks.forward) as signals:
@@ -131,7 +129,6 @@ def _launch_ranks(args: argparse.Namespace, env: dict[str, str]) -> int:
         finally:
             ranks.kill()
             ranks.close()
-            met.unlink(missing_ok=True)
     codes = [proc.wait() for proc in ranks.procs]  # (each has ended)
     if ranks.stopped_early is not None:
         name = signal.Signals(ranks.stopped_early).name
@@ -143,7 +140,25 @@ def _launch_ranks(args: argparse.Namespace, env: dict[str, str]) -> int:
               f"reached the run, which cannot form without it; the other ranks were "
               f"stopped (nothing was trained)", file=sys.stderr)  # fmt: skip
         return _status(codes[cut_short])
-    stopped = None if signals.received is None else 128 + signals.received
+    return _formed_run_ended(codes, signals.received)
+
+
+def _formed_run_ended(codes: list[int], received: int | None) -> int:
+    """Say how the ranks of a run that formed ended (``codes``: their ``returncode``s;
+    ``received``: the stop signal elche run passed on); ``elche run``'s exit status.
+
+    A stop signal sent to rank 0 alone stops the whole run as one sent to elche
+    run does (rank 0 hosts the coordinator): every rank exits with the status of
+    that signal, which is said once, not as each rank's failure.
+    """
+    from elche.runtime.lifetimes import STOP_SIGNALS
+
+    stopped = None if received is None else 128 + received
+    if stopped is None and codes[0] - 128 in STOP_SIGNALS:  # rank 0's Interrupted
+        stopped = codes[0]
+        name = signal.Signals(stopped - 128).name
+        print(f"elche run: the run stopped on a {name} sent to rank 0 (the coordinator's "
+              "host) alone, not to elche run", file=sys.stderr)  # fmt: skip
     failed = [(rank, code) for rank, code in enumerate(codes) if code not in (0, stopped)]
     for rank, code in failed:
         if stopped is None and -code in STOP_SIGNALS:  # sent to that rank alone: it left
@@ -163,7 +178,7 @@ class _Ranks:
     Each rank runs in a process group of its own (as torchrun's workers run in
     sessions of their own), so Ctrl-C and a signal to the launcher's group
     reach the launcher alone, which passes the stop on: once every rank met in
-    torch's rendezvous (``met``), each is inside ``elche.train``, where a stop
+    torch's rendezvous (``formed``), each is inside ``elche.train``, where a stop
     signal saves the run. Before that, nothing was trained: a rank may still be
     importing or in the script's own set-up, where SIGINT would end it in a
     traceback, or waiting in the rendezvous, deaf to signals. So each is sent
@@ -180,16 +195,17 @@ class _Ranks:
     it alone, and leaves the run (``elche.runtime.lifetimes.stop_came_alone``).
     """
 
-    def __init__(self, met: Path) -> None:
-        self.met = met
+    def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.stopped_early: int | None = None
         self.kill_at: float | None = None  # (monotonic) the stopped ranks' grace ends
         self._exits, self._exits_out = os.pipe()  # rank 0 reads, the launcher writes
         self._stops, self._stops_out = os.pipe()  # every rank looks, the launcher writes
+        self._met, self._met_out = os.pipe()  # the launcher looks, rank 0 writes
+        self._formed = False  # (latched: see formed)
 
     def start(self, command: list[str], env: dict[str, str]) -> None:
-        from elche.runtime.lifetimes import RANK_EXITS_ENV, RUN_STOPS_ENV
+        from elche.runtime.lifetimes import RANK_EXITS_ENV, RANKS_MET_ENV, RUN_STOPS_ENV
 
         env = dict(env, **{RUN_STOPS_ENV: str(self._stops)})
         if self.procs:
@@ -197,12 +213,21 @@ class _Ranks:
                 subprocess.Popen(command, env=env, process_group=0, pass_fds=(self._stops,))
             )
             return
-        env = dict(env, **{RANK_EXITS_ENV: str(self._exits)})  # rank 0's alone
-        fds = (self._exits, self._stops)
+        # rank 0's alone (the launcher keeps its end of the met pipe: no EOF there)
+        env = dict(env, **{RANK_EXITS_ENV: str(self._exits), RANKS_MET_ENV: str(self._met_out)})
+        fds = (self._exits, self._stops, self._met_out)
         try:
             self.procs.append(subprocess.Popen(command, env=env, process_group=0, pass_fds=fds))
         finally:
             os.close(self._exits)
+
+    def formed(self) -> bool:
+        """Whether every rank met in torch's rendezvous: rank 0 said so in the met pipe
+        (``say_ranks_met``; read by no one, what it wrote stays)."""
+        if not self._formed:
+            with contextlib.suppress(OSError, ValueError):  # (closed: the ranks have ended)
+                self._formed = bool(select.select([self._met], [], [], 0)[0])
+        return self._formed
 
     def report_exit(self, proc: subprocess.Popen[bytes]) -> None:
         """Tell rank 0 that ``proc``, an ended rank but 0, has ended. (Rank 0's own
@@ -213,13 +238,13 @@ class _Ranks:
                 os.write(self._exits_out, f"{rank} {proc.returncode}\n".encode())
 
     def close(self) -> None:
-        for fd in (self._exits_out, self._stops, self._stops_out):
+        for fd in (self._exits_out, self._stops, self._stops_out, self._met, self._met_out):
             with contextlib.suppress(OSError):
                 os.close(fd)
 
     def forward(self, signum: int) -> None:
         """Pass a stop signal on, marked as the run's (run in the signal handler)."""
-        if self.stopped_early is None and not self.met.exists():
+        if self.stopped_early is None and not self.formed():
             self.stopped_early = signum
             self.kill_at = time.monotonic() + STARTUP_STOP_GRACE_S
             signum = signal.SIGTERM
@@ -246,11 +271,11 @@ def _wait_ranks(ranks: _Ranks) -> int | None:
     torch's rendezvous waits (30 minutes by default) for every rank, deaf to
     signals. A rank that fails before every rank met there leaves the others
     waiting for it, so they are killed at once: nothing was trained yet. One
-    that fails after, the run survives (``ranks.met``: rank 0 made it). Ranks
+    that fails after, the run survives (``ranks.formed``: rank 0 said so). Ranks
     stopped before the run formed (``_Ranks.forward``) are killed once their
     grace is over.
     """
-    procs, met = ranks.procs, ranks.met
+    procs = ranks.procs
     live = list(procs)
     while live:
         if ranks.kill_at is not None:  # a bounded end: each turn looks again
@@ -267,7 +292,7 @@ def _wait_ranks(ranks: _Ranks) -> int | None:
         ended = [proc for proc in live if proc.poll() is not None]
         live = [proc for proc in live if proc not in ended]
         failed = [proc for proc in ended if proc.returncode != 0]
-        formed = met.exists()
+        formed = ranks.formed()
         if failed and live and not formed and ranks.stopped_early is None:
             for proc in live:
                 proc.kill()

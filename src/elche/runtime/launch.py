@@ -82,6 +82,7 @@ from elche.runtime.lifetimes import (
     ignore_stop_signals,
     launcher_stream,
     launcher_streams,
+    leave_on_stop_signals,
     take_environment,
     take_streams,
     watch_launcher,
@@ -158,12 +159,24 @@ def _rank_process(
     state_out: str | None = None,
     trained: Any = None,
     streams: Sequence[Connection] = (),
+    local: bool = False,
 ) -> None:
     """The body of a rank process; ``state_out``: where its final model goes;
     ``trained``: a shared flag set once the rank trained to the run's end (what
     its torchrun worker reads: an exit status the user's code may use too);
-    ``streams``: the launcher's stdout and stderr, to take (``launcher_streams``)."""
-    ignore_stop_signals()  # the launcher orders the stop
+    ``streams``: the launcher's stdout and stderr, to take (``launcher_streams``).
+
+    A local run's rank (``local``) runs in a process group of its own: the stop
+    signals of the launcher's group (Ctrl-C) are the launcher's, which stops the
+    run through the coordinator, so one that reaches the rank was sent to it
+    alone, and the rank leaves the run. Elsewhere (a torchrun worker's child,
+    whose agent signals the worker's whole group) the rank ignores them.
+    """
+    if local:  # (forked with the three ignored: none ends it before it has left the group)
+        os.setpgid(0, 0)
+        leave_on_stop_signals(spec.rank, f"the process that called elche.train, PID {launcher_pid}")
+    else:
+        ignore_stop_signals()  # the launcher orders the stop
     watch_launcher(launcher_pid)
     take_environment(env)
     take_streams(streams)
@@ -719,15 +732,19 @@ def launch_local(
         )  # fmt: skip
         try:
             result = collect(plan, run_dir, t0, epochs)
-        except RuntimeError:  # the coordinator left no summary
+        except RuntimeError as exc:  # the coordinator left no summary
             if signals.received is None:
                 raise
+            # A run that began (an epoch ended, or a journal kept), on a full disk, say:
+            # why nothing is saved. Else it had not formed.
+            began = bool(epochs) or not _never_began(run_dir)
             raise interrupted(
                 signals.received,
                 None,
                 plan.config.save_path,
                 resumed_from=plan.resume_from,
                 t0=t0,
+                unsaved=str(exc) if began else None,
             ) from None
     if signals.received is not None and result.summary.get("outcome") != "completed":
         raise interrupted(
@@ -866,7 +883,7 @@ def _start_rank(
         proc = ctx.Process(
             target=_rank_process,
             args=(spec, fns, batch_size, dict(os.environ), os.getpid()),
-            kwargs={"streams": streams},
+            kwargs={"streams": streams, "local": True},
             name=f"elche-rank{spec.rank}",
         )
         proc.start()
@@ -893,16 +910,18 @@ def interrupted(
     *,
     resumed_from: str | None = None,
     t0: float | None = None,
+    unsaved: str | None = None,
 ) -> Interrupted:
     """The ``Interrupted`` to raise for a run ``signum`` stopped, announced on stderr.
 
     When the stop's own save failed (a full disk), a checkpoint the run committed
     at ``save_path`` since ``t0`` is the bundle it names: whole, and resumable.
+    ``unsaved``: why a run that began and left no ``result`` saved nothing.
     """
     saved = result is not None and result.summary.get("outcome") == "saved_and_shutdown"
     earlier = None if saved or t0 is None else fresh_bundle(save_path, t0)
     stop = Interrupted(signum, save_path if saved else earlier, result)
-    announce(stop, resumed_from, earlier=earlier is not None)
+    announce(stop, resumed_from, earlier=earlier is not None, unsaved=unsaved)
     return stop
 
 

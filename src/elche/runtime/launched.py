@@ -86,7 +86,7 @@ from elche.runtime.lifetimes import (
     RANK_EXITS_ENV,
     Interrupted,
     StopSignals,
-    end_as_signalled,
+    leave_run,
     say_ranks_met,
     stop_came_alone,
     watch_launcher,
@@ -151,7 +151,7 @@ def train_launched(
 
     def on_signal(signum: int) -> None:
         if rank != 0 and stop_came_alone():
-            _leave(rank, signum)
+            leave_run(rank, signum, "elche run")
         ask_stop(signal.Signals(signum).name)
 
     with StopSignals(on_signal=on_signal, force_on_repeat=False) as signals:
@@ -177,18 +177,6 @@ def train_launched(
     if rank == 0:
         raise interrupted(signum, result, save_path, resumed_from=plan.resume_from, t0=t0)
     raise Interrupted(signum, bundle, result)
-
-
-def _leave(rank: int, signum: int) -> None:
-    """A stop signal came to this rank alone (``stop_came_alone``): the rank leaves the
-    run as a lost rank does (its launcher tells the coordinator at once, and its
-    unfinished data goes to the others); its process ends by that signal."""
-    name = signal.Signals(signum).name
-    line = (f"elche rank {rank}: {name} came to this rank alone: it leaves the run, which "
-            "goes on without it (to stop the whole run, signal elche run)\n")  # fmt: skip
-    with contextlib.suppress(OSError):  # (os.write: a print may be under way here)
-        os.write(2, line.encode())
-    end_as_signalled(signum)
 
 
 def whole_lines() -> None:

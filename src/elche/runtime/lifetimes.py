@@ -9,14 +9,16 @@ Rules:
   to act on. Ctrl-C sends SIGINT to the whole process group, and a closed
   terminal SIGHUP (the shell passes it to each of its jobs' groups), so the
   coordinator runs in a process group of its own (SIGTERM sent to it alone
-  asks it to stop, as if the launcher had), and the fork server and the
-  ranks of a local run ignore all three (``elche.runtime.forkserved``,
-  ``ignore_stop_signals``): nothing dies mid-write, and the launcher orders
-  the stop. Under ``elche run`` a stop signal that reaches a rank but 0
-  without its launcher (``kill PID``, a scheduler ending one rank) stops
-  that rank alone: it leaves the run as a lost rank does, its data trained
-  by the others (``stop_came_alone``; rank 0, the coordinator's host, stops
-  the whole run, which cannot go on without it). SIGHUP stops the run as
+  asks it to stop, as if the launcher had), the fork server ignores all
+  three (``elche.runtime.forkserved``), and the ranks of a local run fork
+  with them ignored and leave for process groups of their own: nothing dies
+  mid-write, and the launcher orders the stop. A stop signal that reaches a
+  local rank (``kill PID``, a scheduler ending one rank) was sent to it
+  alone, and stops that rank alone: it leaves the run as a lost rank does,
+  its data trained by the others (``leave_on_stop_signals``). So does one
+  that reaches a rank but 0 of ``elche run`` without its launcher
+  (``stop_came_alone``; rank 0, the coordinator's host, stops the whole
+  run, which cannot go on without it). SIGHUP stops the run as
   SIGTERM does; under ``nohup`` it is ignored, and stays so. A terminal
   that hung up fails every write: the launcher's stdout and stderr on it
   then go to ``/dev/null``.
@@ -75,6 +77,8 @@ __all__ = [
     "ignore_stop_signals",
     "launcher_stream",
     "launcher_streams",
+    "leave_on_stop_signals",
+    "leave_run",
     "relay_stop_signals",
     "say_ranks_met",
     "stop_came_alone",
@@ -93,9 +97,12 @@ WATCH_EVERY_S = 0.2
 # SIGHUP: the terminal closed. Its default ends the launcher and (in its group)
 # a local run's ranks and fork server unsaved; as a stop, the run is saved.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# Under ``elche run``: the file rank 0 makes once every rank has met in torch's
-# rendezvous. Until then a rank that fails leaves the others waiting there for
-# it, so the launcher stops them all; after, the run survives the loss.
+# Under ``elche run``, in rank 0 alone: the file descriptor of a pipe's write end,
+# where rank 0 writes once every rank has met in torch's rendezvous. Until then a
+# rank that fails leaves the others waiting there for it, so the launcher stops
+# them all; after, the run survives the loss. (A pipe, not a file in the run
+# directory: a full disk, a tmp cleaner or another run in an exported
+# ``ELCHE_RUN_DIR`` took a formed run for one that had not formed.)
 RANKS_MET_ENV = "ELCHE_RANKS_MET"
 # Under ``elche run``, in rank 0 alone: the file descriptor where the launcher
 # reports each other rank's exit, one ``RANK CODE`` line each. Rank 0 passes
@@ -149,20 +156,31 @@ class Interrupted(SystemExit, KeyboardInterrupt):
         return f"interrupted by {self.signal.name}; {saved}"
 
 
-def announce(stop: Interrupted, resumed_from: str | None = None, *, earlier: bool = False) -> None:
+def announce(
+    stop: Interrupted,
+    resumed_from: str | None = None,
+    *,
+    earlier: bool = False,
+    unsaved: str | None = None,
+) -> None:
     """The one line on stderr an interrupted run prints: where it is and how to resume
     (``RESUME_HINT``; ``resumed_from``: the bundle the run started from, which a stop
     saving nothing leaves as it was; ``earlier``: ``stop.bundle`` is a checkpoint this
-    run committed before, its stop's own save having failed)."""
+    run committed before, its stop's own save having failed; ``unsaved``: why a run
+    that began and has no result saved nothing). A run with neither a result nor
+    ``unsaved`` had not formed."""
     name = stop.signal.name
     summary = getattr(stop.result, "summary", None) or {}
+    if summary.get("outcome") == "failed":  # it trained; none fit
+        unsaved = str(summary.get("reason"))
     if earlier and stop.bundle is not None:
+        why = unsaved or summary.get("reason")
         text = (
-            f"elche: interrupted by {name}; the stop's save failed ({summary.get('reason')}), "
+            f"elche: interrupted by {name}; the stop's save failed ({why}), "
             f"but the run's last checkpoint, {stop.bundle}, is whole{_resume(stop.bundle)}"
         )
-    elif stop.bundle is None and summary.get("outcome") == "failed":  # it trained; none fit
-        text = f"elche: interrupted by {name}; nothing could be saved: {summary.get('reason')}"
+    elif stop.bundle is None and unsaved is not None:
+        text = f"elche: interrupted by {name}; nothing could be saved: {unsaved}"
     elif stop.bundle is None:
         text = f"elche: interrupted by {name} before the run formed; nothing was saved"
     else:
@@ -212,6 +230,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
+            _quiet_interrupted_threads()
             if _RELAYS:
                 _RELAYS[-1].attach(self)
             else:
@@ -294,6 +313,22 @@ def _on_main_thread_end() -> None:
     # A second Ctrl-C ends the wait, and the process.
     for ended in stopping.values():
         ended.wait()
+
+
+@functools.cache
+def _quiet_interrupted_threads() -> None:
+    """A thread that an uncaught ``Interrupted`` ends ends quietly, as one that
+    ``SystemExit`` ends: the one line said the stop, where Python's hook, which
+    spares ``SystemExit`` alone, printed a traceback. A hook of the script's own
+    (``threading.excepthook`` set) is left as it is."""
+    if threading.excepthook is not threading.__excepthook__:
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is None or not issubclass(args.exc_type, Interrupted):
+            threading.__excepthook__(args)
+
+    threading.excepthook = hook
 
 
 class _Marker:
@@ -427,16 +462,49 @@ def stop_came_alone() -> bool:
     whose agent stops the run by signalling every worker; a pipe this process
     no longer has), every stop signal is the run's.
     """
-    fd = os.environ.get(RUN_STOPS_ENV, "")
-    if not fd.isdigit():
+    fd = _launchers_pipe(RUN_STOPS_ENV)
+    if fd is None:
         return False
     try:
-        if not stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
-            return False  # (the script closed it, and the number went to another file)
-        readable, _, _ = select.select([int(fd)], [], [], 0)
+        readable, _, _ = select.select([fd], [], [], 0)
     except (OSError, ValueError):
         return False
     return not readable  # (the launcher's death, EOF, reads as its stop)
+
+
+def _launchers_pipe(name: str) -> int | None:
+    """The pipe end the launcher passed this process as environment variable ``name``,
+    or None where there is none."""
+    fd = os.environ.get(name, "")
+    if not fd.isdigit():
+        return None
+    try:
+        if not stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
+            return None  # (the script closed it, and the number went to another file)
+    except OSError:
+        return None
+    return int(fd)
+
+
+def leave_on_stop_signals(rank: int, launcher: str) -> None:
+    """A stop signal that reaches this rank's process makes the rank leave the run
+    (``leave_run``): a local run's rank, in a process group of its own, which its
+    launcher never signals (it stops the run through the coordinator)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, _: leave_run(rank, signum, launcher))
+
+
+def leave_run(rank: int, signum: int, launcher: str) -> None:
+    """A stop signal came to this rank alone: the rank leaves the run as a lost rank
+    does (its launcher tells the coordinator at once, and its unfinished data goes to
+    the others), saying so; its process ends by that signal (``end_as_signalled``).
+    ``launcher``: what to signal to stop the whole run instead."""
+    name = signal.Signals(signum).name
+    line = (f"elche rank {rank}: {name} came to this rank alone: it leaves the run, which "
+            f"goes on without it (to stop the whole run, signal {launcher})\n")  # fmt: skip
+    with contextlib.suppress(OSError):  # (os.write: a print may be under way here)
+        os.write(2, line.encode())
+    end_as_signalled(signum)
 
 
 def end_as_signalled(signum: int) -> None:
@@ -498,10 +566,10 @@ def take_streams(streams: Sequence[Connection], *, first_fd: int = 1) -> None:
 
 def say_ranks_met() -> None:
     """Rank 0, past torch's rendezvous: tell a launcher that asked (``RANKS_MET_ENV``)."""
-    path = os.environ.get(RANKS_MET_ENV)
-    if path:
-        with contextlib.suppress(OSError):  # (then a rank lost later ends the run)
-            open(path, "ab").close()
+    fd = _launchers_pipe(RANKS_MET_ENV)
+    if fd is not None:
+        with contextlib.suppress(OSError):  # (a launcher gone: its ranks end)
+            os.write(fd, b"m")
 
 
 def watch_launcher(
