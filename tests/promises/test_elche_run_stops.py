@@ -30,6 +30,7 @@ from tests.promises.test_lifetimes import (
     only_line,
     session,
     session_pids,
+    signal_every_process,
     wait_exit,
     wait_mid_run,
     worker_of,
@@ -235,6 +236,27 @@ def test_a_sigterm_to_one_rank_alone_stops_that_rank_and_the_run_goes_on(
     assert '"kind":"RankLost","rank":2,"reason":"process ended (killed by signal 15)"' in timeline
     num_samples = len(digits.load_digits_split(seed=0)[0])
     assert audit_spans([run_dir], epochs=8, num_samples=num_samples) == (0, 0)  # each once
+
+
+def test_a_sigterm_to_every_process_of_the_run_stops_the_whole_run_saved(
+    tmp_path: Path,
+) -> None:
+    # systemd stopping a service, scancel, `pkill -f train.py`: every process gets the
+    # signal at once. A rank but 0 that got it before elche run had marked its own stop
+    # took it for one sent to it alone and left, saying so: the run was saved by the
+    # ranks left, and elche run said each rank that left as killed by SIGTERM.
+    (tmp_path / "go").touch()
+    with session(launch(tmp_path, 3, 8, heartbeat_s=30.0), tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        signal_every_process(proc.pid, signal.SIGTERM)
+        returncode, out, err = wait_exit(proc, STOP_WITHIN_S)
+    assert returncode == 143, err[-3000:]
+    save = tmp_path / "bundle"
+    assert sorted(re.findall(r"STOPPED (\d) (.*)", out)) == [
+        (str(rank), f"bundle={save} code=143") for rank in range(3)
+    ], out + err[-3000:]
+    assert "came to this rank alone" not in err, err[-3000:]
+    assert f"interrupted by SIGTERM; the run is saved under {save};" in only_line(err)
 
 
 def test_a_sigterm_to_rank_0_alone_stops_the_run_said_once(tmp_path: Path) -> None:

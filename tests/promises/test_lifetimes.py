@@ -385,7 +385,8 @@ if __name__ == "__main__":
     result = elche.train(
         digits.make_model, digits.make_optimizer, step, train_set, batch_size=32, epochs=8,
         speeds=[0.05, 0.05, 0.02], heartbeat_timeout_s=30.0, progress=False,
-        run_dir=sys.argv[1] + "/run",
+        run_dir=sys.argv[1] + ("/resumed" if sys.argv[2:] else "/run"),
+        resume_from=sys.argv[2] if sys.argv[2:] else None,
     )
     print(f"RETURNED {result.summary['outcome']}", flush=True)
 """
@@ -407,6 +408,39 @@ def test_a_sigterm_to_one_rank_of_a_local_run_alone_stops_that_rank(tmp_path: Pa
     assert '"kind":"RankLost","rank":2,"reason":"process ended (killed by signal 15)"' in timeline
     num_samples = len(digits.load_digits_split(seed=0)[0])
     assert audit_spans([tmp_path / "run"], epochs=8, num_samples=num_samples) == (0, 0)
+
+
+def signal_every_process(launcher: int, sig: signal.Signals) -> None:
+    """Send ``sig`` to every process of ``launcher``'s session at once, the launcher
+    last, as systemd stopping a service, Slurm's ``scancel`` or ``pkill -f`` do."""
+    pids = [pid for pid in session_pids(launcher) if pid != launcher]
+    for pid in [*pids, launcher]:
+        with suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def test_a_sigterm_to_every_process_of_a_local_run_saves_the_run(tmp_path: Path) -> None:
+    # A stop signal to each rank alone makes that rank leave the run: one sent to every
+    # process at once (systemd's KillMode=control-group, scancel, pkill -f train.py)
+    # made every rank leave, and the run, with no rank left, was lost. Now a rank waits
+    # for its launcher's mark: the launcher got the signal too, so the run is stopped
+    # and saved as a SIGTERM to the launcher alone saves it.
+    (tmp_path / "train.py").write_text(PIDS_SCRIPT)
+    with session([sys.executable, "train.py", str(tmp_path)], tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        signal_every_process(proc.pid, signal.SIGTERM)
+        returncode, out, err = wait_exit(proc, STOP_WITHIN_S)
+    assert returncode == 143, err[-3000:]
+    assert "came to this rank alone" not in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    line = only_line(err)
+    found = re.search(r"interrupted by SIGTERM; the run is saved under (\S+);", line)
+    assert found is not None, line
+    resume = [sys.executable, "train.py", str(tmp_path), found.group(1)]
+    with session(resume, tmp_path) as proc:
+        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    assert returncode == 0, err[-3000:]
+    assert "RETURNED completed" in out, out + err[-3000:]
 
 
 # Makes the terminal on stdin the controlling terminal of the new session, then runs the rest.

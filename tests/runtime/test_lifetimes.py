@@ -11,12 +11,16 @@ from types import SimpleNamespace
 
 import pytest
 
+from elche.runtime import lifetimes
 from elche.runtime.lifetimes import (
     RESUME_HINT,
     Interrupted,
     StopSignals,
     announce,
+    marked_stop_signals,
     relay_stop_signals,
+    stop_came_alone,
+    stop_marks,
 )
 
 
@@ -68,6 +72,28 @@ def test_stop_signals_can_ignore_repeats() -> None:
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
     assert signals.received == signal.SIGINT
+
+
+def test_a_stop_the_launcher_got_is_marked_for_its_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stop signal sent to every process at once reaches the ranks too: the launcher's
+    # mark tells them it is the run's, not theirs alone.
+    monkeypatch.setattr(lifetimes, "STOP_MARK_GRACE_S", 0.0)  # unmarked: said at once
+    with marked_stop_signals() as (signals, marks):
+        assert stop_came_alone(marks)  # nothing marked: a rank's signal came to it alone
+        signal.raise_signal(signal.SIGTERM)
+        assert signals.received == signal.SIGTERM
+        assert not stop_came_alone(marks)  # the launcher's own stop: the run's
+        signal.raise_signal(signal.SIGTERM)  # (a second mark changes nothing)
+        assert not stop_came_alone(marks)
+
+
+def test_a_launcher_gone_counts_as_its_stop() -> None:
+    marks, marks_out = stop_marks()
+    os.close(marks_out)  # as its death closes it: EOF, at once
+    try:
+        assert not stop_came_alone(marks)
+    finally:
+        os.close(marks)
 
 
 def _enter_on_a_thread(

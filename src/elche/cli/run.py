@@ -191,16 +191,20 @@ class _Ranks:
     is lost then, not when its heartbeats go stale, the run waiting for it.
 
     Every stop it passes on it first marks as the run's (``RUN_STOPS_ENV``, a
-    pipe every rank holds): a rank that gets a stop signal unmarked was sent
-    it alone, and leaves the run (``elche.runtime.lifetimes.stop_came_alone``).
+    pipe every rank holds): a rank that gets a stop signal left unmarked
+    (``STOP_MARK_GRACE_S``) was sent it alone, and leaves the run
+    (``elche.runtime.lifetimes.stop_came_alone``). One sent to every process
+    at once is marked here too, and the ranks leave the stop to this launcher.
     """
 
     def __init__(self) -> None:
+        from elche.runtime.lifetimes import stop_marks
+
         self.procs: list[subprocess.Popen[bytes]] = []
         self.stopped_early: int | None = None
         self.kill_at: float | None = None  # (monotonic) the stopped ranks' grace ends
         self._exits, self._exits_out = os.pipe()  # rank 0 reads, the launcher writes
-        self._stops, self._stops_out = os.pipe()  # every rank looks, the launcher writes
+        self._stops, self._stops_out = stop_marks()  # every rank looks, the launcher writes
         self._met, self._met_out = os.pipe()  # the launcher looks, rank 0 writes
         self._formed = False  # (latched: see formed)
 
@@ -244,12 +248,13 @@ class _Ranks:
 
     def forward(self, signum: int) -> None:
         """Pass a stop signal on, marked as the run's (run in the signal handler)."""
+        from elche.runtime.lifetimes import mark_stop
+
         if self.stopped_early is None and not self.formed():
             self.stopped_early = signum
             self.kill_at = time.monotonic() + STARTUP_STOP_GRACE_S
             signum = signal.SIGTERM
-        with contextlib.suppress(OSError):  # (one byte, in an empty pipe)
-            os.write(self._stops_out, b"s")
+        mark_stop(self._stops_out)
         for proc in self.procs:
             with contextlib.suppress(OSError):
                 proc.send_signal(signum)

@@ -24,10 +24,12 @@ drive the progress display and the user's ``eval_result_fn``/``metrics_fn``,
 and it watches the children: a rank that exits early is reported; the
 coordinator's heartbeat timeout decides what that means for the run. When
 the coordinator exits, the ranks get a grace period to finish, then are
-stopped. SIGINT, SIGTERM and SIGHUP stop the run cleanly: the launcher asks the
-coordinator to stop, the ranks save a bundle, and ``Interrupted`` is raised
-(``elche.runtime.lifetimes``); the coordinator, the fork server and the
-ranks outlive the launcher by at most ``ORPHAN_GRACE_S``.
+stopped. SIGINT, SIGTERM and SIGHUP stop the run cleanly, sent to the launcher
+or to every process of the run at once (each rank waits for the launcher's mark,
+``lifetimes.stop_came_alone``): the launcher asks the coordinator to stop, the
+ranks save a bundle, and ``Interrupted`` is raised (``elche.runtime.lifetimes``);
+the coordinator, the fork server and the ranks outlive the launcher by at most
+``ORPHAN_GRACE_S``.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ from elche.runtime.lifetimes import (
     launcher_stream,
     launcher_streams,
     leave_on_stop_signals,
+    marked_stop_signals,
     take_environment,
     take_streams,
     watch_launcher,
@@ -159,22 +162,27 @@ def _rank_process(
     state_out: str | None = None,
     trained: Any = None,
     streams: Sequence[Connection] = (),
-    local: bool = False,
+    marks: Connection | None = None,
 ) -> None:
     """The body of a rank process; ``state_out``: where its final model goes;
     ``trained``: a shared flag set once the rank trained to the run's end (what
     its torchrun worker reads: an exit status the user's code may use too);
-    ``streams``: the launcher's stdout and stderr, to take (``launcher_streams``).
+    ``streams``: the launcher's stdout and stderr, to take (``launcher_streams``);
+    ``marks``: a local run's rank's read end of the pipe where its launcher
+    marks each stop of the run (``lifetimes.marked_stop_signals``).
 
-    A local run's rank (``local``) runs in a process group of its own: the stop
+    A local run's rank (``marks``) runs in a process group of its own: the stop
     signals of the launcher's group (Ctrl-C) are the launcher's, which stops the
-    run through the coordinator, so one that reaches the rank was sent to it
-    alone, and the rank leaves the run. Elsewhere (a torchrun worker's child,
-    whose agent signals the worker's whole group) the rank ignores them.
+    run through the coordinator. A stop signal that reaches the rank unmarked
+    was sent to it alone, and the rank leaves the run; one marked was sent to
+    every process of the run, the launcher too, and the launcher saves the run.
+    Elsewhere (a torchrun worker's child, whose agent signals the worker's
+    whole group) the rank ignores them.
     """
-    if local:  # (forked with the three ignored: none ends it before it has left the group)
+    if marks is not None:  # (forked with the three ignored: none ends it before it left the group)
         os.setpgid(0, 0)
-        leave_on_stop_signals(spec.rank, f"the process that called elche.train, PID {launcher_pid}")
+        launcher = f"the process that called elche.train, PID {launcher_pid}"
+        leave_on_stop_signals(spec.rank, launcher, marks)
     else:
         ignore_stop_signals()  # the launcher orders the stop
     watch_launcher(launcher_pid)
@@ -725,10 +733,10 @@ def launch_local(
     """
     t0 = time.monotonic()
     plan = with_bundle(plan, run_dir)
-    with StopSignals() as signals:
+    with marked_stop_signals() as (signals, marks):  # (marked: for the ranks, the run's stops)
         epochs = _supervise(
-            plan, fns, hooks, run_dir, signals, max_grad_norm=max_grad_norm, progress=progress,
-            dashboard=dashboard, tensorboard_dir=tensorboard_dir,
+            plan, fns, hooks, run_dir, signals, marks=marks, max_grad_norm=max_grad_norm,
+            progress=progress, dashboard=dashboard, tensorboard_dir=tensorboard_dir,
         )  # fmt: skip
         try:
             result = collect(plan, run_dir, t0, epochs)
@@ -765,13 +773,15 @@ def _supervise(
     run_dir: Path,
     signals: StopSignals,
     *,
+    marks: int,
     max_grad_norm: float | None,
     progress: bool,
     dashboard: str | None,
     tensorboard_dir: str | None,
 ) -> list[dict[str, object]]:
     """Start the coordinator and the ranks, follow the run to its end (committing what
-    the ranks kept if its coordinator was lost for good); its epochs."""
+    the ranks kept if its coordinator was lost for good); its epochs. ``marks``: the
+    read end of the pipe where ``signals`` marks each stop, for the ranks."""
     cfg = plan.config
     sent = pickled(fns)  # before anything starts
     secret = secret_from_env(os.environ) or new_secret()
@@ -803,7 +813,7 @@ def _supervise(
             procs.append(_start_rank(ctx, rank_spec(
                 plan, rank, coordinator.address, secret, run_dir, max_grad_norm=max_grad_norm,
                 group_port=coordinator.group_port,
-            ), sent, cfg.batch_size))  # fmt: skip
+            ), sent, cfg.batch_size, marks))  # fmt: skip
         del sent  # the dataset's copy, pickled for the ranks: each has its own now
         while (
             time.monotonic() < stop_by
@@ -871,19 +881,24 @@ def _never_began(run_dir: Path) -> bool:
 
 
 def _start_rank(
-    ctx: ForkServerContext | SpawnContext, spec: RankSpec, fns: bytes, batch_size: int
+    ctx: ForkServerContext | SpawnContext, spec: RankSpec, fns: bytes, batch_size: int, marks: int
 ) -> BaseProcess:
     """Start rank ``spec.rank``'s process; a forked one takes the launcher's stdout and stderr.
+    Each holds the read end of the pipe where its launcher marks the run's stops, ``marks``
+    (``lifetimes.marked_stop_signals``), sent as the streams are.
 
     ``fns`` are pickled by value (``pickled``): the process pickler would send
     every tensor in the dataset as a shared-memory fd (too many fds for a list
     of them).
     """
-    with launcher_streams(ctx.get_start_method()) as streams:
+    with (
+        launcher_streams(ctx.get_start_method()) as streams,
+        contextlib.closing(launcher_stream(marks)) as sent_marks,
+    ):
         proc = ctx.Process(
             target=_rank_process,
             args=(spec, fns, batch_size, dict(os.environ), os.getpid()),
-            kwargs={"streams": streams, "local": True},
+            kwargs={"streams": streams, "marks": sent_marks},
             name=f"elche-rank{spec.rank}",
         )
         proc.start()

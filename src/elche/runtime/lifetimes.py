@@ -12,16 +12,23 @@ Rules:
   asks it to stop, as if the launcher had), the fork server ignores all
   three (``elche.runtime.forkserved``), and the ranks of a local run fork
   with them ignored and leave for process groups of their own: nothing dies
-  mid-write, and the launcher orders the stop. A stop signal that reaches a
-  local rank (``kill PID``, a scheduler ending one rank) was sent to it
-  alone, and stops that rank alone: it leaves the run as a lost rank does,
-  its data trained by the others (``leave_on_stop_signals``). So does one
-  that reaches a rank but 0 of ``elche run`` without its launcher
-  (``stop_came_alone``; rank 0, the coordinator's host, stops the whole
-  run, which cannot go on without it). SIGHUP stops the run as
+  mid-write, and the launcher orders the stop. SIGHUP stops the run as
   SIGTERM does; under ``nohup`` it is ignored, and stays so. A terminal
   that hung up fails every write: the launcher's stdout and stderr on it
   then go to ``/dev/null``.
+- Every launcher marks each stop of its run before it orders it
+  (``mark_stop``), in a pipe whose read end each of its ranks holds
+  (``elche run``'s: ``RUN_STOPS_ENV``; a local run's: ``marked_stop_signals``).
+  A rank that gets a stop signal waits up to ``STOP_MARK_GRACE_S`` for that
+  mark (``stop_came_alone``). Marked, the signal went to every process of
+  the run (systemd stopping a service, Slurm's ``scancel``, ``pkill -f``),
+  the launcher included: the rank leaves the stop to it, which saves the
+  run. Unmarked, it was sent to that rank alone (``kill PID``, a scheduler
+  ending one rank): the rank leaves the run as a lost rank does, its data
+  trained by the others (``leave_on_stop_signals``, ``leave_run``); but
+  rank 0 of ``elche run``, the coordinator's host, stops the whole run,
+  which cannot go on without it. Under torchrun, whose agent signals every
+  worker, each stop signal is the run's.
 - The launcher asks the coordinator to stop with a ``stop REASON`` line on
   its stdin; the coordinator turns it into ``StopRequested``: a training run
   saves a bundle (``SaveReason.GRACEFUL_SHUTDOWN``) and the ranks exit. Then
@@ -68,6 +75,7 @@ __all__ = [
     "RANK_EXITS_ENV",
     "RESUME_HINT",
     "RUN_STOPS_ENV",
+    "STOP_MARK_GRACE_S",
     "Interrupted",
     "StopSignals",
     "announce",
@@ -79,9 +87,12 @@ __all__ = [
     "launcher_streams",
     "leave_on_stop_signals",
     "leave_run",
+    "mark_stop",
+    "marked_stop_signals",
     "relay_stop_signals",
     "say_ranks_met",
     "stop_came_alone",
+    "stop_marks",
     "take_environment",
     "take_streams",
     "watch_launcher",
@@ -113,6 +124,15 @@ RANK_EXITS_ENV = "ELCHE_RANK_EXITS"
 # the launcher writes to the pipe before it passes a stop signal on to the
 # ranks. A rank whose stop signal finds it empty was sent the signal alone.
 RUN_STOPS_ENV = "ELCHE_RUN_STOPS"
+# How long a rank that got a stop signal waits for its launcher's mark before it
+# takes the signal for one sent to it alone. Sent to every process at once (systemd
+# stopping a service, Slurm's scancel, ``pkill -f train.py``), the signal may reach a
+# rank before its launcher's handler has marked it: that handler runs within
+# milliseconds (the launcher's main thread waits on its children; a hook of the
+# user's run there holds it only inside one long call into C, a tensor operation).
+# A rank sent a signal alone leaves this much later; one the run's stop reached
+# goes on as soon as the mark comes.
+STOP_MARK_GRACE_S = 1.0
 
 
 def _resume_from(stem: str) -> str:
@@ -453,20 +473,53 @@ def ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def stop_came_alone() -> bool:
-    """Whether the stop signal this rank just got was sent to it alone, not by its launcher.
+def stop_marks() -> tuple[int, int]:
+    """A pipe where a launcher marks its run's stops (``mark_stop``), for its ranks to
+    look in (``stop_came_alone``): its read end and its write end."""
+    marks, marks_out = os.pipe()
+    os.set_blocking(marks_out, False)  # (drained by no one: a full pipe is marked already)
+    return marks, marks_out
 
-    Under ``elche run`` the launcher passes every stop of the run on, having
-    written to the pipe ``RUN_STOPS_ENV`` names first; a signal that finds
-    the pipe empty came from elsewhere, to this rank alone. Elsewhere (torchrun,
-    whose agent stops the run by signalling every worker; a pipe this process
-    no longer has), every stop signal is the run's.
+
+def mark_stop(marks_out: int) -> None:
+    """Mark a stop of the run in the ranks' pipe (``stop_marks``' write end), before it
+    is ordered (run in the signal handler)."""
+    with contextlib.suppress(OSError):  # (full: marked already; a byte stays there)
+        os.write(marks_out, b"s")
+
+
+@contextlib.contextmanager
+def marked_stop_signals() -> Iterator[tuple[StopSignals, int]]:
+    """A local run's launcher's ``StopSignals``, each stop marked first (``mark_stop``);
+    and the read end of the marks' pipe, for each rank (``leave_on_stop_signals``).
+    The pipe is closed on exit."""
+    marks, marks_out = stop_marks()
+    try:
+        with StopSignals(on_signal=lambda _: mark_stop(marks_out)) as signals:
+            yield signals, marks
+    finally:
+        os.close(marks)
+        os.close(marks_out)
+
+
+def stop_came_alone(marks: int | None = None) -> bool:
+    """Whether the stop signal this rank just got was sent to it alone, not to its launcher.
+
+    Every stop of the run the launcher marks first (``mark_stop``) in the
+    pipe whose read end is ``marks`` (under ``elche run``, the one
+    ``RUN_STOPS_ENV`` names). A signal sent to every process of the run at
+    once may come here before the launcher's mark, so a rank waits for it up
+    to ``STOP_MARK_GRACE_S``; a signal still unmarked then came to this rank
+    alone. Elsewhere (torchrun, whose agent stops the run by signalling every
+    worker; a pipe this process no longer has), every stop signal is the
+    run's. A second signal during the wait interrupts nothing: the caller's
+    handler ignores it (the select goes on).
     """
-    fd = _launchers_pipe(RUN_STOPS_ENV)
+    fd = _launchers_pipe(RUN_STOPS_ENV) if marks is None else marks
     if fd is None:
         return False
     try:
-        readable, _, _ = select.select([fd], [], [], 0)
+        readable, _, _ = select.select([fd], [], [], STOP_MARK_GRACE_S)
     except (OSError, ValueError):
         return False
     return not readable  # (the launcher's death, EOF, reads as its stop)
@@ -486,12 +539,28 @@ def _launchers_pipe(name: str) -> int | None:
     return int(fd)
 
 
-def leave_on_stop_signals(rank: int, launcher: str) -> None:
-    """A stop signal that reaches this rank's process makes the rank leave the run
-    (``leave_run``): a local run's rank, in a process group of its own, which its
-    launcher never signals (it stops the run through the coordinator)."""
+def leave_on_stop_signals(rank: int, launcher: str, marks: Connection) -> None:
+    """A stop signal sent to this rank's process alone makes the rank leave the run
+    (``leave_run``); one sent to the whole run, its launcher included (which marks it
+    in the pipe ``marks`` reads), is ignored: the launcher stops the run through the
+    coordinator. For a local run's rank, in a process group of its own, which its
+    launcher never signals.
+
+    The first signal decides (``stop_came_alone``); others, during its wait or
+    after the run's stop, are ignored.
+    """
+    decided = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal decided
+        if decided:
+            return
+        decided = True
+        if stop_came_alone(marks.fileno()):
+            leave_run(rank, signum, launcher)
+
     for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda signum, _: leave_run(rank, signum, launcher))
+        signal.signal(sig, on_signal)
 
 
 def leave_run(rank: int, signum: int, launcher: str) -> None:
@@ -530,7 +599,8 @@ def take_environment(env: Mapping[str, str]) -> None:
 
 
 def launcher_stream(fd: int) -> Connection:
-    """A copy of this process's file descriptor ``fd`` (1: stdout, 2: stderr), to send.
+    """A copy of this process's file descriptor ``fd`` (1: stdout, 2: stderr; a pipe's
+    end, ``marked_stop_signals``), to send to a process it starts.
 
     A process forked from the fork server inherits the server's streams, as
     they were when it started (the first run of the launching process,
