@@ -24,12 +24,12 @@ import zmq
 from elche.core import messages as m
 from elche.core.config import CoordinatorConfig, Mode
 from elche.core.journal import record_of
-from elche.runtime import bundle, launch
+from elche.runtime import bundle, supervision
 from elche.runtime.addresses import BIND_ENV
 from elche.runtime.frames import SECRET_ENV, new_secret
 from elche.runtime.host import ADDRESS_LINE, config_to_json
 from elche.runtime.journal_file import JOURNAL_FILE, JournalWriter, read_journal
-from elche.runtime.launch import Supervised
+from elche.runtime.supervision import Supervised
 from elche.runtime.transport import RankEndpoint
 from tests.core.harness import Harness
 
@@ -195,7 +195,7 @@ def test_issue13_a_stop_asked_as_the_coordinator_died_reaches_its_successor(
     successor = subprocess.Popen(
         [sys.executable, "-c", echo], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
-    monkeypatch.setattr(launch, "restart_coordinator", lambda *_: successor)
+    monkeypatch.setattr(supervision, "restart_coordinator", lambda *_: successor)
     watched = Supervised(dying, "tcp://127.0.0.1:1", None, config, tmp_path, b"0" * 32)
     watched.ask_stop("SIGINT")  # told to the dying one: lost in its pipe
     assert watched.replaced({1: -9})

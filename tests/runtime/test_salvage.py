@@ -8,9 +8,11 @@ from pathlib import Path
 
 from elche.core.checkpoint import CheckpointMeta, SaveReason
 from elche.runtime import bundle
+from elche.runtime.host import RESUME_META
 from elche.runtime.journal_file import JOURNAL_FILE, JournalWriter
-from elche.runtime.salvage import keep_local_state, local_state_file, salvage_run
+from elche.runtime.salvage import keep_local_state, local_state_file, salvage_run, start_round
 from tests.core.harness import Harness, config
+from tests.core.test_checkpoint import BASE
 from tests.core.test_journal import records
 
 
@@ -67,3 +69,15 @@ def test_without_a_journal_nothing_is_committed_and_the_summary_says_why(tmp_pat
     assert salvage_run(cfg, tmp_path) is None
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert f"{cfg.save_path}.rank<R>.local" in summary["reason"]  # where what they kept is
+
+
+def test_a_salvage_starts_at_the_resumed_bundles_round_from_the_runs_own_copy(
+    tmp_path: Path,
+) -> None:
+    # A run resumed from a bundle keeps a copy of its meta in the run dir; a salvage
+    # (the coordinator lost for good) reads the round it started at from there. It
+    # read the bundle's own meta, which may have gone since (moved, pruned, a later
+    # run's save): the launcher died in a FileNotFoundError, nothing committed.
+    assert start_round(tmp_path) == 0  # not a resumed run
+    (tmp_path / RESUME_META).write_text(BASE.to_json(), encoding="utf-8")
+    assert start_round(tmp_path) == BASE.rounds_done  # and no bundle anywhere

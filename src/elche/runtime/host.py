@@ -106,6 +106,7 @@ __all__ = [
     "ADDRESS_LINE",
     "FAILED_EXIT",
     "LAUNCHER_RANK_ENV",
+    "RESUME_META",
     "RESUME_OUTER",
     "UNWRITABLE_EXIT",
     "Host",
@@ -124,6 +125,9 @@ FAILED_EXIT = 4
 UNWRITABLE_EXIT = 5
 # In the run dir: the bundle's outer momentum, copied there by the launcher.
 RESUME_OUTER = "resume.outer.npz"
+# In the run dir: the resumed bundle's meta, copied there by the launcher (the
+# bundle may change or go while the run trains).
+RESUME_META = "resume.meta.json"
 # The loop never sleeps longer than this, so a lost timer costs at most this.
 MAX_WAIT_S = 0.5
 # Testing hook: the run's first coordinator SIGKILLs itself at a named point:
@@ -644,7 +648,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: stops.append("SIGTERM"))
     run_dir = Path(args[0])
     config = config_from_json((run_dir / "coordinator.json").read_text(encoding="utf-8"))
-    resume_file = run_dir / "resume.meta.json"
+    resume_file = run_dir / RESUME_META
     resume = (
         CheckpointMeta.from_json(resume_file.read_text(encoding="utf-8"))
         if resume_file.exists()

@@ -14,7 +14,7 @@ ignored by the reader; the record before it stands.
 
 Two steps, because the journal guards against the loss of the coordinator
 *process*: its successor is started by the process that watched it, on the
-same host, from the same file (``runtime.launch.restart_coordinator``).
+same host, from the same file (``runtime.supervision.restart_coordinator``).
 ``append`` hands the record to the operating system (written and flushed:
 a coordinator killed right after finds it in the file), and the coordinator
 sends the new window's work after it; ``sync`` puts it on disk

@@ -19,7 +19,7 @@ to go on.
 
 Rank 0's process also watches its coordinator: one that dies without its
 summary is restarted from the run's journal on the same address
-(``launch.Supervised``), up to ``max_coordinator_restarts`` times, while the
+(``supervision.Supervised``), up to ``max_coordinator_restarts`` times, while the
 ranks hold their state and rejoin it.
 
 Across hosts the coordinator binds every interface and is reached at the
@@ -65,9 +65,7 @@ from elche.runtime.joining import announce_join
 from elche.runtime.journal_file import JOURNAL_FILE
 from elche.runtime.launch import (
     HANDBACK_FAILED,
-    Supervised,
     _rank_process,
-    _report_lost,
     check_picklable,
     collect,
     epoch_log,
@@ -77,8 +75,6 @@ from elche.runtime.launch import (
     on_record,
     rank_error_file,
     rank_spec,
-    salvage_if_lost,
-    start_coordinator,
     start_watching,
     with_bundle,
 )
@@ -94,6 +90,7 @@ from elche.runtime.lifetimes import (
 from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.same_run import check_same_plans, plan_of
 from elche.runtime.shared_result import HOLD_S, ResultBoard
+from elche.runtime.supervision import Supervised, report_lost, salvage_if_lost, start_coordinator
 from elche.runtime.worker import raise_if_refused, train_rank
 
 if TYPE_CHECKING:
@@ -420,7 +417,7 @@ def _start_on_rank0(
 
     def rank_exited(rank: int, code: int | None) -> None:
         lost[rank] = code
-        _report_lost(coordinator.host, rank, code)  # the one up now
+        report_lost(coordinator.host, rank, code)  # the one up now
 
     _relay_rank_exits(rank_exited)
     watcher = _watch_coordinator(coordinator, lost)
@@ -681,7 +678,7 @@ def _train_in_child(
         written = rank_report_file(Path(spec.run_dir), spec.rank)  # not in a full run dir
         return (json.loads(written.read_text()) if written.exists() else {}), state
     if host is not None:
-        _report_lost(host.host, spec.rank, child.exitcode)  # the one up now
+        report_lost(host.host, spec.rank, child.exitcode)  # the one up now
     else:
         results.say_exit(spec.rank, child.exitcode)  # rank 0 tells its coordinator
     if rank_error_file(Path(spec.run_dir), spec.rank).exists():

@@ -1,7 +1,7 @@
 """The bundle of a run whose coordinator is lost for good (``elche.core.salvage``).
 
 Theory of operation. The process that watches the coordinator
-(``launch.Supervised``) decides it will not be restarted (restarts used up,
+(``supervision.Supervised``) decides it will not be restarted (restarts used up,
 no journal, the successor would not start) and says so in
 ``RUN_DIR/coordinator.gone``; each rank's IO thread sees that file within a
 heartbeat (or the coordinator's silence, ``max(heartbeat_timeout_s, 10 s)``,
@@ -48,6 +48,7 @@ from elche.core.salvage import LocalState, Salvage, SalvageRefused, salvage
 from elche.monitor.summary import SUMMARY_FILE, RunStats, coordinator_summary
 from elche.monitor.timeline import TimelineWriter, read_timeline
 from elche.runtime import bundle
+from elche.runtime.host import RESUME_META
 from elche.runtime.journal_file import JOURNAL_FILE, read_journal
 
 __all__ = [
@@ -122,11 +123,13 @@ def keep_local_state(
     return None if written["model"] is None else f"{base}.model.pt"
 
 
-def start_round(resume_from: str | None) -> int:
-    """The averaging round a run starts at: its bundle's, when it resumes one."""
-    if resume_from is None:
+def start_round(run_dir: Path) -> int:
+    """The averaging round a run starts at: its resumed bundle's, from the copy of its
+    meta in ``run_dir`` (the bundle itself may have changed or gone since), else 0."""
+    try:
+        text = (run_dir / RESUME_META).read_text(encoding="utf-8")
+    except FileNotFoundError:
         return 0
-    text = bundle.meta_path(resume_from).read_text(encoding="utf-8")
     return CheckpointMeta.from_json(text).rounds_done
 
 
