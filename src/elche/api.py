@@ -27,7 +27,6 @@ import importlib.util
 import math
 import numbers
 import os
-import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -47,11 +46,11 @@ from elche.core.config import (
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
 from elche.core.progress import Progress
-from elche.runtime import bundle
 from elche.runtime.bundle import meta_path, no_meta
 from elche.runtime.frames import COORDINATOR_SENDER
 from elche.runtime.options import check_options
 from elche.runtime.plan import Hooks, Plan, TrainResult, hold_save_path
+from elche.runtime.run_dirs import tidy_run_dir
 from elche.runtime.shards import Shards, check_dataset
 
 __all__ = ["TrainResult", "train"]
@@ -758,10 +757,6 @@ def _train_one(
     return result
 
 
-# What a completed run's directory keeps (``tidy_run_dir``).
-KEPT_FILES = frozenset({"report.html", "timeline.jsonl", "summary.json"})
-
-
 def _train_cluster(
     plan: Plan,
     fns: Any,
@@ -786,35 +781,3 @@ def _train_cluster(
     if run_dir is None:
         tidy_run_dir(result, directory)
     return result
-
-
-def tidy_run_dir(result: TrainResult, directory: Path) -> None:
-    """Trim a completed run's directory to its record; keep any other run's whole.
-
-    A completed run has nothing to resume, so its model states and logs go;
-    its report, timeline and summary (``KEPT_FILES``, a few hundred kB) stay,
-    so ``summary["report"]`` names a file that exists. So does the last
-    bundle ``checkpoint_every`` asked for, which ``summary["bundle"]`` names
-    (it continues the run for more epochs).
-    """
-    if result.summary.get("outcome") != "completed":
-        print(f"elche: the run's files are kept in {directory}", file=sys.stderr, flush=True)
-        return
-    kept = KEPT_FILES | _bundle_files(result.summary.get("bundle"), directory)
-    for path in directory.iterdir():
-        if path.name in kept:
-            continue
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-
-
-def _bundle_files(stem: object, directory: Path) -> frozenset[str]:
-    """The names of the files of the bundle at ``stem``, if it is in ``directory``."""
-    meta = bundle.read_meta(stem) if isinstance(stem, str) else None
-    if meta is None or Path(str(stem)).parent != directory:
-        return frozenset()
-    paths = bundle.locate(str(stem), meta, meta.world_size)
-    files = [bundle.meta_path(str(stem)), paths.model, *paths.optim.values()]
-    return frozenset(p.name for p in (*files, *([paths.outer] if paths.outer else [])))

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from elche.api import KEPT_FILES
 from elche.bench import suites
 from elche.bench.suites import Suite, WorkloadPlan
 from elche.cli import main
+from elche.runtime.run_dirs import KEPT_FILES
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(120)]
 

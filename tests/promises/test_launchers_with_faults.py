@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import elche
-from elche.api import KEPT_FILES
+from elche.runtime.run_dirs import KEPT_FILES
 from tests.promises.tiny import make_model, make_optimizer, score, step
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -604,7 +604,7 @@ def _run_dir(keep_in: Path | None) -> Iterator[Path]:
 
 def _trim(result: Any, keep_in: Path | None) -> None:
     """A kept run directory of a completed run, trimmed to its record (``tidy_run_dir``)."""
-    from elche.api import tidy_run_dir
+    from elche.runtime.run_dirs import tidy_run_dir
 
     if keep_in is not None:
         tidy_run_dir(result, keep_in)
