@@ -193,18 +193,7 @@ def test_a_rank_killed_mid_run_is_lost_at_once_not_when_its_heartbeats_go_stale(
 ) -> None:
     # elche run knew at once; the coordinator learned it only from heartbeats gone
     # stale (30 s by default), every other rank waiting for the lost one meanwhile.
-    (tmp_path / "go").touch()
-    with session(launch(tmp_path, 3, 8, heartbeat_s=30.0), tmp_path) as proc:
-        wait_mid_run(proc, tmp_path)
-        rank2 = worker_of(proc.pid, 2)
-        assert rank2 is not None, "no rank 2 process"
-        os.kill(rank2, signal.SIGKILL)
-        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
-    assert returncode == 128 + signal.SIGKILL, err[-3000:]
-    assert sorted(re.findall(r"RETURNED (\d) (\S+)", out)) == [
-        ("0", "completed"), ("1", "completed"),
-    ], out + err[-3000:]  # fmt: skip
-    timeline = timeline_of(tmp_path)
+    _, _, timeline = _signal_rank_2_mid_run(tmp_path, signal.SIGKILL)
     assert '"kind":"RankLost","rank":2,"reason":"process ended (killed by signal 9)"' in timeline
     assert '"lost_samples":0' in timeline
 
@@ -215,27 +204,33 @@ def test_a_sigterm_to_one_rank_alone_stops_that_rank_and_the_run_goes_on(
     # Ranks take their stops from the launcher, so a rank that got SIGTERM itself
     # (`kill PID`, a scheduler) did nothing: it trained the run to its end, unsaid.
     # Now it leaves the run as a lost rank would, saying so, and elche run names it.
-    (tmp_path / "go").touch()
-    with session(launch(tmp_path, 3, 8, heartbeat_s=30.0), tmp_path) as proc:
-        wait_mid_run(proc, tmp_path)
-        rank2 = worker_of(proc.pid, 2)
-        assert rank2 is not None, "no rank 2 process"
-        os.kill(rank2, signal.SIGTERM)
-        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
-    assert returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert sorted(re.findall(r"RETURNED (\d) (\S+)", out)) == [
-        ("0", "completed"), ("1", "completed"),
-    ], out + err[-3000:]  # fmt: skip
+    out, err, timeline = _signal_rank_2_mid_run(tmp_path, signal.SIGTERM)
     assert "STOPPED" not in out, out
     assert "elche rank 2: SIGTERM came to this rank alone: it leaves the run" in err, err[-3000:]
     assert re.findall(r"elche run: rank \d .*", err) == [
         "elche run: rank 2 was stopped by SIGTERM; the run went on without it"
     ], err[-3000:]
-    (run_dir,) = tmp_path.glob("elche-run-*")
-    timeline = (run_dir / "timeline.jsonl").read_text()
     assert '"kind":"RankLost","rank":2,"reason":"process ended (killed by signal 15)"' in timeline
     num_samples = len(digits.load_digits_split(seed=0)[0])
+    (run_dir,) = tmp_path.glob("elche-run-*")
     assert audit_spans([run_dir], epochs=8, num_samples=num_samples) == (0, 0)  # each once
+
+
+def _signal_rank_2_mid_run(tmp_path: Path, signum: int) -> tuple[str, str, str]:
+    """``signum`` to rank 2 of a 3-rank run mid-run: the others complete it, and elche
+    run exits with that signal's status; its stdout, stderr and the run's timeline."""
+    (tmp_path / "go").touch()
+    with session(launch(tmp_path, 3, 8, heartbeat_s=30.0), tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        rank2 = worker_of(proc.pid, 2)
+        assert rank2 is not None, "no rank 2 process"
+        os.kill(rank2, signum)
+        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    assert returncode == 128 + signum, err[-3000:]
+    assert sorted(re.findall(r"RETURNED (\d) (\S+)", out)) == [
+        ("0", "completed"), ("1", "completed"),
+    ], out + err[-3000:]  # fmt: skip
+    return out, err, timeline_of(tmp_path)
 
 
 def test_a_sigterm_to_every_process_of_the_run_stops_the_whole_run_saved(
