@@ -545,7 +545,8 @@ def _supervise(
             for rank, proc in enumerate(procs):
                 if proc.exitcode is not None and rank not in reported:
                     reported.add(rank)
-                    report_lost(coordinator.host, rank, proc.exitcode)
+                    report_lost(coordinator.host, rank, proc.exitcode,
+                                stopping=signals.received is not None)  # fmt: skip
             failed = _run_failed(run_dir)
     finally:
         display.close()

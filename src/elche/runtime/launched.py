@@ -417,7 +417,8 @@ def _start_on_rank0(
 
     def rank_exited(rank: int, code: int | None) -> None:
         lost[rank] = code
-        report_lost(coordinator.host, rank, code)  # the one up now
+        # (to the one up now; said unless the run is stopping, its ranks exiting as told)
+        report_lost(coordinator.host, rank, code, stopping=signals.received is not None)
 
     _relay_rank_exits(rank_exited)
     watcher = _watch_coordinator(coordinator, lost)

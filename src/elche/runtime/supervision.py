@@ -316,16 +316,20 @@ class ForkedCoordinator:
 CoordinatorProcess: TypeAlias = "subprocess.Popen[str] | ForkedCoordinator"
 
 
-def report_lost(host: CoordinatorProcess, rank: int, code: int | None) -> None:
+def report_lost(
+    host: CoordinatorProcess, rank: int, code: int | None, *, stopping: bool = False
+) -> None:
     """Tell the coordinator (over its stdin) that a rank process is gone.
 
     One that exits 0 did so at the run's end, which the coordinator knows
     (it ignores the report then, and nothing is said), or in the middle of
     it (``os._exit(0)`` in the user's code), where it is lost at once rather
-    than when its heartbeats go stale.
+    than when its heartbeats go stale. Nor is one said while the run stops
+    (``stopping``: a stop signal came): its ranks save and exit, 143 say,
+    which the stop's one line accounts for.
     """
     how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-    if code != 0:
+    if code != 0 and not stopping:
         print(f"elche: rank {rank} process ended ({how})", file=sys.stderr, flush=True)
     tell_coordinator(host, f"lost {rank} process ended ({how})")
 
