@@ -68,6 +68,9 @@ def refusal(**kw: object) -> ConfigError:
         ({"eval_result_fn": 3}, "eval_result_fn"),
         ({"checkpoint_fn": 3, "checkpoint_every": 1}, "checkpoint_fn"),
         ({"metrics_fn": 3}, "metrics_fn"),
+        ({"formation_timeout_s": 0}, "formation_timeout_s"),
+        ({"formation_timeout_s": float("inf")}, "formation_timeout_s"),
+        ({"formation_timeout_s": "60"}, "formation_timeout_s"),
     ],
     ids=repr,
 )

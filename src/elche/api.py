@@ -93,6 +93,7 @@ def train(
     easgd_alpha: float | None = None,
     seed: int = 42,
     heartbeat_timeout_s: float = 30.0,
+    formation_timeout_s: float = 60.0,
     max_failures: int | None = None,
     max_coordinator_restarts: int = 3,
     progress: bool = True,
@@ -165,6 +166,9 @@ def train(
         easgd_alpha: EASGD blend for ``cpu-async`` (default 0.5).
         seed: the per-epoch shuffle seed.
         heartbeat_timeout_s: silence after which a rank is declared dead.
+        formation_timeout_s: how long the run waits for every rank to join it
+            (each builds its model first: raise it for a ``model_fn`` that loads
+            a large model); past it the run fails before training.
         max_failures: save and stop after this many ranks died.
         max_coordinator_restarts: a coordinator process that dies is restarted
             from the run's journal on the same address, this many times at
@@ -294,6 +298,7 @@ def train(
         speeds=speeds, speed_base_s=speed_base_s, devices=devices,
         callback_rank=callback_rank, scheduler=scheduler,
         easgd_alpha=easgd_alpha, seed=seed, heartbeat_timeout_s=heartbeat_timeout_s,
+        formation_timeout_s=formation_timeout_s,
         max_failures=max_failures, has_eval=eval_fn is not None, eval_every=eval_every,
         max_coordinator_restarts=max_coordinator_restarts,
         checkpoint_every=checkpoint_every, save_path=save_path, resume_from=resume_from,
@@ -376,6 +381,7 @@ def _plan(
     easgd_alpha: float | None,
     seed: int,
     heartbeat_timeout_s: float,
+    formation_timeout_s: float,
     max_failures: int | None,
     max_coordinator_restarts: int,
     has_eval: bool,
@@ -424,6 +430,12 @@ def _plan(
             f"must be a number of seconds in [{low:g}, {high:g}] (a live rank beats "
             f"{BEATS_PER_TIMEOUT} times a timeout), got {heartbeat_timeout_s!r}",
         )
+    low, high = FORMATION_TIMEOUT_RANGE_S
+    if not (_finite(formation_timeout_s) and low <= formation_timeout_s <= high):
+        raise ConfigError(
+            "formation_timeout_s",
+            f"must be a number of seconds in [{low:g}, {high:g}], got {formation_timeout_s!r}",
+        )
     if save_path is not None:
         _check_stem(save_path)
         check_writable(Path(save_path).parent, "save_path")
@@ -436,7 +448,7 @@ def _plan(
         batch_size=batch_size, epochs=epochs, seed=seed,
         order=SHARD_ORDER if isinstance(dataset, Shards) else NUMPY_PERMUTATION,
         scheduler=SchedulerConfig() if scheduler is None else scheduler,
-        heartbeat_timeout_s=heartbeat_timeout_s,
+        heartbeat_timeout_s=heartbeat_timeout_s, formation_timeout_s=formation_timeout_s,
         heartbeat_interval_s=_beat_every(heartbeat_timeout_s), max_failures=max_failures,
         callback_policy=policy, callback_rank=pinned,
         has_eval_fn=has_eval, eval_every=eval_every, checkpoint_every=checkpoint_every,
@@ -507,6 +519,7 @@ HEARTBEAT_INTERVAL_S = 1.0  # the rank's beat and the coordinator's timer, at mo
 # Timeouts a run takes: under a second a loaded machine's scheduling alone declares
 # live ranks dead; past a day a lost rank is never noticed (and timers overflow).
 HEARTBEAT_TIMEOUT_RANGE_S = (1.0, 86_400.0)
+FORMATION_TIMEOUT_RANGE_S = (1.0, 86_400.0)
 
 
 def _beat_every(heartbeat_timeout_s: float) -> float:

@@ -219,7 +219,9 @@ def test_ranks_gathering_for_the_first_group_stop_when_the_run_fails_to_form() -
     # answering"); the coordinator now says in its store that the run ended.
     procs: list[subprocess.Popen[bytes]] = []
     with Rig(3) as rig:
-        logs = start_torchrun(rig, "static", EPOCHS, env={"STALL_RANK": "2"}, procs=procs)
+        # (20 s to form, not 60: the run fails at formation_timeout_s)
+        env = {"STALL_RANK": "2", "FORMATION_TIMEOUT_S": "20"}
+        logs = start_torchrun(rig, "static", EPOCHS, env=env, procs=procs)
         wait_for("rank 2 in its model_fn", lambda: (rig.tmp(2) / "stalled").exists() or None)
         assert rig.kill_host(2)
         lines = [

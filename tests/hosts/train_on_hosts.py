@@ -10,7 +10,7 @@ joiner is in the run however long it takes to start (the joiner, started by
 ``elche join``, has no ``RANK`` and does not wait). With ``STALL_RANK``, that
 rank's process, once started, writes ``/tmp/stalled`` on its host and waits
 two minutes in ``model_fn``: a host lost before its rank gathered for the
-first group.
+first group (``FORMATION_TIMEOUT_S``: the run's ``formation_timeout_s``).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ if __name__ == "__main__":
         result = elche.train(
             make_model, digits.make_optimizer, digits.step_fn, train_set,
             batch_size=32, epochs=int(sys.argv[1]), mode="cadence", heartbeat_timeout_s=3.0,
+            formation_timeout_s=float(os.environ.get("FORMATION_TIMEOUT_S", "60")),
             speeds=[0.2] * world, speed_base_s=0.004, epoch_fn=hold,
             eval_fn=digits.eval_fn, eval_dataset=test_set, progress=False,
         )  # fmt: skip

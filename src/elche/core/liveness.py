@@ -56,7 +56,8 @@ def on_timer(core: Coordinator) -> None:
             ending.fail(
                 core,
                 f"formation timed out: {joined}/{core.config.world_size} ranks joined "
-                f"within {core.config.formation_timeout_s:g} s",
+                f"within {core.config.formation_timeout_s:g} s (formation_timeout_s: each "
+                "rank builds its model first)",
             )
             return
         # The ranks that joined wait for the rest: tell them this coordinator is up.
