@@ -38,11 +38,10 @@ from tests.bench.test_bench_storage import FAKE
 from tests.bench.test_metrics import fake_run
 from tests.promises.test_lifetimes import (
     MID_RUN_WITHIN_S,
-    ORPHANS_GONE_WITHIN_S,
     TAKE_THE_TERMINAL,
-    command_line,
-    session_pids,
+    kill_session,
     show_terminal,
+    wait_session_gone,
 )
 
 # Cadence trains long enough (20 epochs of ~0.1 s) that the signal, sent at its
@@ -90,10 +89,9 @@ def test_ctrl_c_mid_bench_writes_the_runs_it_measured_and_exits_130(tmp_path: Pa
             assert [cell["cell"] for cell in so_far["not_run"]] == NOT_RUN
             os.killpg(proc.pid, sig)  # Ctrl-C reaches every process of the group
             stdout, _ = proc.communicate(timeout=60)
-            _wait_gone(proc.pid)
+            wait_session_gone(proc.pid)
         finally:
-            for pid in session_pids(proc.pid):
-                os.kill(pid, signal.SIGKILL)
+            kill_session(proc.pid)
             proc.kill()
             proc.communicate(timeout=30)
             shutil.rmtree(scratch, ignore_errors=True)
@@ -165,10 +163,9 @@ def test_a_closed_terminal_outside_an_elche_run_writes_what_was_measured_and_exi
         reader.join()
         os.close(master)  # the terminal closes
         returncode = proc.wait(timeout=60)
-        _wait_gone(proc.pid)
+        wait_session_gone(proc.pid)
     finally:
-        for pid in session_pids(proc.pid):
-            os.kill(pid, signal.SIGKILL)
+        kill_session(proc.pid)
         proc.kill()
         proc.wait(timeout=30)
         shutil.rmtree(scratch, ignore_errors=True)
@@ -192,15 +189,6 @@ def _measure_one_then(
         raise AssertionError("not stopped")
 
     return run_suite
-
-
-def _wait_gone(sid: int) -> None:
-    """Until no process of session ``sid`` is left (the fork server's exit takes a moment)."""
-    deadline = time.monotonic() + ORPHANS_GONE_WITHIN_S
-    while session_pids(sid) and time.monotonic() < deadline:
-        time.sleep(0.05)  # polling for a condition, with a deadline
-    left = session_pids(sid)
-    assert not left, [command_line(pid) for pid in left]
 
 
 def test_sigterm_between_runs_writes_what_was_measured_and_exits_143(

@@ -126,6 +126,22 @@ def session_pids(sid: int) -> list[int]:
     return found
 
 
+def kill_session(sid: int) -> None:
+    """SIGKILL every live process of session ``sid`` (one may end meanwhile)."""
+    for pid in session_pids(sid):
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def wait_session_gone(sid: int) -> None:
+    """Until no process of session ``sid`` is left (the fork server's exit takes a moment)."""
+    deadline = time.monotonic() + ORPHANS_GONE_WITHIN_S
+    while session_pids(sid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling for a condition, with a deadline
+    left = session_pids(sid)
+    assert not left, [command_line(pid) for pid in left]
+
+
 def command_line(pid: int) -> str:
     with suppress(OSError):
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
@@ -146,9 +162,7 @@ def session(
     try:
         yield proc
     finally:
-        for pid in session_pids(proc.pid):
-            with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_session(proc.pid)
         proc.kill()
         proc.communicate(timeout=30)
 
@@ -478,14 +492,9 @@ def test_a_closed_terminal_saves_the_run_and_exits_129(tmp_path: Path) -> None:
         reader.join()
         os.close(master)  # the terminal closes
         returncode = proc.wait(timeout=STOP_WITHIN_S + 30)
-        deadline = time.monotonic() + ORPHANS_GONE_WITHIN_S
-        while session_pids(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)  # polling for a condition, with a deadline
-        left = session_pids(proc.pid)
-        assert not left, [command_line(pid) for pid in left]
+        wait_session_gone(proc.pid)
     finally:
-        for pid in session_pids(proc.pid):
-            os.kill(pid, signal.SIGKILL)
+        kill_session(proc.pid)
     assert returncode == 129, out_file.read_text()
     assert f"STOPPED Interrupted bundle={save} code=129" in out_file.read_text()
     assert Path(f"{save}.meta.json").exists()
