@@ -333,10 +333,13 @@ def test_a_run_directory_that_fills_up_says_where_the_bundle_is_on_every_rank(
             fill(disk)
             returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
     assert returncode == 1, err[-3000:]
-    saved = f"the run's state is saved as the bundle {stem}: resume_from={stem!r}"
+    said = (  # it said "the coordinator exited without a summary; see …"
+        f"the coordinator could not write in the run directory {disk / 'run'}; "
+        f"the run's state is saved as the bundle {stem}: resume_from={stem!r}"
+    )
     raised = re.findall(r"RAISED (\d) (.*)", out)
     assert sorted(rank for rank, _ in raised) == ["0", "1"], out + err[-3000:]
-    assert all(saved in text for _, text in raised), raised
+    assert all(said in text for _, text in raised), raised
     assert "Traceback" not in err, err[-3000:]
     assert "cannot write its report in the run directory" in err
     assert Path(f"{stem}.meta.json").exists()

@@ -377,8 +377,8 @@ def test_ctrl_c_on_a_full_disk_says_why_nothing_was_saved(tmp_path: Path) -> Non
         said = [line for line in elche_lines(err) if line.startswith("elche: ")]
     assert returncode == 130, err[-3000:]
     assert said[-1] == (
-        "elche: interrupted by SIGINT; nothing could be saved: the coordinator exited "
-        f"without a summary; see {disk}/run"
+        "elche: interrupted by SIGINT; nothing could be saved: the coordinator could not "
+        f"write in the run directory {disk}/run"
     ), err[-3000:]
 
 
@@ -644,7 +644,7 @@ if __name__ == "__main__":
     try:
         elche.train(
             digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
-            batch_size=32, epochs=8, speeds=[1.0, 0.1], heartbeat_timeout_s=2.0,
+            batch_size=32, epochs=40, speeds=[1.0, 0.1], heartbeat_timeout_s=2.0,
             progress=False, save_path=sys.argv[1],
         )
     except KeyboardInterrupt as stop:
@@ -671,7 +671,9 @@ def test_issue12_item12_under_torchrun_a_killed_worker_leaves_a_resumable_bundle
 ) -> None:
     # A rank's training process that dies is survived under torchrun (see
     # test_launchers_with_faults); its *worker* process dying makes torchrun's
-    # agent SIGTERM every survivor (docs/failure-modes.md): they save first.
+    # agent SIGTERM every survivor (docs/failure-modes.md): they save first. The run
+    # is long (40 epochs, ended by the SIGTERM) so that the survivor, training at full
+    # speed, cannot finish it on a busy machine before the agent's signal comes.
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_SCRIPT)
     save = tmp_path / "bundle"

@@ -60,9 +60,7 @@ from elche.runtime import bundle
 from elche.runtime.epochs import EpochLog, with_bundles
 from elche.runtime.frames import new_secret, secret_from_env
 from elche.runtime.groups import RunEndedUnformed
-from elche.runtime.host import (
-    FAILED_EXIT,
-)
+from elche.runtime.host import FAILED_EXIT
 from elche.runtime.joining import announce_join
 from elche.runtime.journal_file import JOURNAL_FILE
 from elche.runtime.lifetimes import (
@@ -82,7 +80,12 @@ from elche.runtime.lifetimes import (
 from elche.runtime.options import check_picklable as check_options_picklable
 from elche.runtime.options import check_sendable
 from elche.runtime.plan import Hooks, Plan, TrainResult
-from elche.runtime.supervision import report_lost, salvage_if_lost, supervised
+from elche.runtime.supervision import (
+    report_lost,
+    run_dir_unwritable,
+    salvage_if_lost,
+    supervised,
+)
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -446,12 +449,12 @@ def launch_local(
     t0 = time.monotonic()
     plan = with_bundle(plan, run_dir)
     with marked_stop_signals() as (signals, marks):  # (marked: for the ranks, the run's stops)
-        epochs = _supervise(
+        epochs, unwritable = _supervise(
             plan, fns, hooks, run_dir, signals, marks=marks, max_grad_norm=max_grad_norm,
             progress=progress, dashboard=dashboard, tensorboard_dir=tensorboard_dir,
         )  # fmt: skip
         try:
-            result = collect(plan, run_dir, t0, epochs)
+            result = collect(plan, run_dir, t0, epochs, unwritable=unwritable)
         except RuntimeError as exc:  # the coordinator left no summary
             if signals.received is None:
                 raise
@@ -490,10 +493,11 @@ def _supervise(
     progress: bool,
     dashboard: str | None,
     tensorboard_dir: str | None,
-) -> list[dict[str, object]]:
+) -> tuple[list[dict[str, object]], bool]:
     """Start the coordinator and the ranks, follow the run to its end (committing what
-    the ranks kept if its coordinator was lost for good); its epochs. ``marks``: the
-    read end of the pipe where ``signals`` marks each stop, for the ranks."""
+    the ranks kept if its coordinator was lost for good); its epochs, and whether its
+    coordinator ended for a run directory it could not write. ``marks``: the read end
+    of the pipe where ``signals`` marks each stop, for the ranks."""
     cfg = plan.config
     sent = pickled(fns)  # before anything starts
     secret = secret_from_env(os.environ) or new_secret()
@@ -508,7 +512,7 @@ def _supervise(
         # The group's stop signal ended the fork server as it started (the first run
         # of this process), before it could ignore it (``elche.runtime.forkserved``):
         # no coordinator, nothing trained; ``launch_local`` says so.
-        return []
+        return [], False
     announce_join(coordinator.address, coordinator.group_port, run_dir, secret, cfg)
     board = start_watching(plan, run_dir, dashboard, tensorboard_dir)
     procs: list[Any] = []
@@ -563,7 +567,7 @@ def _supervise(
     salvage_if_lost(plan, run_dir, coordinator.host)
     for event in timeline.new_records():  # the salvage's bundle and the run's end too
         on_record(event, epochs, hooks, display)
-    return epochs
+    return epochs, run_dir_unwritable(coordinator.host)
 
 
 def _end_ranks(procs: Sequence[BaseProcess], grace_s: float) -> None:
@@ -722,8 +726,16 @@ def epoch_log(plan: Plan) -> EpochLog:
     return EpochLog(epochs=cfg.epochs, num_samples=cfg.num_samples, reference_batch=cfg.batch_size)
 
 
-def collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]]) -> TrainResult:
-    """Build the result of a finished run from the files in ``run_dir``.
+def collect(
+    plan: Plan,
+    run_dir: Path,
+    t0: float,
+    epochs: list[dict[str, object]],
+    *,
+    unwritable: bool = False,
+) -> TrainResult:
+    """Build the result of a finished run from the files in ``run_dir``; ``unwritable``:
+    its coordinator ended because it could not write there (a full disk, say).
 
     Raises:
         TrainingError: the run failed on the user's code (the summary's ``user_error``).
@@ -735,8 +747,12 @@ def collect(plan: Plan, run_dir: Path, t0: float, epochs: list[dict[str, object]
         host, ranks = read_run(run_dir, plan.config.world_size)
     except RuntimeError as exc:  # no summary: a bundle of this run's still resumes it
         saved = fresh_bundle(plan.config.save_path, t0)
+        # One that could not write there said its error (a full disk, say) as it ended.
+        why = f"the coordinator could not write in the run directory {run_dir}"
         where = f"; the run's state is saved as the bundle {saved}: resume_from={saved!r}"
-        raise RuntimeError(f"{exc}{where + ' continues it' if saved else ''}") from None
+        raise RuntimeError(
+            f"{why if unwritable else exc}{where + ' continues it' if saved else ''}"
+        ) from None
     summary = run_summary(
         host, ranks, speeds=plan.speeds, launched_s=t0, save_path=plan.config.save_path
     )

@@ -90,7 +90,13 @@ from elche.runtime.lifetimes import (
 from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.same_run import check_same_plans, plan_of
 from elche.runtime.shared_result import HOLD_S, ResultBoard
-from elche.runtime.supervision import Supervised, report_lost, salvage_if_lost, start_coordinator
+from elche.runtime.supervision import (
+    Supervised,
+    report_lost,
+    run_dir_unwritable,
+    salvage_if_lost,
+    start_coordinator,
+)
 from elche.runtime.worker import raise_if_refused, train_rank
 
 if TYPE_CHECKING:
@@ -331,7 +337,8 @@ def _serve_result(
         if rank0.board is not None:
             rank0.board.stop()
         salvage_if_lost(plan, directory, rank0.host.host, wait_s=LOCAL_STATE_WAIT_S)
-        result = _result_in_run_dir(plan, hooks, directory, t0)
+        unwritable = run_dir_unwritable(rank0.host.host)
+        result = _result_in_run_dir(plan, hooks, directory, t0, unwritable=unwritable)
     except BaseException as exc:
         rank0.results.publish(_failure_doc(exc), readers=readers)
         raise
@@ -548,8 +555,11 @@ def _shared_result(
     )  # fmt: skip
 
 
-def _result_in_run_dir(plan: Plan, hooks: Hooks, directory: Path, t0: float) -> TrainResult:
-    """The run's result from the coordinator's files in ``directory`` (on its host).
+def _result_in_run_dir(
+    plan: Plan, hooks: Hooks, directory: Path, t0: float, *, unwritable: bool = False
+) -> TrainResult:
+    """The run's result from the coordinator's files in ``directory`` (on its host;
+    ``unwritable``: its coordinator ended because it could not write there).
 
     Raises:
         TrainingError: the run ended on the user's error.
@@ -558,7 +568,7 @@ def _result_in_run_dir(plan: Plan, hooks: Hooks, directory: Path, t0: float) -> 
     quiet = Progress(plan.config.epochs, enabled=False)
     for event in read_timeline(directory):
         on_record(event, epochs, hooks, quiet)
-    return collect(plan, directory, t0, epochs)
+    return collect(plan, directory, t0, epochs, unwritable=unwritable)
 
 
 def _watch_coordinator(coordinator: Supervised, lost: dict[int, int | None]) -> threading.Thread:

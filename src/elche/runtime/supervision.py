@@ -70,6 +70,7 @@ __all__ = [
     "Supervised",
     "coordinator_lost",
     "report_lost",
+    "run_dir_unwritable",
     "salvage_if_lost",
     "start_coordinator",
     "supervised",
@@ -185,11 +186,17 @@ def salvage_if_lost(
     commit what the ranks kept, once they described it (up to ``wait_s``: ranks
     in other processes). One that could not write the run directory
     (``UNWRITABLE_EXIT``) was not lost: the bundle it committed stands."""
-    if (run_dir / SUMMARY_FILE).exists() or host.poll() == UNWRITABLE_EXIT:
+    if (run_dir / SUMMARY_FILE).exists() or run_dir_unwritable(host):
         return
     if wait_s > 0:
         wait_local_states(plan.config, run_dir, wait_s)
     salvage_run(plan.config, run_dir, start_round=start_round(run_dir))
+
+
+def run_dir_unwritable(host: CoordinatorProcess) -> bool:
+    """The coordinator ended because it could not write the run directory (a full
+    disk, say: ``UNWRITABLE_EXIT``); the error it said names the cause."""
+    return host.poll() == UNWRITABLE_EXIT
 
 
 def coordinator_lost(host: CoordinatorProcess, run_dir: Path) -> bool:
