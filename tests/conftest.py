@@ -21,6 +21,8 @@ import tempfile
 
 import pytest
 
+HOSTS = "tests/hosts/"  # the several-hosts tests (``pytest_collection_modifyitems``)
+
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
@@ -47,12 +49,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     order the real-process tests (``tests/promises`` and others) came last, so
     the suite ended with both workers in its longest tests. Opening each part
     with slow tests leaves the short ones to fill the end.
+
+    The several-hosts tests (``HOSTS``) are the longest, 10-100 s each, and
+    spend most of it waiting on the network's timeouts: the first part opens
+    with all of them, one after another, while the other workers have the
+    cores; at the end of a part they would be the suite's tail.
     """
     parts = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in xdist's workers
-    slow = [item for item in items if item.get_closest_marker("slow")]
-    fast = [item for item in items if not item.get_closest_marker("slow")]
+    hosts = [item for item in items if item.nodeid.startswith(HOSTS)]
+    rest = [item for item in items if not item.nodeid.startswith(HOSTS)]
+    slow = [item for item in rest if item.get_closest_marker("slow")]
+    fast = [item for item in rest if not item.get_closest_marker("slow")]
     share = len(fast) // parts
-    ordered: list[pytest.Item] = []
+    ordered: list[pytest.Item] = hosts
     for part in range(parts):
         end = len(fast) if part == parts - 1 else (part + 1) * share
         ordered += slow[part::parts] + fast[part * share : end]

@@ -266,6 +266,22 @@ def _refuse_to_run(*args: object, **kwargs: object) -> object:
         (["sim", "--speeds", ","], "elche sim: error: speeds: needs one speed per rank"),
         (["sim", "--base-ms", "0"], "elche sim: error: base_ms: must be a finite number > 0"),
         (["sim", "--base-ms", "-1"], "elche sim: error: base_ms: must be a finite number > 0"),
+        # A run past the simulator's virtual limit ran for hours (every rank's heartbeat
+        # simulated each virtual second), silently, and then failed.
+        (["sim", "--base-ms", "1e12"], "elche sim: error: base_ms: a step lasts 1e+09 virtual"),
+        (
+            ["sim", "--speeds", "1,1e-10"],
+            "elche sim: error: speeds: a step at speed 1e-10 lasts 1e+08 virtual s",
+        ),
+        (
+            ["sim", "--epochs", "100000000"],
+            "elche sim: error: epochs: 100000000 epoch(s) of 30000 samples in steps of 32, "
+            "10 ms each at speed 1, take at least 5.36e+08 virtual s",
+        ),
+        (
+            ["sim", "--samples", "1000000000000"],
+            "elche sim: error: epochs: 3 epoch(s) of 1000000000000 samples",
+        ),
         (
             ["sim", "--kill", "1@e99"],
             "elche sim: error: kill: 1@e99 is at epoch 99, and the run",
@@ -530,3 +546,42 @@ def test_elche_run_leaves_no_run_directory_where_no_run_began(tmp_path: Path) ->
                          text=True, timeout=120, check=False)  # fmt: skip
     assert bad.returncode == 2 and "dashboard" in bad.stderr
     assert list(scratch.iterdir()) == []
+
+
+def test_a_long_simulation_shows_its_epochs_and_virtual_time() -> None:
+    # A simulation that ran for minutes (thousands of ranks, a long run) showed
+    # nothing until it ended. Past SHOW_AFTER_S it draws the epochs ended so far.
+    from elche.cli.sim import SHOW_AFTER_S, SimProgress
+    from elche.sim.engine import SimConfig, Simulation
+
+    clock = iter([0.0, 0.5, *[SHOW_AFTER_S] * 10_000])  # made; one early tick; then late
+    progress = SimProgress(3, enabled=True, clock=lambda: next(clock))
+    shown: list[tuple[float, str] | None] = []
+
+    def tick(sim: Simulation) -> None:
+        progress(sim)
+        task = progress.display.bar.tasks[0] if progress.display else None
+        shown.append(None if task is None else (task.completed, task.description))
+
+    config = SimConfig(speeds=(1.0, 0.5, 0.25), epochs=3, samples=3000)
+    try:
+        Simulation(config).run(tick=tick, every=20)
+    finally:
+        progress.close()
+    assert shown[0] is None  # the first half second: nothing drawn
+    drawn = [x for x in shown[1:] if x is not None]
+    assert len(drawn) == len(shown) - 1 >= 10
+    epochs = [completed for completed, _ in drawn]
+    assert epochs == sorted(epochs) and epochs[0] == 0 and epochs[-1] >= 2, epochs
+    times = [float(text.split(", ")[1].split()[0].replace(",", "")) for _, text in drawn]
+    assert times == sorted(times) and times[-1] > times[0], times
+    assert all(text.startswith("simulating, ") for _, text in drawn)
+
+
+def test_a_simulation_shows_no_progress_where_it_is_not_enabled() -> None:
+    from elche.cli.sim import SimProgress
+    from elche.sim.engine import SimConfig, Simulation
+
+    progress = SimProgress(1, enabled=False, clock=lambda: 1e9)
+    Simulation(SimConfig(speeds=(1.0, 0.5), epochs=1, samples=2000)).run(tick=progress, every=5)
+    assert progress.display is None

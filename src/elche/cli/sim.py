@@ -14,14 +14,18 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 
 from elche.core.config import Mode, SchedulerConfig
 from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
+from elche.monitor.progress import Progress
 from elche.sim.engine import SimConfig, SimError, Simulation
 from elche.sim.result import SimResult
 
 __all__ = [
+    "SHOW_AFTER_S",
+    "SimProgress",
     "check_reached",
     "check_speeds_given",
     "draw_speeds",
@@ -32,6 +36,42 @@ __all__ = [
     "sim_faults",
     "trigger",
 ]
+
+
+SHOW_AFTER_S = 1.0  # a simulation that ends sooner shows no progress
+
+
+class SimProgress:
+    """A long simulation's progress on stderr: the epochs it has ended and its virtual
+    time, drawn from ``SHOW_AFTER_S`` of real time on (``Simulation.run``'s ``tick``).
+
+    Args:
+        epochs: the run's epochs (the bar's total).
+        enabled: draw it at all (stderr a terminal, the output not JSON).
+        clock: the real clock, in seconds.
+    """
+
+    def __init__(
+        self, epochs: int, *, enabled: bool, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.epochs, self.enabled, self.clock = epochs, enabled, clock
+        self.started = clock()
+        self.display: Progress | None = None
+        self.seen = 0  # timeline records shown
+
+    def __call__(self, sim: Simulation) -> None:
+        if not self.enabled or self.clock() - self.started < SHOW_AFTER_S:
+            return
+        if self.display is None:
+            self.display = Progress(self.epochs, enabled=True)
+        for event in sim.timeline[self.seen :]:
+            self.display.show(event)
+        self.seen = len(sim.timeline)
+        self.display.describe(f"simulating, {sim.now:,.2f} virtual s")
+
+    def close(self) -> None:
+        if self.display is not None:
+            self.display.close()
 
 
 def trigger(text: str, flag: str) -> tuple[int, dict[str, float]]:
@@ -163,11 +203,14 @@ def run_sim(args: argparse.Namespace) -> int:
 
         timed = TimedCoordinator(config.coordinator_config(), resume=config.resume)
     started = time.perf_counter()
+    progress = SimProgress(config.epochs, enabled=sys.stderr.isatty() and not args.json)
     try:
-        result = Simulation(config, core=timed).run()
+        result = Simulation(config, core=timed).run(tick=progress)
     except SimError as exc:
         print(f"elche sim: {exc}", file=sys.stderr)
         return 1
+    finally:
+        progress.close()
     real_s = time.perf_counter() - started
     cost = None if timed is None else timed.report(result.syncs)
     if args.json:

@@ -48,6 +48,11 @@ class Progress:
             case _:
                 pass
 
+    def describe(self, text: str) -> None:
+        """Say ``text`` beside the bar (until the next epoch's end says its own)."""
+        if self.bar is not None:
+            self.bar.update(self.task, description=text)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()

@@ -125,7 +125,9 @@ from elche.core.rank import (
 )
 from elche.sim.result import RankResult, SimResult, coverage_errors
 
-__all__ = ["SimConfig", "SimError", "Simulation", "simulate"]
+__all__ = ["TICK_EVENTS", "SimConfig", "SimError", "Simulation", "simulate"]
+
+TICK_EVENTS = 1 << 12  # ``Simulation.run``'s ``tick`` comes after this many events
 
 Batch = tuple[int, int, int]  # (epoch, offset, size)
 
@@ -191,6 +193,7 @@ class SimConfig:
                 raise ConfigError(field_name, f"must be a finite number >= 0, got {value}")
         if not 0 <= self.jitter < 1:
             raise ConfigError("jitter", f"must be in [0, 1), got {self.jitter}")
+        self._check_length()
         self.faults.check(len(self.speeds), joins=True)
         if not isinstance(self.overlap, bool):
             raise ConfigError("overlap", f"must be True or False, got {self.overlap!r}")
@@ -198,6 +201,34 @@ class SimConfig:
             raise ConfigError(
                 "callback_rank", f"must be 'fastest' or a rank, got {self.callback_rank!r}"
             )
+
+    def _check_length(self) -> None:
+        """Refuse a run that lasts longer than ``max_virtual_s`` at the least: the
+        slowest rank's one step, or every sample trained at the speeds' sum with no
+        round's cost. It would run for hours, every rank's heartbeat simulated each
+        virtual second, and then fail. (Bad counts are the coordinator's to refuse.)"""
+        base_s, slowest = self.base_ms / 1000, min(self.speeds)
+        limit = f"past the simulator's limit of {self.max_virtual_s:g} virtual s"
+        if base_s > self.max_virtual_s:
+            raise ConfigError("base_ms", f"a step lasts {base_s:.3g} virtual s, {limit}")
+        if base_s / slowest > self.max_virtual_s:
+            raise ConfigError(
+                "speeds", f"a step at speed {slowest:g} lasts {base_s / slowest:.3g} virtual s "
+                f"(base_ms {self.base_ms:g} / {slowest:g}), {limit}; give speeds of at least "
+                f"{base_s / self.max_virtual_s:.3g} or a shorter base_ms"
+            )  # fmt: skip
+        counts = (self.epochs, self.samples, self.batch_size)
+        if not all(isinstance(n, int) and n > 0 for n in counts):
+            return
+        steps = self.epochs * math.ceil(self.samples / self.batch_size)
+        least_s = steps * base_s / sum(self.speeds)
+        if least_s > self.max_virtual_s:
+            raise ConfigError(
+                "epochs", f"{self.epochs} epoch(s) of {self.samples} samples in steps of "
+                f"{self.batch_size}, {self.base_ms:g} ms each at speed 1, take at least "
+                f"{least_s:.3g} virtual s on these speeds, {limit}; give fewer epochs or "
+                "samples, a larger batch size or a shorter base_ms"
+            )  # fmt: skip
 
     def coordinator_config(self) -> CoordinatorConfig:
         pinned = self.callback_rank if isinstance(self.callback_rank, int) else None
@@ -320,8 +351,11 @@ class Simulation:
 
     # -- the loop --------------------------------------------------------------
 
-    def run(self) -> SimResult:
-        """Run to the end; returns the measured result.
+    def run(
+        self, tick: Callable[[Simulation], None] | None = None, *, every: int = TICK_EVENTS
+    ) -> SimResult:
+        """Run to the end; returns the measured result. ``tick`` is called with this
+        simulation after each ``every`` events (a progress display's cue).
 
         Raises:
             SimError: the run did not finish (no event left, or past
@@ -334,9 +368,13 @@ class Simulation:
         for index, fault in enumerate(self.config.faults.faults):
             if fault.at_s is not None:
                 self._at(fault.at_s, functools.partial(self._fault, index))
+        events = 0
         while self.finish is None:
             if not self._heap:
                 raise SimError(f"simulation stalled at {self.now:.3f} s with nothing scheduled")
+            events += 1
+            if tick is not None and events % every == 0:
+                tick(self)
             when, _, action = heapq.heappop(self._heap)
             if when > self.config.max_virtual_s:
                 raise SimError(f"simulation passed {self.config.max_virtual_s} virtual seconds")
