@@ -792,6 +792,18 @@ def test_state_round_trip_seeds_one_sample() -> None:
     assert resumed.smoothed_ms_per_batch(0) == 50.0  # mean(60, 40): one seeded sample
 
 
+def test_a_saved_anchor_above_a_resumed_runs_max_anchor_is_brought_down_to_it() -> None:
+    # It was kept: a run resumed with max_anchor=20 averaged every 200 batches until
+    # some shrink brought the anchor down (a growth is a no-op past the cap).
+    saved = ElChe(2, 200).to_state()
+    resumed = ElChe(2, 10, max_anchor=20)
+    resumed.restore_from_state(saved)
+    assert resumed.anchor == 20
+    kept = ElChe(2, 10, max_anchor=500)
+    kept.restore_from_state(saved)
+    assert kept.anchor == 200  # within the cap: the saved trajectory as it was
+
+
 def test_restore_rejects_other_world_size() -> None:
     c = ElChe(3, 10)
     with pytest.raises(ConfigError, match="smoothed_ms_per_batch"):

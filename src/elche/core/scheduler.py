@@ -479,7 +479,9 @@ class ElChe:
     def restore_from_state(self, state: ElCheState) -> None:
         """Resume a saved trajectory; knobs and transient state are kept.
 
-        Each trust window is re-seeded with one sample, the saved mean.
+        Each trust window is re-seeded with one sample, the saved mean. A saved
+        anchor above this run's ``max_anchor`` (resumed with a lower one) is
+        brought down to it.
 
         Raises:
             ConfigError: the state is for another world size or names an
@@ -492,7 +494,7 @@ class ElChe:
             )
         if state.anchor_rank is not None and state.anchor_rank >= self._ws:
             raise ConfigError("anchor_rank", f"must be < {self._ws}, got {state.anchor_rank}")
-        self._anchor = state.anchor
+        self._anchor = min(max(state.anchor, 1), self._max_anchor)
         rank = state.anchor_rank
         self._anchor_rank = None if rank in self._retired else rank
         self._phase = state.phase
