@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -185,4 +186,49 @@ def test_a_coordinator_that_may_not_be_restarted_leaves_a_bundle_that_resumes(
     untouched = [e for e in range(meta.epoch, 3) if e not in open_epochs]
     owed = sum(c.uncovered_samples for c in meta.coverage) + len(untouched) * n
     trained = sum(r["samples"] for r in resumed.summary["per_rank"])  # type: ignore[attr-defined]
+    assert trained == owed  # exactly what the bundle's model lacks: nothing lost, nothing twice
+
+
+def test_a_resumed_run_whose_coordinator_is_lost_commits_a_bundle_of_its_own_progress(
+    data: tuple[object, object], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    first, stem = str(tmp_path / "first" / "run"), str(tmp_path / "bundle" / "run")
+    two: dict[str, object] = {"speeds": None, "ranks": 2, "eval_fn": None}
+    saved = train(data, tmp_path / "a", **two, epochs=1, save_path=first, checkpoint_every=1)
+    assert saved.summary["outcome"] == "completed"
+    before = CheckpointMeta.from_json(Path(f"{first}.meta.json").read_text(encoding="utf-8"))
+    assert (before.epoch, before.coverage) == (1, ()) and before.rounds_done > 0
+    # at_epoch is the run's progress, its epochs numbered on from the bundle's: the
+    # resumed run trains epochs 1 and 2, and 2.3 is in its second (a whole epoch
+    # after its start, so that its first rounds closed: progress to commit).
+    plan = FaultPlan().kill_coordinator(rank=0, at_epoch=2.3)
+    capfd.readouterr()
+    lost = train(data, tmp_path / "b", **two, resume_from=first, save_path=stem, faults=plan,
+                 max_coordinator_restarts=0)  # fmt: skip
+    err = capfd.readouterr().err
+    (at,) = re.findall(r"elche rank 0: killed the coordinator on purpose at ([\d.]+)", err)
+    assert 2.3 <= float(at) < 3
+    summary = lost.summary
+    assert (summary["outcome"], summary["reason"]) == ("saved_and_shutdown", "coordinator_lost")
+    assert summary["bundle"] == stem and summary["coordinator_restarts"] == 0
+    said = f"the run could not continue (coordinator_lost); its state is saved as the bundle {stem}"
+    assert said in err and f"Resume it with resume_from={stem!r}" in err
+    meta = CheckpointMeta.from_json(Path(f"{stem}.meta.json").read_text(encoding="utf-8"))
+    assert meta.reason is SaveReason.COORDINATOR_LOST and meta.epochs == 3
+    # The resumed run's progress: its rounds on from the bundle's, its epochs too.
+    assert meta.rounds_done == summary["syncs"] and meta.rounds_done > before.rounds_done
+    assert meta.epoch == summary["epochs_completed"] and 1 <= meta.epoch <= 2
+    n = len(data[0])  # type: ignore[arg-type]  # a Dataset
+    open_epochs = {c.epoch for c in meta.coverage}
+    untouched = [e for e in range(meta.epoch, 3) if e not in open_epochs]
+    owed = sum(c.uncovered_samples for c in meta.coverage) + len(untouched) * n
+    assert 0 < owed < 2 * n
+    trained = sum(r["samples"] for r in summary["per_rank"])  # type: ignore[attr-defined]
+    assert trained == 2 * n - owed  # this run's samples: none of epoch 0's
+    files = bundle_on_disk(stem)
+    assert files.model.exists() and sorted(files.optim) == [0, 1]
+    again = train(data, tmp_path / "c", **two, resume_from=stem)
+    assert again.summary["outcome"] == "completed" and again.summary["lost_samples"] == 0
+    assert again.summary["epochs_completed"] == 3
+    trained = sum(r["samples"] for r in again.summary["per_rank"])  # type: ignore[attr-defined]
     assert trained == owed  # exactly what the bundle's model lacks: nothing lost, nothing twice

@@ -137,6 +137,13 @@ def test_a_checkpoint_bundle_resumes_to_the_planned_epoch(
     assert second.summary["epochs_completed"] == 4
     assert [e["epoch"] for e in second.epochs] == [2, 3]
     assert second.summary["lost_samples"] == 0
+    # A fresh run in that run dir starts afresh. It went on from the copy of the
+    # bundle's meta the resumed run left there: with a model of its own, it trained
+    # none of epoch 0 (starting at the bundle's epoch 2) and said it completed.
+    third = run(data, tmp_path / "b", epochs=1, speeds=None, ranks=2, eval_fn=None)
+    assert third.summary["outcome"] == "completed" and third.summary["epochs_completed"] == 1
+    trained = sum(r["samples"] for r in third.summary["per_rank"])  # type: ignore[attr-defined]
+    assert trained == len(data[0])  # type: ignore[arg-type]  # a Dataset
 
 
 def probing_epoch_fn(epoch: int, model: object, optimizer: object) -> None:
@@ -261,3 +268,9 @@ def test_diloco_outer_optimizer_trains_and_its_momentum_resumes(
     assert second.summary["epochs_completed"] == 8
     timeline = (tmp_path / "b" / "run" / "timeline.jsonl").read_text(encoding="utf-8")
     assert '"OuterMomentumRestored"' in timeline
+    # A fresh run in that run dir starts with a fresh momentum, not the copy of the
+    # bundle's the resumed run left there (its records follow the resumed run's).
+    third = run(data, tmp_path / "b", epochs=1, speeds=None, ranks=2, eval_fn=None, **diloco)
+    assert third.summary["outcome"] == "completed"
+    timeline = (tmp_path / "b" / "run" / "timeline.jsonl").read_text(encoding="utf-8")
+    assert timeline.count('"OuterMomentumRestored"') == 1  # the resumed run's

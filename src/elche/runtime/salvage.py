@@ -48,7 +48,7 @@ from elche.core.salvage import LocalState, Salvage, SalvageRefused, salvage
 from elche.monitor.summary import SUMMARY_FILE, RunStats, coordinator_summary
 from elche.monitor.timeline import TimelineWriter, read_timeline
 from elche.runtime import bundle
-from elche.runtime.host import RESUME_META
+from elche.runtime.host import RESUME_META, RESUME_OUTER
 from elche.runtime.journal_file import JOURNAL_FILE, read_journal
 
 __all__ = [
@@ -288,9 +288,13 @@ def forget_lost_coordinator(run_dir: Path, world_size: int) -> None:
     """Remove what an earlier run in this run dir left here (a fresh start).
 
     Its summary and journal too: read before this run's own exist, they
-    would say of this run what that one did (that it failed, or began).
+    would say of this run what that one did (that it failed, or began). And
+    the copy of the bundle it resumed from: the coordinator would resume this
+    run from it too (its epoch, its coverage), and a salvage start at its round.
     """
     earlier = (run_dir / GONE_FILE, run_dir / SUMMARY_FILE, run_dir / JOURNAL_FILE)
-    for path in (*earlier, *(local_state_file(run_dir, r) for r in range(world_size))):
+    resumed = (run_dir / RESUME_META, run_dir / RESUME_OUTER)
+    ranks = (local_state_file(run_dir, r) for r in range(world_size))
+    for path in (*earlier, *resumed, *ranks):
         with contextlib.suppress(OSError):
             os.unlink(path)

@@ -232,16 +232,17 @@ def start_coordinator(
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "coordinator.json").write_text(config_to_json(config), encoding="utf-8")
-    if resume_from is not None:
+    if resume_from is not None:  # refused before an earlier run's files here go
         text = bundle.meta_path(resume_from).read_text(encoding="utf-8")
         meta = CheckpointMeta.from_json(text)
         bundle.check_unchanged(resume_from, meta, resume_seq)
+    if restore_at is None:  # an earlier run's copy of the bundle it resumed goes too
+        forget_lost_coordinator(run_dir, config.world_size)
+    if resume_from is not None:
         (run_dir / RESUME_META).write_text(text, encoding="utf-8")
         outer = bundle.locate(resume_from, meta, config.world_size).outer
         if config.outer_lr is not None and outer is not None:
             shutil.copyfile(outer, run_dir / RESUME_OUTER)
-    if restore_at is None:
-        forget_lost_coordinator(run_dir, config.world_size)
     env = dict(os.environ, **{SECRET_ENV: secret.hex()})
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a launched rank starts it
         env[LAUNCHER_RANK_ENV] = os.environ["RANK"]
