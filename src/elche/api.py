@@ -178,7 +178,8 @@ def train(
             which a completed run trims to its report, timeline and summary,
             and the last bundle ``checkpoint_every`` asked for;
             ``summary["run_dir"]``, ``summary["report"]`` and
-            ``summary["bundle"]`` name them).
+            ``summary["bundle"]`` name them). An earlier run's record there
+            (not its bundles) is removed as this one starts.
         outer_lr: DiLoCo outer optimizer (Nesterov momentum on the averaged
             pseudo-gradient) in the coordinator, cpu-* modes only; None (the
             default) averages plainly. Suggested: 0.7.

@@ -139,11 +139,15 @@ def test_a_checkpoint_bundle_resumes_to_the_planned_epoch(
     assert second.summary["lost_samples"] == 0
     # A fresh run in that run dir starts afresh. It went on from the copy of the
     # bundle's meta the resumed run left there: with a model of its own, it trained
-    # none of epoch 0 (starting at the bundle's epoch 2) and said it completed.
+    # none of epoch 0 (starting at the bundle's epoch 2) and said it completed. Its
+    # epochs were the earlier runs' too ([2, 3, 0]): their timeline went on.
     third = run(data, tmp_path / "b", epochs=1, speeds=None, ranks=2, eval_fn=None)
     assert third.summary["outcome"] == "completed" and third.summary["epochs_completed"] == 1
     trained = sum(r["samples"] for r in third.summary["per_rank"])  # type: ignore[attr-defined]
     assert trained == len(data[0])  # type: ignore[arg-type]  # a Dataset
+    assert [e["epoch"] for e in third.epochs] == [0]
+    timeline = (tmp_path / "b" / "run" / "timeline.jsonl").read_text(encoding="utf-8")
+    assert timeline.count('"kind":"RunStart"') == 1, timeline
 
 
 def probing_epoch_fn(epoch: int, model: object, optimizer: object) -> None:
@@ -269,8 +273,8 @@ def test_diloco_outer_optimizer_trains_and_its_momentum_resumes(
     timeline = (tmp_path / "b" / "run" / "timeline.jsonl").read_text(encoding="utf-8")
     assert '"OuterMomentumRestored"' in timeline
     # A fresh run in that run dir starts with a fresh momentum, not the copy of the
-    # bundle's the resumed run left there (its records follow the resumed run's).
+    # bundle's the resumed run left there (its timeline is its own: it starts afresh).
     third = run(data, tmp_path / "b", epochs=1, speeds=None, ranks=2, eval_fn=None, **diloco)
     assert third.summary["outcome"] == "completed"
     timeline = (tmp_path / "b" / "run" / "timeline.jsonl").read_text(encoding="utf-8")
-    assert timeline.count('"OuterMomentumRestored"') == 1  # the resumed run's
+    assert '"OuterMomentumRestored"' not in timeline

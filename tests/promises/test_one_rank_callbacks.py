@@ -141,3 +141,13 @@ def test_skipped_steps_are_warned_of_and_counted(
 def test_a_run_that_skips_nothing_counts_nothing(tmp_path: Path) -> None:
     result = train(tmp_path, nonfinite="skip", epochs=1)
     assert (result.summary["skipped_steps"], result.summary["skipped_samples"]) == (0, 0)
+
+
+def test_a_run_in_an_earlier_runs_directory_has_a_timeline_of_its_own(tmp_path: Path) -> None:
+    # One rank's timeline went on from the earlier run's: its report and its
+    # dashboard showed both runs' epochs, from two starts.
+    train(tmp_path, epochs=2)
+    train(tmp_path, epochs=1)
+    records = read_timeline(tmp_path / "run")
+    assert sum(isinstance(e, tl.RunStart) for e in records) == 1
+    assert [e.epoch for e in records if isinstance(e, tl.EpochEnd)] == [0]

@@ -46,14 +46,14 @@ from elche.core.journal import JournalRecord
 from elche.core.messages import Held
 from elche.core.salvage import LocalState, Salvage, SalvageRefused, salvage
 from elche.monitor.summary import SUMMARY_FILE, RunStats, coordinator_summary
-from elche.monitor.timeline import TimelineWriter, read_timeline
+from elche.monitor.timeline import TIMELINE_FILE, TimelineWriter, read_timeline
 from elche.runtime import bundle
 from elche.runtime.host import RESUME_META, RESUME_OUTER
 from elche.runtime.journal_file import JOURNAL_FILE, read_journal
 
 __all__ = [
     "GONE_FILE",
-    "forget_lost_coordinator",
+    "forget_earlier_run",
     "give_up_coordinator",
     "keep_local_state",
     "local_state_file",
@@ -284,17 +284,21 @@ def _read_float(path: Path) -> float | None:
         return None
 
 
-def forget_lost_coordinator(run_dir: Path, world_size: int) -> None:
-    """Remove what an earlier run in this run dir left here (a fresh start).
+def forget_earlier_run(run_dir: Path) -> None:
+    """Remove what an earlier run in this run dir left here (a fresh start; its
+    bundles stay, to resume from).
 
-    Its summary and journal too: read before this run's own exist, they
-    would say of this run what that one did (that it failed, or began). And
-    the copy of the bundle it resumed from: the coordinator would resume this
-    run from it too (its epoch, its coverage), and a salvage start at its round.
+    Its summary and journal: read before this run's own exist, they would say
+    of this run what that one did (that it failed, or began). The copy of the
+    bundle it resumed from: the coordinator would resume this run from it too
+    (its epoch, its coverage), and a salvage start at its round. Its timeline,
+    ranks' reports, records and kept states, and final model: this run's
+    result would hold that run's epochs, a lost rank that one's figures, and
+    a final model this run failed to write that one's weights.
     """
-    earlier = (run_dir / GONE_FILE, run_dir / SUMMARY_FILE, run_dir / JOURNAL_FILE)
-    resumed = (run_dir / RESUME_META, run_dir / RESUME_OUTER)
-    ranks = (local_state_file(run_dir, r) for r in range(world_size))
-    for path in (*earlier, *resumed, *ranks):
+    earlier = [GONE_FILE, SUMMARY_FILE, JOURNAL_FILE, TIMELINE_FILE, bundle.FINAL_MODEL]
+    resumed = [RESUME_META, RESUME_OUTER]
+    ranks = [*run_dir.glob("rank*.json"), *run_dir.glob("rank*.spans.jsonl")]
+    for path in (*(run_dir / name for name in (*earlier, *resumed)), *ranks):
         with contextlib.suppress(OSError):
             os.unlink(path)

@@ -22,6 +22,7 @@ from elche.core import timeline as tl
 from elche.monitor.timeline import TimelineWriter
 from elche.runtime.launch import Watchers, keep_report, start_watching
 from elche.runtime.plan import Plan
+from elche.runtime.salvage import forget_earlier_run
 
 __all__ = ["SoloRecord"]
 
@@ -40,6 +41,7 @@ class SoloRecord:
         self, plan: Plan, run_dir: Path, *, dashboard: str | None, tensorboard_dir: str | None
     ) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
+        forget_earlier_run(run_dir)  # its timeline would open this one's
         self.plan, self.run_dir = plan, run_dir
         self._writer = TimelineWriter(run_dir, started_s=time.monotonic())
         self._failed = False

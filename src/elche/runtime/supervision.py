@@ -54,7 +54,7 @@ from elche.runtime.journal_file import JOURNAL_FILE
 from elche.runtime.lifetimes import launcher_stream
 from elche.runtime.plan import Plan
 from elche.runtime.salvage import (
-    forget_lost_coordinator,
+    forget_earlier_run,
     give_up_coordinator,
     salvage_run,
     start_round,
@@ -237,7 +237,7 @@ def start_coordinator(
         meta = CheckpointMeta.from_json(text)
         bundle.check_unchanged(resume_from, meta, resume_seq)
     if restore_at is None:  # an earlier run's copy of the bundle it resumed goes too
-        forget_lost_coordinator(run_dir, config.world_size)
+        forget_earlier_run(run_dir)
     if resume_from is not None:
         (run_dir / RESUME_META).write_text(text, encoding="utf-8")
         outer = bundle.locate(resume_from, meta, config.world_size).outer
