@@ -14,12 +14,15 @@ rendezvous is in ``test_join_hosts.py``, after a fourth host joined):
   and the ranks on the other hosts end, refused, with their state kept;
 - static rendezvous: a host is SIGKILLed before its rank gathered for the
   first group; the run fails at its formation, and the other ranks stop as
-  it ends, told why.
+  it ends, told why;
+- the same, with rank 0's host cut off for good while rank 1 gathers: rank 1
+  ends, naming the group store that did not answer.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -237,3 +240,50 @@ def test_ranks_gathering_for_the_first_group_stop_when_the_run_fails_to_form() -
         assert told + "formation timed out" in text, text[-2000:]
         assert "stopped answering" not in text and "Traceback" not in text, text[-2000:]
         assert "the run goes on without it" not in text, text[-2000:]  # it did not
+
+
+def test_a_rank_gathering_for_the_first_group_ends_when_rank_0s_host_is_cut_off() -> None:
+    # As above, h2 dies before its rank gathered, and the others gather for the first
+    # group over the coordinator's store; then rank 0's host (the store's) drops off
+    # the network for good while rank 1 gathers. torch's store client does not keep
+    # its timeout when the store's host is silent: rank 1 waited in it for good (until
+    # TCP gave the connection up, a quarter of an hour on). Its calls now end within
+    # the store's own timeout plus a grace, and its process fails saying so.
+    procs: list[subprocess.Popen[bytes]] = []
+    with Rig(3) as rig:
+        env = {"STALL_RANK": "2", "FORMATION_TIMEOUT_S": "20"}
+        logs = start_torchrun(rig, "static", EPOCHS, env=env, procs=procs)
+        found = wait_for(
+            "the join line", lambda: re.search(r"--store-port (\d+)", logs[0].read_text())
+        )
+        port = found[1]
+        wait_for("rank 2 in its model_fn", lambda: (rig.tmp(2) / "stalled").exists() or None)
+        assert rig.kill_host(2)
+        wait_for("rank 1 at the group store", lambda: _connected(procs[1].pid, int(port)) or None)
+        rig.partition(0)
+        said = wait_for("rank 1 to fail", lambda: _after(logs[1], "elche rank 1 failed:"))
+        # (its torchrun worker then waits for rank 0's result, as every rank does)
+        ended = "elche: rank 1's process ended with the error above"
+        wait_for("rank 1's process to end", lambda: ended in logs[1].read_text() or None)
+        text = logs[1].read_text()
+    where = r"the group store at \S+:" + port
+    assert re.fullmatch(where + r" did not answer in \d+ s: its host is off the network.*", said), (
+        said
+    )
+    assert "Traceback" not in text, text[-3000:]
+
+
+def _after(log: Path, line: str) -> str | None:
+    """The line of ``log`` after ``line``, once it is there."""
+    lines = log.read_text().splitlines()
+    return next((lines[i + 1] for i, x in enumerate(lines[:-1]) if x == line), None)
+
+
+def _connected(pid: int, port: int) -> bool:
+    """Whether a TCP connection to ``port`` is open in the network namespace of ``pid``."""
+    for table in ("tcp", "tcp6"):
+        for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            remote, state = row.split()[2:4]
+            if int(remote.rpartition(":")[2], 16) == port and state == "01":  # ESTABLISHED
+                return True
+    return False

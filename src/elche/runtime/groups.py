@@ -39,6 +39,13 @@ the final save orders a new generation and the save a moment apart; the
 ranks told to hold left, and the writer, which had read only the first
 order, blocked). A member whose gathering was claimed ``formed`` forms
 the group even if a newer order came meanwhile; that order is next.
+
+Every call a gathering member makes to the store ends within the store's
+own timeout and ``GRACE_S`` (``ask``): torch's client does not keep its
+timeout when the store's host drops off the network silently, and a member
+gathering while the coordinator's host was cut off waited in its call
+until TCP gave the connection up, a quarter of an hour later. Such a call
+raises ``StoreUnanswered``, and its client is used no more.
 """
 
 from __future__ import annotations
@@ -51,7 +58,9 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from elche.runtime.store_calls import GRACE_S, bounded
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -61,6 +70,8 @@ __all__ = [
     "GROUPS_PORT_ENV",
     "GroupStoreServer",
     "RunEndedUnformed",
+    "StoreUnanswered",
+    "ask",
     "connect",
     "first_group",
     "gather",
@@ -201,6 +212,39 @@ class RunEndedUnformed(RuntimeError):
         self.why = why
 
 
+class StoreUnanswered(TimeoutError):
+    """A call to the group store got no answer in its time (``ask``): the store's host
+    is off the network, or its coordinator hung."""
+
+    def __init__(self, where: str, waited_s: float) -> None:
+        super().__init__(
+            f"the group store at {where} did not answer in {waited_s:.0f} s: its host is off "
+            "the network, or the coordinator there hung"
+        )
+
+
+T = TypeVar("T")
+
+
+def ask(store: Store, call: Callable[[], T], timeout_s: float) -> T:
+    """``call()``, a call to ``store`` (whose timeout is ``timeout_s``), ended within that
+    timeout and ``GRACE_S`` (``elche.runtime.store_calls``).
+
+    Raises:
+        StoreUnanswered: the call did not end; it is left to its thread, and the
+            store's client, stuck in it, must take no other call.
+        RuntimeError: torch's own errors (a ``DistError``), as they come.
+    """
+    waited_s = timeout_s + GRACE_S
+    ended, answer = bounded(call, waited_s)
+    if not ended:
+        while (under := getattr(store, "underlying_store", None)) is not None:
+            store = under  # a generation's PrefixStore: the client under it says where
+        raise StoreUnanswered(f"{getattr(store, 'host', '?')}:{getattr(store, 'port', '?')}",
+                              waited_s)  # fmt: skip
+    return cast("T", answer)
+
+
 def run_ended(store: Store) -> str | None:
     """Why the run ended before its first group formed (``end_run``), if it did."""
     if not store.check([RUN_ENDED]):
@@ -293,7 +337,8 @@ def gather(
 
     A store that stops answering (the coordinator that serves it died) is
     waited out the same way: its successor's ``Rejoin``, or the news that the
-    coordinator is lost, supersedes the generation.
+    coordinator is lost, supersedes the generation. ``timeout_s`` is also the
+    store's own (the client's): each call to it ends within that (``ask``).
 
     Returns:
         True when the gathering was claimed formed: enter the rendezvous.
@@ -302,30 +347,43 @@ def gather(
     Raises:
         RuntimeError: the gathering was not claimed formed in ``2 * timeout_s``
             (members that did not arrive are named).
+        StoreUnanswered: a call to the store got no answer (``ask``).
     """
     keys = [f"{ARRIVED}{member}" for member in members]
     deadline = time.monotonic() + 2 * timeout_s
-    outcome = _answer(store.set, f"{ARRIVED}{rank}", "1")
-    while outcome == GONE or (outcome := _answer(_outcome, store, keys)) != FORMED:
+
+    def answer(call: Callable[[], object]) -> str | None:
+        return _answer(store, timeout_s, call)
+
+    def claim(outcome: str) -> str:
+        return ask(store, lambda: _claim(store, outcome), timeout_s)
+
+    outcome = answer(lambda: store.set(f"{ARRIVED}{rank}", "1"))
+    while outcome == GONE or (outcome := answer(lambda: _outcome(store, keys))) != FORMED:
         if superseded(GATHER_POLL_S):
-            return outcome is None and _claim(store, ABANDONED) == FORMED
+            return outcome is None and claim(ABANDONED) == FORMED
         if time.monotonic() > deadline:
             waited = f"{2 * timeout_s:.0f} s"
             if outcome == GONE:
                 raise RuntimeError(f"the group store stopped answering; no news came in {waited}")
-            if outcome is None and _claim(store, ABANDONED) == FORMED:
+            if outcome is None and claim(ABANDONED) == FORMED:
                 return True  # the last member came just now
-            missing = [m for m, key in zip(members, keys, strict=True) if not store.check([key])]
+            arrived = ask(store, lambda: [store.check([key]) for key in keys], timeout_s)
+            missing = [m for m, came in zip(members, arrived, strict=True) if not came]
             if missing:
                 raise RuntimeError(f"rank(s) {missing} did not come to form the group in {waited}")
             raise RuntimeError(f"a member gave the group up and no newer order came in {waited}")
     return True
 
 
-def _answer(ask: Callable[..., object], *args: object) -> str | None:
-    """``ask(*args)``'s outcome (None for no claim yet), or ``GONE`` if the store broke."""
+def _answer(store: Store, timeout_s: float, call: Callable[[], object]) -> str | None:
+    """``call()``'s outcome (None for no claim yet), or ``GONE`` if the store broke.
+
+    Raises:
+        StoreUnanswered: no answer came (``ask``).
+    """
     try:
-        answer = ask(*args)
+        answer = ask(store, call, timeout_s)
     except RuntimeError:  # torch's DistNetworkError: the connection to its server broke
         return GONE
     return answer if isinstance(answer, str) else None

@@ -8,9 +8,10 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from elche.core.checkpoint import SaveReason
 from elche.core.config import RANDOM_SHUFFLE, SHARD_ORDER, CoordinatorConfig
@@ -81,16 +82,7 @@ def train_joined(
             f"no run answers at {address} (group store port {port}) after {timeout_s:.0f} s: "
             f"it has ended, or this host cannot reach it ({first})",
         ) from None
-    _check_address_and_secret(store, address, secret)
-    world = int(store.get(KEY + "world_size"))
-    slots = int(store.get(KEY + "join_slots"))
-    run = json.loads(store.get(KEY + "config"))
-    _check_same_run(plan.config, run)
-    taken = int(store.add(JOINED_KEY, 1))
-    if taken > slots:
-        raise ConfigError("join", f"the run has no join slot left (it keeps {slots})")
-    rank = world + taken - 1
-    run_dir = Path(store.get(KEY + "run_dir").decode())
+    world, slots, rank, run, run_dir = _take_slot(store, address, secret, plan.config, timeout_s)
     run_dir.mkdir(parents=True, exist_ok=True)  # on another host: this host's own
     # Each epoch's order as the run draws it (a resumed run keeps its bundle's).
     order = run.get("order", RANDOM_SHUFFLE)
@@ -120,6 +112,38 @@ def train_joined(
     return result
 
 
+def _take_slot(
+    store: Store, address: str, secret: str, mine: CoordinatorConfig, timeout_s: float
+) -> tuple[int, int, int, dict[str, Any], Path]:
+    """The run's world size, join slots, this joiner's rank (a slot taken), the run's
+    config and its run directory, from the run's store, once the joiner is checked
+    against them. Each call to the store ends within its timeout (``groups.ask``):
+    the store's host may drop off the network as this rank joins.
+
+    Raises:
+        ConfigError: a wrong address or secret, another run, no slot left, or
+            the store stopped answering.
+    """
+    from elche.runtime import groups
+
+    def get(key: str) -> str:
+        return bytes(groups.ask(store, lambda: store.get(key), timeout_s)).decode()
+
+    try:
+        _check_address_and_secret(get, address, secret)
+        world = int(get(KEY + "world_size"))
+        slots = int(get(KEY + "join_slots"))
+        run = json.loads(get(KEY + "config"))
+        _check_same_run(mine, run)
+        taken = int(groups.ask(store, lambda: store.add(JOINED_KEY, 1), timeout_s))
+        if taken > slots:
+            raise ConfigError("join", f"the run has no join slot left (it keeps {slots})")
+        run_dir = Path(get(KEY + "run_dir"))
+    except groups.StoreUnanswered as exc:
+        raise ConfigError("join", f"the run at {address} stopped answering ({exc})") from None
+    return world, slots, world + taken - 1, run, run_dir
+
+
 def _check_listening(address: str, port: int) -> None:
     """Something listens at the run's group store, or a ``ConfigError`` says so at once:
     torch's client would retry a refused connection for minutes. (The coordinator
@@ -138,12 +162,12 @@ def _check_listening(address: str, port: int) -> None:
         ) from None
 
 
-def _check_address_and_secret(store: Store, address: str, secret: str) -> None:
-    """The run's store says the joiner's control port and secret are the run's, or a
+def _check_address_and_secret(get: Callable[[str], str], address: str, secret: str) -> None:
+    """The run's store (``get``) says the joiner's control port and secret are the run's, or a
     ``ConfigError`` names the wrong one before a slot is taken. (Both were found only
     by the coordinator's silence: the joiner gave up after 10 s, saying it had lost the
     coordinator, and its slot stayed taken.)"""
-    port = store.get(CONTROL_PORT_KEY).decode()
+    port = get(CONTROL_PORT_KEY)
     given = address.rpartition(":")[2]
     if given != port:
         raise ConfigError(
@@ -155,7 +179,7 @@ def _check_address_and_secret(store: Store, address: str, secret: str) -> None:
         key = bytes.fromhex(secret)
     except ValueError:
         raise ConfigError(SECRET_ENV, "is not hex (the run's join line says where it is)") from None
-    if not hmac.compare_digest(store.get(SECRET_CHECK_KEY).decode(), secret_check(key)):
+    if not hmac.compare_digest(get(SECRET_CHECK_KEY), secret_check(key)):
         raise ConfigError(
             SECRET_ENV,
             f"is not the secret of the run at {address} (the run's join line says where it is)",

@@ -59,7 +59,7 @@ from elche.monitor.timeline import TimelineReader
 from elche.runtime import bundle
 from elche.runtime.epochs import EpochLog, with_bundles
 from elche.runtime.frames import new_secret, secret_from_env
-from elche.runtime.groups import RunEndedUnformed
+from elche.runtime.groups import RunEndedUnformed, StoreUnanswered
 from elche.runtime.host import FAILED_EXIT
 from elche.runtime.joining import announce_join
 from elche.runtime.journal_file import JOURNAL_FILE
@@ -185,7 +185,8 @@ def _rank_process(
         # of a full or read-only disk (the run directory's), or of a bundle that is no
         # longer the one checked (ConfigError), none helps.
         storage = isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS
-        said = isinstance(exc, TrainingError | ConfigError | RunEndedUnformed) or storage
+        said = isinstance(exc, TrainingError | ConfigError | RunEndedUnformed | StoreUnanswered)
+        said = said or storage
         text = str(exc) if said else traceback.format_exc()
         from torch.distributed import DistError
 

@@ -11,7 +11,9 @@ rank. After a rank is lost the coordinator orders
 the survivors into a new generation: each leaves the old group (which may be
 broken), gathers with the new members and forms the new group. A restarted
 coordinator serves a new store, so the client is dropped (``forget_store``)
-and reconnected at the next formation.
+and reconnected at the next formation; so is one stuck in a call the store
+did not answer (``groups.StoreUnanswered``: the coordinator's host is off
+the network).
 """
 
 from __future__ import annotations
@@ -67,10 +69,12 @@ class Membership:
         others: the few microseconds of that window are not guarded.) A run
         the coordinator ended meanwhile (a whole host gone before its rank
         gathered: the formation timed out) says so in the store, and the rank
-        stops at once instead of waiting out the store's end.
+        stops at once instead of waiting out the store's end. A store that
+        does not answer (its host cut off) has no news to give: the rank fails.
 
         Raises:
             groups.RunEndedUnformed: the run ended before the group formed.
+            groups.StoreUnanswered: the store did not answer a call.
             RuntimeError: the group did not form otherwise.
         """
         if dist.is_initialized():
@@ -108,9 +112,9 @@ class Membership:
         def superseded(wait_s: float) -> bool:
             time.sleep(wait_s)  # the gathering's poll interval
             why = None
-            if self._store is not None:
+            if (store := self._store) is not None:
                 with contextlib.suppress(RuntimeError):  # the store stopped answering: no news
-                    why = groups.run_ended(self._store)
+                    why = groups.ask(store, lambda: groups.run_ended(store), self.timeout_s)
             if why is not None:
                 raise groups.RunEndedUnformed(why)
             return self._newer_first(generation) is not None
@@ -119,10 +123,10 @@ class Membership:
 
     def _newer_first(self, generation: int) -> tuple[int, list[int]] | None:
         """The first group's reform, if newer than ``generation``."""
-        if self._store is None:  # still reaching the store
+        if (store := self._store) is None:  # still reaching the store
             return None
         try:
-            reform = groups.first_group(self._store)
+            reform = groups.ask(store, lambda: groups.first_group(store), self.timeout_s)
         except RuntimeError:  # the store stopped answering: no news (``groups.gather``)
             return None
         return reform if reform is not None and reform[0] > generation else None
@@ -144,6 +148,8 @@ class Membership:
 
         Raises:
             RuntimeError: no store port, or the group did not form in time.
+            groups.StoreUnanswered: the store did not answer a call as the
+                members gathered; its client is dropped.
         """
         if self.port is None:
             raise RuntimeError("a collective group needs the coordinator's group store port")
@@ -158,10 +164,14 @@ class Membership:
                 if self._store is None:
                     return False
         store = groups.generation_store(self._store, generation)
-        if superseded is not None and not groups.gather(
-            store, self.rank, members, timeout_s=self.timeout_s, superseded=superseded
-        ):
-            return False
+        try:
+            if superseded is not None and not groups.gather(
+                store, self.rank, members, timeout_s=self.timeout_s, superseded=superseded
+            ):
+                return False
+        except groups.StoreUnanswered:
+            self._store = None  # stuck in that call: a client takes no other
+            raise
         dist.init_process_group(
             "gloo",
             store=store,

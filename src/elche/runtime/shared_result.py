@@ -10,10 +10,10 @@ a rank that died reads nothing, and one that comes later gets no summary).
 A rank that leaves without the result (its own error) says so at once.
 
 A reader's every call to the store runs on a thread of its own and is
-waited for with a bound (``_bounded``): torch's client does not keep its
-timeout when rank 0's host is off the network (a wait that times out asks
-the store to cancel it and reads the answer with no timeout), so a rank
-that lost rank 0's host for good never ended.
+waited for with a bound (``elche.runtime.store_calls``): torch's client
+does not keep its timeout when rank 0's host is off the network (a wait
+that times out asks the store to cancel it and reads the answer with no
+timeout), so a rank that lost rank 0's host for good never ended.
 
 Under ``torchrun`` each rank trains in a child of its worker process
 (``launched._supervises``); a worker whose child died says so on the board
@@ -29,12 +29,12 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+
+from elche.runtime.store_calls import GRACE_S, bounded
 
 __all__ = ["ResultBoard"]
 
@@ -50,9 +50,6 @@ _WATCH_S = 0.2
 # whose launcher is gone must end within the orphan bound (ORPHAN_GRACE_S).
 HOLD_S = 2.0
 _POLL_S = 0.05
-# How long past its own timeout a reader's call to the store may take before the
-# reader gives up on it (torch's own error, had it kept its timeout, comes first).
-GRACE_S = 5.0
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]  # exported at runtime
 
 
@@ -166,21 +163,9 @@ T = TypeVar("T")
 
 
 def _bounded(call: Callable[[], T], timeout_s: float) -> tuple[bool, T | None]:
-    """``call()`` on a thread: whether it ended within ``timeout_s`` (else the thread
-    is left to it), and what it returned (None when it raised torch's store error,
-    a ``RuntimeError``, or bad JSON)."""
-    done: Future[T | None] = Future()
-
-    def attempt() -> None:
-        try:
-            done.set_result(call())
-        except (RuntimeError, ValueError):  # DistStoreError is a RuntimeError
-            done.set_result(None)
-        except BaseException as exc:  # raised by ``result``, in the caller's thread
-            done.set_exception(exc)
-
-    threading.Thread(target=attempt, name="elche-result-board", daemon=True).start()
+    """``bounded(call, timeout_s)``: whether ``call`` ended in time, and what it
+    returned (None when it raised torch's store error, a ``RuntimeError``, or bad JSON)."""
     try:
-        return True, done.result(timeout=timeout_s)
-    except FutureTimeout:
-        return False, None
+        return bounded(call, timeout_s)
+    except (RuntimeError, ValueError):  # DistStoreError is a RuntimeError
+        return True, None

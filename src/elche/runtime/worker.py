@@ -46,7 +46,7 @@ from elche.core.faults import (
 from elche.core.progress import Progress
 from elche.core.rank import RankProtocol
 from elche.monitor.summary import rank_report_file, rank_spans_file
-from elche.runtime import bundle, rank_saves, salvage
+from elche.runtime import bundle, groups, rank_saves, salvage
 from elche.runtime.averaging import InFlight, frozen_parameters, load_average, snapshot_frames
 from elche.runtime.bridge import Bridge, CoordinatorLost
 from elche.runtime.consensus import Consensus, layout_fingerprint, start_from_rank0
@@ -248,7 +248,7 @@ class Worker:
         why = "a newer order came while its members gathered"
         try:
             formed = self.membership.form(generation, members, superseded=self._superseded(still))
-        except RuntimeError as exc:  # torch's DistError (a timeout on the store) is one
+        except (RuntimeError, groups.StoreUnanswered) as exc:  # torch's DistError is one
             self._drain()
             if self.proto.next_action() == still:
                 raise  # still the order: the group cannot form
