@@ -58,3 +58,23 @@ def test_a_rank_that_lost_its_coordinator_and_hears_nothing_from_rank_0_is_exclu
     # a rank that finished, whose rank 0 shared nothing: its model, no summary, as before
     done = other_rank_result({"stopped": "done"}, state, SilentBoard(), tmp_path)
     assert done.summary == {} and done.state_dict is state
+
+
+def test_a_torchrun_worker_whose_rank_ended_and_hears_nothing_from_rank_0_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its rank's process ended (its error said; say the group store stopped answering)
+    # and rank 0's host is gone: the worker returned an empty result, no model and no
+    # summary, and the script went on as if the run had ended (torchrun: exit 0).
+    from elche.runtime.launched import CHILD_LOST
+
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(RuntimeError) as info:
+        other_rank_result({"stopped": CHILD_LOST}, {}, SilentBoard(), tmp_path)
+    assert str(info.value) == (
+        "rank 1's process ended (said above); rank 0 shared no run summary, and the "
+        "coordinator's is not on this host"
+    )
+    # the run went on without it, and rank 0 shared its result: that, as before
+    shared = other_rank_result({"stopped": CHILD_LOST}, {}, SharingBoard(), tmp_path)
+    assert shared.summary == {"outcome": "saved_and_shutdown"}

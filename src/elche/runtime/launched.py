@@ -459,6 +459,8 @@ def _other_rank_result(
     Raises:
         TrainingError: the user's code failed, on this rank or another.
         RankExcluded: the run went on without this rank.
+        RuntimeError: this rank's process ended (under torchrun) and rank 0
+            shared no result: this worker has neither a model nor the run's.
     """
     try:
         raise_if_refused(report, int(os.environ["RANK"]))
@@ -474,8 +476,10 @@ def _other_rank_result(
     if result.summary or cut_off:
         return result
     if not _coordinator_summary(directory):
-        print("elche: rank 0 shared no run summary, and the coordinator's is not on this host",
-              file=sys.stderr, flush=True)  # fmt: skip
+        nothing = "rank 0 shared no run summary, and the coordinator's is not on this host"
+        if report.get("stopped") == CHILD_LOST:  # nor has this rank a model of its own
+            raise RuntimeError(f"rank {os.environ['RANK']}'s process ended (said above); {nothing}")
+        print(f"elche: {nothing}", file=sys.stderr, flush=True)
         return result
     # Rank 0 is gone, and its coordinator wrote the run's end on this host.
     result = _result_in_run_dir(plan, Hooks(eval_result_fn=None, metrics_fn=None), directory, t0)
