@@ -1,4 +1,4 @@
-"""The result board's reports of rank exits (``elche.runtime.shared_result``).
+"""The result board (``elche.runtime.shared_result``): the run's result, and rank exits.
 
 Under torchrun a worker whose rank's process died says so on the board, and
 rank 0 tells its coordinator; before, the coordinator learned it only when
@@ -8,8 +8,12 @@ the rank's heartbeats went stale, every other rank waiting for it.
 from __future__ import annotations
 
 import queue
+import threading
 
-from elche.runtime.shared_result import ResultBoard
+import pytest
+
+from elche.runtime import shared_result
+from elche.runtime.shared_result import BoardSilent, ResultBoard
 
 
 def test_rank_0_hears_each_ranks_exit_once_with_its_code() -> None:
@@ -24,3 +28,46 @@ def test_rank_0_hears_each_ranks_exit_once_with_its_code() -> None:
     worker.say_exit(1, 1)
     assert heard.get(timeout=30) == (1, 1)
     assert heard.empty()
+
+
+def test_a_reader_gets_the_result_rank_0_publishes_while_it_waits() -> None:
+    board = ResultBoard.serve()
+    reader = ResultBoard.join("127.0.0.1", board.port, timeout_s=10.0)
+    published = threading.Thread(target=board.publish, args=({"summary": {"x": 1}},),
+                                 kwargs={"readers": 1})  # fmt: skip
+    published.start()
+    assert reader.read(timeout_s=30.0) == {"summary": {"x": 1}}
+    published.join()
+
+
+def test_a_reader_gives_up_when_none_comes_in_its_time() -> None:
+    board = ResultBoard.serve()
+    reader = ResultBoard.join("127.0.0.1", board.port, timeout_s=10.0)
+    assert reader.read(timeout_s=0.2) is None
+
+
+class _SilentStore:
+    """A store client whose host dropped off the network: its calls never end."""
+
+    host, port = "h0", 29500
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def check(self, keys: list[str]) -> bool:
+        self.released.wait()
+        return False
+
+
+def test_a_reader_whose_rank_0s_host_is_silent_stops_waiting_saying_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It used to wait out rank 0's whole time to publish (a minute and more) in
+    # one call, though no result could come.
+    monkeypatch.setattr(shared_result, "SILENT_S", 0.2)
+    store = _SilentStore()
+    try:
+        with pytest.raises(BoardSilent, match=r"^rank 0's host at h0:29500 did not answer in 0.2 s$"):
+            ResultBoard(store).read(timeout_s=600.0)
+    finally:
+        store.released.set()

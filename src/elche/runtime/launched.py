@@ -89,7 +89,7 @@ from elche.runtime.lifetimes import (
 )
 from elche.runtime.plan import Hooks, Plan, TrainResult
 from elche.runtime.same_run import check_same_plans, plan_of
-from elche.runtime.shared_result import HOLD_S, ResultBoard
+from elche.runtime.shared_result import HOLD_S, BoardSilent, ResultBoard
 from elche.runtime.supervision import (
     Supervised,
     report_lost,
@@ -534,7 +534,11 @@ def _shared_result(
             rank 0 shared nothing either: a host cut off for good.
         RuntimeError: rank 0 ended with an error (it said which) instead.
     """
-    doc = results.read(COORDINATOR_EXIT_S + HOLD_S)
+    silent = None
+    try:
+        doc = results.read(COORDINATOR_EXIT_S + HOLD_S)
+    except BoardSilent as exc:  # rank 0's host is off the network: nothing can come
+        doc, silent = None, str(exc)
     user_error = doc.get("user_error") if doc else None
     if isinstance(user_error, dict):  # what rank 0 raised
         bundle = doc.get("bundle") if doc else None
@@ -542,11 +546,11 @@ def _shared_result(
     summary = doc.get("summary") if doc else None
     epochs = doc.get("epochs") if doc else None
     if not isinstance(summary, dict):
-        why = doc.get("error") if doc else "none came"
+        why = doc.get("error") if doc else silent or "none came"
         if doc and why and not cut_off:  # rank 0 raised it, and said it: so does every rank
             raise RuntimeError(f"rank 0 ended with {why}")
+        print(f"elche: rank 0 shared no run summary ({why})", file=sys.stderr, flush=True)
         if cut_off:  # neither the coordinator nor rank 0 reached: the run is elsewhere
-            print(f"elche: rank 0 shared no run summary ({why})", file=sys.stderr, flush=True)
             rank = int(os.environ["RANK"])
             raise RankExcluded(
                 rank=rank,

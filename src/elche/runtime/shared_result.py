@@ -13,7 +13,11 @@ A reader's every call to the store runs on a thread of its own and is
 waited for with a bound (``elche.runtime.store_calls``): torch's client
 does not keep its timeout when rank 0's host is off the network (a wait
 that times out asks the store to cancel it and reads the answer with no
-timeout), so a rank that lost rank 0's host for good never ended.
+timeout), so a rank that lost rank 0's host for good never ended. A reader
+looks for the result every ``_POLL_S`` rather than waiting in one call: a
+look unanswered for ``SILENT_S`` says the host is off the network
+(``BoardSilent``), and the rank ends then instead of at the end of rank 0's
+time to publish (a minute).
 
 Under ``torchrun`` each rank trains in a child of its worker process
 (``launched._supervises``); a worker whose child died says so on the board
@@ -36,7 +40,7 @@ import torch.distributed as dist
 
 from elche.runtime.store_calls import GRACE_S, bounded
 
-__all__ = ["ResultBoard"]
+__all__ = ["BoardSilent", "ResultBoard"]
 
 _RESULT_KEY = "elche/result"
 _GONE_KEY = "elche/gone"
@@ -50,7 +54,18 @@ _WATCH_S = 0.2
 # whose launcher is gone must end within the orphan bound (ORPHAN_GRACE_S).
 HOLD_S = 2.0
 _POLL_S = 0.05
+# A look at the board takes milliseconds while rank 0's host is on the network (its
+# store serves on a thread of its own, however busy rank 0 is): one unanswered this
+# long means the host is off it, and a reader stops waiting for the result.
+SILENT_S = 10.0
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]  # exported at runtime
+
+
+class BoardSilent(TimeoutError):
+    """Rank 0's host answered no look at the result board in ``SILENT_S``."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(f"rank 0's host at {where} did not answer in {SILENT_S:g} s")
 
 
 class ResultBoard:
@@ -87,16 +102,33 @@ class ResultBoard:
 
     def read(self, timeout_s: float) -> dict[str, object] | None:
         """Another rank: the result rank 0 published (None: none came in ``timeout_s``,
-        plus at most ``GRACE_S``, whatever the network does)."""
+        or the board closed without one).
 
-        def wait_and_get() -> object:
-            self.store.wait([_RESULT_KEY], timedelta(seconds=timeout_s))
-            return json.loads(self.store.get(_RESULT_KEY))
-
-        answered, doc = _bounded(wait_and_get, timeout_s + GRACE_S)
-        if answered:  # (a client stuck in a call takes no other)
-            self.leave()
+        Raises:
+            BoardSilent: rank 0's host did not answer a look at the board in
+                ``SILENT_S``: it is off the network, and no result can come.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            answered, there = _bounded(lambda: self.store.check([_RESULT_KEY]), SILENT_S)
+            if not answered:  # (a client stuck in a call takes no other: no leave)
+                raise BoardSilent(self.where)
+            if there:
+                answered, doc = _bounded(lambda: json.loads(self.store.get(_RESULT_KEY)), SILENT_S)
+                if not answered:
+                    raise BoardSilent(self.where)
+                break
+            if there is None or time.monotonic() > deadline:  # closed, or nothing in time
+                doc = None
+                break
+            time.sleep(_POLL_S)  # the store has no wait that a silent host cannot hold
+        self.leave()
         return doc if isinstance(doc, dict) else None
+
+    @property
+    def where(self) -> str:
+        """The board's address, ``HOST:PORT``."""
+        return f"{self.store.host}:{self.store.port}"
 
     def say_exit(self, rank: int, code: int | None) -> None:
         """Another rank's worker: rank ``rank``'s process ended with ``code`` (negative:
