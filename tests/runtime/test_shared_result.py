@@ -67,7 +67,9 @@ def test_a_reader_whose_rank_0s_host_is_silent_stops_waiting_saying_so(
     monkeypatch.setattr(shared_result, "SILENT_S", 0.2)
     store = _SilentStore()
     try:
-        with pytest.raises(BoardSilent, match=r"^rank 0's host at h0:29500 did not answer in 0.2 s$"):
+        with pytest.raises(
+            BoardSilent, match=r"^rank 0's host at h0:29500 did not answer in 0.2 s$"
+        ):
             ResultBoard(store).read(timeout_s=600.0)
     finally:
         store.released.set()

@@ -40,12 +40,14 @@ ranks told to hold left, and the writer, which had read only the first
 order, blocked). A member whose gathering was claimed ``formed`` forms
 the group even if a newer order came meanwhile; that order is next.
 
-Every call a gathering member makes to the store ends within the store's
-own timeout and ``GRACE_S`` (``ask``): torch's client does not keep its
+Every call a gathering member makes to the store is one the store answers
+without waiting (a look, a mark, a claim), and ends within ``SILENT_S``
+(``ask``, ``elche.runtime.store_calls``): torch's client does not keep its
 timeout when the store's host drops off the network silently, and a member
 gathering while the coordinator's host was cut off waited in its call
-until TCP gave the connection up, a quarter of an hour later. Such a call
-raises ``StoreUnanswered``, and its client is used no more.
+until TCP gave the connection up, a quarter of an hour later (then, bounded
+by the store's own timeout and a grace, 65 s). Such a call raises
+``StoreUnanswered``, and its client is used no more.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from concurrent.futures import Future
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from elche.runtime.store_calls import GRACE_S, bounded
+from elche.runtime.store_calls import SILENT_S, bounded
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -226,16 +228,18 @@ class StoreUnanswered(TimeoutError):
 T = TypeVar("T")
 
 
-def ask(store: Store, call: Callable[[], T], timeout_s: float) -> T:
-    """``call()``, a call to ``store`` (whose timeout is ``timeout_s``), ended within that
-    timeout and ``GRACE_S`` (``elche.runtime.store_calls``).
+def ask(store: Store, call: Callable[[], T], waited_s: float | None = None) -> T:
+    """``call()``, a call to ``store``, ended within ``waited_s``; by default (None)
+    one the store's side answers without waiting, ended within ``SILENT_S``
+    (``elche.runtime.store_calls``).
 
     Raises:
         StoreUnanswered: the call did not end; it is left to its thread, and the
             store's client, stuck in it, must take no other call.
         RuntimeError: torch's own errors (a ``DistError``), as they come.
     """
-    waited_s = timeout_s + GRACE_S
+    if waited_s is None:
+        waited_s = SILENT_S
     ended, answer = bounded(call, waited_s)
     if not ended:
         while (under := getattr(store, "underlying_store", None)) is not None:
@@ -284,8 +288,8 @@ def reach(
         The client, or None when superseded first.
 
     Raises:
-        RuntimeError: the store did not answer in ``2 * timeout_s`` (torch's
-            own errors, a ``DistError``, as they come).
+        StoreUnanswered: the store did not answer in ``2 * timeout_s``.
+        RuntimeError: torch's own errors (a ``DistError``), as they come.
     """
     client: Future[Store] = Future()
 
@@ -301,10 +305,7 @@ def reach(
         if superseded(GATHER_POLL_S):
             return None
         if time.monotonic() > deadline:
-            where = f"{store_host(address)}:{port}"
-            raise RuntimeError(
-                f"the group store at {where} did not answer in {2 * timeout_s:.0f} s"
-            )
+            raise StoreUnanswered(f"{store_host(address)}:{port}", 2 * timeout_s)
     return client.result()
 
 
@@ -337,8 +338,10 @@ def gather(
 
     A store that stops answering (the coordinator that serves it died) is
     waited out the same way: its successor's ``Rejoin``, or the news that the
-    coordinator is lost, supersedes the generation. ``timeout_s`` is also the
-    store's own (the client's): each call to it ends within that (``ask``).
+    coordinator is lost, supersedes the generation. A store that does not
+    answer at all (its host cut off) ends the gathering: each call to it,
+    answered without waiting on the store's side, ends within ``SILENT_S``
+    (``ask``).
 
     Returns:
         True when the gathering was claimed formed: enter the rendezvous.
@@ -353,10 +356,10 @@ def gather(
     deadline = time.monotonic() + 2 * timeout_s
 
     def answer(call: Callable[[], object]) -> str | None:
-        return _answer(store, timeout_s, call)
+        return _answer(store, call)
 
     def claim(outcome: str) -> str:
-        return ask(store, lambda: _claim(store, outcome), timeout_s)
+        return ask(store, lambda: _claim(store, outcome))
 
     outcome = answer(lambda: store.set(f"{ARRIVED}{rank}", "1"))
     while outcome == GONE or (outcome := answer(lambda: _outcome(store, keys))) != FORMED:
@@ -368,7 +371,7 @@ def gather(
                 raise RuntimeError(f"the group store stopped answering; no news came in {waited}")
             if outcome is None and claim(ABANDONED) == FORMED:
                 return True  # the last member came just now
-            arrived = ask(store, lambda: [store.check([key]) for key in keys], timeout_s)
+            arrived = ask(store, lambda: [store.check([key]) for key in keys])
             missing = [m for m, came in zip(members, arrived, strict=True) if not came]
             if missing:
                 raise RuntimeError(f"rank(s) {missing} did not come to form the group in {waited}")
@@ -376,14 +379,14 @@ def gather(
     return True
 
 
-def _answer(store: Store, timeout_s: float, call: Callable[[], object]) -> str | None:
+def _answer(store: Store, call: Callable[[], object]) -> str | None:
     """``call()``'s outcome (None for no claim yet), or ``GONE`` if the store broke.
 
     Raises:
         StoreUnanswered: no answer came (``ask``).
     """
     try:
-        answer = ask(store, call, timeout_s)
+        answer = ask(store, call)
     except RuntimeError:  # torch's DistNetworkError: the connection to its server broke
         return GONE
     return answer if isinstance(answer, str) else None

@@ -30,6 +30,7 @@ from elche.runtime.joining import (
 )
 from elche.runtime.lifetimes import Interrupted, StopSignals
 from elche.runtime.same_run import SAME_RUN_FIELDS
+from elche.runtime.store_calls import GRACE_S
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -127,7 +128,7 @@ def _take_slot(
     from elche.runtime import groups
 
     def get(key: str) -> str:
-        return bytes(groups.ask(store, lambda: store.get(key), timeout_s)).decode()
+        return bytes(groups.ask(store, lambda: store.get(key), timeout_s + GRACE_S)).decode()
 
     try:
         _check_address_and_secret(get, address, secret)
@@ -135,7 +136,7 @@ def _take_slot(
         slots = int(get(KEY + "join_slots"))
         run = json.loads(get(KEY + "config"))
         _check_same_run(mine, run)
-        taken = int(groups.ask(store, lambda: store.add(JOINED_KEY, 1), timeout_s))
+        taken = int(groups.ask(store, lambda: store.add(JOINED_KEY, 1), timeout_s + GRACE_S))
         if taken > slots:
             raise ConfigError("join", f"the run has no join slot left (it keeps {slots})")
         run_dir = Path(get(KEY + "run_dir"))

@@ -114,7 +114,7 @@ class Membership:
             why = None
             if (store := self._store) is not None:
                 with contextlib.suppress(RuntimeError):  # the store stopped answering: no news
-                    why = groups.ask(store, lambda: groups.run_ended(store), self.timeout_s)
+                    why = groups.ask(store, lambda: groups.run_ended(store))
             if why is not None:
                 raise groups.RunEndedUnformed(why)
             return self._newer_first(generation) is not None
@@ -126,7 +126,7 @@ class Membership:
         if (store := self._store) is None:  # still reaching the store
             return None
         try:
-            reform = groups.ask(store, lambda: groups.first_group(store), self.timeout_s)
+            reform = groups.ask(store, lambda: groups.first_group(store))
         except RuntimeError:  # the store stopped answering: no news (``groups.gather``)
             return None
         return reform if reform is not None and reform[0] > generation else None

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from elche.runtime.store_calls import GRACE_S, bounded
+from elche.runtime.store_calls import GRACE_S, SILENT_S, bounded
 
 __all__ = ["BoardSilent", "ResultBoard"]
 
@@ -54,10 +54,6 @@ _WATCH_S = 0.2
 # whose launcher is gone must end within the orphan bound (ORPHAN_GRACE_S).
 HOLD_S = 2.0
 _POLL_S = 0.05
-# A look at the board takes milliseconds while rank 0's host is on the network (its
-# store serves on a thread of its own, however busy rank 0 is): one unanswered this
-# long means the host is off it, and a reader stops waiting for the result.
-SILENT_S = 10.0
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]  # exported at runtime
 
 

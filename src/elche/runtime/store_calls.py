@@ -19,11 +19,16 @@ from collections.abc import Callable
 from concurrent.futures import Future, wait
 from typing import TypeVar
 
-__all__ = ["GRACE_S", "bounded"]
+__all__ = ["GRACE_S", "SILENT_S", "bounded"]
 
 # How long past its own timeout a call to the store may take before the caller
 # gives up on it (torch's own error, had it kept its timeout, comes first).
 GRACE_S = 5.0
+# A call the store's side answers without waiting (``set``, ``check``, ``add``,
+# ``compare_set``, ``get`` of a key that is there) takes milliseconds while the
+# store's host is on the network: its server answers on a thread of its own,
+# however busy its process is. One unanswered this long says the host is off it.
+SILENT_S = 10.0
 
 T = TypeVar("T")
 
