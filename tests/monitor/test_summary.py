@@ -114,12 +114,12 @@ def test_the_summary_counts_the_steps_nonfinite_skip_left_out(tmp_path: Path) ->
     assert (summary["skipped_steps"], summary["skipped_samples"]) == (3, 96)
 
 
-def test_the_summary_counts_the_stale_messages(tmp_path: Path) -> None:
+def test_the_summary_counts_the_stale_messages_and_the_rejected_frames(tmp_path: Path) -> None:
     stats = RunStats(first_dispatch_s=5.0, last_average_s=7.0)
     stats.observe(msgspec.structs.replace(END, stale_messages=2), 7.0)
     doc = coordinator_summary(stats, mode="cadence", world_size=3)
-    assert doc["stale_messages"] == 2
+    assert (doc["stale_messages"], doc["rejected_frames"]) == (2, 1)
     (tmp_path / SUMMARY_FILE).write_text(json.dumps(doc))
     host, ranks = read_run(tmp_path, 3)
     summary = run_summary(host, ranks, speeds=[1.0, 0.5, 0.25], launched_s=4.0, save_path=None)
-    assert summary["stale_messages"] == 2
+    assert (summary["stale_messages"], summary["rejected_frames"]) == (2, 1)
