@@ -41,6 +41,12 @@ def test_kill_flag_reaches_the_simulation(capsys: pytest.CaptureFixture[str]) ->
     assert doc["lost_samples"] == 0
 
 
+def test_json_counts_the_stale_messages(capsys: pytest.CaptureFixture[str]) -> None:
+    # Rank 2's death abandons round 2: rank 1's failed ack of it comes after the retry opened.
+    doc = run_json(capsys, *SMALL, "--mode", "sync", "--kill", "2@0.1")
+    assert (doc["rejected_frames"], doc["stale_messages"]) == (0, 1)
+
+
 def test_kill_at_a_progress_point_and_a_replayed_plan_agree(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -423,6 +423,9 @@ def test_a_rank_declared_lost_that_speaks_again_is_refused_once() -> None:
     assert h.send(2, m.BatchDone(epoch=0, offset=0, size=32, batch_ms=1.0)) == []  # once
     assert h.core.stale_messages == 2  # nothing it says enters the run
     assert h.core.rank_state[2] is RankState.DEAD and h.core.outcome is None
+    h.run_to_end()
+    ends = [c.event for c in of(h.log, Emit) if isinstance(c.event, tl.RunEnd)]  # type: ignore[attr-defined]
+    assert [(e.outcome, e.stale_messages) for e in ends] == [("completed", 2)]  # the summary's
 
 
 def test_death_mid_collective_abandons_the_round_and_regroups() -> None:

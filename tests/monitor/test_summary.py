@@ -62,6 +62,7 @@ def test_stats_follow_the_records_and_keep_the_latest_eval() -> None:
         "outcome": "completed",
         "reason": "",
         "rejected_frames": 1,
+        "stale_messages": 0,
         "coordinator_restarts": 0,
         "anchor": 12,
         "samples_per_rank": [700, 400, 100],
@@ -111,3 +112,14 @@ def test_the_summary_counts_the_steps_nonfinite_skip_left_out(tmp_path: Path) ->
     host, ranks = read_run(tmp_path, 3)
     summary = run_summary(host, ranks, speeds=[1.0, 0.5, 0.25], launched_s=4.0, save_path=None)
     assert (summary["skipped_steps"], summary["skipped_samples"]) == (3, 96)
+
+
+def test_the_summary_counts_the_stale_messages_and_the_rejected_frames(tmp_path: Path) -> None:
+    stats = RunStats(first_dispatch_s=5.0, last_average_s=7.0)
+    stats.observe(msgspec.structs.replace(END, stale_messages=2), 7.0)
+    doc = coordinator_summary(stats, mode="cadence", world_size=3)
+    assert (doc["stale_messages"], doc["rejected_frames"]) == (2, 1)
+    (tmp_path / SUMMARY_FILE).write_text(json.dumps(doc))
+    host, ranks = read_run(tmp_path, 3)
+    summary = run_summary(host, ranks, speeds=[1.0, 0.5, 0.25], launched_s=4.0, save_path=None)
+    assert (summary["stale_messages"], summary["rejected_frames"]) == (2, 1)

@@ -101,6 +101,16 @@ def test_every_kind_round_trips() -> None:
     assert [tl.decode(tl.encode(event)) for event in events] == events
 
 
+def test_a_run_end_written_before_stale_messages_were_kept_reads_none() -> None:
+    line = (
+        b'{"kind":"RunEnd","t":1.0,"outcome":"completed","reason":"","epochs_completed":1,'
+        b'"rounds_done":2,"lost_samples":0,"dead_ranks":[],"rejected_frames":0,"anchor":10,'
+        b'"samples_per_rank":[64,32]}'
+    )
+    end = tl.decode(line)
+    assert isinstance(end, tl.RunEnd) and end.stale_messages == 0
+
+
 def test_a_nan_or_infinite_float_reaches_the_reader(tmp_path: Path) -> None:
     # An eval_fn that returned NaN was written as "metric": null, which the float field
     # refused: every reader skipped the record (eval_result_fn was never called, the

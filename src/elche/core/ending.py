@@ -171,6 +171,7 @@ def finish(
             lost_samples=core.work.samples_missing(done),
             dead_ranks=tuple(sorted(core.dead_ranks)),
             rejected_frames=core.rejected_frames,
+            stale_messages=core.stale_messages,
             anchor=core.elche.anchor,
             samples_per_rank=tuple(core.work.samples_committed[: core.joins.ranks_used()]),
             user_error=user_error or core.failures.stopped_by,

@@ -247,6 +247,9 @@ class RunEnd(_Record, frozen=True):
     joined_ranks: tuple[int, ...] = ()  # ranks that joined the running run (``elche join``)
     skipped_steps: int = 0  # steps left out for a non-finite loss (``nonfinite="skip"``)
     skipped_samples: int = 0  # their samples: counted as trained, in no model
+    # Authentic messages that came too late to count: from a rank no longer live,
+    # a callback answered twice, an answer for no round or save in flight.
+    stale_messages: int = 0
 
 
 class OuterMomentumRestored(_Record, frozen=True):

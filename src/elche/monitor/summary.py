@@ -113,6 +113,7 @@ def coordinator_summary(stats: RunStats, *, mode: str, world_size: int) -> dict[
         "outcome": outcome,
         "reason": reason,
         "rejected_frames": report.rejected_frames,
+        "stale_messages": report.stale_messages,
         "coordinator_restarts": report.coordinator_restarts,
         "anchor": report.anchor,
         "samples_per_rank": list(report.samples_per_rank),
@@ -184,6 +185,9 @@ def run_summary(
         "user_error": host.get("user_error"),  # outcome "failed" on the user's code
         "notices": host.get("notices", []),  # the coordinator's warnings and errors
         "coordinator_restarts": host.get("coordinator_restarts", 0),
+        "rejected_frames": host.get("rejected_frames", 0),  # malformed, forged or replayed
+        # messages from a rank no longer live, or answers for nothing in flight
+        "stale_messages": host.get("stale_messages", 0),
         "per_rank": [
             {
                 "rank": rank,

@@ -824,6 +824,7 @@ class Simulation:
             reason=account.reason,
             per_rank=per_rank,
             rejected_frames=account.rejected_frames,
+            stale_messages=account.stale_messages,
             anchor=account.anchor,
             saved_meta=saved,
             joined_ranks=list(account.joined_ranks),

@@ -48,6 +48,7 @@ class SimResult:
     reason: str
     per_rank: list[RankResult]
     rejected_frames: int
+    stale_messages: int
     anchor: int
     saved_meta: CheckpointMeta | None = None
     joined_ranks: list[int] = field(default_factory=list)  # ranks that joined the running run
@@ -71,6 +72,7 @@ class SimResult:
             "reason": self.reason,
             "anchor": self.anchor,
             "rejected_frames": self.rejected_frames,
+            "stale_messages": self.stale_messages,
             "per_rank": [r.to_json() for r in self.per_rank],
         }
 
