@@ -549,8 +549,8 @@ def _shared_result(
         why = doc.get("error") if doc else silent or "none came"
         if doc and why and not cut_off:  # rank 0 raised it, and said it: so does every rank
             raise RuntimeError(f"rank 0 ended with {why}")
-        print(f"elche: rank 0 shared no run summary ({why})", file=sys.stderr, flush=True)
         if cut_off:  # neither the coordinator nor rank 0 reached: the run is elsewhere
+            print(f"elche: rank 0 shared no run summary ({why})", file=sys.stderr, flush=True)
             rank = int(os.environ["RANK"])
             raise RankExcluded(
                 rank=rank,
