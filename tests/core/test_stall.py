@@ -83,3 +83,48 @@ def test_the_watch_is_quiet_before_training() -> None:
     watch = StallWatch(1.0)
     assert watch.check(h.core, 0.0) == []  # arms
     assert watch.check(h.core, 5.0) == []  # forming: no ranks live, nothing to dump
+
+
+# -- a round in flight too long: the run stops, saved (``elche.core.liveness``) --
+
+
+def _stalled_round(out: list[Command]) -> bool:
+    return any(isinstance(c, Notice) and c.text.endswith("stalled") for c in out)
+
+
+def _ticks_until_stalled(h: Harness, until: float) -> float | None:
+    """Heartbeats and timer ticks every 10 s up to ``until``: when the round stalled."""
+    at = h.now
+    while at < until:
+        at += 10.0
+        if _stalled_round(_tick(h, at)):
+            return at
+    return None
+
+
+def test_a_round_in_flight_past_the_bound_stops_the_run_and_a_late_answer_evicts_nobody() -> None:
+    h = Harness(heartbeat_timeout_s=20.0)
+    h.form()
+    h.train_window()  # 10 ms steps
+    number = h.core.round.number
+    assert h.core.round.in_flight
+    assert _ticks_until_stalled(h, 400.0) == 310.0  # past max(10 x 20 s, 300 s)
+    assert h.received(0, m.ShutdownWithSave)[-1].reason == "reduce_stall"
+    stale = h.core.stale_messages
+    # Rank 0's answer, when its step ends, is for a round closed meanwhile: it was
+    # taken for a protocol error ("acknowledged before its update") and rank 0 was
+    # evicted during the stop; it is stale.
+    h.send(0, m.SyncAck(round=number, steps=h.core.work.steps_since_sync(0)))
+    assert h.core.stale_messages == stale + 1
+    assert 0 in h.core.live and not h.core.dead_ranks
+
+
+def test_a_round_waits_for_steps_of_minutes_three_of_its_slowest_members_steps() -> None:
+    # A member serves the round once its step in progress ends: a rank whose steps
+    # take 200 s (a slow CPU beside GPUs, a large model) stopped every run it was
+    # in as stalled, at 300 s.
+    h = Harness(heartbeat_timeout_s=20.0)
+    h.form()
+    h.train_window(ms={1: 200_000.0})
+    assert h.core.round.in_flight
+    assert _ticks_until_stalled(h, 700.0) == 610.0  # past 3 x 200 s

@@ -9,7 +9,10 @@ Rules:
   declares lost every live rank silent for more than
   ``heartbeat_timeout_s``, ends a round in flight past
   ``max(10 x heartbeat_timeout_s, STALL_FLOOR_S)`` with a save, runs the
-  stall watch, and sends every rank a heartbeat.
+  stall watch, and sends every rank a heartbeat. A member serves the round
+  once its step in progress ends, so a round whose members make long steps
+  (a slow CPU beside GPUs, a large model) is given ``STALL_STEPS`` of its
+  slowest member's measured step as well.
 - A rank declared lost that speaks again (a host cut off, then back) is
   refused once: ``Shutdown(refused=why)``; what it sends stays counted as
   stale and never enters the run.
@@ -35,6 +38,8 @@ __all__ = ["STALL_FLOOR_S", "on_timer", "refuse_lost"]
 
 # A round in flight longer than this is a stall (reference: max(10 x hb, 300 s)).
 STALL_FLOOR_S = 300.0
+# ... or this many of its slowest member's steps (smoothed), when that is longer.
+STALL_STEPS = 3
 
 
 def on_timer(core: Coordinator) -> None:
@@ -75,7 +80,9 @@ def on_timer(core: Coordinator) -> None:
         silent_s = now - core.last_seen_s[rank]
         if silent_s > timeout:
             core._lose(rank, f"heartbeat stale: silent for {silent_s:.1f} s")
-    stalled = now - core.round.started_s > max(10 * timeout, STALL_FLOOR_S)
+    paces = core.elche.ms_per_batch()
+    slowest_s = max((paces[r] for r in core.round.members if r < len(paces)), default=0.0) / 1e3
+    stalled = now - core.round.started_s > max(10 * timeout, STALL_FLOOR_S, STALL_STEPS * slowest_s)
     if core.state is RunState.TRAINING and core.round.in_flight and stalled:
         core._notice("error", f"averaging round {core.round.number} stalled")
         core.round.close()

@@ -13,8 +13,9 @@ Rules:
   steps are committed, ``Update`` goes out, and each member answers
   ``SyncAck``. The last average of the run is loaded as is, not blended:
   the final model is the consensus.
-- An ack for another round, from a non-member or repeated, and a snapshot
-  outside ``COLLECTING``, are stale: ignored (the coordinator counts them).
+- An ack for another round, from a non-member, repeated or for a round
+  closed before it came (a stalled round), and a snapshot outside
+  ``COLLECTING``, are stale: ignored (the coordinator counts them).
   An ack before the update, a snapshot in a collective mode or one claiming
   more steps than the rank made are protocol errors.
 - A member that dies leaves the round. Its snapshot counts if the shell is
@@ -117,6 +118,8 @@ class Round:
         """
         answered = rank in self.acks or rank in self.failed
         if msg.round != self.number or rank not in self.members or answered:
+            return False
+        if not self.in_flight:  # closed unanswered (it stalled: the run stops without it)
             return False
         if msg.failed:  # its model holds none of the round: nothing committed
             if self.phase is not RoundPhase.COLLECTING:
