@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from elche.runtime import groups
+from elche.runtime import groups, membership
 from elche.runtime.membership import Membership
 
 ADDRESS = "tcp://127.0.0.1:0"  # the host part is what the store's clients use
@@ -294,3 +295,33 @@ def test_a_store_call_left_unanswered_ends_naming_the_store(
         "network, or the coordinator there hung"
     )
     assert groups.ask(Client(), lambda: "formed") == "formed"  # type: ignore[arg-type]
+
+
+def test_a_rank_gathering_for_the_first_group_stops_when_the_store_closes_under_it() -> None:
+    # The coordinator died before the first group formed (no journal yet: no
+    # successor). Its store closed, so no news could come, and the rank waited out
+    # twice its timeout, then ended in a traceback ("the group store stopped
+    # answering; no news came in …"); it now stops at once, saying why.
+    ctx = mp.get_context("fork")
+    ports = ctx.Queue()
+    server = ctx.Process(target=_serve_store, args=(ports,), daemon=True)
+    server.start()
+    try:
+        port = ports.get(timeout=30)
+        watcher = groups.connect(ADDRESS, port, 5.0)
+
+        def kill_once_arrived() -> None:  # rank 0 gathers; rank 1 never comes
+            while not watcher.check([f"group-0/{groups.ARRIVED}0"]):
+                time.sleep(0.05)  # polling the store, bounded by the member's wait
+            server.kill()
+
+        killer = threading.Thread(target=kill_once_arrived, daemon=True)
+        killer.start()
+        member = Membership(0, ADDRESS, port, timeout_s=5.0)
+        with pytest.raises(groups.RunEndedUnformed) as ended:
+            member.join_first(2)
+        assert ended.value.why == membership.STORE_CLOSED
+        killer.join(timeout=10)
+    finally:
+        server.kill()
+        server.join(timeout=10)

@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 
 __all__ = ["Membership"]
 
+# Why a rank gathering for the first group stops when the store closes under it:
+# no news can come (a restarted coordinator has no journal before the run began,
+# so it cannot go on with the run), and the rank no longer waits out the gathering.
+STORE_CLOSED = "the coordinator's group store closed (the coordinator ended or died)"
+
 
 class Membership:
     """The group of rank ``rank``, formed at the store of coordinator ``address``."""
@@ -113,8 +118,12 @@ class Membership:
             time.sleep(wait_s)  # the gathering's poll interval
             why = None
             if (store := self._store) is not None:
-                with contextlib.suppress(RuntimeError):  # the store stopped answering: no news
+                try:
                     why = groups.ask(store, lambda: groups.run_ended(store))
+                except groups.StoreUnanswered:
+                    raise
+                except RuntimeError:  # torch's DistNetworkError: the store is gone
+                    why = STORE_CLOSED
             if why is not None:
                 raise groups.RunEndedUnformed(why)
             return self._newer_first(generation) is not None
