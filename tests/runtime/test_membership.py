@@ -156,6 +156,45 @@ def test_a_store_that_takes_connections_but_does_not_serve_yet_does_not_hold_a_m
         assert membership.store_lost is False  # it set out for the new store
 
 
+def test_a_store_not_serving_yet_is_waited_for_past_silent_s_while_its_host_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The handshake waits in the store's backlog; a new connection to its host is
+    # taken at once by the host's kernel: the host is up, the store not serving yet.
+    monkeypatch.setattr(groups, "SILENT_S", 0.1)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # a backlog, never served
+        polls: list[None] = []
+
+        def news(wait_s: float) -> bool:
+            time.sleep(wait_s)
+            polls.append(None)
+            return len(polls) > 40  # ~2 s: many looks at the host meanwhile
+
+        port = silent.getsockname()[1]
+        assert groups.reach(ADDRESS, port, 5.0, superseded=news) is None
+
+
+def test_a_store_whose_host_went_off_the_network_in_the_handshake_is_given_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A rank reached the store as its host dropped off the network: its handshake
+    # waited out twice the collective timeout (120 s), then ended in a traceback.
+    # A new connection to a silent host goes unanswered: the rank gives the store up.
+    probed: list[tuple[str, int]] = []
+
+    def unanswered(address: tuple[str, int], timeout: float) -> socket.socket:
+        probed.append(address)
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(groups, "SILENT_S", 0.1)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # a backlog, never served
+        port = silent.getsockname()[1]
+        monkeypatch.setattr(socket, "create_connection", unanswered)
+        with pytest.raises(groups.StoreUnanswered, match=rf"^the group store at 127.0.0.1:{port} "):
+            groups.reach(ADDRESS, port, LONG_TIMEOUT_S, superseded=never)
+        assert probed == [("127.0.0.1", port)]  # once: it did not wait out the timeout
+
+
 def test_a_store_that_fails_to_start_refuses_its_clients(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

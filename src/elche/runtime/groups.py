@@ -62,7 +62,7 @@ from concurrent.futures import Future
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from elche.runtime.store_calls import SILENT_S, bounded
+from elche.runtime.store_calls import GRACE_S, SILENT_S, bounded
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -282,13 +282,18 @@ def reach(
     A store that takes connections but does not serve yet (a restarted
     coordinator imports torch first) holds a client's handshake with no
     bound, and its coordinator may meanwhile end the run, or order something
-    else, without this rank: the connection is then left to its thread.
+    else, without this rank: the connection is then left to its thread. So
+    does a store whose host dropped off the network during the handshake:
+    a handshake unfinished after ``SILENT_S`` is told from a store not
+    serving yet by a new connection to it, which the host's kernel takes
+    at once while the host is on the network (``_host_silent``).
 
     Returns:
         The client, or None when superseded first.
 
     Raises:
-        StoreUnanswered: the store did not answer in ``2 * timeout_s``.
+        StoreUnanswered: the store's host is off the network, or the store
+            did not answer in ``2 * timeout_s``.
         RuntimeError: torch's own errors (a ``DistError``), as they come.
     """
     client: Future[Store] = Future()
@@ -300,13 +305,31 @@ def reach(
             client.set_exception(exc)
 
     threading.Thread(target=attempt, name="elche-group-store-client", daemon=True).start()
-    deadline = time.monotonic() + 2 * timeout_s
+    host, began = store_host(address), time.monotonic()
+    probe_at = began + SILENT_S
     while not client.done():
         if superseded(GATHER_POLL_S):
             return None
-        if time.monotonic() > deadline:
-            raise StoreUnanswered(f"{store_host(address)}:{port}", 2 * timeout_s)
+        now = time.monotonic()
+        if now - began > 2 * timeout_s:
+            raise StoreUnanswered(f"{host}:{port}", 2 * timeout_s)
+        if now > probe_at:
+            if _host_silent(host, port):
+                raise StoreUnanswered(f"{host}:{port}", time.monotonic() - began)
+            probe_at = time.monotonic() + SILENT_S
     return client.result()
+
+
+def _host_silent(host: str, port: int) -> bool:
+    """Whether a new TCP connection to ``host:port`` goes unanswered for ``GRACE_S``:
+    the host is off the network (a refused or reset one is torch's to report)."""
+    try:
+        socket.create_connection((host, port), timeout=GRACE_S).close()
+    except TimeoutError:
+        return True
+    except OSError:
+        pass
+    return False
 
 
 def generation_store(client: Store, generation: int) -> Store:
