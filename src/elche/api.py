@@ -22,6 +22,7 @@ every rank under a launcher.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -31,7 +32,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elche._files import check_writable
 from elche.core.config import (
@@ -52,6 +53,9 @@ from elche.runtime.options import check_options
 from elche.runtime.plan import Hooks, Plan, TrainResult, hold_save_path
 from elche.runtime.run_dirs import tidy_run_dir
 from elche.runtime.shards import Shards, check_dataset
+
+if TYPE_CHECKING:
+    from elche.runtime.worker import UserFns
 
 __all__ = ["TrainResult", "train"]
 
@@ -321,40 +325,41 @@ def train(
         checkpoint_fn=checkpoint_fn, options=options,
     )  # fmt: skip
     hooks = Hooks(eval_result_fn=eval_result_fn, metrics_fn=metrics_fn)
-    if plan.resume_from is not None:
-        from elche.runtime.resume import check_resume
-
-        # Before anything starts; said once, by the process that starts the run.
-        say = os.environ.get("RANK", "0") == "0"
-        meta = check_resume(
-            plan.resume_from, plan.config, model_fn, optimizer_fn,
-            accumulate=options.accumulate, say=say,
-        )  # fmt: skip
-        # A resumed run draws each epoch's order as its bundle's run did.
-        config = dataclasses.replace(plan.config, order=meta.resumed_order(plan.config))
-        plan = dataclasses.replace(plan, config=config, resume_seq=meta.save_seq)
-    if run_dir is not None:  # the last check: it makes the folder, as the run would
-        check_writable(Path(run_dir), "run_dir")
     from elche.runtime.joining import JOIN_ENV
 
+    # A rank of a launched run (torchrun, elche run) whose own checks refuse the run
+    # still meets the others, to tell them (``train_launched``): its peers on other
+    # hosts, whose checks passed, waited in the launcher's rendezvous for it for good.
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ and JOIN_ENV not in os.environ
+    owner = not launched or os.environ["RANK"] == "0"  # it starts the run
+    refused: ConfigError | None = None
+    try:
+        plan = _checked_before_start(plan, fns, run_dir, launched=launched)
+    except ConfigError as exc:
+        if not launched:
+            raise
+        refused = exc
     if JOIN_ENV in os.environ:  # elche join: one new rank of a running run
         from elche.runtime.joined import train_joined
 
         return train_joined(plan, fns, hooks, max_grad_norm=max_grad_norm)
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if launched and run_dir is None and os.environ.get("ELCHE_RUN_DIR"):  # rank 0 makes it
-        check_writable(Path(os.environ["ELCHE_RUN_DIR"]), "ELCHE_RUN_DIR")
-    # One run writes at a save path at a time: the process that starts the run holds it.
-    owner = not launched or os.environ["RANK"] == "0"
-    with hold_save_path(plan.config.save_path if owner else None):
-        if owner:
+    with contextlib.ExitStack() as held:
+        if refused is None:
+            # One run writes at a save path at a time: the process that starts the run holds it.
+            try:
+                held.enter_context(hold_save_path(plan.config.save_path if owner else None))
+            except ConfigError as exc:
+                if not launched:
+                    raise
+                refused = exc
+        if owner and refused is None:
             _say_replaced_bundle(plan.config.save_path, plan.resume_from)
         if launched:
             from elche.runtime.launched import train_launched
 
             return train_launched(
                 plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir,
-                dashboard=dashboard, tensorboard_dir=tensorboard_dir,
+                dashboard=dashboard, tensorboard_dir=tensorboard_dir, refused=refused,
             )  # fmt: skip
         if plan.config.world_size == 1:
             return _train_one(
@@ -365,6 +370,32 @@ def train(
             plan, fns, hooks, max_grad_norm=max_grad_norm, run_dir=run_dir, progress=progress,
             dashboard=dashboard, tensorboard_dir=tensorboard_dir,
         )  # fmt: skip
+
+
+def _checked_before_start(plan: Plan, fns: UserFns, run_dir: str | None, *, launched: bool) -> Plan:
+    """The plan, resumed from its bundle once that is checked, and its run directory
+    checked: before anything starts.
+
+    Raises:
+        ConfigError: the bundle does not resume the run, or a run directory is not
+            writable.
+    """
+    if plan.resume_from is not None:
+        from elche.runtime.resume import check_resume
+
+        # Said once, by the process that starts the run.
+        meta = check_resume(
+            plan.resume_from, plan.config, fns.model_fn, fns.optimizer_fn,
+            accumulate=fns.options.accumulate, say=os.environ.get("RANK", "0") == "0",
+        )  # fmt: skip
+        # A resumed run draws each epoch's order as its bundle's run did.
+        config = dataclasses.replace(plan.config, order=meta.resumed_order(plan.config))
+        plan = dataclasses.replace(plan, config=config, resume_seq=meta.save_seq)
+    if run_dir is not None:  # it makes the folder, as the run would
+        check_writable(Path(run_dir), "run_dir")
+    elif launched and os.environ.get("ELCHE_RUN_DIR"):  # every host keeps one there
+        check_writable(Path(os.environ["ELCHE_RUN_DIR"]), "ELCHE_RUN_DIR")
+    return plan
 
 
 def _plan(

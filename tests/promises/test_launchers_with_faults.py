@@ -264,3 +264,45 @@ def test_under_elche_run_a_scripts_second_run_hears_of_a_rank_lost_at_once(
     summary = rank0_summary(done.stdout)
     assert summary["outcome"] == "completed" and summary["dead_ranks"] == [1], summary
     assert summary["lost_samples"] == 0
+
+
+REFUSED_SCRIPT = """
+import os, sys
+import torch
+from torch.utils.data import TensorDataset
+import elche
+from tests.promises import tiny
+
+if __name__ == "__main__":
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    try:
+        elche.train(tiny.make_model, tiny.make_optimizer, tiny.step, data, batch_size=8,
+                    epochs=1, mode="cpu-cadence", progress=False,
+                    run_dir=os.environ["RUN_DIR_" + os.environ["RANK"]])
+    except elche.ConfigError as exc:
+        print(f"REFUSED {os.environ['RANK']} {exc}", flush=True)
+"""
+
+
+def test_a_rank_whose_own_checks_refuse_the_run_tells_every_rank(tmp_path: Path) -> None:
+    # Rank 1's host cannot hold its run directory (or lacks the bundle to resume
+    # from): it raised before the launcher's rendezvous, and rank 0, whose checks
+    # passed, waited there for it until torch's timeout, half an hour, when the
+    # ranks were on different hosts (one host's launcher ends the others at once).
+    (tmp_path / "a-file").write_text("")
+    unwritable = tmp_path / "a-file" / "run"
+    done = run_script(
+        tmp_path, REFUSED_SCRIPT, [sys.executable, "-m", "elche.cli", "run", "--nproc", "2"],
+        RUN_DIR_0=str(tmp_path / "run"), RUN_DIR_1=str(unwritable),
+    )  # fmt: skip
+    said = dict(
+        line.removeprefix("REFUSED ").split(" ", 1)
+        for line in done.stdout.splitlines()
+        if line.startswith("REFUSED ")
+    )
+    assert sorted(said) == ["0", "1"], done.stdout + done.stderr[-3000:]
+    assert said["1"].startswith(f"run_dir: cannot write in {unwritable}: "), said
+    host = os.uname().nodename
+    assert said["0"] == f"run_dir: rank 1, on {host}, refused the run: " + said["1"].removeprefix(
+        "run_dir: "
+    ), said

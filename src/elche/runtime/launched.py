@@ -88,7 +88,7 @@ from elche.runtime.lifetimes import (
     watch_launcher,
 )
 from elche.runtime.plan import Hooks, Plan, TrainResult
-from elche.runtime.same_run import check_same_plans, plan_of
+from elche.runtime.same_run import REFUSED, check_refusals, check_same_plans, plan_of, refusal
 from elche.runtime.shared_result import HOLD_S, BoardSilent, ResultBoard
 from elche.runtime.supervision import (
     Supervised,
@@ -127,8 +127,13 @@ def train_launched(
     run_dir: str | None,
     dashboard: str | None = None,
     tensorboard_dir: str | None = None,
+    refused: ConfigError | None = None,
 ) -> TrainResult:
     """Train this process as rank ``$RANK`` of ``$WORLD_SIZE``; see ``elche.train``.
+
+    ``refused``: why this rank's own checks refused the run before it started
+    (``elche.api``); the rank meets the others to tell them, and every rank
+    raises it.
 
     SIGINT, SIGTERM and SIGHUP stop the run cleanly (``elche.runtime.lifetimes``):
     rank 0 asks its coordinator to stop, every rank saves, and every rank's
@@ -140,8 +145,9 @@ def train_launched(
     Raises:
         Interrupted: a signal (or the launcher's death) stopped the run.
         ConfigError: the ranks' scripts plan different runs (another seed,
-            dataset length, batch size, ...: ``elche.runtime.same_run``); on
-            every rank, before anything starts.
+            dataset length, batch size, ...: ``elche.runtime.same_run``), or a
+            rank's checks refused it (``refused``); on every rank, before
+            anything starts.
     """
     t0 = time.monotonic()
     rank = int(os.environ["RANK"])
@@ -162,7 +168,7 @@ def train_launched(
         result, stopped = _train(
             plan, fns, hooks, rank=rank, host_box=host, signals=signals,
             max_grad_norm=max_grad_norm, run_dir=run_dir, dashboard=dashboard,
-            tensorboard_dir=tensorboard_dir,
+            tensorboard_dir=tensorboard_dir, refused=refused,
         )  # fmt: skip
     asked = stopped == f"{SAVED}{SaveReason.GRACEFUL_SHUTDOWN.value}"  # stopped on request
     signalled = signals.received is not None and result.summary.get("outcome") != "completed"
@@ -208,6 +214,7 @@ def _train(
     run_dir: str | None,
     dashboard: str | None,
     tensorboard_dir: str | None,
+    refused: ConfigError | None,
 ) -> tuple[TrainResult, object]:
     """Join, start the coordinator on rank 0, train; the result and why this rank stopped."""
     t0 = time.monotonic()
@@ -220,8 +227,9 @@ def _train(
         "gloo", store=_launchers_store(rank, world), rank=rank, world_size=world
     )
     plans: list[Any] = [None] * world  # every rank's, to refuse a run its ranks disagree on
-    dist.all_gather_object(plans, plan_of(plan.config, fns.dataset))
+    dist.all_gather_object(plans, plan_of(plan.config, fns.dataset) | {REFUSED: refusal(refused)})
     try:
+        check_refusals(plans, refused)
         check_same_plans(plans)
     except ConfigError:
         dist.destroy_process_group()

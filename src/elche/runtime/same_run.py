@@ -9,11 +9,16 @@ rank whose script differs trains other samples under the same positions,
 which the coordinator's exactly-once bookkeeping cannot see. So the
 launched ranks compare their plans before anything starts
 (``elche.runtime.launched``), and a joiner its plan against the run's
-(``elche.runtime.joined``).
+(``elche.runtime.joined``). A rank whose own checks refused the run (its
+bundle to resume from is not on its host, its run directory is not
+writable) says so in its plan, and every rank raises that refusal: its
+peers on other hosts, whose checks passed, waited in the launcher's
+rendezvous for it until torch's timeout (half an hour).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,7 +26,14 @@ from elche.core.config import CoordinatorConfig
 from elche.core.errors import ConfigError
 from elche.runtime.shards import Shards
 
-__all__ = ["SAME_RUN_FIELDS", "check_same_plans", "plan_of"]
+__all__ = [
+    "REFUSED",
+    "SAME_RUN_FIELDS",
+    "check_refusals",
+    "check_same_plans",
+    "plan_of",
+    "refusal",
+]
 
 # Fields of the coordinator config every rank's script must agree on.
 SAME_RUN_FIELDS = ("mode", "num_samples", "batch_size", "epochs", "seed")
@@ -34,6 +46,32 @@ def plan_of(config: CoordinatorConfig, dataset: Any) -> dict[str, object]:
     plan["mode"] = config.mode.value
     plan["lengths"] = list(dataset.lengths) if isinstance(dataset, Shards) else None
     return plan
+
+
+# In a rank's plan: why its own checks refused the run ([field, message, host]), or None.
+REFUSED = "refused"
+
+
+def refusal(exc: ConfigError | None) -> list[str] | None:
+    """What a rank says of its own checks' refusal ``exc`` in its plan (``REFUSED``)."""
+    return None if exc is None else [exc.field, exc.message, os.uname().nodename]
+
+
+def check_refusals(plans: Sequence[Mapping[str, object]], own: ConfigError | None) -> None:
+    """Raise this rank's own refusal ``own``, else the first other rank's (``REFUSED``
+    in the ranks' plans, rank 0's first), naming that rank and its host.
+
+    Raises:
+        ConfigError: a rank's checks refused the run before it started (a bundle
+            not on its host, a run directory it cannot write, a save path held).
+    """
+    if own is not None:
+        raise own
+    for rank, plan in enumerate(plans):
+        said = plan.get(REFUSED)
+        if isinstance(said, list):
+            field, message, host = said
+            raise ConfigError(field, f"rank {rank}, on {host}, refused the run: {message}")
 
 
 def check_same_plans(plans: Sequence[Mapping[str, object]]) -> None:
