@@ -113,10 +113,12 @@ def _ddp(run: HostRun) -> dict[str, object]:
 
 def _elche(run: HostRun) -> dict[str, object] | None:
     from elche.api import train
+    from elche.runtime.lifetimes import RESUME_HINT
     from elche.workloads import get
 
     work = get(run.workload)
     train_set, test_set = run.split()
+    RESUME_HINT.set(None)  # a stopped cell says where it is saved: the bench resumes none
     result = train(
         work.make_model, work.make_optimizer, work.step_fn, train_set,
         batch_size=run.batch_size, epochs=run.epochs, mode=run.system, speeds=list(run.speeds),
