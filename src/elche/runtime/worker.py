@@ -76,6 +76,9 @@ STARTUP_POLL_S = 0.01
 # How often, at least, a rank waiting for its launched round looks at it while
 # it takes messages (the round's completion wakes it at once: Bridge.wake).
 LAND_POLL_S = 0.05
+# The longest a rank whose group store went silent waits at a time for its
+# coordinator's news (a message wakes it at once).
+GROUP_NEWS_POLL_S = 0.2
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -236,6 +239,12 @@ class Worker:
             if a newer order came once every member had gathered: that order
             is next then too.
 
+        A store that does not answer (``groups.StoreUnanswered``: its host, the
+        coordinator's, is off the network) ends the gathering sooner than the
+        control connection finds the coordinator lost; the rank then waits
+        ``coordinator_timeout_s`` for that news and follows it (it keeps its
+        state), rather than fail on the store's silence.
+
         Raises:
             RuntimeError: the group did not form and nothing superseded it.
         """
@@ -250,6 +259,11 @@ class Worker:
             formed = self.membership.form(generation, members, superseded=self._superseded(still))
         except (RuntimeError, groups.StoreUnanswered) as exc:  # torch's DistError is one
             self._drain()
+            if isinstance(exc, groups.StoreUnanswered):
+                news = self._superseded(still)
+                deadline = time.monotonic() + self.spec.coordinator_timeout_s
+                while not news(GROUP_NEWS_POLL_S) and time.monotonic() < deadline:
+                    pass  # (each look waits for the bridge's news)
             if self.proto.next_action() == still:
                 raise  # still the order: the group cannot form
             formed, why = False, type(exc).__name__
