@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -103,23 +104,25 @@ def test_a_missing_summary_names_the_run_dir(tmp_path: Path) -> None:
         read_run(tmp_path, 2)
 
 
-def test_the_summary_counts_the_steps_nonfinite_skip_left_out(tmp_path: Path) -> None:
+def _summaries(tmp_path: Path, **end: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``summary.json`` of a run that ended as ``END`` with ``end`` changed, and the
+    summary ``elche.train`` returns read back from it."""
     stats = RunStats(first_dispatch_s=5.0, last_average_s=7.0)
-    stats.observe(msgspec.structs.replace(END, skipped_steps=3, skipped_samples=96), 7.0)
+    stats.observe(msgspec.structs.replace(END, **end), 7.0)
     doc = coordinator_summary(stats, mode="cadence", world_size=3)
-    assert (doc["skipped_steps"], doc["skipped_samples"]) == (3, 96)
     (tmp_path / SUMMARY_FILE).write_text(json.dumps(doc))
     host, ranks = read_run(tmp_path, 3)
     summary = run_summary(host, ranks, speeds=[1.0, 0.5, 0.25], launched_s=4.0, save_path=None)
+    return doc, summary
+
+
+def test_the_summary_counts_the_steps_nonfinite_skip_left_out(tmp_path: Path) -> None:
+    doc, summary = _summaries(tmp_path, skipped_steps=3, skipped_samples=96)
+    assert (doc["skipped_steps"], doc["skipped_samples"]) == (3, 96)
     assert (summary["skipped_steps"], summary["skipped_samples"]) == (3, 96)
 
 
 def test_the_summary_counts_the_stale_messages_and_the_rejected_frames(tmp_path: Path) -> None:
-    stats = RunStats(first_dispatch_s=5.0, last_average_s=7.0)
-    stats.observe(msgspec.structs.replace(END, stale_messages=2), 7.0)
-    doc = coordinator_summary(stats, mode="cadence", world_size=3)
+    doc, summary = _summaries(tmp_path, stale_messages=2)
     assert (doc["stale_messages"], doc["rejected_frames"]) == (2, 1)
-    (tmp_path / SUMMARY_FILE).write_text(json.dumps(doc))
-    host, ranks = read_run(tmp_path, 3)
-    summary = run_summary(host, ranks, speeds=[1.0, 0.5, 0.25], launched_s=4.0, save_path=None)
     assert (summary["stale_messages"], summary["rejected_frames"]) == (2, 1)
