@@ -126,3 +126,13 @@ def test_the_summary_counts_the_stale_messages_and_the_rejected_frames(tmp_path:
     doc, summary = _summaries(tmp_path, stale_messages=2)
     assert (doc["stale_messages"], doc["rejected_frames"]) == (2, 1)
     assert (summary["stale_messages"], summary["rejected_frames"]) == (2, 1)
+
+
+def test_a_run_stopped_before_any_average_is_timed_to_its_last_record() -> None:
+    stats = RunStats(first_dispatch_s=10.0)
+    stats.observe(tl.EpochEnd(epoch=0, loss=0.7, rounds_done=0), 12.5)
+    stats.observe(msgspec.structs.replace(END, rounds_done=0), 11.0)  # an earlier clock: kept
+    assert coordinator_summary(stats, mode="cadence", world_size=3)["wall_s"] == 2.5
+    stats = RunStats(first_dispatch_s=10.0)
+    stats.observe(END, 9.0)  # a salvage's end, at the run's start
+    assert coordinator_summary(stats, mode="cadence", world_size=3)["wall_s"] == 0.0

@@ -59,6 +59,7 @@ class RunStats:
 
     first_dispatch_s: float | None = None  # monotonic: the first work handed out
     last_average_s: float | None = None  # monotonic: the last averaging round's end
+    last_record_s: float | None = None  # monotonic: the latest record observed
     final_loss: float | None = None
     eval_metric: float | None = None
     eval_epoch: int = -1
@@ -68,6 +69,7 @@ class RunStats:
 
     def observe(self, event: tl.TimelineEvent, now_s: float) -> None:
         """Fold one timeline record written at ``now_s`` into the stats."""
+        self.last_record_s = max(now_s, self.last_record_s or now_s)
         match event:
             case tl.SyncEnd():
                 self.last_average_s = now_s
@@ -93,8 +95,9 @@ def coordinator_summary(stats: RunStats, *, mode: str, world_size: int) -> dict[
     outcome, reason = report.outcome, report.reason
     if stats.unsaved is not None and outcome == "saved_and_shutdown":  # nothing resumes
         outcome, reason = "failed", f"{reason}: {stats.unsaved}"
-    first, last = stats.first_dispatch_s, stats.last_average_s
-    wall_s = (last - first) if first is not None and last is not None else 0.0
+    # Training ends at the last average; a run stopped before any ends at its last record.
+    first, last = stats.first_dispatch_s, stats.last_average_s or stats.last_record_s
+    wall_s = max(last - first, 0.0) if first is not None and last is not None else 0.0
     return {
         "mode": mode,
         "world_size": world_size,
