@@ -290,6 +290,60 @@ def test_a_stop_while_the_ranks_start_stops_every_one_started(
             rank.join()
 
 
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_second_ctrl_c_while_the_ranks_start_stops_every_one_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The second Ctrl-C ends the held stop at once, raising in start_processes before
+    # _spawn_ranks has the ranks: those started so far were left waiting for their peers.
+    import signal
+
+    started: list[Any] = []
+    start_processes = ddp.start_processes
+
+    def started_then_stopped_twice(*args: Any, **kwargs: Any) -> Any:
+        started.extend(start_processes(*args, **kwargs).processes)
+        os.kill(os.getpid(), signal.SIGINT)  # held
+        os.kill(os.getpid(), signal.SIGINT)  # raises KeyboardInterrupt here
+        raise AssertionError("the second Ctrl-C did not stop the start")
+
+    monkeypatch.setattr(ddp, "GRACE_S", 0.0)
+    monkeypatch.setattr(ddp, "start_processes", started_then_stopped_twice)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ddp._spawn_ranks(_every_rank_hangs, _plan(60.0), nprocs=2, timeout_s=60.0)
+        assert len(started) == 2
+        assert [rank.is_alive() for rank in started] == [False, False]
+    finally:
+        for rank in started:
+            rank.kill()
+            rank.join()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_ranks_of_a_killed_launcher_end(tmp_path: Path) -> None:
+    # Forked from the fork server, the ranks are not the launcher's children: a bench
+    # killed by SIGKILL left its DDP ranks training to the end of their run.
+    import signal
+    import time
+
+    from tests.promises.test_lifetimes import command_line, session, session_pids, wait_session_gone
+
+    args = [sys.executable, "-m", "elche.baselines.ddp", "--speeds", "1,1", "--epochs", "10000"]
+    with session(args, tmp_path) as proc:
+        deadline = time.monotonic() + 120.0  # the fork server imports torch first
+        forked: list[int] = []
+        while len(forked) < 3 and time.monotonic() < deadline:  # the server and its 2 ranks
+            forked = [pid for pid in session_pids(proc.pid) if "forkserver" in command_line(pid)]
+            time.sleep(0.05)  # polling for a condition, with a deadline
+        assert len(forked) == 3, [command_line(pid) for pid in session_pids(proc.pid)]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        wait_session_gone(proc.pid)
+
+
 PROBE = "ELCHE_TEST_SPAWN_PROBE"
 
 

@@ -67,6 +67,7 @@ import argparse
 import contextlib
 import json
 import math
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -77,7 +78,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -213,7 +214,9 @@ def _spawn_ranks(
     torch preloaded), as elche's own local ranks do, so neither system pays
     for importing torch in every rank of every run; and as theirs, each takes
     this process's environment, stdout and stderr as they are now, not the
-    fork server's.
+    fork server's. Each rank ends as soon as this process is gone (a killed
+    bench): it has nothing to save, and the fork server's ranks are not this
+    process's children, so nothing else would end them.
 
     Raises:
         RuntimeError: a process raised or died (the others are terminated
@@ -225,6 +228,7 @@ def _spawn_ranks(
 
     method = rank_context().get_start_method()  # elche's warm fork server, where there is one
     context: ProcessContext | None = None
+    before = set(multiprocessing.active_children())
     deadline_s = time.monotonic() + timeout_s
     try:
         # A stop while they start comes once all are known, so the cleanup below
@@ -232,7 +236,7 @@ def _spawn_ranks(
         with held_stop_signals(), launcher_streams(method) as streams:
             context = start_processes(  # type: ignore[no-untyped-call]  # untyped
                 _in_environment,
-                args=(fn, dict(os.environ), streams, plan),
+                args=(fn, _Launcher(dict(os.environ), streams, os.getpid()), plan),
                 nprocs=nprocs,
                 join=False,
                 start_method=method,
@@ -248,21 +252,29 @@ def _spawn_ranks(
         if context is not None:
             _stop_all(context.processes)
             _remove_error_files(context)
+        else:  # a second Ctrl-C cut the start short: the ranks started by then are ours
+            _stop_all(
+                [process for process in multiprocessing.active_children() if process not in before]
+            )
 
 
-def _in_environment(
-    rank: int,
-    fn: Callable[[int, P], None],
-    env: dict[str, str],
-    streams: Sequence[Connection],
-    plan: P,
-) -> None:
-    """A rank: the spawning process's environment and ``streams`` (its stdout and
-    stderr, when forked: ``lifetimes.launcher_streams``), then ``fn(rank, plan)``."""
-    from elche.runtime.lifetimes import take_environment, take_streams
+class _Launcher(NamedTuple):
+    """The spawning process, as its ranks take it: its environment, its stdout
+    and stderr (when forked: ``lifetimes.launcher_streams``), its pid."""
 
-    take_environment(env)
-    take_streams(streams)
+    env: dict[str, str]
+    streams: Sequence[Connection]
+    pid: int
+
+
+def _in_environment(rank: int, fn: Callable[[int, P], None], launcher: _Launcher, plan: P) -> None:
+    """A rank: the launcher's environment and streams, an end once the launcher
+    is gone, then ``fn(rank, plan)``."""
+    from elche.runtime.lifetimes import take_environment, take_streams, watch_launcher
+
+    take_environment(launcher.env)
+    take_streams(launcher.streams)
+    watch_launcher(launcher.pid, grace_s=0.0)
     fn(rank, plan)
 
 
