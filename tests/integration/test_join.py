@@ -182,6 +182,23 @@ def test_ctrl_c_of_a_joined_rank_ends_it_in_one_line_and_the_run_goes_on(
     assert summary["lost_samples"] == 0 and summary["dead_ranks"] == [3]
 
 
+def test_a_joined_rank_whose_elche_join_is_killed_leaves_and_the_run_goes_on(
+    tmp_path: Path,
+) -> None:
+    # elche join's child is a plain child: with its launcher SIGKILLed, it trained on
+    # in the run, its output going nowhere, until the run ended.
+    run_dir = tmp_path / "run"
+    with _run_and_join(tmp_path, run_dir, new_session=True) as (run, joiner, seen):
+        _wait_joined(run_dir)
+        os.kill(joiner.pid, signal.SIGKILL)
+        _, joined_err = joiner.communicate(timeout=60)  # the rank shares its stderr
+        run_out, _ = run.communicate(timeout=240)
+    assert re.search(r"elche rank 3: elche join \(pid \d+\) is gone; the run goes on", joined_err)
+    summary = _result(run_out)
+    assert summary["outcome"] == "completed", "".join(seen) + str(summary)
+    assert summary["lost_samples"] == 0 and summary["dead_ranks"] == [3]
+
+
 def test_a_join_to_a_run_that_has_ended_says_so_at_once(tmp_path: Path) -> None:
     # torch's client retried the refused store for 150 s, then raised its own traceback.
     with socket.socket() as probe:  # a port nothing listens on: the run is gone

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import os
@@ -21,6 +22,7 @@ from elche.runtime.frames import SECRET_ENV
 from elche.runtime.joining import (
     CONTROL_PORT_KEY,
     JOIN_ENV,
+    JOIN_LAUNCHER_ENV,
     JOIN_SPEED_ENV,
     JOIN_STORE_ENV,
     JOINED_KEY,
@@ -28,7 +30,7 @@ from elche.runtime.joining import (
     SECRET_CHECK_KEY,
     secret_check,
 )
-from elche.runtime.lifetimes import Interrupted, StopSignals
+from elche.runtime.lifetimes import Interrupted, StopSignals, watch_launcher
 from elche.runtime.same_run import SAME_RUN_FIELDS
 from elche.runtime.store_calls import GRACE_S
 
@@ -39,6 +41,8 @@ if TYPE_CHECKING:
     from elche.runtime.worker import UserFns
 
 __all__ = ["train_joined"]
+
+_GOES_ON = "the run goes on without this joined rank"
 
 # How long a joiner waits for the run's group store to take a connection at all.
 LISTEN_CHECK_S = 10.0
@@ -94,6 +98,9 @@ def train_joined(
     )  # fmt: skip
     spec = replace(spec, rank=rank, speed=speed, join_slots=slots, resume_from=None, faults=())
     print(f"elche: joining the run at {address} as rank {rank}", file=sys.stderr, flush=True)
+    if os.environ.get(JOIN_LAUNCHER_ENV):  # started by elche join: it owns this rank
+        launcher = _int_env(JOIN_LAUNCHER_ENV)
+        watch_launcher(launcher, on_gone=lambda: _say_orphaned(rank, launcher), grace_s=0.0)
     # (one signal is enough: a second, the group's and the relayed one, is no force)
     with StopSignals(on_signal=lambda signum: _leave(rank, signum), force_on_repeat=False):
         report, state = train_rank(spec, fns, config.batch_size)
@@ -192,9 +199,16 @@ def _leave(rank: int, signum: int) -> None:
     part of the run's bundle (the run's own ranks save that); the run goes on
     without it, as without a rank that died, and redoes its unaveraged work."""
     name = signal.Signals(signum).name
-    print(f"elche rank {rank}: stopped by {name}; the run goes on without this joined rank",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(f"elche rank {rank}: stopped by {name}; {_GOES_ON}", file=sys.stderr, flush=True)
     os._exit(128 + signum)
+
+
+def _say_orphaned(rank: int, launcher: int) -> None:
+    """``elche join`` (pid ``launcher``) is gone: this rank leaves the run at once, as
+    after a stop signal (``_leave``); its launcher's terminal may be gone too."""
+    line = f"elche rank {rank}: elche join (pid {launcher}) is gone; {_GOES_ON}\n"
+    with contextlib.suppress(OSError):
+        os.write(2, line.encode())
 
 
 def _run_ended_short(

@@ -13,7 +13,9 @@ address) and ``ELCHE_JOIN_STORE_PORT`` in the environment; its
 ``elche.train`` call lands in ``elche.runtime.joined.train_joined``: it takes the next free slot
 from the store (a counter there), checks that the script trains what the
 run trains, and trains as that rank with the speed ``ELCHE_JOIN_SPEED`` (the
-script's ``ranks=`` and ``speeds=`` are ignored). The rank waits for its
+script's ``ranks=`` and ``speeds=`` are ignored). It leaves the run once
+``elche join`` is gone (``ELCHE_JOIN_LAUNCHER``: killed, say), as a rank
+that died does. The rank waits for its
 first ``Regroup``, forms the group with the others, takes the consensus in
 its first round (at weight 0) and trains from then on. Its optimizer state
 is fresh. It writes its report to the run directory's path on its own host
@@ -41,6 +43,7 @@ from elche.runtime.frames import SECRET_ENV
 
 __all__ = [
     "JOIN_ENV",
+    "JOIN_LAUNCHER_ENV",
     "JOIN_SPEED_ENV",
     "JOIN_STORE_ENV",
     "announce_join",
@@ -51,6 +54,7 @@ __all__ = [
 JOIN_ENV = "ELCHE_JOIN"  # the coordinator's address: this process joins that run
 JOIN_STORE_ENV = "ELCHE_JOIN_STORE_PORT"  # its group store's port
 JOIN_SPEED_ENV = "ELCHE_JOIN_SPEED"  # the joiner's testing speed (elche join --speed)
+JOIN_LAUNCHER_ENV = "ELCHE_JOIN_LAUNCHER"  # elche join's pid: the rank ends once it is gone
 SECRET_FILE = "join.secret"  # in the run dir, owner-only: the secret of a generated run
 
 KEY = "elche/"  # the store's keys for joiners
@@ -132,6 +136,7 @@ def run_join(address: str, store_port: int, speed: float, script: Sequence[str])
         raise ConfigError(SECRET_ENV, "must hold the run's secret (the run's join line says how)")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update({JOIN_ENV: address, JOIN_STORE_ENV: str(store_port), JOIN_SPEED_ENV: str(speed)})
+    env[JOIN_LAUNCHER_ENV] = str(os.getpid())
     if _on_loopback(address):  # gloo on this kind of machine needs the interface named
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     procs: list[subprocess.Popen[bytes]] = []
