@@ -24,6 +24,9 @@ run is skipped with the reason). After each run it checks:
 - ``no_leftovers``: no process the run started outlives it (the runner is
   the subreaper of everything the run starts, so orphans come back to it).
 
+A runner killed mid-run takes its run with it: the run's launcher watches
+the runner and stops as at a SIGTERM once it is gone.
+
 ``--seed`` reproduces every run's schedule exactly; a failing run's plan is
 written next to the runs, with the ``elche sim --faults`` command that replays
 it in the simulator (one fault vocabulary: ``elche.core.faults``).
@@ -476,6 +479,10 @@ def _on_tmpfs(where: Path, train_one: Callable[[], dict[str, Any]]) -> dict[str,
 
 
 if __name__ == "__main__":
+    from elche.runtime.lifetimes import watch_launcher
+
+    # The runner gone (killed), this run stops as at a SIGTERM: nothing outlives the runner.
+    watch_launcher(os.getppid(), on_gone=lambda: os.kill(os.getpid(), signal.SIGTERM))
     where_, args_ = Path(sys.argv[1]), sys.argv[2:5]
     if sys.argv[5:] == ["tmpfs"]:
         summary = _on_tmpfs(where_, lambda: _train(where_, *args_))

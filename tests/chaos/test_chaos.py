@@ -177,6 +177,31 @@ def test_a_process_a_run_leaves_behind_is_found_and_ended() -> None:
 
 @pytest.mark.integration
 @pytest.mark.slow
+def test_a_killed_runner_takes_its_run_with_it(tmp_path: Path) -> None:
+    # The run's launcher is the runner's child: with the runner SIGKILLed, it trained on
+    # to the run's end, with no one to read what it found.
+    import signal
+    import time
+
+    from tests.promises.test_lifetimes import session, wait_session_gone
+
+    args = [sys.executable, "-m", "elche.cli", "chaos", "--runs", "1", "--seed", "6",
+            "--first", "1", "--dir", str(tmp_path / "chaos")]  # fmt: skip
+    timeline = tmp_path / "chaos" / "run1" / "a" / "run" / "timeline.jsonl"
+    with session(args, tmp_path) as runner:
+        deadline = time.monotonic() + 120.0  # the fork server imports torch first
+        while not (timeline.exists() and '"SyncEnd"' in timeline.read_text()):  # mid-run
+            assert time.monotonic() < deadline and runner.poll() is None, runner.poll()
+            time.sleep(0.05)  # polling the run's timeline, with a deadline
+        os.kill(runner.pid, signal.SIGKILL)
+        runner.wait(timeout=10)
+        wait_session_gone(runner.pid)
+    summary = json.loads((timeline.parent / "summary.json").read_text())
+    assert summary["outcome"] == "saved_and_shutdown", summary  # stopped, not trained on
+
+
+@pytest.mark.integration
+@pytest.mark.slow
 def test_issue13_chaos_runs_hold_every_invariant(tmp_path: Path) -> None:
     # Run 1:0 kills rank 1, fills the save path (a tmpfs: root) and kills the
     # coordinator; the series in docs/failure-modes.md draws every other kind.
