@@ -32,6 +32,7 @@ as this machine's drift between two probes).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -89,25 +90,33 @@ def measure_capacity(
         seconds: how long every rank trains, after its warm-up.
     """
     from elche.runtime.launch import rank_context
+    from elche.runtime.lifetimes import held_stop_signals
 
     seconds = window_s(seconds, speeds, speed_base_s)
     ctx = rank_context()  # elche's fork server, torch loaded, as every system's ranks
     start, out = ctx.Barrier(len(speeds)), ctx.Queue()
-    ranks = [
-        ctx.Process(
-            target=_rank, args=((workload, index, s, speed_base_s, batch_size, seconds), start, out)
-        )
-        for index, s in enumerate(speeds)
+    jobs = [
+        (workload, index, s, speed_base_s, batch_size, seconds) for index, s in enumerate(speeds)
     ]
-    for rank in ranks:
-        rank.start()
+    ranks = [ctx.Process(target=_rank, args=(job, start, out, os.getpid())) for job in jobs]
     try:
+        # A stop while they start waits until all have: the ranks started by then
+        # would wait at the barrier for the others for ever.
+        with held_stop_signals():
+            for rank in ranks:
+                rank.start()
         results = sorted(out.get(timeout=120 + 4 * seconds) for _ in ranks)
+    except BaseException:  # they ignore stop signals (forked from the fork server)
+        for rank in ranks:
+            if rank.pid is not None:
+                rank.kill()
+        raise
     finally:
         for rank in ranks:
-            rank.join(timeout=10)
-            if rank.is_alive():
-                rank.kill()
+            if rank.pid is not None:
+                rank.join(timeout=10)
+                if rank.is_alive():
+                    rank.kill()
     per_step_s = [_steady_step_s(ends, seconds) for _, ends in results]
     delivered = sum(batch_size / s for s in per_step_s)
     nominal = sum(speeds) * batch_size / speed_base_s
@@ -136,13 +145,19 @@ def _steady_step_s(ends: Sequence[float], seconds: float) -> float:
     return (settled[-1] - settled[0]) / (len(settled) - 1)
 
 
-def _rank(job: tuple[str, int, float, float, int, float], start: Barrier, out: Any) -> None:
-    """One paced rank training alone, in a process of its own."""
+def _rank(
+    job: tuple[str, int, float, float, int, float], start: Barrier, out: Any, launcher: int
+) -> None:
+    """One paced rank training alone, in a process of its own, ended once its
+    ``launcher`` process is gone (a killed bench)."""
     import torch
 
     from elche.runtime.data import fetch
+    from elche.runtime.lifetimes import watch_launcher
     from elche.runtime.pacing import Pacer, warm_up
     from elche.workloads import get as get_workload
+
+    watch_launcher(launcher, grace_s=0.0)
 
     name, index, speed, base_s, batch_size, seconds = job
     torch.set_num_threads(1)  # as every rank process runs
