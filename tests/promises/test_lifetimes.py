@@ -457,6 +457,49 @@ def test_a_sigterm_to_every_process_of_a_local_run_saves_the_run(tmp_path: Path)
     assert "RETURNED completed" in out, out + err[-3000:]
 
 
+STUCK_HOOK_SCRIPT = PIDS_SCRIPT.replace(
+    "speeds=[0.05, 0.05, 0.02],", "speeds=[0.05, 0.05, 0.02], metrics_fn=stuck,"
+).replace(
+    "if __name__",
+    """
+import ctypes, ctypes.util, threading, time
+
+def stuck(entry):  # the first epoch's hook stays 4 s in one C call that signals do not end
+    if entry["epoch"] != 0:
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    mutex = ctypes.create_string_buffer(64)  # zeroed: an unlocked mutex (glibc)
+    holder = threading.Thread(target=libc.pthread_mutex_lock, args=(mutex,))
+    holder.start()
+    holder.join()
+    until = (ctypes.c_long * 2)(int(time.time()) + 4, 0)  # a struct timespec
+    (Path(sys.argv[1]) / "stuck").write_text("in the C call")
+    libc.pthread_mutex_timedlock(mutex, until)
+
+if __name__""",
+)
+
+
+def test_a_sigterm_to_every_process_while_a_hook_is_in_a_long_c_call_saves_the_run(
+    tmp_path: Path,
+) -> None:
+    # The launcher marked a stop in its Python handler, which waits for the main thread
+    # to come back to Python: a hook inside one long C call (a tensor operation) held the
+    # mark past the ranks' grace, and every rank left the run as if signalled alone,
+    # leaving no rank to write the model. Now the mark is written as the signal comes.
+    (tmp_path / "train.py").write_text(STUCK_HOOK_SCRIPT)
+    with session([sys.executable, "train.py", str(tmp_path)], tmp_path) as proc:
+        deadline = time.monotonic() + MID_RUN_WITHIN_S
+        while not (tmp_path / "stuck").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.poll()
+            time.sleep(0.05)  # polling for a condition, with a deadline
+        signal_every_process(proc.pid, signal.SIGTERM)
+        returncode, _, err = wait_exit(proc, STOP_WITHIN_S)
+    assert returncode == 143, err[-3000:]
+    assert "came to this rank alone" not in err, err[-3000:]
+    assert re.search(r"interrupted by SIGTERM; the run is saved under (\S+);", only_line(err))
+
+
 # Makes the terminal on stdin the controlling terminal of the new session, then runs the rest.
 TAKE_THE_TERMINAL = (
     "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "

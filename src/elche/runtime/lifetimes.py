@@ -495,11 +495,57 @@ def marked_stop_signals() -> Iterator[tuple[StopSignals, int]]:
     The pipe is closed on exit."""
     marks, marks_out = stop_marks()
     try:
-        with StopSignals(on_signal=lambda _: mark_stop(marks_out)) as signals:
+        with (
+            _marked_at_delivery(marks_out),
+            StopSignals(on_signal=lambda _: mark_stop(marks_out)) as signals,
+        ):
             yield signals, marks
     finally:
         os.close(marks)
         os.close(marks_out)
+
+
+@contextlib.contextmanager
+def _marked_at_delivery(marks_out: int) -> Iterator[None]:
+    """While entered, each stop signal is marked (``mark_stop``) as it is delivered.
+
+    Python runs a handler on the main thread between two bytecodes: one busy
+    inside a single long C call (a hook's tensor operation) ran the
+    launcher's handler, and so its mark, after the ranks' grace, and each
+    rank left the run as if signalled alone. The interpreter's C handler
+    writes each caught signal's number to the wakeup fd
+    (``signal.set_wakeup_fd``) at once; a thread of this one reads it there
+    and marks the stops. On the main thread only, and where no one else (an
+    event loop) has the wakeup fd: there the handler's mark stays the only one.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    wake, wake_out = os.pipe()
+    os.set_blocking(wake_out, False)  # (the C handler never waits on it)
+    previous = signal.set_wakeup_fd(wake_out, warn_on_full_buffer=False)
+    if previous != -1:
+        signal.set_wakeup_fd(previous, warn_on_full_buffer=False)
+        os.close(wake)
+        os.close(wake_out)
+        yield
+        return
+    stops = {int(sig) for sig in STOP_SIGNALS}
+
+    def mark_delivered() -> None:
+        while caught := os.read(wake, 64):  # until EOF: the write end closed below
+            if stops.intersection(caught):
+                mark_stop(marks_out)
+
+    reader = threading.Thread(target=mark_delivered, name="elche-stop-marks", daemon=True)
+    reader.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(-1)
+        os.close(wake_out)
+        reader.join()
+        os.close(wake)
 
 
 def stop_came_alone(marks: int | None = None) -> bool:
