@@ -114,3 +114,40 @@ def test_a_failing_body_still_cleans_up_and_stale_rigs_are_swept() -> None:
         assert stale not in _netns()
     finally:
         subprocess.run(["ip", "netns", "del", stale], check=False, capture_output=True)
+
+
+CREATOR = """
+import sys, time
+from elche.testing.hosts import Rig
+rig = Rig(1)
+sleeper = rig.spawn(0, ["sleep", "600"])
+print(rig.hosts[0].netns, sleeper.pid, flush=True)
+time.sleep(600)  # until the test SIGKILLs it
+"""
+
+
+@pytest.mark.slow
+def test_what_a_killed_creator_spawned_dies_with_it_and_its_rig_is_swept() -> None:
+    # SIGKILLed, a bench leaves its rig's namespaces behind (swept by the next one),
+    # and the runs it had started in them trained on to their end.
+    import os
+    import signal
+    import time
+
+    from elche.runtime.lifetimes import pid_alive
+
+    creator = subprocess.Popen([sys.executable, "-c", CREATOR], stdout=subprocess.PIPE, text=True)
+    try:
+        netns, sleeper = creator.stdout.readline().split()  # type: ignore[union-attr]  # a pipe
+        os.kill(creator.pid, signal.SIGKILL)
+        creator.wait(timeout=10)
+        deadline = time.monotonic() + 10.0
+        while pid_alive(int(sleeper)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for a condition, with a deadline
+        assert not pid_alive(int(sleeper))
+        assert netns in _netns() and netns in sweep_stale()
+        assert netns not in _netns()
+    finally:
+        creator.kill()
+        creator.wait()
+        sweep_stale()

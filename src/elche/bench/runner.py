@@ -84,6 +84,7 @@ import dataclasses
 import json
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -220,8 +221,12 @@ def _load(plan: WorkloadPlan, seed: int) -> Split:
 
 def _host_rigs(suite: Suite, stack: contextlib.ExitStack) -> dict[tuple[int, float], Rig]:
     """One ``Rig`` per rig size and link rate of a hosts suite, closed with ``stack``."""
-    from elche.testing.hosts import Rig
+    from elche.testing.hosts import Rig, sweep_stale
 
+    swept = sweep_stale()  # a killed bench's rigs: their processes died with it
+    if swept:
+        print(f"elche bench: removed {len(swept)} namespace(s) of host rigs whose bench is gone",
+              file=sys.stderr, flush=True)  # fmt: skip
     rigs: dict[tuple[int, float], Rig] = {}
     for size in dict.fromkeys(len(rig) for rig in suite.rigs):
         for link in suite.link_mbit:

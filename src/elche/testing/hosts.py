@@ -23,15 +23,18 @@ namespace, whoever started it.
 Cleanup is guaranteed: ``close`` (the context manager's exit) kills every
 process of every host, deletes the namespaces (deleting a namespace deletes
 its end of each veth pair, and so the pair) and removes the host
-directories. Names carry the creating process's pid and a random tag, so
+directories. What ``spawn`` started the kernel kills once the creating
+thread is gone, even by SIGKILL (and each elche launcher's ranks follow
+their launcher). Names carry the creating process's pid and a random tag, so
 rigs of parallel runs never collide, and ``sweep_stale`` removes the rigs
-of processes that are gone (a crashed test run). Needs root, ``ip``,
-``unshare`` and ``mount``; ``missing()`` says what is absent.
+of processes that are gone (a crashed test run, a killed bench). Needs
+root, ``ip``, ``unshare`` and ``mount``; ``missing()`` says what is absent.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import secrets
 import shutil
@@ -55,6 +58,7 @@ INTERFACE = "eth0"  # a host's interface, inside its namespace
 NETNS_ETC = Path("/etc/netns")  # per-namespace files ``ip netns exec`` mounts over /etc
 KILL_WAIT_S = 10.0  # how long processes get to vanish after SIGKILL
 _TOOLS = ("ip", "unshare", "mount", "tc")
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def missing() -> str | None:
@@ -84,6 +88,15 @@ class HostSpec:
     def name(self) -> str:
         """Its host name (``h<i>``), which every host of the rig resolves."""
         return self.port
+
+
+def _killed_with_parent() -> None:
+    """In a child before its exec: SIGKILL it once the thread that forked it is gone
+    (``PR_SET_PDEATHSIG``, kept across ``ip netns exec``, ``unshare`` and ``sh``'s
+    exec, none of them set-user-ID)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -224,7 +237,9 @@ class Rig:
         self, host: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
         **popen: Any,
     ) -> subprocess.Popen[Any]:  # fmt: skip
-        """Start ``argv`` on host ``host``; ``env`` adds to ``env(host)``; killed on close."""
+        """Start ``argv`` on host ``host``; ``env`` adds to ``env(host)``; killed on close,
+        and by the kernel once the thread that called this is gone (a killed bench)."""
+        popen.setdefault("preexec_fn", _killed_with_parent)
         proc = subprocess.Popen(self.command(host, argv), env=self.env(host, env), **popen)
         self._procs.append((host, proc))
         return proc
