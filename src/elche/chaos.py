@@ -60,6 +60,7 @@ from elche.runtime.filling import FILL_FILE
 __all__ = [
     "WORKLOAD",
     "ChaosRun",
+    "DirUnwritable",
     "audit_evals",
     "audit_spans",
     "draw_plan",
@@ -221,6 +222,8 @@ def run_chaos(
     the runs of the whole.
 
     Raises:
+        DirUnwritable: ``workdir`` is full or read-only (field ``dir``); the rows
+            before it are in the error.
         ConfigError: ``runs`` below 1 (field ``runs``), ``first`` below 0,
             ``bound_s`` not a finite number > 0; nothing has run.
     """
@@ -232,20 +235,40 @@ def run_chaos(
         raise ConfigError("first", f"must be an integer >= 0, got {first!r}")
     _become_subreaper()
     workdir.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows: list[ChaosRun] = []
     for index in range(first, first + runs):
         plan_seed = f"{seed}:{index}"
         plan = draw_plan(random.Random(plan_seed))
         row = ChaosRun(index=index, seed=plan_seed, plan=plan.to_json())
-        _one(row, mode, workdir / f"run{index}", bound_s)
-        if not row.ok:
-            plan_file = workdir / f"run{index}.faults.json"
-            plan_file.write_text(row.plan, encoding="utf-8")
-            row.plan_file, row.replay = str(plan_file), sim_command(plan_file, mode)
+        try:
+            _one(row, mode, workdir / f"run{index}", bound_s)
+            if not row.ok:
+                plan_file = workdir / f"run{index}.faults.json"
+                plan_file.write_text(row.plan, encoding="utf-8")
+                row.plan_file, row.replay = str(plan_file), sim_command(plan_file, mode)
+        except OSError as exc:  # a full or read-only folder: no run there can be checked
+            if exc.filename is not None and not str(exc.filename).startswith(str(workdir)):
+                raise  # (a write names no file: a full disk's ENOSPC)
+            raise DirUnwritable(workdir, exc, index, rows) from None
         rows.append(row)
         if on_row is not None:
             on_row(row)
     return rows
+
+
+class DirUnwritable(ConfigError):
+    """The series stopped: the runner could not write in its folder (full, read-only).
+
+    ``rows``: the runs checked before it, whole.
+    """
+
+    def __init__(self, workdir: Path, exc: OSError, index: int, rows: list[ChaosRun]) -> None:
+        super().__init__(
+            "dir",
+            f"cannot write in {workdir} ({exc.strerror or exc}): run {index} could not be "
+            "checked, nor any after it; give a folder with room (--dir)",
+        )
+        self.rows = rows
 
 
 def _one(row: ChaosRun, mode: str, where: Path, bound_s: float) -> None:

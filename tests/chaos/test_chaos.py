@@ -175,6 +175,49 @@ def test_a_process_a_run_leaves_behind_is_found_and_ended() -> None:
     assert done.stdout.split() == ["1", "0"]
 
 
+def test_a_folder_that_fills_up_stops_the_series_with_the_rows_so_far(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A full --dir raised OSError from the runner's own writes: a traceback, and the
+    # table of the runs already checked never printed.
+    import errno
+
+    def one(row: chaos.ChaosRun, mode: str, where: Path, bound_s: float) -> None:
+        if row.index == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # a write: no file named
+        row.outcome = "completed"
+
+    monkeypatch.setattr(chaos, "_become_subreaper", lambda: None)
+    monkeypatch.setattr(chaos, "_one", one)
+    assert main(["chaos", "--runs", "3", "--dir", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "1/1 run(s) held every invariant" in out
+    assert err.strip() == (
+        f"elche chaos: error: dir: cannot write in {tmp_path} (No space left on device): run 1 "
+        "could not be checked, nor any after it; give a folder with room (--dir)"
+    )
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_full_folder_is_said_in_one_line(tmp_path: Path) -> None:
+    from tests.promises.test_storage import small_disk
+
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        args = ["chaos", "--runs", "1", "--seed", "6", "--first", "1", "--dir", str(disk)]
+        done = subprocess.run(
+            [sys.executable, "-m", "elche.cli", *args],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"elche chaos: error: dir: cannot write in {disk} (No space left on device)")
+    ), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_a_killed_runner_takes_its_run_with_it(tmp_path: Path) -> None:

@@ -419,10 +419,15 @@ def _run_chaos(args: argparse.Namespace) -> int:
     def print_row(row: chaos.ChaosRun) -> None:  # --json: each row as its run ends
         print(json.dumps(chaos.rows_json([row])[0]), flush=True)
 
-    rows = chaos.run_chaos(
-        runs=args.runs, seed=args.seed, first=args.first, mode=args.mode, workdir=workdir,
-        bound_s=args.bound, on_row=print_row if args.json else None,
-    )  # fmt: skip
+    try:
+        rows = chaos.run_chaos(
+            runs=args.runs, seed=args.seed, first=args.first, mode=args.mode, workdir=workdir,
+            bound_s=args.bound, on_row=print_row if args.json else None,
+        )  # fmt: skip
+    except chaos.DirUnwritable as stopped:  # the runs checked so far, then why it stopped
+        if stopped.rows and not args.json:
+            chaos.print_table(stopped.rows, workdir)
+        raise
     if not args.json:
         chaos.print_table(rows, workdir)
     return 0 if all(row.ok for row in rows) else 1
