@@ -424,6 +424,35 @@ def test_a_sigterm_to_one_rank_of_a_local_run_alone_stops_that_rank(tmp_path: Pa
     assert audit_spans([tmp_path / "run"], epochs=8, num_samples=num_samples) == (0, 0)
 
 
+def _parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def test_a_local_run_whose_fork_server_is_killed_trains_on(tmp_path: Path) -> None:
+    # The launcher learns its ranks' and coordinator's ends from the fork server: killed
+    # (the OOM killer, a stray kill), it read as every one's death. The launcher started
+    # a second coordinator beside the first, and the run failed with no rank left to
+    # write the model, though every rank trained on.
+    (tmp_path / "train.py").write_text(PIDS_SCRIPT)
+    with session([sys.executable, "train.py", str(tmp_path)], tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        ours = [pid for pid in session_pids(proc.pid) if _parent_of(pid) == proc.pid]
+        servers = [pid for pid in ours if "forkserver" in command_line(pid)]
+        assert len(servers) == 1, [command_line(pid) for pid in session_pids(proc.pid)]
+        os.kill(servers[0], signal.SIGKILL)
+        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    assert returncode == 0, err[-3000:]
+    assert "RETURNED completed" in out, out + err[-3000:]
+    assert "process ended" not in err and "coordinator" not in err, err[-3000:]
+    timeline = (tmp_path / "run" / "timeline.jsonl").read_text()
+    assert '"RankLost"' not in timeline
+    num_samples = len(digits.load_digits_split(seed=0)[0])
+    assert audit_spans([tmp_path / "run"], epochs=8, num_samples=num_samples) == (0, 0)
+
+
 def signal_every_process(launcher: int, sig: signal.Signals) -> None:
     """Send ``sig`` to every process of ``launcher``'s session at once, the launcher
     last, as systemd stopping a service, Slurm's ``scancel`` or ``pkill -f`` do."""

@@ -65,6 +65,7 @@ from elche.runtime.joining import announce_join
 from elche.runtime.journal_file import JOURNAL_FILE
 from elche.runtime.lifetimes import (
     STOP_SIGNALS,
+    Forked,
     Interrupted,
     StopSignals,
     announce,
@@ -90,7 +91,6 @@ from elche.runtime.supervision import (
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
     from multiprocessing.context import ForkServerContext, SpawnContext
-    from multiprocessing.process import BaseProcess
 
     from elche.monitor.dashboard import Dashboard
     from elche.monitor.tensorboard import TensorBoardLog
@@ -535,7 +535,7 @@ def _supervise(
         while (
             time.monotonic() < stop_by
             and not failed
-            and coordinator.running({r: procs[r].exitcode for r in reported})
+            and coordinator.running({r: procs[r].known_exitcode for r in reported})
         ):
             time.sleep(SUPERVISE_EVERY_S)  # supervision cadence, not synchronisation
             if signals.received is not None and stop_by == math.inf:
@@ -550,7 +550,7 @@ def _supervise(
             for rank, proc in enumerate(procs):
                 if proc.exitcode is not None and rank not in reported:
                     reported.add(rank)
-                    report_lost(coordinator.host, rank, proc.exitcode,
+                    report_lost(coordinator.host, rank, proc.known_exitcode,
                                 stopping=signals.received is not None)  # fmt: skip
             failed = _run_failed(run_dir)
     finally:
@@ -571,7 +571,7 @@ def _supervise(
     return epochs, run_dir_unwritable(coordinator.host)
 
 
-def _end_ranks(procs: Sequence[BaseProcess], grace_s: float) -> None:
+def _end_ranks(procs: Sequence[Forked], grace_s: float) -> None:
     """Give the rank processes ``grace_s`` to exit once the run is over, then kill them.
 
     A thread of the user's code (started in ``model_fn``, say) keeps its
@@ -600,7 +600,7 @@ def _never_began(run_dir: Path) -> bool:
 
 def _start_rank(
     ctx: ForkServerContext | SpawnContext, spec: RankSpec, fns: bytes, batch_size: int, marks: int
-) -> BaseProcess:
+) -> Forked:
     """Start rank ``spec.rank``'s process; a forked one takes the launcher's stdout and stderr.
     Each holds the read end of the pipe where its launcher marks the run's stops, ``marks``
     (``lifetimes.marked_stop_signals``), sent as the streams are.
@@ -620,7 +620,7 @@ def _start_rank(
             name=f"elche-rank{spec.rank}",
         )
         proc.start()
-    return proc
+    return Forked(proc)
 
 
 def keep_report(plan: Plan, run_dir: Path) -> str | None:

@@ -65,6 +65,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from multiprocessing.connection import Connection
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -75,7 +76,9 @@ __all__ = [
     "RANK_EXITS_ENV",
     "RESUME_HINT",
     "RUN_STOPS_ENV",
+    "SERVER_GONE",
     "STOP_MARK_GRACE_S",
+    "Forked",
     "Interrupted",
     "StopSignals",
     "announce",
@@ -127,9 +130,8 @@ RUN_STOPS_ENV = "ELCHE_RUN_STOPS"
 # How long a rank that got a stop signal waits for its launcher's mark before it
 # takes the signal for one sent to it alone. Sent to every process at once (systemd
 # stopping a service, Slurm's scancel, ``pkill -f train.py``), the signal may reach a
-# rank before its launcher's handler has marked it: that handler runs within
-# milliseconds (the launcher's main thread waits on its children; a hook of the
-# user's run there holds it only inside one long call into C, a tensor operation).
+# rank before its launcher has marked it, within milliseconds (as the signal is
+# delivered: ``marked_stop_signals``).
 # A rank sent a signal alone leaves this much later; one the run's stop reached
 # goes on as soon as the mark comes.
 STOP_MARK_GRACE_S = 1.0
@@ -723,6 +725,75 @@ def _wait_gone(pid: int) -> None:
         select.select([fd], [], [])  # readable once the process exits
     finally:
         os.close(fd)
+
+
+# ``multiprocessing``'s exit code for every child of a fork server that died, whether
+# the child did or not: it reads each child's status from its server.
+SERVER_GONE = 255
+
+
+class Forked:
+    """A process the fork server started, followed past that server's death.
+
+    ``multiprocessing`` learns a forked process's end from its fork server; a
+    server that dies (killed, the OOM killer) reads as ``SERVER_GONE`` for
+    every child, which it then no longer signals. A local run's launcher took
+    each rank and the coordinator for lost though they trained on: it started
+    a second coordinator beside the first, and the run failed with no rank
+    left to write the model. Past the server's death the process is followed
+    by its pid (its exit code is then unknown: ``SERVER_GONE``, with
+    ``status_lost``).
+    """
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+        self.pid: int = process.pid
+        self.status_lost = False  # it outlived its server: its exit code is unknown
+
+    def _orphaned(self) -> bool:
+        """The server died, and the process lives on (re-parented, no zombie)."""
+        orphaned = self.process.exitcode == SERVER_GONE and _running(self.pid)
+        self.status_lost |= orphaned
+        return orphaned
+
+    @property
+    def exitcode(self) -> int | None:
+        """Its exit code (negative: the signal that ended it), or None while it runs."""
+        return None if self._orphaned() else self.process.exitcode
+
+    @property
+    def known_exitcode(self) -> int | None:
+        """Its exit code, None while it runs or where it is unknown (``status_lost``)."""
+        code = self.exitcode
+        return None if self.status_lost else code
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` seconds (None: for ever) for the process to end."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.process.join(timeout)  # (returns at the server's death too)
+        while self._orphaned() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(WATCH_EVERY_S)  # polling a process that is not ours, bounded
+
+    def kill(self) -> None:
+        if self._orphaned():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+        else:
+            self.process.kill()
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: the signal test, a zombie counted alive
+        return pid_alive(pid)
+    return status.rsplit(")", 1)[1].split()[0] != "Z"  # after the name: the state
 
 
 def pid_alive(pid: int) -> bool:

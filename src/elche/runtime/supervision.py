@@ -51,7 +51,7 @@ from elche.runtime.host import (
     forked_main,
 )
 from elche.runtime.journal_file import JOURNAL_FILE
-from elche.runtime.lifetimes import launcher_stream
+from elche.runtime.lifetimes import Forked, launcher_stream
 from elche.runtime.plan import Plan
 from elche.runtime.salvage import (
     forget_earlier_run,
@@ -289,10 +289,11 @@ class ForkedCoordinator:
         their_stdin, our_stdin = forks.Pipe(duplex=False)
         our_stdout, their_stdout = forks.Pipe(duplex=False)
         streams = (their_stdin, their_stdout, launcher_stream(2))
-        self._process = forks.Process(
+        process = forks.Process(
             target=forked_main, args=(args, env, streams), name="elche-coordinator"
         )
-        self._process.start()
+        process.start()
+        self._process = Forked(process)  # (followed past the fork server's death)
         for stream in streams:
             stream.close()
         self.stdin = open(os.dup(our_stdin.fileno()), "w", encoding="utf-8")  # noqa: SIM115
@@ -334,10 +335,14 @@ def report_lost(
     it (``os._exit(0)`` in the user's code), where it is lost at once rather
     than when its heartbeats go stale. Nor is one said while the run stops
     (``stopping``: a stop signal came): its ranks save and exit, 143 say,
-    which the stop's one line accounts for.
+    which the stop's one line accounts for; nor one whose ``code`` is
+    unknown (None), whose loss, if it was one, the coordinator says.
     """
-    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-    if code != 0 and not stopping:
+    if code is None:  # (it outlived the fork server, or was declared lost and killed)
+        how = "its exit status is unknown"
+    else:
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    if code not in (0, None) and not stopping:
         print(f"elche: rank {rank} process ended ({how})", file=sys.stderr, flush=True)
     tell_coordinator(host, f"lost {rank} process ended ({how})")
 
