@@ -87,6 +87,55 @@ def test_a_stop_the_launcher_got_is_marked_for_its_ranks(monkeypatch: pytest.Mon
         assert not stop_came_alone(marks)
 
 
+def test_the_marks_wakeup_fd_is_put_back_and_anothers_is_left_alone() -> None:
+    with marked_stop_signals():
+        assert signal.set_wakeup_fd(-1) != -1  # the launcher's marks at delivery
+    assert signal.set_wakeup_fd(-1) == -1  # (this also put it back, as the exit had)
+    mine, mine_out = os.pipe()
+    os.set_blocking(mine_out, False)
+    try:
+        signal.set_wakeup_fd(mine_out)  # an event loop's, say
+        with marked_stop_signals() as (signals, marks):
+            assert signal.set_wakeup_fd(mine_out) == mine_out  # untouched
+            signal.raise_signal(signal.SIGTERM)
+            assert signals.received == signal.SIGTERM and not stop_came_alone(marks)
+    finally:
+        signal.set_wakeup_fd(-1)
+        os.close(mine)
+        os.close(mine_out)
+
+
+def test_a_process_that_outlives_its_fork_server_is_followed_by_its_pid() -> None:
+    sleeper = subprocess.Popen(["sleep", "60"])
+    killed: list[str] = []
+    server_gone = SimpleNamespace(
+        exitcode=lifetimes.SERVER_GONE, pid=sleeper.pid, join=lambda timeout=None: None,
+        kill=lambda: killed.append("through the server"),
+    )  # fmt: skip
+    forked = lifetimes.Forked(server_gone)
+    try:
+        assert forked.exitcode is None and forked.is_alive() and forked.status_lost
+        forked.kill()  # the server cannot: its pid is killed
+        sleeper.wait(timeout=10)  # (reaped: a zombie would count as ended too)
+        assert killed == []
+        assert forked.exitcode == lifetimes.SERVER_GONE and forked.known_exitcode is None
+        forked.join()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    ended = lifetimes.Forked(SimpleNamespace(exitcode=lifetimes.SERVER_GONE, pid=sleeper.pid))
+    assert ended.exitcode == ended.known_exitcode == lifetimes.SERVER_GONE  # a real 255
+
+
+def test_a_zombie_is_not_running() -> None:
+    child = subprocess.Popen(["true"])
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+    try:
+        assert lifetimes.pid_alive(child.pid) and not lifetimes._running(child.pid)
+    finally:
+        child.wait()
+
+
 def test_a_launcher_gone_counts_as_its_stop() -> None:
     marks, marks_out = stop_marks()
     os.close(marks_out)  # as its death closes it: EOF, at once

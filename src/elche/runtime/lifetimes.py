@@ -764,7 +764,7 @@ class Forked:
     @property
     def known_exitcode(self) -> int | None:
         """Its exit code, None while it runs or where it is unknown (``status_lost``)."""
-        code = self.exitcode
+        code = self.exitcode  # (first: it finds out whether the server died)
         return None if self.status_lost else code
 
     def is_alive(self) -> bool:
@@ -787,12 +787,12 @@ class Forked:
 
 def _running(pid: int) -> bool:
     """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    if not Path("/proc/self/stat").exists():  # no /proc: the signal test, a zombie alive
+        return pid_alive(pid)
     try:
         status = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except OSError:
         return False
-    except OSError:  # no /proc: the signal test, a zombie counted alive
-        return pid_alive(pid)
     return status.rsplit(")", 1)[1].split()[0] != "Z"  # after the name: the state
 
 
