@@ -60,7 +60,6 @@ from elche.runtime.filling import FILL_FILE
 __all__ = [
     "WORKLOAD",
     "ChaosRun",
-    "DirUnwritable",
     "audit_evals",
     "audit_spans",
     "draw_plan",
@@ -222,9 +221,8 @@ def run_chaos(
     the runs of the whole.
 
     Raises:
-        DirUnwritable: ``workdir`` is full or read-only (field ``dir``); the rows
-            before it are in the error.
-        ConfigError: ``runs`` below 1 (field ``runs``), ``first`` below 0,
+        ConfigError: ``workdir`` is full or read-only (field ``dir``; ``on_row``
+            had the rows before it); ``runs`` below 1 (field ``runs``), ``first`` below 0,
             ``bound_s`` not a finite number > 0; nothing has run.
     """
     if not (bound_s > 0 and math.isfinite(bound_s)):
@@ -249,26 +247,15 @@ def run_chaos(
         except OSError as exc:  # a full or read-only folder: no run there can be checked
             if exc.filename is not None and not str(exc.filename).startswith(str(workdir)):
                 raise  # (a write names no file: a full disk's ENOSPC)
-            raise DirUnwritable(workdir, exc, index, rows) from None
+            raise ConfigError(
+                "dir",
+                f"cannot write in {workdir} ({exc.strerror or exc}): run {index} could not "
+                "be checked, nor any after it; give a folder with room (--dir)",
+            ) from None
         rows.append(row)
         if on_row is not None:
             on_row(row)
     return rows
-
-
-class DirUnwritable(ConfigError):
-    """The series stopped: the runner could not write in its folder (full, read-only).
-
-    ``rows``: the runs checked before it, whole.
-    """
-
-    def __init__(self, workdir: Path, exc: OSError, index: int, rows: list[ChaosRun]) -> None:
-        super().__init__(
-            "dir",
-            f"cannot write in {workdir} ({exc.strerror or exc}): run {index} could not be "
-            "checked, nor any after it; give a folder with room (--dir)",
-        )
-        self.rows = rows
 
 
 def _one(row: ChaosRun, mode: str, where: Path, bound_s: float) -> None:

@@ -416,21 +416,22 @@ def _run_chaos(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ConfigError("dir", f"cannot make {workdir}: {exc}") from None
 
-    def print_row(row: chaos.ChaosRun) -> None:  # --json: each row as its run ends
-        print(json.dumps(chaos.rows_json([row])[0]), flush=True)
+    done: list[chaos.ChaosRun] = []
+
+    def keep_row(row: chaos.ChaosRun) -> None:  # (--json: each row as its run ends)
+        done.append(row)
+        if args.json:
+            print(json.dumps(chaos.rows_json([row])[0]), flush=True)
 
     try:
-        rows = chaos.run_chaos(
+        chaos.run_chaos(
             runs=args.runs, seed=args.seed, first=args.first, mode=args.mode, workdir=workdir,
-            bound_s=args.bound, on_row=print_row if args.json else None,
+            bound_s=args.bound, on_row=keep_row,
         )  # fmt: skip
-    except chaos.DirUnwritable as stopped:  # the runs checked so far, then why it stopped
-        if stopped.rows and not args.json:
-            chaos.print_table(stopped.rows, workdir)
-        raise
-    if not args.json:
-        chaos.print_table(rows, workdir)
-    return 0 if all(row.ok for row in rows) else 1
+    finally:  # stopped (Ctrl-C, a full folder): the runs checked so far, then why
+        if done and not args.json:
+            chaos.print_table(done, workdir)
+    return 0 if all(row.ok for row in done) else 1
 
 
 def _timeline_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
