@@ -92,11 +92,16 @@ def _run_and_join(
                 proc.wait()
 
 
-def _wait_joined(run_dir: Path) -> None:
-    """Until the run's timeline says rank 3 joined, with a deadline."""
+def _wait_joined(run_dir: Path, *, trained: bool = False) -> None:
+    """Until the run's timeline says rank 3 joined (``trained``: and trained a window,
+    so its group has formed), with a deadline.
+
+    A member lost while its group forms holds the others in torch's rendezvous until
+    its timeout (``elche.runtime.groups``): a minute of the suite's time."""
     timeline = run_dir / "timeline.jsonl"
+    said = '"kind":"RankWindow","rank":3,' if trained else '"kind":"RankJoined","rank":3,'
     deadline = time.monotonic() + 120
-    while not (timeline.exists() and '"kind":"RankJoined","rank":3,' in timeline.read_text()):
+    while not (timeline.exists() and said in timeline.read_text()):
         assert time.monotonic() < deadline, "the joiner never joined"
         time.sleep(0.05)  # polling the run's timeline, with a deadline
 
@@ -170,7 +175,7 @@ def test_ctrl_c_of_a_joined_rank_ends_it_in_one_line_and_the_run_goes_on(
     # printed two tracebacks, and it went on closing its socket meanwhile.
     run_dir = tmp_path / "run"
     with _run_and_join(tmp_path, run_dir, new_session=True) as (run, joiner, seen):
-        _wait_joined(run_dir)
+        _wait_joined(run_dir, trained=True)
         os.killpg(joiner.pid, signal.SIGINT)  # Ctrl-C in the joiner's terminal
         _, joined_err = joiner.communicate(timeout=60)
         run_out, _ = run.communicate(timeout=240)
@@ -189,7 +194,7 @@ def test_a_joined_rank_whose_elche_join_is_killed_leaves_and_the_run_goes_on(
     # in the run, its output going nowhere, until the run ended.
     run_dir = tmp_path / "run"
     with _run_and_join(tmp_path, run_dir, new_session=True) as (run, joiner, seen):
-        _wait_joined(run_dir)
+        _wait_joined(run_dir, trained=True)
         os.kill(joiner.pid, signal.SIGKILL)
         _, joined_err = joiner.communicate(timeout=60)  # the rank shares its stderr
         run_out, _ = run.communicate(timeout=240)
@@ -225,7 +230,7 @@ def test_a_joined_rank_of_a_run_stopped_by_a_signal_says_where_the_run_is_saved(
     # where every rank of the run raised Interrupted with it.
     run_dir = tmp_path / "run"
     with _run_and_join(tmp_path, run_dir) as (run, joiner, seen):
-        _wait_joined(run_dir)
+        _wait_joined(run_dir, trained=True)
         run.send_signal(signal.SIGTERM)  # the run's own launcher stops it, and saves
         _, joined_err = joiner.communicate(timeout=120)
         run.communicate(timeout=120)
