@@ -33,6 +33,9 @@ optimizers, ``max_steps``, and what trains fewer batches than the rank is
 handed (``limit_train_batches``, ``overfit_batches``, ``fast_dev_run``); each
 raises a ``ConfigError`` naming it. A ``training_step`` that returns None
 (Lightning's skip) raises a ``TypeError`` naming it: every batch is trained.
+A run stopped by a signal raises ``Stopped`` (a ``SystemExit`` with the
+signal's status, the run's ``Interrupted`` in it) out of ``fit``: Lightning
+would take an ``Interrupted`` for its own Ctrl-C and exit 1.
 Lightning validates at epoch ends it knows of in advance, which elche's
 dynamic shares do not give: use ``val_check_interval=N`` (batches) or
 elche's ``eval_fn``, which evaluates the consensus model.
@@ -40,7 +43,9 @@ elche's ``eval_fn``, which evaluates the consensus model.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -50,10 +55,11 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader, default_collate
 
 from elche.core.errors import ConfigError
+from elche.runtime.lifetimes import Interrupted
 from elche.runtime.plan import TrainResult
 from elche.session import Session
 
-__all__ = ["ElcheStrategy"]
+__all__ = ["ElcheStrategy", "Stopped"]
 
 ACCEPTED_PRECISION = ("32-true", "bf16-mixed")
 
@@ -118,7 +124,8 @@ class ElcheStrategy(SingleDeviceStrategy):
     ) -> Any:
         if isinstance(batch, _Placeholder):
             assert self._feed is not None
-            batch = self._feed.take(self._trainer)
+            with _stopped_out_of_fit():
+                batch = self._feed.take(self._trainer)
         return super().batch_to_device(batch, device, dataloader_idx)
 
     # -- steps: the rank's own backward and optimizer step --------------------------
@@ -128,7 +135,8 @@ class ElcheStrategy(SingleDeviceStrategy):
     ) -> torch.Tensor:
         del optimizer, args, kwargs
         assert self._session is not None
-        self._session.step(closure_loss)  # backward, clip, step, averages
+        with _stopped_out_of_fit():
+            self._session.step(closure_loss)  # backward, clip, step, averages
         return closure_loss
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -144,7 +152,7 @@ class ElcheStrategy(SingleDeviceStrategy):
     # -- endings -----------------------------------------------------------------
 
     def on_exception(self, exception: BaseException) -> None:
-        self._error = exception
+        self._error = exception.interrupted if isinstance(exception, Stopped) else exception
 
     def teardown(self) -> None:
         session, self._session = self._session, None
@@ -223,6 +231,32 @@ def _check_batches(trainer: pl.Trainer) -> None:
             "limit_train_batches",
             f"is {limit!r}; under 'elche' every epoch trains every sample (leave it unset)",
         )
+
+
+class Stopped(SystemExit):
+    """The run stopped on a signal (Ctrl-C, SIGTERM): ``elche.Interrupted``, out of
+    ``Trainer.fit`` as a ``SystemExit`` with its exit status (130, 143, 129).
+
+    Lightning takes any ``KeyboardInterrupt`` in ``fit`` for a Ctrl-C of its own:
+    it ends the process with status 1, and every rank of a stopped run exited 1, as
+    if it had failed. Uncaught, this ends it quietly with the signal's status.
+
+    Attributes:
+        interrupted: the run's ``Interrupted`` (its ``bundle``, its ``result``).
+    """
+
+    def __init__(self, interrupted: Interrupted) -> None:
+        super().__init__(interrupted.code)
+        self.interrupted = interrupted
+
+
+@contextlib.contextmanager
+def _stopped_out_of_fit() -> Iterator[None]:
+    """Raise the run's ``Interrupted`` as ``Stopped``, which Lightning lets through."""
+    try:
+        yield
+    except Interrupted as stop:
+        raise Stopped(stop) from None
 
 
 class _Placeholder:

@@ -179,3 +179,44 @@ def test_a_trainer_script_trains_two_ranks_by_speed_under_elche_run(tmp_path: Pa
         assert batches and set(batches) <= {"0", "1"}
         assert sum(batches.values()) >= -(-samples[rank] // 32)
     assert set().union(*(batches for _, batches in ranks)) == {"0", "1"}
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_stopped_trainer_script_under_elche_run_saves_and_exits_143(tmp_path: Path) -> None:
+    # Lightning takes any KeyboardInterrupt in fit for its own Ctrl-C and exits 1: every
+    # rank of a run stopped (and saved) by SIGTERM exited 1, and elche run with it, as if
+    # the run had failed.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "fit.py"
+    script.write_text(
+        SCRIPT.replace("max_epochs=2", "max_epochs=200").replace(
+            "speed_base_s=0.02)", "speed_base_s=0.02, run_dir=os.environ['RUN_DIR'])"
+        )
+    )
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "elche.cli", "run", "--nproc", str(RANKS), str(script)],
+        env=dict(os.environ, RUN_DIR=str(run_dir)), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        timeline = run_dir / "timeline.jsonl"
+        deadline = time.monotonic() + 120
+        while not (timeline.exists() and '"EpochEnd"' in timeline.read_text()):  # mid-run
+            assert time.monotonic() < deadline and launcher.poll() is None, launcher.poll()
+            time.sleep(0.05)  # polling the run's timeline, with a deadline
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 143, err[-3000:]
+    assert f"elche: interrupted by SIGTERM; the run is saved under {run_dir}/checkpoint;" in err
+    assert "KeyboardInterrupt" not in err and "exited with code" not in err, err[-3000:]
