@@ -56,6 +56,7 @@ from elche.core.errors import ConfigError
 from elche.core.faults import FaultPlan
 from elche.monitor.timeline import read_timeline
 from elche.runtime.filling import FILL_FILE
+from elche.runtime.lifetimes import process_state, watch_launcher
 
 __all__ = [
     "WORKLOAD",
@@ -245,8 +246,10 @@ def run_chaos(
                 plan_file.write_text(row.plan, encoding="utf-8")
                 row.plan_file, row.replay = str(plan_file), sim_command(plan_file, mode)
         except OSError as exc:  # a full or read-only folder: no run there can be checked
-            if exc.filename is not None and not str(exc.filename).startswith(str(workdir)):
-                raise  # (a write names no file: a full disk's ENOSPC)
+            named = exc.filename is None or Path(exc.filename).is_relative_to(workdir)
+            if exc.errno not in _UNWRITABLE or not named:  # (a write names no file)
+                raise
+            _reap_leftovers()
             raise ConfigError(
                 "dir",
                 f"cannot write in {workdir} ({exc.strerror or exc}): run {index} could not "
@@ -256,6 +259,12 @@ def run_chaos(
         if on_row is not None:
             on_row(row)
     return rows
+
+
+# The runner's pid, in each run's environment: the run stops once the runner is gone.
+_RUNNER_ENV = "ELCHE_CHAOS_RUNNER"
+# What a folder that cannot take a run's files says.
+_UNWRITABLE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES})
 
 
 def _one(row: ChaosRun, mode: str, where: Path, bound_s: float) -> None:
@@ -345,8 +354,9 @@ def _child(
     args = [sys.executable, "-m", "elche.chaos", str(where), mode, plan or "", resume or ""]
     if tmpfs:
         args = ["unshare", "--mount", "--propagation", "private", *args, "tmpfs"]
+    env = dict(os.environ, **{_RUNNER_ENV: str(os.getpid())})  # the child ends with it
     with (where / "stderr.txt").open("w") as err:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         try:
             out, _ = proc.communicate(timeout=bound_s)
         except subprocess.TimeoutExpired:
@@ -378,14 +388,8 @@ def _children() -> list[int]:
     me = os.getpid()
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields_ = stat.rsplit(")", 1)[1].split()
-        if int(fields_[1]) == me and fields_[0] != "Z":
+        state = process_state(int(entry.name)) if entry.name.isdigit() else None
+        if state is not None and state[1] == me and state[0] != "Z":
             found.append(int(entry.name))
     return found
 
@@ -489,10 +493,9 @@ def _on_tmpfs(where: Path, train_one: Callable[[], dict[str, Any]]) -> dict[str,
 
 
 if __name__ == "__main__":
-    from elche.runtime.lifetimes import watch_launcher
-
     # The runner gone (killed), this run stops as at a SIGTERM: nothing outlives the runner.
-    watch_launcher(os.getppid(), on_gone=lambda: os.kill(os.getpid(), signal.SIGTERM))
+    runner = int(os.environ.get(_RUNNER_ENV) or os.getppid())
+    watch_launcher(runner, on_gone=lambda: os.kill(os.getpid(), signal.SIGTERM))
     where_, args_ = Path(sys.argv[1]), sys.argv[2:5]
     if sys.argv[5:] == ["tmpfs"]:
         summary = _on_tmpfs(where_, lambda: _train(where_, *args_))

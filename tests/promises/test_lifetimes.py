@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from elche.chaos import audit_spans
+from elche.runtime.lifetimes import process_state
 from elche.workloads import digits
 from tests.promises.test_storage import small_disk
 
@@ -425,10 +426,8 @@ def test_a_sigterm_to_one_rank_of_a_local_run_alone_stops_that_rank(tmp_path: Pa
 
 
 def _parent_of(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    state = process_state(pid)
+    return None if state is None else state[1]
 
 
 def test_a_local_run_whose_fork_server_is_killed_trains_on(tmp_path: Path) -> None:
@@ -439,7 +438,9 @@ def test_a_local_run_whose_fork_server_is_killed_trains_on(tmp_path: Path) -> No
     (tmp_path / "train.py").write_text(PIDS_SCRIPT)
     with session([sys.executable, "train.py", str(tmp_path)], tmp_path) as proc:
         wait_mid_run(proc, tmp_path)
-        ours = [pid for pid in session_pids(proc.pid) if _parent_of(pid) == proc.pid]
+        ours = [
+            pid for pid in session_pids(proc.pid) if (process_state(pid) or "-0")[1] == proc.pid
+        ]
         servers = [pid for pid in ours if "forkserver" in command_line(pid)]
         assert len(servers) == 1, [command_line(pid) for pid in session_pids(proc.pid)]
         os.kill(servers[0], signal.SIGKILL)

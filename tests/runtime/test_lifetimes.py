@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -89,8 +90,10 @@ def test_a_stop_the_launcher_got_is_marked_for_its_ranks(monkeypatch: pytest.Mon
 
 def test_the_marks_wakeup_fd_is_put_back_and_anothers_is_left_alone() -> None:
     with marked_stop_signals():
-        assert signal.set_wakeup_fd(-1) != -1  # the launcher's marks at delivery
-    assert signal.set_wakeup_fd(-1) == -1  # (this also put it back, as the exit had)
+        ours = signal.set_wakeup_fd(-1)
+        assert ours != -1  # the launcher's marks at delivery
+        signal.set_wakeup_fd(ours, warn_on_full_buffer=False)
+    assert signal.set_wakeup_fd(-1) == -1  # put back
     mine, mine_out = os.pipe()
     os.set_blocking(mine_out, False)
     try:
@@ -105,6 +108,27 @@ def test_the_marks_wakeup_fd_is_put_back_and_anothers_is_left_alone() -> None:
         os.close(mine_out)
 
 
+def test_a_child_forked_while_stops_are_marked_neither_marks_them_nor_holds_them() -> None:
+    # A child forked meanwhile (a hook's fork-context pool) kept the wakeup fd: its own
+    # signals marked the run's stop, and the launcher's exit waited for it to end.
+    said, said_out = os.pipe()
+    go, go_out = os.pipe()
+    with marked_stop_signals():
+        pid = os.fork()
+        if pid == 0:  # the child: no wakeup fd of the launcher's; waits for the test
+            os.write(said_out, b"y" if signal.set_wakeup_fd(-1) == -1 else b"n")
+            select.select([go], [], [], 30)
+            os._exit(0)
+        assert os.read(said, 1) == b"y"
+    try:
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0)  # the launcher left; the child lives
+    finally:
+        os.write(go_out, b"go")
+        os.waitpid(pid, 0)
+        for fd in (said, said_out, go, go_out):
+            os.close(fd)
+
+
 def test_a_process_that_outlives_its_fork_server_is_followed_by_its_pid() -> None:
     sleeper = subprocess.Popen(["sleep", "60"])
     killed: list[str] = []
@@ -112,19 +136,32 @@ def test_a_process_that_outlives_its_fork_server_is_followed_by_its_pid() -> Non
         exitcode=lifetimes.SERVER_GONE, pid=sleeper.pid, join=lambda timeout=None: None,
         kill=lambda: killed.append("through the server"),
     )  # fmt: skip
-    forked = lifetimes.Forked(server_gone)
+    forked = lifetimes.Forked(server_gone)  # (its parent: this process, alive)
     try:
-        assert forked.exitcode is None and forked.is_alive() and forked.status_lost
+        assert forked.exitcode is None and forked.is_alive()
         forked.kill()  # the server cannot: its pid is killed
         sleeper.wait(timeout=10)  # (reaped: a zombie would count as ended too)
-        assert killed == []
-        assert forked.exitcode == lifetimes.SERVER_GONE and forked.known_exitcode is None
+        assert killed == [] and forked.exitcode == lifetimes.SERVER_GONE
         forked.join()
+        forked.kill()  # seen gone: never signalled again (its pid may be another's)
+        assert killed == []
     finally:
         sleeper.kill()
         sleeper.wait()
-    ended = lifetimes.Forked(SimpleNamespace(exitcode=lifetimes.SERVER_GONE, pid=sleeper.pid))
-    assert ended.exitcode == ended.known_exitcode == lifetimes.SERVER_GONE  # a real 255
+
+
+def test_an_exit_code_read_once_the_fork_server_died_is_unknown() -> None:
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    server = subprocess.Popen(["sleep", "60"])
+    forked = lifetimes.Forked(SimpleNamespace(exitcode=lifetimes.SERVER_GONE, pid=ended.pid))
+    forked._server = server.pid  # its fork server, as read at its start
+    try:
+        assert forked.known_exitcode == lifetimes.SERVER_GONE  # the server lives: a real 255
+    finally:
+        server.kill()
+        server.wait()
+    assert forked.exitcode == lifetimes.SERVER_GONE and forked.known_exitcode is None
 
 
 def test_a_zombie_is_not_running() -> None:

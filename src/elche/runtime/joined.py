@@ -99,7 +99,7 @@ def train_joined(
     spec = replace(spec, rank=rank, speed=speed, join_slots=slots, resume_from=None, faults=())
     print(f"elche: joining the run at {address} as rank {rank}", file=sys.stderr, flush=True)
     if os.environ.get(JOIN_LAUNCHER_ENV):  # started by elche join: it owns this rank
-        launcher = _int_env(JOIN_LAUNCHER_ENV)
+        launcher = _int_env(JOIN_LAUNCHER_ENV, "elche join's pid")
         watch_launcher(launcher, on_gone=lambda: _say_orphaned(rank, launcher), grace_s=0.0)
     # (one signal is enough: a second, the group's and the relayed one, is no force)
     with StopSignals(on_signal=lambda signum: _leave(rank, signum), force_on_repeat=False):
@@ -240,12 +240,12 @@ def _run_ended_short(
         raise Interrupted(signal.SIGTERM, stem if isinstance(stem, str) else None, result)
 
 
-def _int_env(name: str) -> int:
+def _int_env(name: str, what: str = "the run's group store port") -> int:
     text = os.environ.get(name, "")
     try:
         return int(text)
     except ValueError:
-        raise ConfigError(name, f"must be the run's group store port, got {text!r}") from None
+        raise ConfigError(name, f"must be {what}, got {text!r}") from None
 
 
 def _check_same_run(mine: CoordinatorConfig, theirs: dict[str, object]) -> None:

@@ -92,6 +92,7 @@ __all__ = [
     "leave_run",
     "mark_stop",
     "marked_stop_signals",
+    "process_state",
     "relay_stop_signals",
     "say_ranks_met",
     "stop_came_alone",
@@ -517,8 +518,12 @@ def _marked_at_delivery(marks_out: int) -> Iterator[None]:
     rank left the run as if signalled alone. The interpreter's C handler
     writes each caught signal's number to the wakeup fd
     (``signal.set_wakeup_fd``) at once; a thread of this one reads it there
-    and marks the stops. On the main thread only, and where no one else (an
-    event loop) has the wakeup fd: there the handler's mark stays the only one.
+    and marks the stops. That thread needs the GIL: a C call that keeps it
+    (few do; tensor operations release it) still delays the mark. On the
+    main thread only, and where no one else (an event loop) has the wakeup
+    fd: there the handler's mark stays the only one. A process forked
+    meanwhile (a hook's fork-context pool) drops both (``_forget_wakeup``):
+    its own signals are no stop of the run.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -532,11 +537,14 @@ def _marked_at_delivery(marks_out: int) -> Iterator[None]:
         os.close(wake_out)
         yield
         return
+    _WAKEUP[:] = [wake, wake_out]
     stops = {int(sig) for sig in STOP_SIGNALS}
+    done = threading.Event()
 
     def mark_delivered() -> None:
-        while caught := os.read(wake, 64):  # until EOF: the write end closed below
-            if stops.intersection(caught):
+        while not done.is_set():
+            caught = os.read(wake, 64)
+            if stops.intersection(caught) and not done.is_set():
                 mark_stop(marks_out)
 
     reader = threading.Thread(target=mark_delivered, name="elche-stop-marks", daemon=True)
@@ -545,9 +553,32 @@ def _marked_at_delivery(marks_out: int) -> Iterator[None]:
         yield
     finally:
         signal.set_wakeup_fd(-1)
-        os.close(wake_out)
+        done.set()
+        with contextlib.suppress(OSError):  # (full: the reader is awake already)
+            os.write(wake_out, b"\0")
         reader.join()
+        _WAKEUP.clear()
         os.close(wake)
+        os.close(wake_out)
+
+
+# The stop marks' wakeup pipe while a launcher has it (``_marked_at_delivery``).
+_WAKEUP: list[int] = []
+
+
+def _forget_wakeup() -> None:
+    """In a child forked from a launcher: the launcher's wakeup fd is not its own."""
+    if _WAKEUP:
+        with contextlib.suppress(ValueError):  # (forked off the main thread)
+            signal.set_wakeup_fd(-1)
+        for fd in _WAKEUP:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        _WAKEUP.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_wakeup)
 
 
 def stop_came_alone(marks: int | None = None) -> bool:
@@ -741,20 +772,25 @@ class Forked:
     each rank and the coordinator for lost though they trained on: it started
     a second coordinator beside the first, and the run failed with no rank
     left to write the model. Past the server's death the process is followed
-    by its pid (its exit code is then unknown: ``SERVER_GONE``, with
-    ``status_lost``).
+    by its pid, until it is seen gone (never again after: the pid may be
+    another's by then); its exit code is unknown (``known_exitcode`` None).
     """
 
     def __init__(self, process: Any) -> None:
         self.process = process
         self.pid: int = process.pid
-        self.status_lost = False  # it outlived its server: its exit code is unknown
+        found = process_state(self.pid)
+        self._server = found[1] if found else None  # its parent: the fork server
+        self._gone = False  # seen ended after its server's death
 
     def _orphaned(self) -> bool:
         """The server died, and the process lives on (re-parented, no zombie)."""
-        orphaned = self.process.exitcode == SERVER_GONE and _running(self.pid)
-        self.status_lost |= orphaned
-        return orphaned
+        if self._gone or self.process.exitcode != SERVER_GONE:
+            return False
+        if _running(self.pid):
+            return True
+        self._gone = True
+        return False
 
     @property
     def exitcode(self) -> int | None:
@@ -763,9 +799,10 @@ class Forked:
 
     @property
     def known_exitcode(self) -> int | None:
-        """Its exit code, None while it runs or where it is unknown (``status_lost``)."""
-        code = self.exitcode  # (first: it finds out whether the server died)
-        return None if self.status_lost else code
+        """Its exit code, None while it runs or where its server died with it unknown."""
+        code = self.exitcode
+        server_gone = self._server is not None and not _running(self._server)
+        return None if code == SERVER_GONE and server_gone else code
 
     def is_alive(self) -> bool:
         return self.exitcode is None
@@ -781,19 +818,27 @@ class Forked:
         if self._orphaned():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
-        else:
+        elif not self._gone:
             self.process.kill()
+
+
+def process_state(pid: int) -> tuple[str, int] | None:
+    """Process ``pid``'s state letter (``Z``: a zombie) and parent's pid, from
+    ``/proc``; None where it is gone or there is no ``/proc``."""
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = status.rsplit(")", 1)[1].split()  # after the name: state, ppid, ...
+    return fields[0], int(fields[1])
 
 
 def _running(pid: int) -> bool:
     """Whether process ``pid`` exists and has not exited (a zombie has)."""
     if not Path("/proc/self/stat").exists():  # no /proc: the signal test, a zombie alive
         return pid_alive(pid)
-    try:
-        status = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return status.rsplit(")", 1)[1].split()[0] != "Z"  # after the name: the state
+    found = process_state(pid)
+    return found is not None and found[0] != "Z"
 
 
 def pid_alive(pid: int) -> bool:

@@ -43,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -90,13 +90,20 @@ class HostSpec:
         return self.port
 
 
-def _killed_with_parent() -> None:
-    """In a child before its exec: SIGKILL it once the thread that forked it is gone
+def _killed_with_parent() -> Callable[[], None]:
+    """A ``preexec_fn``: the child is SIGKILLed once the thread that forked it is gone
     (``PR_SET_PDEATHSIG``, kept across ``ip netns exec``, ``unshare`` and ``sh``'s
-    exec, none of them set-user-ID)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    exec, none of them set-user-ID), or at once if its parent died before that.
+    ``prctl`` is looked up here, before the fork: a child does no more than call it."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def in_child() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # (gone already: no signal will come)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return in_child
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -239,8 +246,11 @@ class Rig:
     ) -> subprocess.Popen[Any]:  # fmt: skip
         """Start ``argv`` on host ``host``; ``env`` adds to ``env(host)``; killed on close,
         and by the kernel once the thread that called this is gone (a killed bench)."""
-        popen.setdefault("preexec_fn", _killed_with_parent)
-        proc = subprocess.Popen(self.command(host, argv), env=self.env(host, env), **popen)
+        if "preexec_fn" in popen:
+            raise ValueError("Rig.spawn sets preexec_fn itself (its processes die with this one)")
+        dies_with_us = _killed_with_parent()  # (the child only calls prctl: thread-safe)
+        command, on_host = self.command(host, argv), self.env(host, env)
+        proc = subprocess.Popen(command, env=on_host, preexec_fn=dies_with_us, **popen)  # noqa: PLW1509
         self._procs.append((host, proc))
         return proc
 
