@@ -249,7 +249,6 @@ def run_chaos(
             named = exc.filename is None or Path(exc.filename).is_relative_to(workdir)
             if exc.errno not in _UNWRITABLE or not named:  # (a write names no file)
                 raise
-            _reap_leftovers()
             raise ConfigError(
                 "dir",
                 f"cannot write in {workdir} ({exc.strerror or exc}): run {index} could not "

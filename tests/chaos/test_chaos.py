@@ -211,9 +211,10 @@ def test_a_series_stopped_midway_prints_the_rows_so_far(
 @pytest.mark.integration
 @pytest.mark.slow
 def test_a_full_folder_is_said_in_one_line(tmp_path: Path) -> None:
-    from tests.promises.test_storage import small_disk
+    from tests.promises.test_storage import fill, small_disk
 
     with small_disk(tmp_path / "disk", "64k") as disk:
+        fill(disk)  # (a run that fails before it fills it would leave the runner room)
         args = ["chaos", "--runs", "1", "--seed", "6", "--first", "1", "--dir", str(disk)]
         done = subprocess.run(
             [sys.executable, "-m", "elche.cli", *args],
