@@ -257,13 +257,15 @@ def test_a_run_past_its_timeout_is_stopped() -> None:
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.parametrize("stop", ["hang-up", "second ctrl-c"])
 def test_a_stop_while_the_ranks_start_stops_every_one_started(
-    monkeypatch: pytest.MonkeyPatch,
+    stop: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A stop signal (a closed terminal's SIGHUP to an elche bench) that came while
-    # start_processes forked the ranks raised in it, before _spawn_ranks had them: the
-    # ranks started so far, deaf to it, were left waiting for their peers, and the fork
-    # server lived on for them after the bench had ended.
+    # A stop signal that came while start_processes forked the ranks raised in it, before
+    # _spawn_ranks had them: the ranks started so far, deaf to it, were left waiting for
+    # their peers (and the fork server lived on for them after the bench had ended). A
+    # closed terminal's SIGHUP is now held until all have started; a second Ctrl-C still
+    # ends the start at once, and the ranks it started are stopped too.
     import signal
 
     from elche.cli.endings import Terminated, stop_signals_raise
@@ -274,44 +276,18 @@ def test_a_stop_while_the_ranks_start_stops_every_one_started(
     def started_then_stopped(*args: Any, **kwargs: Any) -> Any:
         context = start_processes(*args, **kwargs)
         started.extend(context.processes)
-        os.kill(os.getpid(), signal.SIGHUP)  # before start_processes returns
+        if stop == "hang-up":
+            os.kill(os.getpid(), signal.SIGHUP)  # before start_processes returns
+        else:
+            os.kill(os.getpid(), signal.SIGINT)  # held
+            os.kill(os.getpid(), signal.SIGINT)  # raises KeyboardInterrupt here
         return context
 
     monkeypatch.setattr(ddp, "GRACE_S", 0.0)
     monkeypatch.setattr(ddp, "start_processes", started_then_stopped)
+    raised = Terminated if stop == "hang-up" else KeyboardInterrupt
     try:
-        with stop_signals_raise(), pytest.raises(Terminated) as info:
-            ddp._spawn_ranks(_every_rank_hangs, _plan(60.0), nprocs=2, timeout_s=60.0)
-        assert info.value.signal == signal.SIGHUP
-        assert [rank.is_alive() for rank in started] == [False, False]
-    finally:
-        for rank in started:
-            rank.kill()
-            rank.join()
-
-
-@pytest.mark.integration
-@pytest.mark.slow
-def test_a_second_ctrl_c_while_the_ranks_start_stops_every_one_started(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The second Ctrl-C ends the held stop at once, raising in start_processes before
-    # _spawn_ranks has the ranks: those started so far were left waiting for their peers.
-    import signal
-
-    started: list[Any] = []
-    start_processes = ddp.start_processes
-
-    def started_then_stopped_twice(*args: Any, **kwargs: Any) -> Any:
-        started.extend(start_processes(*args, **kwargs).processes)
-        os.kill(os.getpid(), signal.SIGINT)  # held
-        os.kill(os.getpid(), signal.SIGINT)  # raises KeyboardInterrupt here
-        raise AssertionError("the second Ctrl-C did not stop the start")
-
-    monkeypatch.setattr(ddp, "GRACE_S", 0.0)
-    monkeypatch.setattr(ddp, "start_processes", started_then_stopped_twice)
-    try:
-        with pytest.raises(KeyboardInterrupt):
+        with stop_signals_raise(), pytest.raises(raised):
             ddp._spawn_ranks(_every_rank_hangs, _plan(60.0), nprocs=2, timeout_s=60.0)
         assert len(started) == 2
         assert [rank.is_alive() for rank in started] == [False, False]
