@@ -330,28 +330,23 @@ def train(
     # A rank of a launched run (torchrun, elche run) whose own checks refuse the run
     # still meets the others, to tell them (``train_launched``): its peers on other
     # hosts, whose checks passed, waited in the launcher's rendezvous for it for good.
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ and JOIN_ENV not in os.environ
+    joining = JOIN_ENV in os.environ  # elche join: one new rank of a running run
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ and not joining
     owner = not launched or os.environ["RANK"] == "0"  # it starts the run
     refused: ConfigError | None = None
-    try:
-        plan = _checked_before_start(plan, fns, run_dir, launched=launched)
-    except ConfigError as exc:
-        if not launched:
-            raise
-        refused = exc
-    if JOIN_ENV in os.environ:  # elche join: one new rank of a running run
-        from elche.runtime.joined import train_joined
-
-        return train_joined(plan, fns, hooks, max_grad_norm=max_grad_norm)
     with contextlib.ExitStack() as held:
-        if refused is None:
-            # One run writes at a save path at a time: the process that starts the run holds it.
-            try:
+        try:
+            plan = _checked_before_start(plan, fns, run_dir, launched=launched)
+            if not joining:  # one run writes at a save path at a time: its starter holds it
                 held.enter_context(hold_save_path(plan.config.save_path if owner else None))
-            except ConfigError as exc:
-                if not launched:
-                    raise
-                refused = exc
+        except ConfigError as exc:
+            if not launched:
+                raise
+            refused = exc
+        if joining:
+            from elche.runtime.joined import train_joined
+
+            return train_joined(plan, fns, hooks, max_grad_norm=max_grad_norm)
         if owner and refused is None:
             _say_replaced_bundle(plan.config.save_path, plan.resume_from)
         if launched:

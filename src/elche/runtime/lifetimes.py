@@ -801,8 +801,9 @@ class Forked:
     def known_exitcode(self) -> int | None:
         """Its exit code, None while it runs or where its server died with it unknown."""
         code = self.exitcode
-        server_gone = self._server is not None and not _running(self._server)
-        return None if code == SERVER_GONE and server_gone else code
+        if code != SERVER_GONE or self._server is None:  # (the supervision's every tick)
+            return code
+        return code if _running(self._server) else None
 
     def is_alive(self) -> bool:
         return self.exitcode is None

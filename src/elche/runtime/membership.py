@@ -118,10 +118,8 @@ class Membership:
             time.sleep(wait_s)  # the gathering's poll interval
             why = None
             if (store := self._store) is not None:
-                try:
+                try:  # (unanswered, ``StoreUnanswered``, a TimeoutError: raised as it is)
                     why = groups.ask(store, lambda: groups.run_ended(store))
-                except groups.StoreUnanswered:
-                    raise
                 except RuntimeError:  # torch's DistNetworkError: the store is gone
                     why = STORE_CLOSED
             if why is not None:

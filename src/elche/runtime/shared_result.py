@@ -104,20 +104,21 @@ class ResultBoard:
             BoardSilent: rank 0's host did not answer a look at the board in
                 ``SILENT_S``: it is off the network, and no result can come.
         """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            answered, there = _bounded(lambda: self.store.check([_RESULT_KEY]), SILENT_S)
+
+        def look(call: Callable[[], T]) -> T | None:
+            answered, answer = _bounded(call, SILENT_S)
             if not answered:  # (a client stuck in a call takes no other: no leave)
                 raise BoardSilent(self.where)
-            if there:
-                answered, doc = _bounded(lambda: json.loads(self.store.get(_RESULT_KEY)), SILENT_S)
-                if not answered:
-                    raise BoardSilent(self.where)
-                break
-            if there is None or time.monotonic() > deadline:  # closed, or nothing in time
-                doc = None
+            return answer
+
+        deadline = time.monotonic() + timeout_s
+        doc: object = None
+        while (there := look(lambda: self.store.check([_RESULT_KEY]))) is False:
+            if time.monotonic() > deadline:  # nothing in time
                 break
             time.sleep(_POLL_S)  # the store has no wait that a silent host cannot hold
+        if there:  # (None: the board closed)
+            doc = look(lambda: json.loads(self.store.get(_RESULT_KEY)))
         self.leave()
         return doc if isinstance(doc, dict) else None
 
