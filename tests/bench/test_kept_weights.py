@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from elche.baselines.ddp import eval_snapshots, snapshot
-from elche.bench.kept_weights import SUFFIX, KeepWeights, evaluate_kept
+from elche.bench.kept_weights import SUFFIX, KeepWeights, evaluate_kept, keeping
 from elche.bench.runner import _kept_evals
 from elche.workloads import get as get_workload
 from tests.promises.test_storage import fill, small_disk
@@ -107,6 +107,38 @@ def test_a_rank_process_writes_its_copies_when_it_exits(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == [f"000000{SUFFIX}"]
     kept, _ = evaluate_kept("digits-ae", tmp_path, test_set, final=snapshot(work.make_model("cpu")))
     assert kept == pytest.approx([work.eval_fn(work.make_model("cpu"), test_set)])
+
+
+def test_a_run_ended_unevaluated_leaves_its_copies_to_no_other_process_or_run(
+    tmp_path: Path,
+) -> None:
+    # A run in the bench's own process (ranks=1) that failed after keeping copies left
+    # them held: a child forked later wrote them at its exit, and the next run's
+    # evaluate_kept wrote them again, failing on their numbers' files (FileNotFoundError).
+    work = get_workload("digits-ae")
+    _, test_set = work.load_split(0)
+    failed, held, child_s = tmp_path / "failed", tmp_path / "held", tmp_path / "child"
+    with pytest.raises(RuntimeError), keeping(failed):
+        KeepWeights(str(failed))(work.make_model("cpu"), None)
+        raise RuntimeError("the run failed")
+    held.mkdir()
+    KeepWeights(str(held))(work.make_model("cpu"), None)  # this process's, held
+    with keeping(child_s):
+        child = multiprocessing.get_context("fork").Process(
+            target=_keep_in_a_child, args=(str(child_s),)
+        )
+        child.start()
+        child.join(timeout=60)
+        assert child.exitcode == 0
+        assert [p.name for p in held.iterdir()] == ["000000.reserved"]  # the parent's, unwritten
+        kept, _ = evaluate_kept(
+            "digits-ae", child_s, test_set, final=snapshot(work.make_model("cpu"))
+        )
+    assert len(kept) == 1
+    assert [p.name for p in failed.iterdir()] == ["000000.reserved"]  # dropped, never written
+    assert [p.name for p in held.iterdir()] == ["000000.reserved"]  # not the other run's to write
+    kept, _ = evaluate_kept("digits-ae", held, test_set, final=snapshot(work.make_model("cpu")))
+    assert len(kept) == 1
 
 
 def test_a_copy_whose_process_died_unwritten_is_named(tmp_path: Path) -> None:

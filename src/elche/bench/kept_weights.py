@@ -38,12 +38,15 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elche._files import check_writable
 from elche.core.errors import ConfigError
 
-__all__ = ["KeepWeights", "evaluate_kept"]
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = ["KeepWeights", "evaluate_kept", "keeping"]
 
 SUFFIX = ".kept.pt"
 RESERVED = ".reserved"  # a copy's number, taken in the clock; its weights come later
@@ -87,10 +90,16 @@ class _Held:
 
     The thread is not a daemon: the interpreter, and a ``multiprocessing``
     child alike, joins it before the process exits, once the main thread is
-    done; it waits for that, then writes.
+    done; it waits for that, then writes. A forked child starts with none:
+    the parent's copies are the parent's to write.
     """
 
     def __init__(self) -> None:
+        self.forget()
+        os.register_at_fork(after_in_child=self.forget)
+
+    def forget(self) -> None:
+        """Hold nothing (a fresh process's state; a forked child's lock may be held)."""
         self.copies: list[tuple[Path, dict[str, Any]]] = []  # (its reserved file, the weights)
         self.lock = threading.Lock()
         self.writer: threading.Thread | None = None
@@ -98,7 +107,7 @@ class _Held:
     def add(self, reserved: Path, state: dict[str, Any]) -> None:
         with self.lock:
             self.copies.append((reserved, state))
-            if self.writer is None or not self.writer.is_alive():  # none yet, or the parent's
+            if self.writer is None or not self.writer.is_alive():
                 self.writer = threading.Thread(target=self._write_at_exit, name="elche-bench-kept")
                 self.writer.start()
 
@@ -106,8 +115,18 @@ class _Held:
         threading.main_thread().join()
         self.write()
 
-    def write(self) -> None:
-        """Write every copy held to its reserved number (``NNNNNN.kept.pt``).
+    def take(self, directory: Path | None = None) -> list[tuple[Path, dict[str, Any]]]:
+        """The copies held for ``directory`` (every one with ``None``), no longer held."""
+        taken: list[tuple[Path, dict[str, Any]]] = []
+        kept: list[tuple[Path, dict[str, Any]]] = []
+        with self.lock:
+            for copy in self.copies:
+                (taken if directory is None or copy[0].parent == directory else kept).append(copy)
+            self.copies = kept
+        return taken
+
+    def write(self, directory: Path | None = None) -> None:
+        """Write every copy held for ``directory`` (all with ``None``) to its number.
 
         A copy that cannot be written is dropped, its number renamed to
         ``NNNNNN.unwritten-ERRNO`` (kept as ``.reserved`` if even that fails)
@@ -117,11 +136,7 @@ class _Held:
 
         from elche.runtime.bundle import write_whole
 
-        while True:
-            with self.lock:
-                if not self.copies:
-                    return
-                reserved, state = self.copies.pop(0)
+        for reserved, state in self.take(directory):
             try:
                 write_whole(_kept(reserved), functools.partial(torch.save, state), sync=False)
             except OSError as exc:
@@ -130,6 +145,22 @@ class _Held:
                     reserved.rename(reserved.with_suffix(UNWRITTEN + name))
                 continue
             reserved.unlink()
+
+
+@contextlib.contextmanager
+def keeping(directory: Path) -> Iterator[Path]:
+    """``directory`` made for one run's kept copies.
+
+    A run that ends without ``evaluate_kept`` (it failed, or was stopped)
+    leaves the copies this process kept for it unwritten: they are dropped
+    when the run ends, not written at the process's exit into a run that is
+    over, nor by the next run's ``evaluate_kept``.
+    """
+    directory.mkdir()
+    try:
+        yield directory
+    finally:
+        _HELD.take(directory)
 
 
 def _kept(reserved: Path) -> Path:
@@ -158,7 +189,7 @@ def evaluate_kept(
 
     from elche.baselines.ddp import eval_snapshots
 
-    _HELD.write()  # this process's own copies (``ranks=1`` trains here)
+    _HELD.write(directory)  # this process's own copies (``ranks=1`` trains here)
     failed = sorted(directory.glob(f"*{UNWRITTEN}*"))
     if failed:
         reserved = failed[0].with_suffix(RESERVED)

@@ -93,7 +93,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elche.bench.capacity import measure_capacity
-from elche.bench.kept_weights import KeepWeights, evaluate_kept
+from elche.bench.kept_weights import KeepWeights, evaluate_kept, keeping
 from elche.bench.suites import (
     DDP,
     SOLO,
@@ -479,9 +479,7 @@ def _solo(
     torch.set_num_threads(1)  # as every rank process runs (honest efficiency denominator)
     try:
         with contextlib.ExitStack() as trained:
-            with _run_dir(keep_in) as tmp:  # as elche's runs
-                kept = tmp / "kept"
-                kept.mkdir()
+            with _run_dir(keep_in) as tmp, keeping(tmp / "kept") as kept:  # as elche's runs
                 result = train(
                     workload.make_model, workload.make_optimizer, step, split[0],
                     batch_size=plan.batch_size, epochs=plan.epochs, ranks=1, speeds=[1.0],
@@ -549,9 +547,7 @@ def _elche(
     record: Run = {}
     watching = watched_dashboard() if dashboard else contextlib.nullcontext(None)
     with contextlib.ExitStack() as trained:
-        with _run_dir(keep_in) as run_dir, watching as watch:
-            kept = run_dir / "kept"
-            kept.mkdir()
+        with _run_dir(keep_in) as run_dir, watching as watch, keeping(run_dir / "kept") as kept:
             result = train(
                 workload.make_model, workload.make_optimizer, workload.step_fn, split[0],
                 batch_size=plan.batch_size, epochs=plan.epochs, mode=mode, speeds=list(speeds),
