@@ -106,37 +106,13 @@ def _wait_joined(run_dir: Path, *, trained: bool = False) -> None:
         time.sleep(0.05)  # polling the run's timeline, with a deadline
 
 
-def test_a_rank_joins_a_running_run_and_trains_a_share(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    with _run_and_join(tmp_path, run_dir) as (run, joiner, seen):
-        joined_out, joined_err = joiner.communicate(timeout=240)
-        run_out, _ = run.communicate(timeout=60)
-    assert joiner.returncode == 0, joined_err
-    assert run.returncode == 0, "".join(seen)
-    summary = _result(run_out)
-    assert summary["outcome"] == "completed", summary
-    assert summary["lost_samples"] == 0
-    assert summary["epochs_completed"] == EPOCHS
-    assert summary["joined_ranks"] == [3]
-    rows = {row["rank"]: row for row in summary["per_rank"]}  # type: ignore[attr-defined]
-    assert sorted(rows) == [0, 1, 2, 3]
-    # The joiner came in at epoch 2: it trained a share of the epochs after it,
-    # and every sample was trained once (lost 0 above). How large a share
-    # depends on the pace the busy machine gives each process, so no bound
-    # on its size beyond what it could have trained.
-    train_set, _ = digits.load_digits_split(seed=0)
-    assert 0 < rows[3]["samples"] <= (EPOCHS - 2) * len(train_set)
-    assert sum(row["samples"] for row in rows.values()) == EPOCHS * len(train_set)
-    own = _result(joined_out)
-    assert own["joined_as"] == 3 and own["stopped"] == "completed"
-    assert "as rank 3" in joined_err
-
-
-def test_a_join_with_a_wrong_secret_or_port_is_refused_by_name_and_takes_no_slot(
+def test_a_rank_joins_a_running_run_and_trains_a_share_and_wrong_joins_take_no_slot(
     tmp_path: Path,
 ) -> None:
-    # Both were found by the coordinator's silence alone: the joiner said after 10 s
-    # that it had lost the coordinator, and the slot it took stayed taken.
+    # One run: two joins that name the wrong secret, then the wrong port, are refused
+    # by name, and the right one after them joins as rank 3 and trains a share. The
+    # wrong two were found by the coordinator's silence alone: the joiner said after
+    # 10 s that it had lost the coordinator, and the slot it took stayed taken.
     tried: list[subprocess.CompletedProcess[str]] = []
 
     def wrong_joins(match: re.Match[str], env: dict[str, str]) -> None:
@@ -151,7 +127,7 @@ def test_a_join_with_a_wrong_secret_or_port_is_refused_by_name_and_takes_no_slot
 
     run_dir = tmp_path / "run"
     with _run_and_join(tmp_path, run_dir, before=wrong_joins) as (run, joiner, seen):
-        _, joined_err = joiner.communicate(timeout=240)
+        joined_out, joined_err = joiner.communicate(timeout=240)
         run_out, _ = run.communicate(timeout=60)
     wrong_secret, wrong_port = tried
     assert wrong_secret.returncode != 0
@@ -162,10 +138,25 @@ def test_a_join_with_a_wrong_secret_or_port_is_refused_by_name_and_takes_no_slot
     assert "ConfigError: address: the run's coordinator listens at port" in wrong_port.stderr, (
         wrong_port.stderr
     )
-    assert "as rank 3" in joined_err, joined_err  # neither took a slot
+    assert joiner.returncode == 0, joined_err
+    assert "as rank 3" in joined_err, joined_err  # neither wrong join took a slot
+    assert run.returncode == 0, "".join(seen)
     summary = _result(run_out)
     assert summary["outcome"] == "completed", "".join(seen) + str(summary)
-    assert summary["joined_ranks"] == [3] and summary["lost_samples"] == 0
+    assert summary["lost_samples"] == 0
+    assert summary["epochs_completed"] == EPOCHS
+    assert summary["joined_ranks"] == [3]
+    rows = {row["rank"]: row for row in summary["per_rank"]}  # type: ignore[attr-defined]
+    assert sorted(rows) == [0, 1, 2, 3]
+    # The joiner came in at epoch 2: it trained a share of the epochs after it,
+    # and every sample was trained once (lost 0 above). How large a share
+    # depends on the pace the busy machine gives each process, so no bound
+    # on its size beyond what it could have trained.
+    train_set, _ = digits.load_digits_split(seed=0)
+    assert 0 < rows[3]["samples"] <= (EPOCHS - 2) * len(train_set)
+    assert sum(row["samples"] for row in rows.values()) == EPOCHS * len(train_set)
+    own = _result(joined_out)
+    assert own["joined_as"] == 3 and own["stopped"] == "completed"
 
 
 @pytest.mark.parametrize("stop", ["ctrl-c", "elche join killed"])
