@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+import elche
 from elche.core import messages as m
 from elche.core.config import CoordinatorConfig, Mode
 from elche.core.journal import record_of
@@ -31,6 +32,7 @@ from elche.runtime.host import ADDRESS_LINE, config_to_json
 from elche.runtime.journal_file import JOURNAL_FILE, JournalWriter, read_journal
 from elche.runtime.supervision import Supervised
 from elche.runtime.transport import RankEndpoint
+from elche.workloads import digits
 from tests.core.harness import Harness
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -139,24 +141,36 @@ def test_issue13_a_killed_coordinator_is_restarted_and_the_run_completes(
 
 @pytest.mark.parametrize("launcher", ["elche.train", "elche-run"])
 def test_a_coordinator_lost_before_the_run_began_fails_it_saying_nothing_was_trained(
-    tmp_path: Path, launcher: str
-) -> None:
+    tmp_path: Path, launcher: str, monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
     # No journal yet, so no successor: the run fails. It used to say the journal
     # "cannot be read: [Errno 2] No such file", after the launcher had given ranks
     # that trained nothing 30 s to keep their state.
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    args, expected = LAUNCHERS[launcher]
-    env = dict(os.environ, ELCHE_RUN_DIR=str(tmp_path / "run"), ELCHE_FAULT_COORDINATOR="start")
-    done = subprocess.run(
-        [sys.executable, *args, str(script), "cadence", "start"],
-        capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path, env=env,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert sorted(re.findall(r"RETURNED \d", done.stdout)) == expected, done.stderr[-4000:]
-    assert "the coordinator was lost before the run began" in done.stderr
-    (line,) = re.findall(r"SUMMARY (\{.*\})", done.stdout)
-    summary = json.loads(line)
+    monkeypatch.setenv("ELCHE_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("ELCHE_FAULT_COORDINATOR", "start")  # the coordinator takes it at launch
+    if launcher == "elche.train":  # in this process: its fork server is up (the suite's time)
+        train_set, _ = digits.load_digits_split(seed=0)
+        summary = elche.train(
+            digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+            batch_size=32, epochs=3, mode="cadence", ranks=3, progress=False,
+        ).summary  # fmt: skip
+        err = capfd.readouterr().err
+    else:
+        script = tmp_path / "train.py"
+        script.write_text(SCRIPT)
+        done = subprocess.run(
+            [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", str(script), "cadence",
+             "start"],
+            capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path,
+        )  # fmt: skip
+        err = done.stderr
+        assert done.returncode == 0, err[-4000:]
+        returned = sorted(re.findall(r"RETURNED \d", done.stdout))
+        assert returned == ["RETURNED 0", "RETURNED 1"], err[-4000:]
+        (line,) = re.findall(r"SUMMARY (\{.*\})", done.stdout)
+        summary = json.loads(line)
+    assert "the coordinator was lost before the run began" in err, err[-4000:]
     assert summary["outcome"] == "failed"
     assert "lost before the run began; nothing was trained" in summary["reason"], summary
     assert summary["epochs_completed"] == 0
@@ -254,44 +268,25 @@ def test_a_successor_killed_while_its_ranks_rejoin_is_followed_by_one_they_accep
                 proc.wait(timeout=30)
 
 
-SAVING = """
-import json, sys
-import elche
-from elche.workloads import digits
-
-if __name__ == "__main__":
-    train_set, _ = digits.load_digits_split(seed=0)
-    result = elche.train(
-        digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
-        batch_size=32, epochs=2, mode="cadence", heartbeat_timeout_s=5.0, ranks=3,
-        checkpoint_every=1, save_path=sys.argv[1], progress=False,
-    )
-    print("SUMMARY " + json.dumps(result.summary), flush=True)
-    print("EPOCHS " + json.dumps([e["epoch"] for e in result.epochs]), flush=True)
-"""
-
-
 def test_a_coordinator_lost_between_a_saves_files_and_its_meta_leaves_no_files_of_it(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """Killed once the ranks wrote the last checkpoint's files, before its meta
     (``save:2``): the run completes, the meta before stands, and the files of
     the save that never committed go (its successor removes them)."""
-    script = tmp_path / "train.py"
-    script.write_text(SAVING)
     stem = tmp_path / "bundle" / "ck"
     stem.parent.mkdir()
-    env = dict(os.environ, ELCHE_FAULT_COORDINATOR="save:2")
-    done = subprocess.run(
-        [sys.executable, str(script), str(stem)],
-        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path, env=env,
+    monkeypatch.setenv("ELCHE_FAULT_COORDINATOR", "save:2")  # the coordinator takes it at launch
+    train_set, _ = digits.load_digits_split(seed=0)
+    result = elche.train(  # in this process: its fork server is up (the suite's time)
+        digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+        batch_size=32, epochs=2, mode="cadence", heartbeat_timeout_s=5.0, ranks=3,
+        checkpoint_every=1, save_path=str(stem), progress=False,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "restarting it from the journal" in done.stderr
-    (line,) = re.findall(r"SUMMARY (\{.*\})", done.stdout)
-    summary = json.loads(line)
+    assert "restarting it from the journal" in capfd.readouterr().err
+    summary = result.summary
     assert summary["outcome"] == "completed" and summary["lost_samples"] == 0, summary
-    assert json.loads(re.findall(r"EPOCHS (\[.*\])", done.stdout)[0]) == [0, 1]
+    assert [e["epoch"] for e in result.epochs] == [0, 1]
     meta = bundle.read_meta(str(stem))
     assert meta is not None and meta.save_seq == 1 and meta.files is not None
     named = [meta.files.model, *(f for _, f in meta.files.optim)]
