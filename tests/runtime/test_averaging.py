@@ -1,27 +1,22 @@
 """Work-weighted averaging: masses, divergence, snapshots, EASGD, DiLoCo, collectives.
 
 The unit tests pin the arithmetic by hand-computed values (floDl core spec
-§5.1, §8). The integration tests spawn real gloo ranks over a ``FileStore``
-(no ports) and check that every rank ends up with the mass-weighted mean.
+§5.1, §8). The real collectives over spawned gloo ranks are checked in
+test_gloo_world.py: every rank ends up with the mass-weighted mean.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.testing import assert_close
 
 from elche.runtime.averaging import (
-    collective_average,
     divergence,
     float_buffers,
     load_average,
@@ -39,7 +34,6 @@ from elche.runtime.snapshots import (
     param_mass,
     save_outer_state,
 )
-from tests.runtime.spawned import run_spawned
 
 # --- masses ------------------------------------------------------------------
 
@@ -352,82 +346,3 @@ def test_averager_steps_the_outer_optimizer_on_parameters_only() -> None:
         want = shadow.step(snapshot[:2])  # the mean of one contribution is itself
         assert frames == encode(LAYOUT, [*want, snapshot[2]])  # the buffer passes through
         shadow.set_global(decode(LAYOUT, frames)[:2])
-
-
-# --- real collectives on gloo --------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """What each spawned rank does; pickled to the children."""
-
-    store: str  # FileStore path: rendezvous without ports
-    steps: list[int]  # per rank
-    poison_idle: bool  # a NaN in the parameters of ranks with 0 steps
-    out_dir: str
-
-    def out(self, rank: int) -> str:
-        return os.path.join(self.out_dir, f"rank{rank}.pt")
-
-
-def _rank_main(rank: int, plan: RankPlan) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    world = len(plan.steps)
-    dist.init_process_group("gloo", store=dist.FileStore(plan.store, world), rank=rank,
-                            world_size=world)  # fmt: skip
-    try:
-        steps = plan.steps[rank]
-        model = tiny_model(rank, poison=plan.poison_idle and steps == 0)
-        result = collective_average(model, steps)
-        torch.save({"state": model.state_dict(), "result": result}, plan.out(rank))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(tmp_path: Path, steps: list[int], *, poison_idle: bool) -> list[dict[str, Any]]:
-    plan = RankPlan(str(tmp_path / "store"), steps, poison_idle, str(tmp_path))
-    # One budget for all: the test stays under 30 s.
-    run_spawned(_rank_main, [(r, plan) for r in range(len(steps))], budget_s=25)
-    return [torch.load(plan.out(r), weights_only=True) for r in range(len(steps))]
-
-
-@pytest.mark.integration
-@pytest.mark.slow
-def test_collective_average_weighted_over_gloo(tmp_path: Path) -> None:
-    steps = [3, 1, 0]
-    results = run_ranks(tmp_path, steps, poison_idle=True)
-    models = [tiny_model(r, poison=s == 0) for r, s in enumerate(steps)]
-    masses = [param_mass(s) for s in steps]
-    names = [n for n, _ in models[0].named_parameters()]
-    for name in names:  # parameters: Σ m_i p_i / Σ m_i; the idle rank weighs 0
-        stacked = [dict(m.named_parameters())[name].detach().double() for m in models]
-        want = sum(m * p for m, p in zip(masses, stacked, strict=True) if m > 0) / sum(masses)
-        for res in results:
-            got = res["state"][name]
-            assert_close(got, want.to(got.dtype))
-            assert torch.equal(got, results[0]["state"][name])
-    for name in ("1.running_mean", "1.running_var"):  # buffers: mean over movers
-        want = (models[0].state_dict()[name] + models[1].state_dict()[name]) / 2
-        for res in results:
-            assert_close(res["state"][name], want)
-    for rank, res in enumerate(results):  # integer buffers stay local
-        assert int(res["state"]["1.num_batches_tracked"]) == 10 * rank + 7
-        consensus = [res["state"][n] for n in names]
-        pre = [p.detach() for p in models[rank].parameters()]
-        assert res["result"] == pytest.approx(divergence(pre, consensus), nan_ok=True)
-    assert math.isnan(results[2]["result"][0])  # its own NaN, measured, not spread
-
-
-@pytest.mark.integration
-@pytest.mark.slow
-def test_collective_average_all_idle_changes_nothing(tmp_path: Path) -> None:
-    results = run_ranks(tmp_path, [0, 0], poison_idle=False)
-    for rank, res in enumerate(results):
-        model = tiny_model(rank)
-        for name, want in model.state_dict().items():
-            assert torch.equal(res["state"][name], want)
-        norm = divergence(list(model.parameters()), list(model.parameters()))[1]
-        assert res["result"] == pytest.approx((0.0, norm, norm))

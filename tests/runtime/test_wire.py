@@ -1,21 +1,17 @@
 """The bf16 averaging wire: casts, frames, and the collective delta average.
 
 The unit tests of the collective path run a world of one gloo rank in this
-process (a ``FileStore``, no ports), destroyed even on failure; one
-integration test spawns three gloo ranks: they agree on one consensus, within
-bf16 of the fp32 one, and a stale reference on one rank makes every rank redo
-the round in fp32.
+process (a ``FileStore``, no ports), destroyed even on failure; three spawned
+gloo ranks are checked in test_gloo_world.py: they agree on one consensus,
+within bf16 of the fp32 one, and a stale reference on one rank makes every
+rank redo the round in fp32.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import msgspec
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from elche.core.errors import ConfigError
@@ -23,7 +19,6 @@ from elche.runtime.averaging import frozen_parameters, load_average, snapshot_fr
 from elche.runtime.options import TrainOptions, check_options
 from elche.runtime.snapshots import Layout, SnapshotAverager
 from elche.runtime.wire import Wire, average_over, wire_dtype
-from tests.runtime.spawned import run_spawned
 
 BF16_REL = 2.0**-8  # bfloat16 keeps 8 significant bits: its unit roundoff
 
@@ -171,64 +166,3 @@ def test_fp32_wire_counts_the_full_payload(world_of_one: None) -> None:
     wire = Wire()
     average_over(wire, model, 2)
     assert (wire.rounds, wire.bytes) == (1, 27 * 4 + 16)
-
-
-# --- real collectives: three gloo ranks ----------------------------------------
-
-UPDATE = 1e-3  # each rank's update, far below bf16's step at the weights (2**-7 at 1)
-FP32_AT_1 = 4e-7  # a few fp32 steps at 1.0 (2**-23 each): the fp32 rounding of 1 + update
-
-
-def _wire_rank(rank: int, store: str, out: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, 3), rank=rank, world_size=3)
-    try:
-        results = {}
-        for name in ("fp32", "bf16", "bf16-stale"):
-            model, wire = _start(), Wire("fp32" if name == "fp32" else "bf16")
-            average_over(wire, model, 1)  # the first consensus (and the bf16 ref)
-            if name == "bf16-stale" and rank == 2:  # its ref is no longer the consensus
-                assert wire.ref is not None
-                wire.keep([wire.ref[0] + 1.0])
-            with torch.no_grad():
-                model.weight.add_(_update(rank))
-            average_over(wire, model, rank + 1)  # masses 1, 2, 3
-            results[name] = (model.weight.detach().clone(), wire.bytes, wire.rounds)
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _start() -> nn.Linear:
-    model = nn.Linear(256, 1, bias=False)
-    with torch.no_grad():
-        model.weight.fill_(1.0)
-    return model
-
-
-def _update(rank: int) -> torch.Tensor:
-    return torch.randn(1, 256, generator=torch.Generator().manual_seed(rank)) * UPDATE
-
-
-@pytest.mark.integration
-@pytest.mark.slow
-def test_three_ranks_agree_on_the_bf16_delta_consensus(tmp_path: Path) -> None:
-    args = (str(tmp_path / "store"), str(tmp_path))
-    run_spawned(_wire_rank, [(r, *args) for r in range(3)], budget_s=60)
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(3)]
-    want = sum((r + 1) * _update(r).double() for r in range(3)) / 6  # the mean update
-    # each mass·update is rounded to bf16, and so is each partial sum on gloo's way
-    bound = (
-        3 * BF16_REL * sum((r + 1) * _update(r).double().abs() for r in range(3)) / 6 + FP32_AT_1
-    )
-    for name in ("fp32", "bf16", "bf16-stale"):
-        weights = [res[name][0] for res in results]
-        assert all(torch.equal(w, weights[0]) for w in weights), name  # one consensus for all
-        error = (weights[0].double() - 1.0 - want).abs()
-        assert bool((error <= (FP32_AT_1 if name == "fp32" else bound)).all()), name
-    fp32_bytes, bf16_bytes = results[0]["fp32"][1], results[0]["bf16"][1]
-    assert fp32_bytes == 2 * (256 * 4 + 16)
-    assert bf16_bytes == (256 * 2 + 48) * 2 + 256 * 4 + 16  # the first round is a full one
-    stale = results[0]["bf16-stale"][1]
-    assert stale == bf16_bytes + 256 * 4 + 16  # the stale ref was found: a full round again
