@@ -43,23 +43,28 @@ def run_ranks_by_speed(
 ) -> tuple[subprocess.CompletedProcess[str], list[int]]:
     """``elche run --nproc 2`` of ``text`` (speeds 1 and 0.25, paced from a 20 ms step so
     that pacing, not a busy machine's share of CPU, orders them: two ranks are enough to
-    be unequal, and a third costs the suite its start-up); every rank printed one ``SUMMARY``
-    line, the same on every rank, of a completed 2-epoch run whose ranks' samples follow
-    their speeds. The finished process, and each rank's samples."""
+    be unequal, and a third costs the suite its start-up), checked by ``ranks_by_speed``.
+    The finished process, and each rank's samples."""
     script.write_text(text)
     done = subprocess.run(
         [sys.executable, "-m", "elche.cli", "run", "--nproc", str(RANKS), str(script)],
         capture_output=True, text=True, timeout=timeout_s, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("SUMMARY ")]
-    assert len(lines) == RANKS and len(set(lines)) == 1, done.stdout  # every rank, alike
+    return done, ranks_by_speed(done.stdout)
+
+
+def ranks_by_speed(stdout: str) -> list[int]:
+    """Every rank printed one ``SUMMARY`` line, the same on every rank, of a completed
+    2-epoch run whose ranks' samples follow their speeds. Each rank's samples."""
+    lines = [line for line in stdout.splitlines() if line.startswith("SUMMARY ")]
+    assert len(lines) == RANKS and len(set(lines)) == 1, stdout  # every rank, alike
     summary = json.loads(lines[0].removeprefix("SUMMARY "))
     assert summary["outcome"] == "completed"
     assert summary["epochs_completed"] == 2 and summary["lost_samples"] == 0
     samples = [r["samples"] for r in summary["per_rank"]]
     assert samples[0] > samples[1]
-    return done, samples
+    return samples
 
 
 def test_the_session_example_trains_two_ranks_by_speed_under_elche_run(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from elche import ConfigError, TrainingError
-from tests.integration.test_session_launched import RANKS, run_ranks_by_speed
+from tests.integration.test_session_launched import RANKS, ranks_by_speed
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("lightning") is None,
@@ -150,26 +150,70 @@ class Digits(pl.LightningModule):
         return digits.make_optimizer(self.net.parameters())
 
 
-if __name__ == "__main__":
-    train_set, _ = digits.load_digits_split(seed=0)
-    strategy = elche.lightning.ElcheStrategy(speeds=[1.0, 0.25], speed_base_s=0.02)
+def fit(train_set, max_epochs, **options):
+    strategy = elche.lightning.ElcheStrategy(speeds=[1.0, 0.25], speed_base_s=0.02, **options)
     trainer = pl.Trainer(
-        strategy=strategy, max_epochs=2, accelerator="cpu", logger=False,
+        strategy=strategy, max_epochs=max_epochs, accelerator="cpu", logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     module = Digits()
     trainer.fit(module, torch.utils.data.DataLoader(train_set, batch_size=32, shuffle=True))
+    return module, strategy
+
+
+if __name__ == "__main__":
+    train_set, _ = digits.load_digits_split(seed=0)
+    module, strategy = fit(train_set, 2)
     lines = ["RANK " + json.dumps([int(os.environ["RANK"]), module.batches]),
              "SUMMARY " + json.dumps(strategy.result.summary, sort_keys=True)]
     os.write(1, ("\\n".join(lines) + "\\n").encode())  # one write: the ranks share the pipe
+    fit(train_set, 200, run_dir=os.environ["RUN_DIR"])  # the test stops this one
 """
 
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_a_trainer_script_trains_two_ranks_by_speed_under_elche_run(tmp_path: Path) -> None:
-    done, samples = run_ranks_by_speed(tmp_path / "fit.py", SCRIPT, timeout_s=300)
-    ranks = [json.loads(ln.removeprefix("RANK ")) for ln in done.stdout.splitlines()
+def test_a_trainer_script_trains_two_ranks_by_speed_then_stopped_saves_and_exits_143(
+    tmp_path: Path,
+) -> None:
+    # One launch (each costs its ranks' start-up) fits twice: a 2-epoch run that completes
+    # and prints each rank's batches and summary, then a 200-epoch one that the test stops
+    # with SIGTERM mid-run. Lightning takes any KeyboardInterrupt in fit for its own Ctrl-C
+    # and exits 1: every rank of a run stopped (and saved) by SIGTERM exited 1, and elche
+    # run with it, as if the run had failed.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "fit.py"
+    script.write_text(SCRIPT)
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "elche.cli", "run", "--nproc", str(RANKS), str(script)],
+        env=dict(os.environ, RUN_DIR=str(run_dir)), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        timeline = run_dir / "timeline.jsonl"
+        deadline = time.monotonic() + 240
+        while not (timeline.exists() and '"EpochEnd"' in timeline.read_text()):  # mid-run
+            assert time.monotonic() < deadline and launcher.poll() is None, launcher.poll()
+            time.sleep(0.05)  # polling the second run's timeline, with a deadline
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 143, err[-3000:]
+    assert f"elche: interrupted by SIGTERM; the run is saved under {run_dir}/checkpoint;" in err
+    assert "KeyboardInterrupt" not in err and "exited with code" not in err, err[-3000:]
+
+    # The first, completed run.
+    samples = ranks_by_speed(out)
+    ranks = [json.loads(ln.removeprefix("RANK ")) for ln in out.splitlines()
              if ln.startswith("RANK ")]  # fmt: skip
     assert sorted(rank for rank, _ in ranks) == list(range(RANKS))
     for rank, batches in ranks:
@@ -179,44 +223,3 @@ def test_a_trainer_script_trains_two_ranks_by_speed_under_elche_run(tmp_path: Pa
         assert batches and set(batches) <= {"0", "1"}
         assert sum(batches.values()) >= -(-samples[rank] // 32)
     assert set().union(*(batches for _, batches in ranks)) == {"0", "1"}
-
-
-@pytest.mark.slow
-@pytest.mark.integration
-def test_a_stopped_trainer_script_under_elche_run_saves_and_exits_143(tmp_path: Path) -> None:
-    # Lightning takes any KeyboardInterrupt in fit for its own Ctrl-C and exits 1: every
-    # rank of a run stopped (and saved) by SIGTERM exited 1, and elche run with it, as if
-    # the run had failed.
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    script = tmp_path / "fit.py"
-    script.write_text(
-        SCRIPT.replace("max_epochs=2", "max_epochs=200").replace(
-            "speed_base_s=0.02)", "speed_base_s=0.02, run_dir=os.environ['RUN_DIR'])"
-        )
-    )
-    run_dir = tmp_path / "run"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "elche.cli", "run", "--nproc", str(RANKS), str(script)],
-        env=dict(os.environ, RUN_DIR=str(run_dir)), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        timeline = run_dir / "timeline.jsonl"
-        deadline = time.monotonic() + 120
-        while not (timeline.exists() and '"EpochEnd"' in timeline.read_text()):  # mid-run
-            assert time.monotonic() < deadline and launcher.poll() is None, launcher.poll()
-            time.sleep(0.05)  # polling the run's timeline, with a deadline
-        launcher.send_signal(signal.SIGTERM)
-        _, err = launcher.communicate(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.communicate()
-    assert launcher.returncode == 143, err[-3000:]
-    assert f"elche: interrupted by SIGTERM; the run is saved under {run_dir}/checkpoint;" in err
-    assert "KeyboardInterrupt" not in err and "exited with code" not in err, err[-3000:]
