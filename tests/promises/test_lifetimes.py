@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from elche.chaos import audit_spans
-from elche.runtime.lifetimes import process_state
+from elche.runtime.lifetimes import CTRL_Z_LINE, process_state
 from elche.workloads import digits
 from tests.promises.test_storage import small_disk
 
@@ -743,3 +743,47 @@ def test_issue12_item12_under_torchrun_a_killed_worker_leaves_a_resumable_bundle
     # The one traceback is the agent's own (ChildFailedError); none from elche.
     assert not re.search(r'File ".*/elche/', err), err[-3000:]
     assert Path(f"{save}.meta.json").exists()
+
+
+# The session's leader starts the launcher in a process group of its own and waits: a
+# terminal's job (a group whose parent is in the session), not an orphaned group, which
+# the kernel's Ctrl-Z would not stop at all.
+AS_A_JOB = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:], process_group=0))"
+
+
+@pytest.mark.parametrize("launcher", ["elche run", "elche.train"])
+def test_ctrl_z_stops_the_launcher_alone_and_says_that_the_run_trains_on(
+    tmp_path: Path, launcher: str
+) -> None:
+    # The ranks and the coordinator run in process groups of their own (the stop signals
+    # are the launcher's to order): Ctrl-Z stopped the launcher, the shell said "Stopped",
+    # and the run trained on, unsaid.
+    script = tmp_path / "train.py"
+    if launcher == "elche run":
+        script.write_text(RUN_SCRIPT)
+        args = [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", str(script), ""]
+    else:
+        script.write_text(SCRIPT.replace("FINAL_HOOK", "None"))
+        args = [sys.executable, str(script), str(tmp_path / "bundle"), "8"]
+    with session([sys.executable, "-c", AS_A_JOB, *args], tmp_path) as proc:
+        wait_mid_run(proc, tmp_path)
+        (job,) = [pid for pid in session_pids(proc.pid) if _parent_of(pid) == proc.pid]
+        (timeline,) = tmp_path.glob("**/timeline.jsonl")
+        os.killpg(job, signal.SIGTSTP)  # Ctrl-Z: the terminal's foreground group
+        deadline = time.monotonic() + MID_RUN_WITHIN_S
+        while (process_state(job) or "-")[0] != "T":
+            assert time.monotonic() < deadline, "the launcher was not stopped"
+            time.sleep(0.02)  # polling for a condition, with a deadline
+        trained = len(timeline.read_text())
+        while len(timeline.read_text()) == trained:  # the run trains on meanwhile
+            assert time.monotonic() < deadline and proc.poll() is None, "the run stopped"
+            time.sleep(0.05)  # polling for a condition, with a deadline
+        assert (process_state(job) or "-")[0] == "T"
+        os.killpg(job, signal.SIGCONT)  # the shell's fg
+        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
+    assert returncode == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    said = [line for line in elche_lines(err) if "Ctrl-Z" in line]
+    assert said == [CTRL_Z_LINE], err[-3000:]
+    if launcher == "elche.train":
+        assert "COMPLETED completed model=True" in out, out + err[-3000:]

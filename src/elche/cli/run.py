@@ -110,12 +110,12 @@ def _run_env(args: argparse.Namespace) -> tuple[dict[str, str], bool]:
 
 def _launch_ranks(args: argparse.Namespace, env: dict[str, str]) -> int:
     """Start the ranks, pass the stop signals on, wait; ``elche run``'s exit status."""
-    from elche.runtime.lifetimes import StopSignals
+    from elche.runtime.lifetimes import StopSignals, ctrl_z_said
 
     ranks = _Ranks()
     # SIGINT/SIGTERM/SIGHUP: the ranks save and exit 130/143/129 (elche.runtime.lifetimes);
-    # a second SIGINT kills them.
-    with StopSignals(on_signal=ranks.forward) as signals:
+    # a second SIGINT kills them. Ctrl-Z stops elche run alone, saying so.
+    with ctrl_z_said(), StopSignals(on_signal=ranks.forward) as signals:
         try:
             for rank in range(args.nproc):
                 if ranks.stopped_early is None:  # (a signal while they start: no more)

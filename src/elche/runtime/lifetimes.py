@@ -70,6 +70,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 __all__ = [
+    "CTRL_Z_LINE",
     "EXIT_ORPHANED",
     "ORPHAN_GRACE_S",
     "RANKS_MET_ENV",
@@ -82,6 +83,7 @@ __all__ = [
     "Interrupted",
     "StopSignals",
     "announce",
+    "ctrl_z_said",
     "drop_hung_up_streams",
     "end_as_signalled",
     "held_stop_signals",
@@ -451,6 +453,49 @@ def relay_stop_signals() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+# What a launcher says when Ctrl-Z stops it (``ctrl_z_said``).
+CTRL_Z_LINE = (
+    "elche: Ctrl-Z stopped this launcher only: the run's ranks and coordinator train on "
+    "without it (fg follows the run again; Ctrl-C then stops it, saved)"
+)
+
+
+@contextlib.contextmanager
+def ctrl_z_said() -> Iterator[None]:
+    """While entered on the main thread, Ctrl-Z (SIGTSTP) says ``CTRL_Z_LINE``, then
+    stops this process as Ctrl-Z does.
+
+    A launcher's ranks and coordinator run in process groups of their own (the
+    stop signals are the launcher's to order), so the terminal's Ctrl-Z stops
+    the launcher's group alone: the shell said "Stopped" while the run trained
+    on, unsaid. Stopping them too would take more than the signal: a pause
+    longer than ``heartbeat_timeout_s`` would make each side take the other
+    for lost. The previous handler comes back on exit.
+    """
+    tstp = getattr(signal, "SIGTSTP", None)
+    if (
+        tstp is None
+        or threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(tstp) is signal.SIG_IGN
+    ):
+        yield
+        return
+
+    def on_ctrl_z(signum: int, frame: FrameType | None) -> None:
+        print(CTRL_Z_LINE, file=sys.stderr, flush=True)
+        signal.signal(tstp, signal.SIG_DFL)
+        try:
+            os.kill(os.getpid(), tstp)  # stopped here until SIGCONT (the shell's fg or bg)
+        finally:
+            signal.signal(tstp, on_ctrl_z)
+
+    previous = signal.signal(tstp, on_ctrl_z)
+    try:
+        yield
+    finally:
+        signal.signal(tstp, signal.SIG_DFL if previous is None else previous)
+
+
 @contextlib.contextmanager
 def held_stop_signals() -> Iterator[None]:
     """While entered (on the main thread), a stop signal (``STOP_SIGNALS``) waits: on
@@ -500,6 +545,7 @@ def marked_stop_signals() -> Iterator[tuple[StopSignals, int]]:
     try:
         with (
             _marked_at_delivery(marks_out),
+            ctrl_z_said(),
             StopSignals(on_signal=lambda _: mark_stop(marks_out)) as signals,
         ):
             yield signals, marks
