@@ -470,13 +470,13 @@ def ctrl_z_said() -> Iterator[None]:
     the launcher's group alone: the shell said "Stopped" while the run trained
     on, unsaid. Stopping them too would take more than the signal: a pause
     longer than ``heartbeat_timeout_s`` would make each side take the other
-    for lost. The previous handler comes back on exit.
+    for lost. Where Ctrl-Z is ignored or the script handles it, it is left so.
     """
     tstp = getattr(signal, "SIGTSTP", None)
     if (
         tstp is None
         or threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(tstp) is signal.SIG_IGN
+        or signal.getsignal(tstp) is not signal.SIG_DFL  # ignored, or the script's own
     ):
         yield
         return
@@ -489,11 +489,11 @@ def ctrl_z_said() -> Iterator[None]:
         finally:
             signal.signal(tstp, on_ctrl_z)
 
-    previous = signal.signal(tstp, on_ctrl_z)
+    signal.signal(tstp, on_ctrl_z)
     try:
         yield
     finally:
-        signal.signal(tstp, signal.SIG_DFL if previous is None else previous)
+        signal.signal(tstp, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
