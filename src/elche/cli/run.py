@@ -139,7 +139,7 @@ def _launch_ranks(args: argparse.Namespace, env: dict[str, str]) -> int:
         print(f"elche run: rank {cut_short} {_ended(codes[cut_short])} before every rank "
               f"reached the run, which cannot form without it; the other ranks were "
               f"stopped (nothing was trained)", file=sys.stderr)  # fmt: skip
-        return _status(codes[cut_short])
+        return _status(codes[cut_short]) or 1  # (status 0: the run failed all the same)
     return _formed_run_ended(codes, signals.received)
 
 
@@ -207,19 +207,27 @@ class _Ranks:
         self._stops, self._stops_out = stop_marks()  # every rank looks, the launcher writes
         self._met, self._met_out = os.pipe()  # the launcher looks, rank 0 writes
         self._formed = False  # (latched: see formed)
+        self._waiting, self._waiting_out = os.pipe()  # the launcher looks, every rank writes
+        self._a_rank_waits = False  # (latched: see waiting)
 
     def start(self, command: list[str], env: dict[str, str]) -> None:
-        from elche.runtime.lifetimes import RANK_EXITS_ENV, RANKS_MET_ENV, RUN_STOPS_ENV
+        from elche.runtime.lifetimes import (
+            RANK_EXITS_ENV,
+            RANKS_MET_ENV,
+            RANKS_WAITING_ENV,
+            RUN_STOPS_ENV,
+        )
 
-        env = dict(env, **{RUN_STOPS_ENV: str(self._stops)})
+        env = dict(
+            env, **{RUN_STOPS_ENV: str(self._stops), RANKS_WAITING_ENV: str(self._waiting_out)}
+        )
+        fds: tuple[int, ...] = (self._stops, self._waiting_out)
         if self.procs:
-            self.procs.append(
-                subprocess.Popen(command, env=env, process_group=0, pass_fds=(self._stops,))
-            )
+            self.procs.append(subprocess.Popen(command, env=env, process_group=0, pass_fds=fds))
             return
         # rank 0's alone (the launcher keeps its end of the met pipe: no EOF there)
         env = dict(env, **{RANK_EXITS_ENV: str(self._exits), RANKS_MET_ENV: str(self._met_out)})
-        fds = (self._exits, self._stops, self._met_out)
+        fds += (self._exits, self._met_out)
         try:
             self.procs.append(subprocess.Popen(command, env=env, process_group=0, pass_fds=fds))
         finally:
@@ -233,6 +241,14 @@ class _Ranks:
                 self._formed = bool(select.select([self._met], [], [], 0)[0])
         return self._formed
 
+    def waiting(self) -> bool:
+        """Whether a rank has reached torch's rendezvous (``say_waiting``; latched, as
+        ``formed``)."""
+        if not self._a_rank_waits:
+            with contextlib.suppress(OSError, ValueError):  # (closed: the ranks have ended)
+                self._a_rank_waits = bool(select.select([self._waiting], [], [], 0)[0])
+        return self._a_rank_waits
+
     def report_exit(self, proc: subprocess.Popen[bytes]) -> None:
         """Tell rank 0 that ``proc``, an ended rank but 0, has ended. (Rank 0's own
         end its coordinator sees: its stdin closes.)"""
@@ -242,7 +258,8 @@ class _Ranks:
                 os.write(self._exits_out, f"{rank} {proc.returncode}\n".encode())
 
     def close(self) -> None:
-        for fd in (self._exits_out, self._stops, self._stops_out, self._met, self._met_out):
+        for fd in (self._exits_out, self._stops, self._stops_out, self._met, self._met_out,
+                   self._waiting, self._waiting_out):  # fmt: skip
             with contextlib.suppress(OSError):
                 os.close(fd)
 
@@ -275,16 +292,20 @@ def _wait_ranks(ranks: _Ranks) -> int | None:
 
     torch's rendezvous waits (30 minutes by default) for every rank, deaf to
     signals. A rank that fails before every rank met there leaves the others
-    waiting for it, so they are killed at once: nothing was trained yet. One
-    that fails after, the run survives (``ranks.formed``: rank 0 said so). Ranks
+    waiting for it, so they are killed at once: nothing was trained yet. So is
+    one that ended with status 0 (its script never called ``elche.train``), once
+    another rank waits at the rendezvous (``say_waiting``): ranks that all end
+    without training are a script's own business. One that fails after the
+    run formed, the run survives (``ranks.formed``: rank 0 said so). Ranks
     stopped before the run formed (``_Ranks.forward``) are killed once their
     grace is over.
     """
     procs = ranks.procs
     live = list(procs)
+    left: subprocess.Popen[bytes] | None = None  # ended with 0 before the run formed
     while live:
-        if ranks.kill_at is not None:  # a bounded end: each turn looks again
-            if time.monotonic() >= ranks.kill_at:
+        if ranks.kill_at is not None or left is not None:  # bounded: each turn looks again
+            if ranks.kill_at is not None and time.monotonic() >= ranks.kill_at:
                 ranks.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 live[0].wait(timeout=0.05)
@@ -298,11 +319,14 @@ def _wait_ranks(ranks: _Ranks) -> int | None:
         live = [proc for proc in live if proc not in ended]
         failed = [proc for proc in ended if proc.returncode != 0]
         formed = ranks.formed()
-        if failed and live and not formed and ranks.stopped_early is None:
+        if left is None and not formed:
+            left = next((proc for proc in ended if proc.returncode == 0), None)
+        gone = failed[0] if failed else left if ranks.waiting() else None
+        if gone is not None and live and not formed and ranks.stopped_early is None:
             for proc in live:
                 proc.kill()
                 proc.wait()
-            return procs.index(failed[0])
+            return procs.index(gone)
         for proc in ended if formed else ():
             ranks.report_exit(proc)
     return None

@@ -84,6 +84,7 @@ from elche.runtime.lifetimes import (
     StopSignals,
     leave_run,
     say_ranks_met,
+    say_waiting,
     stop_came_alone,
     watch_launcher,
 )
@@ -223,6 +224,7 @@ def _train(
     multi_host = local_world < world
     if not multi_host:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    say_waiting()  # (elche run stops the others if a rank ended before it got here)
     dist.init_process_group(
         "gloo", store=_launchers_store(rank, world), rank=rank, world_size=world
     )

@@ -74,6 +74,7 @@ __all__ = [
     "EXIT_ORPHANED",
     "ORPHAN_GRACE_S",
     "RANKS_MET_ENV",
+    "RANKS_WAITING_ENV",
     "RANK_EXITS_ENV",
     "RESUME_HINT",
     "RUN_STOPS_ENV",
@@ -97,6 +98,7 @@ __all__ = [
     "process_state",
     "relay_stop_signals",
     "say_ranks_met",
+    "say_waiting",
     "stop_came_alone",
     "stop_marks",
     "take_environment",
@@ -126,6 +128,11 @@ RANKS_MET_ENV = "ELCHE_RANKS_MET"
 # them on to its coordinator, which loses the rank at once: its heartbeats
 # would take ``heartbeat_timeout_s`` (30 s by default), the run waiting for it.
 RANK_EXITS_ENV = "ELCHE_RANK_EXITS"
+# Under ``elche run``, in every rank: the file descriptor where the rank says it
+# has reached torch's rendezvous (``say_waiting``). A rank that ended before the
+# run formed, even with status 0 (its script never called ``elche.train``),
+# leaves those there waiting for it; once one is, the launcher stops them.
+RANKS_WAITING_ENV = "ELCHE_RANKS_WAITING"
 # Under ``elche run``, in every rank: the file descriptor of a pipe's read end;
 # the launcher writes to the pipe before it passes a stop signal on to the
 # ranks. A rank whose stop signal finds it empty was sent the signal alone.
@@ -761,10 +768,20 @@ def take_streams(streams: Sequence[Connection], *, first_fd: int = 1) -> None:
 
 def say_ranks_met() -> None:
     """Rank 0, past torch's rendezvous: tell a launcher that asked (``RANKS_MET_ENV``)."""
-    fd = _launchers_pipe(RANKS_MET_ENV)
+    _tell_launcher(RANKS_MET_ENV, b"m")
+
+
+def say_waiting() -> None:
+    """A rank at torch's rendezvous: tell a launcher that asked (``RANKS_WAITING_ENV``)."""
+    _tell_launcher(RANKS_WAITING_ENV, b"w")
+
+
+def _tell_launcher(name: str, what: bytes) -> None:
+    """Write ``what`` to the pipe the launcher passed as ``name``, if it did."""
+    fd = _launchers_pipe(name)
     if fd is not None:
         with contextlib.suppress(OSError):  # (a launcher gone: its ranks end)
-            os.write(fd, b"m")
+            os.write(fd, what)
 
 
 def watch_launcher(
