@@ -474,3 +474,62 @@ def test_ctrl_c_while_the_ranks_start_ends_the_run_in_one_line(tmp_path: Path) -
     assert not left, "processes of the run outlived its launcher"
     # Each rank had the stop as SIGTERM, so the script's own handler ran.
     assert sorted(p.name for p in tmp_path.glob("cleaned.*")) == ["cleaned.0", "cleaned.1"]
+
+
+STUCK_SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+
+import elche
+from elche.workloads import digits
+
+if __name__ == "__main__":
+    if os.environ["RANK"] == "1":  # stuck in its own set-up, deaf to SIGTERM (say, a hung read)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            time.sleep(0.05)
+    train_set, _ = digits.load_digits_split(seed=0)
+    elche.train(digits.make_model, digits.make_optimizer, digits.step_fn, train_set,
+                batch_size=32, epochs=1, progress=False)
+"""
+
+
+def _at_the_rendezvous(launcher: int) -> bool:
+    """Whether rank 0 of ``launcher`` serves its store (``MASTER_PORT``): the rendezvous."""
+    rank0 = worker_of(launcher, 0)
+    try:
+        environ = Path(f"/proc/{rank0}/environ").read_bytes().split(b"\0")
+        port = int(next(x for x in environ if x.startswith(b"MASTER_PORT=")).split(b"=")[1])
+        tables = [Path(f"/proc/{rank0}/net/{t}").read_text() for t in ("tcp", "tcp6")]
+    except (OSError, StopIteration):
+        return False
+    for row in "".join(tables).splitlines():
+        fields = row.split()
+        if fields[3:4] == ["0A"] and fields[1].rpartition(":")[2] == f"{port:04X}":  # LISTEN
+            return True
+    return False
+
+
+def test_a_stop_while_no_rank_can_end_before_the_run_formed_ends_it_after_the_grace(
+    tmp_path: Path,
+) -> None:
+    # Rank 0 waits in torch's rendezvous (deaf to signals) for rank 1, stuck in its
+    # set-up and deaf to SIGTERM: elche run passed a SIGTERM on and then waited for a
+    # rank to end, for good, where the ranks still there after the grace are killed.
+    script = tmp_path / "train.py"
+    script.write_text(STUCK_SCRIPT)
+    args = [sys.executable, "-m", "elche.cli", "run", "--nproc", "2", str(script)]
+    with session(args, tmp_path) as proc:
+        deadline = time.monotonic() + MID_RUN_WITHIN_S
+        while not _at_the_rendezvous(proc.pid):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.poll()
+            time.sleep(0.05)  # polling for a condition, with a deadline
+        os.kill(proc.pid, signal.SIGTERM)
+        returncode, _, err = wait_exit(proc, STOP_WITHIN_S)
+        left = session_pids(proc.pid)
+    assert returncode == 143, err[-3000:]
+    assert elche_lines(err) == [
+        "elche run: interrupted by SIGTERM before the run formed; the ranks were stopped "
+        "(nothing was trained)"
+    ], err[-3000:]
+    assert not left, "processes of the run outlived its launcher"
