@@ -10,6 +10,7 @@ tmp_path when a browser check fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -76,8 +77,9 @@ class _Run:
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
+        with contextlib.suppress(ValueError):  # the test's communicate() closed it: done
+            for line in self.proc.stderr:
+                self.lines.append(line.rstrip("\n"))
 
     def line_starting(self, prefix: str) -> str | None:
         return next((line for line in list(self.lines) if line.startswith(prefix)), None)

@@ -31,8 +31,9 @@ JOIN_LINE = re.compile(
 
 
 def _lines(stream: object, into: queue.Queue[str]) -> None:
-    for line in stream:  # type: ignore[attr-defined]  # a text pipe
-        into.put(line)
+    with contextlib.suppress(ValueError):  # the test's communicate() closed it: done
+        for line in stream:  # type: ignore[attr-defined]  # a text pipe
+            into.put(line)
 
 
 def _result(output: str) -> dict[str, object]:
