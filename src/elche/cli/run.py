@@ -303,11 +303,12 @@ def _wait_ranks(ranks: _Ranks) -> int | None:
     procs = ranks.procs
     live = list(procs)
     left: subprocess.Popen[bytes] | None = None  # ended with 0 before the run formed
+    formed = False  # (as of the last turn)
     while live:
         # Until the run formed each turn is bounded, so that a stop's grace ends
         # even where no rank does (each deaf in the rendezvous, or stuck in its
         # set-up): a wait for a rank's end would be retried after the signal.
-        if ranks.kill_at is not None or left is not None or not ranks.formed():
+        if ranks.kill_at is not None or not formed:
             if ranks.kill_at is not None and time.monotonic() >= ranks.kill_at:
                 ranks.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):

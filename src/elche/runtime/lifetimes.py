@@ -897,9 +897,13 @@ def process_state(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[1])
 
 
+# Whether this system has ``/proc`` (looked at once: ``Forked`` asks every tick).
+_PROC = Path("/proc/self/stat").exists()
+
+
 def _running(pid: int) -> bool:
     """Whether process ``pid`` exists and has not exited (a zombie has)."""
-    if not Path("/proc/self/stat").exists():  # no /proc: the signal test, a zombie alive
+    if not _PROC:  # the signal test, a zombie counted alive
         return pid_alive(pid)
     found = process_state(pid)
     return found is not None and found[0] != "Z"
