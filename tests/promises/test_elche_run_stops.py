@@ -348,8 +348,9 @@ def saved_over(device):  # rank 0's check of the bundle builds it: another run s
     if os.environ["RANK"] == "0" and not Path(STEM + ".saved-over").exists():
         Path(STEM + ".saved-over").touch()
         meta = json.loads(Path(STEM + ".meta.json").read_text())
-        meta["save_seq"] += 1
-        Path(STEM + ".meta.json").write_text(json.dumps(meta))
+        meta["save_seq"] += 1  # written whole, as a save writes it: rank 1 reads it too
+        Path(STEM + ".meta.tmp").write_text(json.dumps(meta))
+        os.replace(STEM + ".meta.tmp", STEM + ".meta.json")
     return digits.make_model(device)
 
 if __name__ == "__main__":
