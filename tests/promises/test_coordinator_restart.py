@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -294,3 +296,47 @@ def test_a_coordinator_lost_between_a_saves_files_and_its_meta_leaves_no_files_o
         bundle.verify(stem.parent / f.name, f, what="file")
     left = {p.name for p in stem.parent.iterdir()} - {"ck.lock", "ck.meta.json"}
     assert left == {f.name for f in named}, sorted(left)
+
+
+def test_a_coordinator_stopped_longer_than_its_ranks_wait_ends_and_their_state_is_the_bundle(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # SIGSTOPped past its ranks' patience (10 s), the coordinator was given up: each rank
+    # kept its state and ended. Woken, the coordinator took their ends for deaths, failed
+    # the run and saved nothing ("no rank was left to write the model"), where what the
+    # ranks kept was the whole run.
+    run_dir = tmp_path / "run"
+    stem = str(tmp_path / "bundle")
+
+    def stop_the_coordinator(entry: dict[str, object]) -> None:  # the launcher's, epoch 0
+        if entry["epoch"] != 0:
+            return
+        pid = int((run_dir / "coordinator.pid").read_text())
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            kept = [run_dir / f"rank{r}.local.json" for r in (0, 1)]
+            deadline = time.monotonic() + 120.0
+            while not all(p.exists() for p in kept) and time.monotonic() < deadline:
+                time.sleep(0.05)  # polling a condition, bounded by the deadline
+            assert all(p.exists() for p in kept), "the ranks kept no state"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    train_set, _ = digits.load_digits_split(seed=0)
+    args = dict(
+        model_fn=digits.make_model, optimizer_fn=digits.make_optimizer, step_fn=digits.step_fn,
+        dataset=train_set, batch_size=32, epochs=4, mode="cadence", ranks=2,
+        heartbeat_timeout_s=5.0, progress=False,
+    )  # fmt: skip
+    result = elche.train(**args, run_dir=str(run_dir), save_path=stem,  # type: ignore[arg-type]
+                         metrics_fn=stop_the_coordinator)  # fmt: skip
+    summary = result.summary
+    assert summary["outcome"] == "saved_and_shutdown", summary
+    assert summary["reason"] == "coordinator_lost" and summary["bundle"] == stem, summary
+    assert summary["lost_samples"] == 0 and summary["dead_ranks"] == [], summary
+    err = capfd.readouterr().err
+    said = "elche coordinator [error] this process did not run for "
+    assert said in err and "longer than its ranks wait for a word from it (10 s)" in err, err
+    resumed = elche.train(**args, resume_from=stem).summary  # type: ignore[arg-type]
+    assert resumed["outcome"] == "completed" and resumed["lost_samples"] == 0, resumed
+    assert resumed["epochs_completed"] == 4, resumed

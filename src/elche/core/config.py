@@ -17,6 +17,7 @@ from elche.core.errors import ConfigError
 from elche.core.guards import GuardKind
 
 __all__ = [
+    "MIN_RANK_PATIENCE_S",
     "NONFINITE_POLICIES",
     "NUMPY_PERMUTATION",
     "ORDERS",
@@ -187,6 +188,9 @@ SHARD_ORDER = "shards"
 ORDERS = (NUMPY_PERMUTATION, RANDOM_SHUFFLE, SHARD_ORDER)
 # The largest seed a run takes: each rank seeds torch with ``seed + rank``.
 MAX_RUN_SEED = 2**63 - 1
+# A rank gives its coordinator up after no word for this long at least
+# (``CoordinatorConfig.rank_patience_s``).
+MIN_RANK_PATIENCE_S = 10.0
 
 
 def check_order(value: object) -> str:
@@ -351,6 +355,13 @@ class CoordinatorConfig:
         if self.policy is not Policy.ASYNC:
             return None
         return 0.5 if self.easgd_alpha is None else self.easgd_alpha
+
+    @property
+    def rank_patience_s(self) -> float:
+        """How long a rank hears nothing from the coordinator before it gives it up
+        (and keeps what it holds): the heartbeat timeout, and at least
+        ``MIN_RANK_PATIENCE_S`` (a successor of a lost one needs a moment to come up)."""
+        return max(self.heartbeat_timeout_s, MIN_RANK_PATIENCE_S)
 
     @property
     def min_live_ranks(self) -> int:

@@ -105,10 +105,12 @@ if TYPE_CHECKING:
 __all__ = [
     "ADDRESS_LINE",
     "FAILED_EXIT",
+    "GIVEN_UP_EXIT",
     "LAUNCHER_RANK_ENV",
     "RESUME_META",
     "RESUME_OUTER",
     "UNWRITABLE_EXIT",
+    "GivenUp",
     "Host",
     "config_from_json",
     "config_to_json",
@@ -123,6 +125,11 @@ FAILED_EXIT = 4
 # Its exit code when the run directory could not be written (full, read-only):
 # the run stops; a successor restored there would fail the same way.
 UNWRITABLE_EXIT = 5
+# Its exit code when it did not run for longer than its ranks wait for a word
+# from it (the process stopped, or starved): they have given it up, each keeping
+# what it holds, which no successor gets back; the launcher commits that as the
+# run's bundle (``elche.runtime.salvage``) instead of restarting it.
+GIVEN_UP_EXIT = 6
 # In the run dir: the bundle's outer momentum, copied there by the launcher.
 RESUME_OUTER = "resume.outer.npz"
 # In the run dir: the resumed bundle's meta, copied there by the launcher (the
@@ -142,6 +149,19 @@ FAULT_ENV = "ELCHE_FAULT_COORDINATOR"
 LAUNCHER_RANK_ENV = "ELCHE_LAUNCHER_RANK"
 FIRST_DISPATCH_FILE = "first_dispatch"  # the first work's monotonic time, for a successor
 RUN_START_FILE = "coordinator.started"  # the first coordinator's start, monotonic
+
+
+class GivenUp(Exception):
+    """This process did not run for longer than its ranks wait for a word from it
+    (``CoordinatorConfig.rank_patience_s``): they have given it up by now."""
+
+    def __init__(self, silent_s: float, patience_s: float) -> None:
+        super().__init__(
+            f"this process did not run for {silent_s:.1f} s (stopped, or starved of CPU), "
+            f"longer than its ranks wait for a word from it ({patience_s:g} s): they have "
+            "given it up, each keeping what it holds; it ends so that its launcher commits "
+            "that as the run's bundle"
+        )
 
 
 class Host:
@@ -190,6 +210,9 @@ class Host:
         self.stats = RunStats()
         self.finish: Finish | None = None
         self._deadline = math.inf
+        # Its ranks judge its silence once one has spoken to it (or to its predecessor).
+        self._judged = restore is not None
+        self._awake_s = math.inf  # when its loop last ran (``_check_awake``)
         self._started = _run_start(run_dir, restored=restore is not None)
         self._snapshots: dict[int, tuple[Layout, list[bytes | memoryview]]] = {}
         self._update: tuple[int, list[bytes | memoryview]] | None = None
@@ -284,9 +307,32 @@ class Host:
             self._tell_late_joiners(self.core.failure)
         return self.finish
 
+    def _check_awake(self) -> None:
+        """Raise ``GivenUp`` if this loop last ran (``_awake_s``) so long ago that a rank
+        may have given it up; else note that it runs now. Looked at before what arrived
+        meanwhile is acted on: the ranks' frames, the launcher's reports and the timer
+        would be taken on a picture that is no longer true, and every rank that gave it
+        up would be lost with its work (the run failed, nothing saved), where what they
+        kept is the run's now.
+
+        A rank's silence is this loop's gap and up to one heartbeat before it (and
+        one longest wait of the loop), so a gap past the ranks' patience less those
+        counts as given up; ending then is safe when some rank did not give up yet:
+        it hears of the end (``GONE_FILE``) or the silence, and keeps its state too.
+        """
+        now = time.monotonic()
+        config = self.core.config
+        patience_s = config.rank_patience_s
+        silent_s = now - self._awake_s
+        if self._judged and silent_s > patience_s - config.heartbeat_interval_s - MAX_WAIT_S:
+            raise GivenUp(silent_s, patience_s)
+        self._awake_s = now
+
     def _take(self, wait_s: float) -> None:
         """Feed what arrives within ``wait_s`` (until the run finishes)."""
-        for inbound in self.endpoint.poll(wait_s):
+        arrived = self.endpoint.poll(wait_s)
+        self._check_awake()
+        for inbound in arrived:
             self._feed(self._event(inbound))
             if self.finish is not None:
                 return
@@ -322,6 +368,7 @@ class Host:
     def _event(self, inbound: Joined | Received | Rejected) -> Event:
         match inbound:
             case Joined(rank=rank, host=host, held=held, layout=layout):
+                self._judged = True
                 return RankJoined(rank=rank, host=host, held=held, layout=layout)
             case Received(rank=rank, message=message, payload=payload):
                 if isinstance(message, m.SnapshotReady) and payload:
@@ -695,6 +742,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             host.watch(sys.stdin, on_eof=_exit_after_grace, launcher_rank=launcher_rank)
         try:
             finish = host.run()
+        except GivenUp as exc:
+            print(f"elche coordinator [error] {exc}", file=sys.stderr, flush=True)
+            return GIVEN_UP_EXIT
         except OSError as exc:  # its summary (or timeline) could not be written
             print(
                 f"elche coordinator [error] cannot write in the run directory {run_dir} "

@@ -257,7 +257,7 @@ def rank_spec(
         max_grad_norm=max_grad_norm,
         save_path=cfg.save_path, resume_from=plan.resume_from, resume_seq=plan.resume_seq,
         heartbeat_interval_s=cfg.heartbeat_interval_s,
-        coordinator_timeout_s=max(cfg.heartbeat_timeout_s, 10.0),
+        coordinator_timeout_s=cfg.rank_patience_s,
         collective_timeout_s=max(2 * cfg.heartbeat_timeout_s, 60.0),
         faults=plan.faults.for_rank(rank), group_port=group_port, launcher_pid=os.getpid(),
     )  # fmt: skip

@@ -15,7 +15,9 @@ Rules:
   fail too). A lost one is restarted from the run's journal on the same
   address, ``max_coordinator_restarts`` times at most; the rank exits it
   missed are told to its successor. Lost for good, what the ranks kept is
-  committed as the run's bundle (``salvage_if_lost``).
+  committed as the run's bundle (``salvage_if_lost``). So is it when the
+  coordinator ended because it did not run for longer than its ranks wait for
+  it (``GIVEN_UP_EXIT``: stopped, starved): they gave it up and keep their state.
 
 Theory of operation: ``start_coordinator`` copies the run's settings and the
 resumed bundle's meta into the run directory, where the coordinator (and a
@@ -43,6 +45,7 @@ from elche.runtime.frames import SECRET_ENV
 from elche.runtime.groups import GROUPS_PORT_ENV, parse_address_line
 from elche.runtime.host import (
     ADDRESS_LINE,
+    GIVEN_UP_EXIT,
     LAUNCHER_RANK_ENV,
     RESUME_META,
     RESUME_OUTER,
@@ -137,6 +140,9 @@ class Supervised:
         successor hears of them, and of those another thread adds meanwhile.
         """
         if not coordinator_lost(self.host, self.run_dir):
+            return False
+        if self.host.poll() == GIVEN_UP_EXIT:  # its ranks gave it up: no successor gets them
+            give_up_coordinator(self.run_dir, "its ranks gave it up (it did not run for longer)")
             return False
         limit = self.config.max_coordinator_restarts
         if self.restarts >= limit:
