@@ -81,6 +81,7 @@ from elche.runtime.lifetimes import (
 from elche.runtime.options import check_picklable as check_options_picklable
 from elche.runtime.options import check_sendable
 from elche.runtime.plan import Hooks, Plan, TrainResult
+from elche.runtime.sending import SEND_ERRORS, check_main_module, to_ranks
 from elche.runtime.supervision import (
     report_lost,
     run_dir_unwritable,
@@ -396,8 +397,10 @@ def check_picklable(fns: UserFns) -> None:
     """Every function a rank needs can be sent to it (ranks are separate processes).
 
     Raises:
-        ConfigError: naming the function that cannot be pickled.
+        ConfigError: naming the function that cannot be pickled, or ``ranks`` for a
+            main module the ranks cannot rebuild (``check_main_module``).
     """
+    check_main_module()
     check_sendable(fns, ("model_fn", "optimizer_fn", "step_fn", "eval_fn", "epoch_fn",
                          "checkpoint_fn", "collate_fn"))  # fmt: skip
     check_options_picklable(fns.options)  # lr_schedule, batch_sampler, collate_fn
@@ -412,13 +415,13 @@ def pickled(fns: UserFns) -> bytes:
             be pickled (an attribute that is a lambda, an open file, a lock).
     """
     try:
-        return pickle.dumps(fns)
-    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        return to_ranks(fns)
+    except SEND_ERRORS as exc:
         for name in ("dataset", "eval_dataset"):
             value = getattr(fns, name)
             try:
-                pickle.dumps(value)
-            except (pickle.PicklingError, AttributeError, TypeError):
+                to_ranks(value)
+            except SEND_ERRORS:
                 raise ConfigError(
                     name,
                     f"{type(value).__name__} cannot be sent to the rank processes ({exc}): "

@@ -25,13 +25,13 @@ imports torch.
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from elche.core.errors import ConfigError
 from elche.core.progress import Progress
+from elche.runtime.sending import SEND_ERRORS, to_ranks
 
 __all__ = [
     "PRECISIONS",
@@ -150,8 +150,8 @@ def check_sendable(holder: object, names: Sequence[str]) -> None:
         if fn is None:
             continue
         try:
-            pickle.dumps(fn)
-        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            to_ranks(fn)
+        except SEND_ERRORS as exc:
             raise ConfigError(
                 name,
                 f"{fn!r} cannot be sent to the rank processes ({exc}); define it with def at "

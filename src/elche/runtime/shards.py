@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import pickle
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final
@@ -50,6 +49,7 @@ from elche.core.config import NUMPY_PERMUTATION, RANDOM_SHUFFLE
 from elche.core.dispatch import epoch_permutation
 from elche.core.errors import ConfigError
 from elche.core.shard_order import ShardOrder, shard_of, shard_starts
+from elche.runtime.sending import SEND_ERRORS, to_ranks
 
 __all__ = [
     "OPEN_STREAMS",
@@ -136,8 +136,8 @@ class Shards:
             if kind == _INDEXED:
                 continue
             try:
-                pickle.dumps(shard)
-            except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                to_ranks(shard)
+            except SEND_ERRORS as exc:
                 raise ConfigError(
                     "shards",
                     f"shard {i} ({shard!r}) cannot be sent to the rank processes ({exc}); "
