@@ -223,8 +223,10 @@ class SavedOverOnStart:
             with contextlib.suppress(FileExistsError):  # the first rank does it
                 os.close(os.open(f"{self.stem}.saved-over", os.O_CREAT | os.O_EXCL))
                 meta = json.loads(bundle.meta_path(self.stem).read_text())
-                meta["save_seq"] += 1
-                bundle.meta_path(self.stem).write_text(json.dumps(meta))
+                meta["save_seq"] += 1  # written whole, as a save writes it: another rank
+                # checks the same bundle meanwhile
+                Path(f"{self.stem}.meta.tmp").write_text(json.dumps(meta))
+                os.replace(f"{self.stem}.meta.tmp", bundle.meta_path(self.stem))
         return make_model(device)
 
 

@@ -168,3 +168,21 @@ def test_hyperparameters_kept_as_tensors_of_several_elements_are_passed_by() -> 
     made = [{"params": [0], "lr": 0.5, "weights": torch.tensor([1.0, 2.0])}]
     saved = [{"params": [0], "lr": 0.1, "weights": torch.tensor([1.0, 3.0])}]
     assert _kept(made, saved) == ["lr=0.1 (optimizer_fn makes 0.5)"]
+
+
+@pytest.mark.slow
+def test_resuming_a_bundle_past_the_runs_epochs_says_nothing_is_left_to_train(
+    bundle: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # Allowed (docs/failure-modes.md), and the run completed at once with nothing
+    # trained, unsaid: a resume with the finished run's own epochs looked like a run.
+    result = elche.train(
+        make_model, make_optimizer, step, DATA, batch_size=16, epochs=2, ranks=1, progress=False,
+        resume_from=bundle, run_dir=str(tmp_path / "run"),
+    )  # fmt: skip
+    assert result.summary["outcome"] == "completed"
+    assert result.summary["epochs_completed"] == 2
+    assert (
+        "elche: resuming: the bundle has 2 epoch(s) trained and this run has epochs=2: "
+        "nothing is left to train, so the run completes at once (epochs=3 or more trains on)"
+    ) in capfd.readouterr().err

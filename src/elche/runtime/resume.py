@@ -74,7 +74,7 @@ def check_resume(
     elif not paths.model.exists():
         raise ConfigError("resume_from", f"the bundle's model {paths.model} is missing")
     if say:
-        _say_what_resumes(meta, config.world_size, sorted(paths.optim))
+        _say_what_resumes(meta, config, sorted(paths.optim))
     model = model_fn(torch.device("cpu"))
     _check_model(paths.model, model)
     used = [rank for rank in sorted(paths.optim) if rank < config.world_size]
@@ -89,9 +89,16 @@ def check_resume(
     return meta
 
 
-def _say_what_resumes(meta: CheckpointMeta, world_size: int, saved: list[int]) -> None:
-    """One line for each way the resumed ranks differ from the saved ones."""
+def _say_what_resumes(meta: CheckpointMeta, config: CoordinatorConfig, saved: list[int]) -> None:
+    """One line for each way the resumed run differs from the saved one."""
     lines = []
+    if meta.epoch >= config.epochs:  # allowed (docs/failure-modes.md), but not unsaid
+        lines.append(
+            f"the bundle has {meta.epoch} epoch(s) trained and this run has epochs="
+            f"{config.epochs}: nothing is left to train, so the run completes at once "
+            f"(epochs={meta.epoch + 1} or more trains on)"
+        )
+    world_size = config.world_size
     if meta.world_size != world_size:
         lines.append(
             f"the bundle was saved by {meta.world_size} ranks and resumes on {world_size}: "
