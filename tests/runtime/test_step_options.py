@@ -242,6 +242,14 @@ def test_an_optimizer_over_another_models_parameters_is_refused() -> None:
         _train_linear(optimizer_fn=lambda params: None)
     assert caught.value.error_type == "TypeError"
     assert caught.value.message.startswith("optimizer_fn returned None, not a torch.optim")
+    # Its sibling: a model_fn that returns no model failed in elche's own code with
+    # "AttributeError: 'tuple' object has no attribute 'parameters'".
+    with pytest.raises(elche.TrainingError) as caught:
+        _train_linear(model_fn=lambda device: (fx.linear_model(device),))
+    assert caught.value.error_type == "TypeError"
+    assert caught.value.message.startswith("model_fn returned (Linear(")
+    assert caught.value.message.endswith(", not a torch.nn.Module (model_fn(device) -> the "
+                                         "model, on that device)")  # fmt: skip
 
 
 class _Wrapped:

@@ -25,6 +25,7 @@ from elche.core.checkpoint import CheckpointMeta
 from elche.core.config import CoordinatorConfig
 from elche.core.errors import ConfigError
 from elche.runtime import bundle
+from elche.runtime.stepping import model_from
 
 __all__ = ["check_resume", "load_bundle"]
 
@@ -75,7 +76,7 @@ def check_resume(
         raise ConfigError("resume_from", f"the bundle's model {paths.model} is missing")
     if say:
         _say_what_resumes(meta, config, sorted(paths.optim))
-    model = model_fn(torch.device("cpu"))
+    model = model_from(model_fn, torch.device("cpu"))
     _check_model(paths.model, model)
     used = [rank for rank in sorted(paths.optim) if rank < config.world_size]
     if used:  # every rank's state came from one optimizer_fn: the first tells

@@ -43,7 +43,7 @@ from elche.runtime.resume import load_bundle
 from elche.runtime.shards import epoch_order
 from elche.runtime.solo_record import SoloRecord
 from elche.runtime.solo_saves import SoloSaves
-from elche.runtime.stepping import MicroBatch, Stepper, optimizer_for
+from elche.runtime.stepping import MicroBatch, Stepper, model_from, optimizer_for
 from elche.runtime.user_callbacks import checkpoint, evaluate
 from elche.runtime.user_errors import describe
 from elche.runtime.worker import UserFns, _with_collate
@@ -318,7 +318,7 @@ def _train_solo(
     """The run; a stop signal ends it between two steps, its bundle saved."""
     t0 = time.monotonic()
     device = torch.device(plan.devices[0])
-    model = _user(0, lambda: fns.model_fn(device))
+    model = _user(0, lambda: model_from(fns.model_fn, device))
     optimizer = _user(0, lambda: optimizer_for(fns.optimizer_fn, model))
     solo = _solo(plan, fns, model, optimizer, max_grad_norm)
     solo.record = record

@@ -43,7 +43,7 @@ from elche.runtime.handoff import is_handoff
 from elche.runtime.options import TrainOptions
 from elche.runtime.user_callbacks import number_of
 
-__all__ = ["MicroBatch", "Stepper", "loss_of", "optimizer_for", "schedule_factor"]
+__all__ = ["MicroBatch", "Stepper", "loss_of", "model_from", "optimizer_for", "schedule_factor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +92,22 @@ def loss_of(value: object, step_fn: Callable[..., Any]) -> torch.Tensor:
 
 # What elche uses of an optimizer.
 OPTIMIZER_INTERFACE = ("step", "zero_grad", "param_groups", "state_dict", "load_state_dict")
+
+
+def model_from(model_fn: Callable[[torch.device], Any], device: torch.device) -> nn.Module:
+    """``model_fn(device)``, checked to be a model.
+
+    Raises:
+        TypeError: it returned something else (a tuple, its state dict, None).
+        Exception: whatever ``model_fn`` raises.
+    """
+    model = model_fn(device)
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model_fn returned {reprlib.repr(model)}, not a torch.nn.Module "
+            "(model_fn(device) -> the model, on that device)"
+        )
+    return model
 
 
 def optimizer_for(optimizer_fn: Callable[..., Any], model: nn.Module) -> torch.optim.Optimizer:

@@ -60,7 +60,7 @@ from elche.runtime.rank_faults import RankFaults
 from elche.runtime.resume import load_bundle
 from elche.runtime.shards import epoch_order
 from elche.runtime.snapshots import Layout
-from elche.runtime.stepping import MicroBatch, Stepper, optimizer_for
+from elche.runtime.stepping import MicroBatch, Stepper, model_from, optimizer_for
 from elche.runtime.transport import RankEndpoint
 from elche.runtime.user_callbacks import checkpoint, evaluate
 from elche.runtime.user_errors import failed_report, guarded, training_error, wait_answer
@@ -169,7 +169,7 @@ class Worker:
             world_size=spec.world_size,
         )  # fmt: skip
         self.device = torch.device(spec.device)
-        self.model = fns.model_fn(self.device)
+        self.model = model_from(fns.model_fn, self.device)
         self.optimizer = optimizer_for(fns.optimizer_fn, self.model)
         self.stepper = Stepper(
             self.model, self.optimizer, fns.step_fn, device=self.device,
