@@ -203,6 +203,15 @@ def test_every_subcommand_reports_bad_input_in_one_format(
             ["run", "--nproc", "99999999999999", "x.py"],
             "elche run: error: nproc: 99999999999999 rank processes do not fit this machine",
         ),
+        # Python said it once per rank, then elche run that each rank exited with code 2:
+        (
+            ["run", "--nproc", "2", "{file}.py"],
+            "elche run: error: script: no such file: {file}.py (the Python script that calls",
+        ),
+        (
+            ["join", "tcp://127.0.0.1:1", "--store-port", "1", "{file}.py"],
+            "elche join: error: script: no such file: {file}.py",
+        ),
     ],
 )
 def test_bad_input_found_off_the_tested_path_is_one_line_naming_the_field(

@@ -371,8 +371,10 @@ def _join_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def _run_join(args: argparse.Namespace) -> int:
+    from elche.cli.run import check_script
     from elche.runtime.joining import run_join
 
+    check_script(args.script)
     return run_join(args.address, args.store_port, args.speed, [args.script, *args.script_args])
 
 

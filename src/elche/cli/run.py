@@ -63,6 +63,18 @@ def run_script(args: argparse.Namespace) -> int:
                 Path(env["ELCHE_RUN_DIR"]).rmdir()
 
 
+def check_script(path: str) -> None:
+    """``SCRIPT`` of ``elche run`` and ``elche join`` is a file Python can run.
+
+    Raises:
+        ConfigError: it is not (each rank's Python said so, once per rank, and the
+            launcher then that each rank exited with code 2).
+    """
+    if not Path(path).is_file():
+        what = "is a directory" if Path(path).is_dir() else "no such file"
+        raise ConfigError("script", f"{what}: {path} (the Python script that calls elche.train)")
+
+
 def _run_env(args: argparse.Namespace) -> tuple[dict[str, str], bool]:
     """The ranks' environment, every flag checked first; and whether it made the run dir."""
     import socket
@@ -77,6 +89,7 @@ def _run_env(args: argparse.Namespace) -> tuple[dict[str, str], bool]:
             f"least {RANK_FLOOR_MIB} MiB of its own) and {available} MiB are available, "
             f"room for at most {available // RANK_FLOOR_MIB}",
         )
+    check_script(args.script)
     env = dict(os.environ)
     if args.dashboard is not None:
         from elche.monitor.address import DASHBOARD_ENV, parse_address
