@@ -43,6 +43,23 @@ def test_a_reader_follows_the_writer_and_keeps_a_partial_line(tmp_path: Path) ->
     assert reader.new_records() == [tl.SyncStart(t=3.0, round=4)]
 
 
+def test_a_reader_follows_the_next_run_in_the_folder_from_its_start(tmp_path: Path) -> None:
+    # A script that trains twice in one run dir (under elche run): the second run
+    # writes its timeline anew, shorter than the first, and a reader that kept its
+    # offset read none of it (elche run follows it for ranks declared lost).
+    reader = TimelineReader(tmp_path)
+    writer = TimelineWriter(tmp_path, started_s=0.0)
+    writer.write(tl.RunStart(world_size=3, mode="cadence"), now_s=0.0)
+    writer.write(tl.EpochEnd(epoch=0, loss=0.5, rounds_done=3), now_s=1.0)
+    writer.close()
+    assert len(reader.new_records()) == 2
+    (tmp_path / TIMELINE_FILE).unlink()  # the next run forgets the earlier one's files
+    writer = TimelineWriter(tmp_path, started_s=0.0)
+    writer.write(tl.RankLost(rank=1, reason="heartbeat stale"), now_s=0.5)
+    writer.close()
+    assert reader.new_records() == [tl.RankLost(t=0.5, rank=1, reason="heartbeat stale")]
+
+
 def test_unknown_kinds_and_damaged_lines_are_skipped(tmp_path: Path) -> None:
     (tmp_path / TIMELINE_FILE).write_bytes(
         b'{"kind":"FromTheFuture","t":0.1}\n'

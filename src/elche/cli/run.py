@@ -27,7 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from elche.core import timeline as tl
 from elche.core.errors import ConfigError
+from elche.core.liveness import SILENT_LOSSES
+from elche.monitor.timeline import TimelineReader
 
 __all__ = ["RANK_FLOOR_MIB", "available_mib", "run_script"]
 
@@ -89,7 +92,6 @@ def _run_env(args: argparse.Namespace) -> tuple[dict[str, str], bool]:
             f"least {RANK_FLOOR_MIB} MiB of its own) and {available} MiB are available, "
             f"room for at most {available // RANK_FLOOR_MIB}",
         )
-    check_script(args.script)
     env = dict(os.environ)
     if args.dashboard is not None:
         from elche.monitor.address import DASHBOARD_ENV, parse_address
@@ -100,6 +102,7 @@ def _run_env(args: argparse.Namespace) -> tuple[dict[str, str], bool]:
         from elche.api import TENSORBOARD_ENV
 
         env[TENSORBOARD_ENV] = args.tensorboard  # rank 0 writes it
+    check_script(args.script)  # (after the flags: their errors come first)
     with socket.socket() as probe:  # an ephemeral port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -126,6 +129,8 @@ def _launch_ranks(args: argparse.Namespace, env: dict[str, str]) -> int:
     from elche.runtime.lifetimes import StopSignals, ctrl_z_said
 
     ranks = _Ranks()
+    ranks.timeline = TimelineReader(Path(env["ELCHE_RUN_DIR"]))  # (a run_dir= of the script's
+    # own has its timeline elsewhere: a rank declared lost there is not seen)
     # SIGINT/SIGTERM/SIGHUP: the ranks save and exit 130/143/129 (elche.runtime.lifetimes);
     # a second SIGINT kills them. Ctrl-Z stops elche run alone, saying so.
     with ctrl_z_said(), StopSignals(on_signal=ranks.forward) as signals:
@@ -153,12 +158,13 @@ def _launch_ranks(args: argparse.Namespace, env: dict[str, str]) -> int:
               f"reached the run, which cannot form without it; the other ranks were "
               f"stopped (nothing was trained)", file=sys.stderr)  # fmt: skip
         return _status(codes[cut_short]) or 1  # (status 0: the run failed all the same)
-    return _formed_run_ended(codes, signals.received)
+    return _formed_run_ended(codes, signals.received, ranks.lost)
 
 
-def _formed_run_ended(codes: list[int], received: int | None) -> int:
+def _formed_run_ended(codes: list[int], received: int | None, lost: dict[int, str]) -> int:
     """Say how the ranks of a run that formed ended (``codes``: their ``returncode``s;
-    ``received``: the stop signal elche run passed on); ``elche run``'s exit status.
+    ``received``: the stop signal elche run passed on; ``lost``: the ranks it killed as
+    declared lost, and why); ``elche run``'s exit status (a killed rank's counts).
 
     A stop signal sent to rank 0 alone stops the whole run as one sent to elche
     run does (rank 0 hosts the coordinator): every rank exits with the status of
@@ -174,7 +180,10 @@ def _formed_run_ended(codes: list[int], received: int | None) -> int:
               "host) alone, not to elche run", file=sys.stderr)  # fmt: skip
     failed = [(rank, code) for rank, code in enumerate(codes) if code not in (0, stopped)]
     for rank, code in failed:
-        if stopped is None and -code in STOP_SIGNALS:  # sent to that rank alone: it left
+        if rank in lost and code == -signal.SIGKILL:
+            print(f"elche run: rank {rank} hung: the run declared it lost ({lost[rank]}), "
+                  "and elche run killed it", file=sys.stderr)  # fmt: skip
+        elif stopped is None and -code in STOP_SIGNALS:  # sent to that rank alone: it left
             name = signal.Signals(-code).name
             print(f"elche run: rank {rank} was stopped by {name}; the run went on without it",
                   file=sys.stderr)  # fmt: skip
@@ -222,6 +231,8 @@ class _Ranks:
         self._formed = False  # (latched: see formed)
         self._waiting, self._waiting_out = os.pipe()  # the launcher looks, every rank writes
         self._a_rank_waits = False  # (latched: see waiting)
+        self.timeline: TimelineReader | None = None  # the run dir's (``kill_the_lost``)
+        self.lost: dict[int, str] = {}  # rank: why the run declared it lost, once killed
 
     def start(self, command: list[str], env: dict[str, str]) -> None:
         from elche.runtime.lifetimes import (
@@ -294,6 +305,26 @@ class _Ranks:
             if proc.poll() is None:
                 proc.kill()
 
+    def kill_the_lost(self) -> None:
+        """Kill each rank but 0 that the run's timeline says was declared lost for its
+        silence (``SILENT_LOSSES``), its process group with it, as ``elche.train``'s
+        launcher does: a hung rank (a deadlock, a stopped process) must not come back,
+        and the run's end would wait for it for good. Rank 0's process hosts the
+        coordinator: it stays. A rank lost otherwise (its error, its exit) ends itself."""
+        if self.timeline is None:
+            return
+        for event in self.timeline.new_records():
+            if (
+                isinstance(event, tl.RankLost)
+                and 0 < event.rank < len(self.procs)
+                and event.reason.startswith(SILENT_LOSSES)
+            ):
+                proc = self.procs[event.rank]
+                if proc.poll() is None:
+                    self.lost[event.rank] = event.reason
+                    with contextlib.suppress(OSError):  # (it has just ended)
+                        os.killpg(proc.pid, signal.SIGKILL)
+
 
 def _status(code: int) -> int:
     """A rank's ``Popen.returncode`` as a shell's status: killed by signal N, 128 + N."""
@@ -311,7 +342,8 @@ def _wait_ranks(ranks: _Ranks) -> int | None:
     without training are a script's own business. One that fails after the
     run formed, the run survives (``ranks.formed``: rank 0 said so). Ranks
     stopped before the run formed (``_Ranks.forward``) are killed once their
-    grace is over.
+    grace is over; ranks the run declared lost after (``_Ranks.kill_the_lost``),
+    at once.
     """
     procs = ranks.procs
     live = list(procs)
@@ -321,17 +353,13 @@ def _wait_ranks(ranks: _Ranks) -> int | None:
         # Until the run formed each turn is bounded, so that a stop's grace ends
         # even where no rank does (each deaf in the rendezvous, or stuck in its
         # set-up): a wait for a rank's end would be retried after the signal.
-        if ranks.kill_at is not None or not formed:
-            if ranks.kill_at is not None and time.monotonic() >= ranks.kill_at:
-                ranks.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                live[0].wait(timeout=0.05)
-        elif hasattr(os, "waitid"):  # (macOS before Python 3.13 has none)
-            with contextlib.suppress(ChildProcessError, InterruptedError):  # (see forward)
-                os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)  # until a rank ends (not reaped)
-        else:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                live[0].wait(timeout=0.2)
+        # After, they are bounded so that a rank the run declared lost is killed.
+        if ranks.kill_at is not None and time.monotonic() >= ranks.kill_at:
+            ranks.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            live[0].wait(timeout=0.05 if ranks.kill_at is not None or not formed else 0.2)
+        if formed:
+            ranks.kill_the_lost()
         ended = [proc for proc in live if proc.poll() is not None]
         live = [proc for proc in live if proc not in ended]
         failed = [proc for proc in ended if proc.returncode != 0]

@@ -34,7 +34,11 @@ from elche.core.states import RankState, RunState
 if TYPE_CHECKING:
     from elche.core.coordinator import Coordinator
 
-__all__ = ["STALL_FLOOR_S", "on_timer", "refuse_lost"]
+__all__ = ["SILENT_LOSSES", "STALL_FLOOR_S", "on_timer", "refuse_lost"]
+
+# How the reasons of the ranks lost for their silence begin: such a rank's process
+# may still be there, hung, and its launcher kills it (``elche run``).
+SILENT_LOSSES = ("heartbeat stale", "did not rejoin")
 
 # A round in flight longer than this is a stall (reference: max(10 x hb, 300 s)).
 STALL_FLOOR_S = 300.0

@@ -18,6 +18,7 @@ glued to it (the run's end, say, once space came back).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import msgspec
@@ -75,7 +76,9 @@ class TimelineReader:
 
     A line still being written is kept until its newline arrives; a line of
     a kind this release does not know, or one that is not a record (damaged,
-    not JSON), is skipped and counted in ``skipped``.
+    not JSON), is skipped and counted in ``skipped``. A timeline written anew
+    in the folder (the next run of a script that trains twice there) is
+    followed from its start.
     """
 
     def __init__(self, run_dir: Path) -> None:
@@ -83,6 +86,7 @@ class TimelineReader:
         self.skipped = 0  # lines read so far that held no record this release knows
         self._offset = 0
         self._partial = b""
+        self._file: tuple[int, int] | None = None  # (device, inode) of the file followed
 
     @property
     def unfinished(self) -> bool:
@@ -93,6 +97,10 @@ class TimelineReader:
         """The records appended since the last call (all of them, the first time)."""
         try:
             with self.path.open("rb") as fh:
+                stat = os.fstat(fh.fileno())
+                new = self._file != (stat.st_dev, stat.st_ino) or stat.st_size < self._offset
+                if new:  # (the first; or another, though it may reuse the inode number)
+                    self._file, self._offset, self._partial = (stat.st_dev, stat.st_ino), 0, b""
                 fh.seek(self._offset)
                 chunk = fh.read()
         except FileNotFoundError:
