@@ -350,10 +350,10 @@ def _wait_ranks(ranks: _Ranks) -> int | None:
     left: subprocess.Popen[bytes] | None = None  # ended with 0 before the run formed
     formed = False  # (as of the last turn)
     while live:
-        # Until the run formed each turn is bounded, so that a stop's grace ends
+        # Each turn is bounded: until the run formed, so that a stop's grace ends
         # even where no rank does (each deaf in the rendezvous, or stuck in its
-        # set-up): a wait for a rank's end would be retried after the signal.
-        # After, they are bounded so that a rank the run declared lost is killed.
+        # set-up: a wait for a rank's end would be retried after the signal); after,
+        # so that a rank the run declared lost is killed.
         if ranks.kill_at is not None and time.monotonic() >= ranks.kill_at:
             ranks.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -47,6 +47,10 @@ def _main_file() -> str | None:
     return path if isinstance(path, str) else None
 
 
+# The modules whose functions and classes ``_MainByValue`` leaves to cloudpickle.
+_BY_VALUE = ("__main__", "builtins")
+
+
 class _MainByValue(cloudpickle.Pickler):  # type: ignore[misc]  # (untyped)
     """Pickles the functions and classes ``__main__`` defines by value, the rest as
     plain ``pickle`` does. (The builtin types a function's pieces are rebuilt with,
@@ -56,9 +60,6 @@ class _MainByValue(cloudpickle.Pickler):  # type: ignore[misc]  # (untyped)
         if isinstance(obj, type | types.FunctionType) and obj.__module__ in _BY_VALUE:
             return super().reducer_override(obj)
         return NotImplemented
-
-
-_BY_VALUE = ("__main__", "builtins")
 
 
 def to_ranks(obj: object) -> bytes:

@@ -142,7 +142,7 @@ class Supervised:
         if not coordinator_lost(self.host, self.run_dir):
             return False
         if self.host.poll() == GIVEN_UP_EXIT:  # its ranks gave it up: no successor gets them
-            give_up_coordinator(self.run_dir, "its ranks gave it up (it did not run for longer)")
+            give_up_coordinator(self.run_dir, "it did not run for longer than its ranks wait")
             return False
         limit = self.config.max_coordinator_restarts
         if self.restarts >= limit:
