@@ -327,6 +327,7 @@ def test_a_coordinator_stopped_longer_than_its_ranks_wait_ends_and_their_state_i
         model_fn=digits.make_model, optimizer_fn=digits.make_optimizer, step_fn=digits.step_fn,
         dataset=train_set, batch_size=32, epochs=4, mode="cadence", ranks=2,
         heartbeat_timeout_s=5.0, progress=False,
+        speeds=[0.2, 0.2],  # paced (idle, not CPU): the run is still on when epoch 0 is read
     )  # fmt: skip
     result = elche.train(**args, run_dir=str(run_dir), save_path=stem,  # type: ignore[arg-type]
                          metrics_fn=stop_the_coordinator)  # fmt: skip
