@@ -128,9 +128,7 @@ def _launch_ranks(args: argparse.Namespace, env: dict[str, str]) -> int:
     """Start the ranks, pass the stop signals on, wait; ``elche run``'s exit status."""
     from elche.runtime.lifetimes import StopSignals, ctrl_z_said
 
-    ranks = _Ranks()
-    ranks.timeline = TimelineReader(Path(env["ELCHE_RUN_DIR"]))  # (a run_dir= of the script's
-    # own has its timeline elsewhere: a rank declared lost there is not seen)
+    ranks = _Ranks(Path(env["ELCHE_RUN_DIR"]))
     # SIGINT/SIGTERM/SIGHUP: the ranks save and exit 130/143/129 (elche.runtime.lifetimes);
     # a second SIGINT kills them. Ctrl-Z stops elche run alone, saying so.
     with ctrl_z_said(), StopSignals(on_signal=ranks.forward) as signals:
@@ -219,7 +217,7 @@ class _Ranks:
     at once is marked here too, and the ranks leave the stop to this launcher.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, run_dir: Path) -> None:
         from elche.runtime.lifetimes import stop_marks
 
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -231,7 +229,8 @@ class _Ranks:
         self._formed = False  # (latched: see formed)
         self._waiting, self._waiting_out = os.pipe()  # the launcher looks, every rank writes
         self._a_rank_waits = False  # (latched: see waiting)
-        self.timeline: TimelineReader | None = None  # the run dir's (``kill_the_lost``)
+        # (a run_dir= of the script's own has its timeline elsewhere: not followed)
+        self.timeline = TimelineReader(run_dir)  # the run's (``kill_the_lost``)
         self.lost: dict[int, str] = {}  # rank: why the run declared it lost, once killed
 
     def start(self, command: list[str], env: dict[str, str]) -> None:
@@ -260,17 +259,13 @@ class _Ranks:
     def formed(self) -> bool:
         """Whether every rank met in torch's rendezvous: rank 0 said so in the met pipe
         (``say_ranks_met``; read by no one, what it wrote stays)."""
-        if not self._formed:
-            with contextlib.suppress(OSError, ValueError):  # (closed: the ranks have ended)
-                self._formed = bool(select.select([self._met], [], [], 0)[0])
+        self._formed = self._formed or _written(self._met)
         return self._formed
 
     def waiting(self) -> bool:
         """Whether a rank has reached torch's rendezvous (``say_waiting``; latched, as
         ``formed``)."""
-        if not self._a_rank_waits:
-            with contextlib.suppress(OSError, ValueError):  # (closed: the ranks have ended)
-                self._a_rank_waits = bool(select.select([self._waiting], [], [], 0)[0])
+        self._a_rank_waits = self._a_rank_waits or _written(self._waiting)
         return self._a_rank_waits
 
     def report_exit(self, proc: subprocess.Popen[bytes]) -> None:
@@ -311,8 +306,6 @@ class _Ranks:
         launcher does: a hung rank (a deadlock, a stopped process) must not come back,
         and the run's end would wait for it for good. Rank 0's process hosts the
         coordinator: it stays. A rank lost otherwise (its error, its exit) ends itself."""
-        if self.timeline is None:
-            return
         for event in self.timeline.new_records():
             if (
                 isinstance(event, tl.RankLost)
@@ -324,6 +317,14 @@ class _Ranks:
                     self.lost[event.rank] = event.reason
                     with contextlib.suppress(OSError):  # (it has just ended)
                         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _written(fd: int) -> bool:
+    """Whether a rank wrote to the pipe read at ``fd`` (read by no one: what it wrote
+    stays, so the answer, once yes, holds)."""
+    with contextlib.suppress(OSError, ValueError):  # (closed: the ranks have ended)
+        return bool(select.select([fd], [], [], 0)[0])
+    return False
 
 
 def _status(code: int) -> int:
