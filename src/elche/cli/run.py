@@ -179,8 +179,9 @@ def _formed_run_ended(codes: list[int], received: int | None, lost: dict[int, st
     failed = [(rank, code) for rank, code in enumerate(codes) if code not in (0, stopped)]
     for rank, code in failed:
         if rank in lost and code == -signal.SIGKILL:
+            after = " once the run had ended without it" if rank == 0 else ""
             print(f"elche run: rank {rank} hung: the run declared it lost ({lost[rank]}), "
-                  "and elche run killed it", file=sys.stderr)  # fmt: skip
+                  f"and elche run killed it{after}", file=sys.stderr)  # fmt: skip
         elif stopped is None and -code in STOP_SIGNALS:  # sent to that rank alone: it left
             name = signal.Signals(-code).name
             print(f"elche run: rank {rank} was stopped by {name}; the run went on without it",
@@ -232,6 +233,8 @@ class _Ranks:
         # (a run_dir= of the script's own has its timeline elsewhere: not followed)
         self.timeline = TimelineReader(run_dir)  # the run's (``kill_the_lost``)
         self.lost: dict[int, str] = {}  # rank: why the run declared it lost, once killed
+        self._hung_host: str | None = None  # why the run declared rank 0 lost (it stays)
+        self._ended_after = False  # whether the run ended after it did
 
     def start(self, command: list[str], env: dict[str, str]) -> None:
         from elche.runtime.lifetimes import (
@@ -301,22 +304,37 @@ class _Ranks:
                 proc.kill()
 
     def kill_the_lost(self) -> None:
-        """Kill each rank but 0 that the run's timeline says was declared lost for its
-        silence (``SILENT_LOSSES``), its process group with it, as ``elche.train``'s
-        launcher does: a hung rank (a deadlock, a stopped process) must not come back,
-        and the run's end would wait for it for good. Rank 0's process hosts the
-        coordinator: it stays. A rank lost otherwise (its error, its exit) ends itself."""
+        """Kill each rank that the run's timeline says was declared lost for its silence
+        (``SILENT_LOSSES``), its process group with it, as ``elche.train``'s launcher
+        does: a hung rank (a deadlock, a stopped process) must not come back, and the
+        run's end would wait for it for good. A rank lost otherwise (its error, its
+        exit) ends itself.
+
+        Rank 0's process hosts the coordinator, which goes on without its rank: it is
+        killed once the run has ended and every other rank with it (its coordinator,
+        in a process group of its own, is done by then)."""
         for event in self.timeline.new_records():
-            if (
+            if isinstance(event, tl.RunEnd):
+                self._ended_after = self._hung_host is not None
+            elif (
                 isinstance(event, tl.RankLost)
-                and 0 < event.rank < len(self.procs)
+                and event.rank < len(self.procs)
                 and event.reason.startswith(SILENT_LOSSES)
             ):
-                proc = self.procs[event.rank]
-                if proc.poll() is None:
-                    self.lost[event.rank] = event.reason
-                    with contextlib.suppress(OSError):  # (it has just ended)
-                        os.killpg(proc.pid, signal.SIGKILL)
+                if event.rank == 0:
+                    self._hung_host = event.reason
+                else:
+                    self._kill_lost(event.rank, event.reason)
+        others = all(proc.poll() is not None for proc in self.procs[1:])
+        if self._hung_host is not None and self._ended_after and others:
+            self._kill_lost(0, self._hung_host)
+
+    def _kill_lost(self, rank: int, reason: str) -> None:
+        proc = self.procs[rank]
+        if proc.poll() is None:
+            self.lost[rank] = reason
+            with contextlib.suppress(OSError):  # (it has just ended)
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _written(fd: int) -> bool:
@@ -344,7 +362,7 @@ def _wait_ranks(ranks: _Ranks) -> int | None:
     run formed, the run survives (``ranks.formed``: rank 0 said so). Ranks
     stopped before the run formed (``_Ranks.forward``) are killed once their
     grace is over; ranks the run declared lost after (``_Ranks.kill_the_lost``),
-    at once.
+    at once (rank 0, the coordinator's host, once the run ended).
     """
     procs = ranks.procs
     live = list(procs)
