@@ -224,34 +224,6 @@ def _signal_rank_2_mid_run(tmp_path: Path, signum: int) -> tuple[str, str, str]:
     return out, err, timeline_of(tmp_path)
 
 
-def test_ranks_that_hang_are_killed_once_the_run_no_longer_needs_them(tmp_path: Path) -> None:
-    # SIGSTOPped mid-run (as a deadlock or a stuck driver would hang them): the run
-    # declared them lost and ended without them, and elche run then waited for their
-    # processes for good. elche.train's own launcher kills such a rank; elche run now
-    # kills rank 1 at once and rank 0, whose process hosts the coordinator, once the
-    # run has ended.
-    (tmp_path / "go").touch()
-    with session(launch(tmp_path, 3, 8), tmp_path) as proc:
-        wait_mid_run(proc, tmp_path)
-        hung = [worker_of(proc.pid, rank) for rank in (0, 1)]
-        assert None not in hung, f"rank processes not found: {hung}"
-        for pid in hung:
-            os.kill(pid, signal.SIGSTOP)  # type: ignore[arg-type]
-        returncode, out, err = wait_exit(proc, MID_RUN_WITHIN_S)
-    assert returncode == 128 + signal.SIGKILL, err[-3000:]  # a rank killed: its status
-    stem = tmp_path / "bundle"
-    assert re.findall(r"RETURNED \d .*", out) == [f"RETURNED 2 saved_and_shutdown {stem}"], out
-    said = re.findall(r"elche run: rank \d .*", err)
-    lost = r"the run declared it lost \(heartbeat stale: silent for [\d.]+ s\)"
-    assert len(said) == 2, err[-3000:]
-    assert re.fullmatch(
-        rf"elche run: rank 0 hung: {lost}, and elche run killed it once the run had ended "
-        "without it",
-        said[0],
-    ), said
-    assert re.fullmatch(rf"elche run: rank 1 hung: {lost}, and elche run killed it", said[1]), said
-
-
 def test_a_sigterm_to_every_process_of_the_run_stops_the_whole_run_saved(
     tmp_path: Path,
 ) -> None:

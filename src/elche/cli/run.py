@@ -29,7 +29,7 @@ from pathlib import Path
 
 from elche.core import timeline as tl
 from elche.core.errors import ConfigError
-from elche.core.liveness import SILENT_LOSSES
+from elche.core.liveness import lost_for_silence
 from elche.monitor.timeline import TimelineReader
 
 __all__ = ["RANK_FLOOR_MIB", "available_mib", "run_script"]
@@ -305,7 +305,7 @@ class _Ranks:
 
     def kill_the_lost(self) -> None:
         """Kill each rank that the run's timeline says was declared lost for its silence
-        (``SILENT_LOSSES``), its process group with it, as ``elche.train``'s launcher
+        (``lost_for_silence``), its process group with it, as ``elche.train``'s launcher
         does: a hung rank (a deadlock, a stopped process) must not come back, and the
         run's end would wait for it for good. A rank lost otherwise (its error, its
         exit) ends itself.
@@ -314,17 +314,13 @@ class _Ranks:
         killed once the run has ended and every other rank with it (its coordinator,
         in a process group of its own, is done by then)."""
         for event in self.timeline.new_records():
+            lost = lost_for_silence(event)
             if isinstance(event, tl.RunEnd):
                 self._ended_after = self._hung_host is not None
-            elif (
-                isinstance(event, tl.RankLost)
-                and event.rank < len(self.procs)
-                and event.reason.startswith(SILENT_LOSSES)
-            ):
-                if event.rank == 0:
-                    self._hung_host = event.reason
-                else:
-                    self._kill_lost(event.rank, event.reason)
+            elif lost is not None and lost.rank == 0:
+                self._hung_host = lost.reason
+            elif lost is not None and lost.rank < len(self.procs):
+                self._kill_lost(lost.rank, lost.reason)
         others = all(proc.poll() is not None for proc in self.procs[1:])
         if self._hung_host is not None and self._ended_after and others:
             self._kill_lost(0, self._hung_host)

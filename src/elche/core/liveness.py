@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from elche.core import ending, journal
 from elche.core import messages as m
+from elche.core import timeline as tl
 from elche.core.checkpoint import SaveReason
 from elche.core.commands import Send
 from elche.core.states import RankState, RunState
@@ -34,7 +35,7 @@ from elche.core.states import RankState, RunState
 if TYPE_CHECKING:
     from elche.core.coordinator import Coordinator
 
-__all__ = ["SILENT_LOSSES", "STALL_FLOOR_S", "on_timer", "refuse_lost"]
+__all__ = ["SILENT_LOSSES", "STALL_FLOOR_S", "lost_for_silence", "on_timer", "refuse_lost"]
 
 # How the reasons of the ranks lost for their silence begin: such a rank's process
 # may still be there, hung, and its launcher kills it (``elche run``).
@@ -44,6 +45,14 @@ SILENT_LOSSES = ("heartbeat stale", "did not rejoin")
 STALL_FLOOR_S = 300.0
 # ... or this many of its slowest member's steps (smoothed), when that is longer.
 STALL_STEPS = 3
+
+
+def lost_for_silence(event: tl.TimelineEvent) -> tl.RankLost | None:
+    """``event`` when it declares a rank lost for its silence (``SILENT_LOSSES``): that
+    rank's process may still be there, hung, and whoever started it kills it."""
+    if isinstance(event, tl.RankLost) and event.reason.startswith(SILENT_LOSSES):
+        return event
+    return None
 
 
 def on_timer(core: Coordinator) -> None:

@@ -54,10 +54,11 @@ from torch.distributed.rendezvous import rendezvous
 
 from elche.core.checkpoint import SaveReason
 from elche.core.errors import ConfigError, RankExcluded, TrainingError
+from elche.core.liveness import lost_for_silence
 from elche.core.rank import COORDINATOR_LOST, SAVED
 from elche.monitor.progress import Progress
 from elche.monitor.summary import SUMMARY_FILE, rank_report_file
-from elche.monitor.timeline import read_timeline
+from elche.monitor.timeline import TimelineReader, read_timeline
 from elche.runtime.addresses import BIND_ENV, EVERY_INTERFACE, advertised_host
 from elche.runtime.frames import new_secret, secret_from_env
 from elche.runtime.handoff import is_handoff
@@ -102,6 +103,7 @@ from elche.runtime.worker import raise_if_refused, train_rank
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from multiprocessing.process import BaseProcess
 
     from elche.runtime.worker import RankSpec, UserFns
 
@@ -117,6 +119,8 @@ SUMMARY_WAIT_S = 10.0
 # A worker's report when the child that trained its rank died (``_train_in_child``).
 CHILD_LOST = "lost"
 TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # set in torchrun's workers
+# How often a torchrun worker looks for its rank in the run's timeline (``_wait_child``).
+CHILD_WATCH_S = 0.2
 
 
 def train_launched(
@@ -671,6 +675,28 @@ def _supervises(fns: UserFns) -> bool:
     return True
 
 
+def _wait_child(child: BaseProcess, rank: int, run_dir: Path) -> str | None:
+    """Wait for ``child``, the process that trains ``rank``, to end; why the run declared
+    it lost for its silence, if it did and ``child`` was killed for it.
+
+    A hung rank (a deadlock, a stopped process) must not come back, and this
+    worker, torchrun with it, would wait for it for good: it is killed once the
+    run's timeline says the run went on without it, as ``elche.train``'s and
+    ``elche run``'s launchers do. The timeline is on the coordinator's host alone.
+    """
+    timeline = TimelineReader(run_dir)
+    timeline.new_records()  # (an earlier run's, where a script trains twice)
+    while child.exitcode is None:
+        child.join(CHILD_WATCH_S)
+        for event in timeline.new_records():
+            lost = lost_for_silence(event)
+            if lost is not None and lost.rank == rank and child.exitcode is None:
+                child.kill()
+                child.join()
+                return lost.reason
+    return None
+
+
 def _train_in_child(
     spec: RankSpec,
     fns: UserFns,
@@ -682,7 +708,8 @@ def _train_in_child(
 
     A child that dies is reported to the coordinator: by rank 0, which has
     it, or on the result board, where rank 0 watches; this worker then
-    returns an empty model and the run goes on without the rank.
+    returns an empty model and the run goes on without the rank. One that
+    hangs, the run declares lost, and this worker kills (``_wait_child``).
     """
     out = Path(spec.run_dir) / f"rank{spec.rank}.state.pt"
     context = mp.get_context("spawn")
@@ -694,7 +721,7 @@ def _train_in_child(
         name=f"elche-rank{spec.rank}",
     )
     child.start()
-    child.join()
+    hung = _wait_child(child, spec.rank, Path(spec.run_dir))
     # Trained to the end: its model handed back (exit 0), or not (``HANDBACK_FAILED``);
     # any other end, an exit status of 0 or 3 from the user's code included, is a rank lost.
     if trained.value and child.exitcode in (0, HANDBACK_FAILED):
@@ -706,6 +733,10 @@ def _train_in_child(
                   "run's result without the model", file=sys.stderr, flush=True)  # fmt: skip
         written = rank_report_file(Path(spec.run_dir), spec.rank)  # not in a full run dir
         return (json.loads(written.read_text()) if written.exists() else {}), state
+    if hung is not None:  # (its loss is the run's own)
+        print(f"elche: rank {spec.rank} hung: the run declared it lost ({hung}), and its "
+              "worker killed it", file=sys.stderr, flush=True)  # fmt: skip
+        return {"stopped": CHILD_LOST}, {}
     if host is not None:
         report_lost(host.host, spec.rank, child.exitcode)  # the one up now
     else:
