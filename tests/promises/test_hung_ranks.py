@@ -1,9 +1,11 @@
 """A rank that hangs is killed by whatever started it, once the run no longer needs it.
 
 Real processes: ranks SIGSTOPped mid-run (as a deadlock, a stuck driver or a
-frozen process would hang them) under ``elche run`` and under torchrun. The run
-declared them lost and ended without them, and then the launcher waited for
-their processes for good: ``elche.train``'s own launcher kills such a rank.
+frozen process would hang them) under ``elche run``, and under torchrun on one
+host and on two (network namespaces: the hung rank on another host than the
+coordinator's). The run declared them lost and ended without them, and then the
+launcher waited for their processes for good: ``elche.train``'s own launcher
+kills such a rank.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 from contextlib import suppress
 from pathlib import Path
@@ -18,6 +21,8 @@ from pathlib import Path
 import pytest
 
 from elche.runtime.lifetimes import process_state
+from elche.testing.hosts import Rig
+from tests.hosts.test_lost_host import start_torchrun, wait_for
 from tests.promises.test_elche_run_stops import SCRIPT, launch
 from tests.promises.test_lifetimes import (
     MID_RUN_WITHIN_S,
@@ -103,3 +108,31 @@ def test_under_torchrun_each_worker_kills_its_hung_rank_and_torchrun_ends(
     assert len(said) == 2, err[-3000:]
     for rank, line in enumerate(said):
         assert re.fullmatch(rf"elche: rank {rank} hung: {LOST}, and its worker killed it", line)
+
+
+def test_under_torchrun_a_hung_rank_on_another_host_is_killed_by_its_worker() -> None:
+    # Rank 0 posts the run's declaration on its result board, which every host reads.
+    procs: list[subprocess.Popen[bytes]] = []
+    hung: list[int] = []
+    try:
+        with Rig(2) as rig:
+            logs = start_torchrun(rig, "static", 8, procs=procs, hosts=2)
+            path = wait_for(
+                "rank 0's timeline",
+                lambda: next(iter(rig.tmp(0).glob("elche-run-*/timeline.jsonl")), None),
+            )
+            wait_for("the first epoch", lambda: "EpochEnd" in path.read_text() or None)
+            worker = wait_for("rank 1's worker", lambda: worker_of(procs[1].pid, 1))
+            hung.append(wait_for("rank 1's process", lambda: rank_process(worker)))
+            os.kill(hung[0], signal.SIGSTOP)
+            codes = [
+                wait_for(f"torchrun on h{i} to end", proc.poll) for i, proc in enumerate(procs)
+            ]
+            texts = [log.read_text() for log in logs]
+    finally:
+        for pid in hung:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert codes == [0, 0], texts[1][-3000:]
+    assert re.search(rf"^elche: rank 1 hung: {LOST}, and its worker killed it$", texts[1], re.M)
+    assert re.search(r"^RETURNED 0 ", texts[0], re.M), texts[0][-3000:]

@@ -119,7 +119,7 @@ SUMMARY_WAIT_S = 10.0
 # A worker's report when the child that trained its rank died (``_train_in_child``).
 CHILD_LOST = "lost"
 TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # set in torchrun's workers
-# How often a torchrun worker looks for its rank in the run's timeline (``_wait_child``).
+# How often a torchrun worker looks for its rank among the hung (``_wait_child``).
 CHILD_WATCH_S = 0.2
 
 
@@ -450,7 +450,13 @@ def _start_on_rank0(
     announce_join(address, group_port, directory, secret, bundled.config)
     results = ResultBoard.serve()
     if TORCHRUN_ENV in os.environ:  # its workers say their ranks' exits there (elche run: a pipe)
-        results.watch_exits(range(1, plan.config.world_size), rank_exited)
+        timeline = TimelineReader(directory)
+
+        def silent_losses() -> list[tuple[int, str]]:  # for the workers to kill (``_wait_child``)
+            found = (lost_for_silence(event) for event in timeline.new_records())
+            return [(lost.rank, lost.reason) for lost in found if lost is not None]
+
+        results.watch_ranks(range(1, plan.config.world_size), rank_exited, silent_losses)
     board = start_watching(bundled, directory, dashboard, tensorboard_dir)
     shared = _Shared(
         address=address, secret_hex=secret.hex(), directory=str(directory), port=results.port,
@@ -675,25 +681,22 @@ def _supervises(fns: UserFns) -> bool:
     return True
 
 
-def _wait_child(child: BaseProcess, rank: int, run_dir: Path) -> str | None:
+def _wait_child(child: BaseProcess, rank: int, results: ResultBoard) -> str | None:
     """Wait for ``child``, the process that trains ``rank``, to end; why the run declared
     it lost for its silence, if it did and ``child`` was killed for it.
 
     A hung rank (a deadlock, a stopped process) must not come back, and this
-    worker, torchrun with it, would wait for it for good: it is killed once the
-    run's timeline says the run went on without it, as ``elche.train``'s and
-    ``elche run``'s launchers do. The timeline is on the coordinator's host alone.
+    worker, torchrun with it, would wait for it for good: it is killed once rank 0
+    posts on the board that the run went on without it (``ResultBoard.hung``), as
+    ``elche.train``'s and ``elche run``'s launchers kill theirs.
     """
-    timeline = TimelineReader(run_dir)
-    timeline.new_records()  # (an earlier run's, where a script trains twice)
     while child.exitcode is None:
         child.join(CHILD_WATCH_S)
-        for event in timeline.new_records():
-            lost = lost_for_silence(event)
-            if lost is not None and lost.rank == rank and child.exitcode is None:
-                child.kill()
-                child.join()
-                return lost.reason
+        hung = results.hung(rank) if child.exitcode is None else None
+        if hung is not None:
+            child.kill()
+            child.join()
+            return hung
     return None
 
 
@@ -721,7 +724,7 @@ def _train_in_child(
         name=f"elche-rank{spec.rank}",
     )
     child.start()
-    hung = _wait_child(child, spec.rank, Path(spec.run_dir))
+    hung = _wait_child(child, spec.rank, results)
     # Trained to the end: its model handed back (exit 0), or not (``HANDBACK_FAILED``);
     # any other end, an exit status of 0 or 3 from the user's code included, is a rank lost.
     if trained.value and child.exitcode in (0, HANDBACK_FAILED):

@@ -21,9 +21,10 @@ time to publish (a minute).
 
 Under ``torchrun`` each rank trains in a child of its worker process
 (``launched._supervises``); a worker whose child died says so on the board
-(``say_exit``), and rank 0, watching (``watch_exits``), tells its
+(``say_exit``), and rank 0, watching (``watch_ranks``), tells its
 coordinator, which loses that rank at once rather than when its heartbeats
-go stale.
+go stale. The other way, rank 0 posts each rank the run declared lost for
+its silence, and that rank's worker, looking (``hung``), kills its hung child.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ _RESULT_KEY = "elche/result"
 _GONE_KEY = "elche/gone"
 _EXITS_KEY = "elche/exits"  # how many ranks said their process ended
 _EXIT_KEY = "elche/exit/"  # + the rank: its process's exit code
+_HUNG_KEY = "elche/hung/"  # + the rank: why the run declared it lost for its silence
 # How often rank 0 looks for the ranks' exits on the board.
 _WATCH_S = 0.2
 # How long rank 0 keeps the result up for ranks that have not read it yet. The
@@ -70,6 +72,7 @@ class ResultBoard:
     def __init__(self, store: Any) -> None:  # a TCPStore
         self.store = store
         self._watching: tuple[threading.Thread, threading.Event] | None = None
+        self._unanswered = False  # a look at ``hung`` went unanswered: no more looks
 
     @classmethod
     def serve(cls) -> ResultBoard:
@@ -137,10 +140,29 @@ class ResultBoard:
 
         _bounded(say, GRACE_S)  # (rank 0 gone, or its host cut off: nobody to tell)
 
-    def watch_exits(self, ranks: Iterable[int], on_exit: Callable[[int, int | None], None]) -> None:
+    def hung(self, rank: int) -> str | None:
+        """Another rank's worker: why the run declared ``rank`` lost for its silence, if
+        rank 0 posted it (``watch_ranks``). A look unanswered in ``GRACE_S`` (rank 0's
+        host cut off) ends the looks: None from then on."""
+        key = f"{_HUNG_KEY}{rank}"
+        if self._unanswered:
+            return None
+        answered, why = _bounded(
+            lambda: self.store.get(key).decode() if self.store.check([key]) else None, GRACE_S
+        )
+        self._unanswered = not answered
+        return why
+
+    def watch_ranks(
+        self,
+        ranks: Iterable[int],
+        on_exit: Callable[[int, int | None], None],
+        silent_losses: Callable[[], list[tuple[int, str]]],
+    ) -> None:
         """Rank 0: call ``on_exit(rank, code)`` for each of ``ranks`` whose process ended
-        (``say_exit``), on a thread of its own with its own connection to the board,
-        until ``stop_watching``."""
+        (``say_exit``), and post each rank that ``silent_losses`` gives (the run's new
+        declarations, rank and why) for its worker (``hung``), on a thread of its own
+        with its own connection to the board, until ``stop_watching``."""
         try:
             watcher = _TCPStore(
                 "127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=_WATCH_S * 10)
@@ -152,10 +174,12 @@ class ResultBoard:
 
         def watch() -> None:
             seen = 0
-            while pending and not stop.wait(_WATCH_S):  # the store has no notification
+            while not stop.wait(_WATCH_S):  # the store has no notification
                 try:
+                    for rank, why in silent_losses():
+                        watcher.set(f"{_HUNG_KEY}{rank}", why)
                     said = watcher.add(_EXITS_KEY, 0)
-                    if said == seen:
+                    if said == seen or not pending:
                         continue
                     seen = said
                     for rank in sorted(pending):
@@ -166,7 +190,7 @@ class ResultBoard:
                 except RuntimeError:  # the board is closed: the run is over
                     return
 
-        thread = threading.Thread(target=watch, name="elche-rank-exits-board", daemon=True)
+        thread = threading.Thread(target=watch, name="elche-ranks-board", daemon=True)
         thread.start()
         self._watching = (thread, stop)
         # A daemon thread still inside a store call as the interpreter ends is torn
@@ -174,7 +198,7 @@ class ResultBoard:
         atexit.register(self.stop_watching)
 
     def stop_watching(self) -> None:
-        """Rank 0, the run over: end ``watch_exits``'s thread (its call in progress
+        """Rank 0, the run over: end ``watch_ranks``'s thread (its call in progress
         ends within the watcher's timeout)."""
         if self._watching is not None:
             thread, stop = self._watching
