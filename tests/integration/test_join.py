@@ -189,6 +189,47 @@ def test_a_joined_rank_stopped_leaves_in_one_line_and_the_run_goes_on(
     assert summary["lost_samples"] == 0 and summary["dead_ranks"] == [3]
 
 
+def test_a_joined_rank_that_hangs_is_killed_by_elche_join_and_the_run_goes_on(
+    tmp_path: Path,
+) -> None:
+    # SIGSTOPped mid-run (as a deadlock or a stuck driver would hang it): the run declared
+    # it lost and completed without it, and elche join then waited for its process for good.
+    run_dir = tmp_path / "run"
+    stopped: list[int] = []
+    try:
+        with _run_and_join(tmp_path, run_dir) as (run, joiner, seen):
+            _wait_joined(run_dir, trained=True)
+            stopped += _children(joiner.pid)
+            assert len(stopped) == 1, stopped  # the joined rank's process
+            os.kill(stopped[0], signal.SIGSTOP)
+            _, joined_err = joiner.communicate(timeout=120)
+            run_out, _ = run.communicate(timeout=240)
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert joiner.returncode == 128 + signal.SIGKILL, joined_err
+    said = (
+        r"^elche join: rank 3 hung: the run declared it lost \(heartbeat stale: silent for "
+        r"[\d.]+ s\), and elche join killed it$"
+    )
+    assert re.search(said, joined_err, re.MULTILINE), joined_err
+    summary = _result(run_out)
+    assert summary["outcome"] == "completed", "".join(seen) + str(summary)
+    assert summary["lost_samples"] == 0 and summary["dead_ranks"] == [3]
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
 def test_a_join_to_a_run_that_has_ended_says_so_at_once(tmp_path: Path) -> None:
     # torch's client retried the refused store for 150 s, then raised its own traceback.
     with socket.socket() as probe:  # a port nothing listens on: the run is gone

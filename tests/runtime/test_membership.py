@@ -309,6 +309,19 @@ def test_a_first_group_reformed_before_the_store_serves_is_read_once_it_does() -
     assert groups.first_group(client) == (2, [2])
 
 
+def test_the_store_says_which_ranks_the_run_declared_lost_for_their_silence() -> None:
+    # elche join reads it for its rank, and kills the rank's hung process.
+    server = groups.GroupStoreServer(groups.listen(ADDRESS))
+    server.say_hung(3, "heartbeat stale: silent for 5.2 s")  # before it serves: kept
+    server.start()
+    assert server.settle(60.0) and server.error is None
+    client = groups.connect(ADDRESS, server.port, 5.0)
+    assert groups.hung(client, 3) == "heartbeat stale: silent for 5.2 s"
+    assert groups.hung(client, 4) is None
+    server.say_hung(4, "did not rejoin the restarted coordinator within 20 s")
+    assert groups.hung(client, 4) == "did not rejoin the restarted coordinator within 20 s"
+
+
 def test_a_store_call_left_unanswered_ends_naming_the_store(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -78,6 +78,7 @@ __all__ = [
     "first_group",
     "gather",
     "generation_store",
+    "hung",
     "listen",
     "parse_address_line",
     "reach",
@@ -99,6 +100,9 @@ FIRST_GROUP = "first-group"
 # for it read this and stop, rather than wait out the store's end (``gather``).
 RUN_ENDED = "run-ended"
 ARRIVED = "arrived/"  # + a member's rank: it has come to gather for its generation
+# + a rank: why the run declared it lost for its silence, for the launcher that started
+# it (``elche join``'s), which kills it: a hung process must not come back.
+HUNG = "hung/"
 OUTCOME = "outcome"  # FORMED or ABANDONED, claimed once (compare-and-set) for every member
 FORMED = "formed"
 ABANDONED = "abandoned"
@@ -190,20 +194,23 @@ class GroupStoreServer:
 
     def reform_first(self, generation: int, members: Sequence[int]) -> None:
         """Tell ranks gathering for the first group to form ``generation`` of ``members``."""
-        value = f"{generation}:{','.join(map(str, members))}"
-        with self._lock:
-            if self._store is None:  # not serving yet: it holds the key from the start
-                self._info[FIRST_GROUP] = value
-            else:
-                self._store.set(FIRST_GROUP, value)
+        self._say(FIRST_GROUP, f"{generation}:{','.join(map(str, members))}")
 
     def end_run(self, why: str) -> None:
         """Tell ranks still gathering for the first group that the run ended (``why``)."""
+        self._say(RUN_ENDED, why)
+
+    def say_hung(self, rank: int, why: str) -> None:
+        """Say that the run declared ``rank`` lost for its silence (``why``), for its
+        launcher (``hung``)."""
+        self._say(f"{HUNG}{rank}", why)
+
+    def _say(self, key: str, value: str) -> None:
         with self._lock:
-            if self._store is None:
-                self._info[RUN_ENDED] = why
+            if self._store is None:  # not serving yet: it holds the key from the start
+                self._info[key] = value
             else:
-                self._store.set(RUN_ENDED, why)
+                self._store.set(key, value)
 
 
 class RunEndedUnformed(RuntimeError):
@@ -254,6 +261,12 @@ def run_ended(store: Store) -> str | None:
     if not store.check([RUN_ENDED]):
         return None
     return bytes(store.get(RUN_ENDED)).decode()
+
+
+def hung(store: Store, rank: int) -> str | None:
+    """Why the run declared ``rank`` lost for its silence (``say_hung``), if it did."""
+    key = f"{HUNG}{rank}"
+    return bytes(store.get(key)).decode() if store.check([key]) else None
 
 
 def first_group(store: Store) -> tuple[int, list[int]] | None:

@@ -77,6 +77,7 @@ from elche.core.events import (
 )
 from elche.core.guards import GuardKind
 from elche.core.journal import JournalRecord
+from elche.core.liveness import lost_for_silence
 from elche.monitor.summary import SUMMARY_FILE, RunStats, coordinator_summary
 from elche.monitor.timeline import TimelineWriter, read_timeline
 from elche.runtime import bundle, joining
@@ -598,6 +599,10 @@ class Host:
         self.stats.observe(event, now)
         self._write_timeline(event)
         self.lookout.observe(event, now)
+        lost = lost_for_silence(event)
+        if lost is not None and self._groups is not None:  # for a joined rank's launcher
+            with contextlib.suppress(Exception):  # a store that failed: it waits, as before
+                self._groups.say_hung(lost.rank, lost.reason)
 
     def _write_timeline(self, event: tl.TimelineEvent) -> None:
         try:

@@ -23,6 +23,7 @@ from elche.runtime.joining import (
     CONTROL_PORT_KEY,
     JOIN_ENV,
     JOIN_LAUNCHER_ENV,
+    JOIN_RANK_FD_ENV,
     JOIN_SPEED_ENV,
     JOIN_STORE_ENV,
     JOINED_KEY,
@@ -98,6 +99,7 @@ def train_joined(
     )  # fmt: skip
     spec = replace(spec, rank=rank, speed=speed, join_slots=slots, resume_from=None, faults=())
     print(f"elche: joining the run at {address} as rank {rank}", file=sys.stderr, flush=True)
+    _tell_launcher(rank)
     if os.environ.get(JOIN_LAUNCHER_ENV):  # started by elche join: it owns this rank
         launcher = _int_env(JOIN_LAUNCHER_ENV, "elche join's pid")
         watch_launcher(launcher, on_gone=lambda: _say_orphaned(rank, launcher), grace_s=0.0)
@@ -118,6 +120,17 @@ def train_joined(
     result = TrainResult(state_dict=state, summary=summary, epochs=[], run_dir=str(run_dir))
     _run_ended_short(rank, report, run.get("save_path"), result)
     return result
+
+
+def _tell_launcher(rank: int) -> None:
+    """Write this rank's number to ``elche join``'s pipe (``JOIN_RANK_FD_ENV``), if it
+    gave one: it kills this process if the run declares the rank lost for its silence."""
+    fd = os.environ.pop(JOIN_RANK_FD_ENV, "")
+    if fd.isdigit():
+        with contextlib.suppress(OSError):  # (elche join is gone: nobody to tell)
+            os.write(int(fd), f"{rank}\n".encode())
+        with contextlib.suppress(OSError):
+            os.close(int(fd))
 
 
 def _take_slot(

@@ -29,21 +29,28 @@ nothing of the launcher: the joiner's side is ``elche.runtime.joined``).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hmac
 import os
+import select
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from elche.core.config import CoordinatorConfig
 from elche.core.errors import ConfigError
 from elche.runtime.frames import SECRET_ENV
+from elche.runtime.store_calls import SILENT_S
 
 __all__ = [
     "JOIN_ENV",
     "JOIN_LAUNCHER_ENV",
+    "JOIN_RANK_FD_ENV",
     "JOIN_SPEED_ENV",
     "JOIN_STORE_ENV",
     "announce_join",
@@ -55,6 +62,9 @@ JOIN_ENV = "ELCHE_JOIN"  # the coordinator's address: this process joins that ru
 JOIN_STORE_ENV = "ELCHE_JOIN_STORE_PORT"  # its group store's port
 JOIN_SPEED_ENV = "ELCHE_JOIN_SPEED"  # the joiner's testing speed (elche join --speed)
 JOIN_LAUNCHER_ENV = "ELCHE_JOIN_LAUNCHER"  # elche join's pid: the rank ends once it is gone
+JOIN_RANK_FD_ENV = "ELCHE_JOIN_RANK_FD"  # a pipe the rank writes its number to, for elche join
+# How often elche join looks whether the run declared its rank lost for its silence.
+HUNG_WATCH_S = 0.5
 SECRET_FILE = "join.secret"  # in the run dir, owner-only: the secret of a generated run
 
 KEY = "elche/"  # the store's keys for joiners
@@ -140,14 +150,63 @@ def run_join(address: str, store_port: int, speed: float, script: Sequence[str])
     if _on_loopback(address):  # gloo on this kind of machine needs the interface named
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     procs: list[subprocess.Popen[bytes]] = []
+    numbers, number_out = os.pipe()  # the rank's number, once it took a slot
+    env[JOIN_RANK_FD_ENV] = str(number_out)
 
     def forward(signum: int) -> None:  # the rank stops; the run goes on without it
         for proc in procs:
             proc.send_signal(signum)
 
-    with StopSignals(on_signal=forward):
-        procs.append(subprocess.Popen([sys.executable, *script], env=env))
-        return procs[0].wait()
+    with StopSignals(on_signal=forward), open(numbers, "rb") as pipe:  # an fd
+        try:
+            procs.append(subprocess.Popen([sys.executable, *script], env=env,
+                                          pass_fds=(number_out,)))  # fmt: skip
+        finally:
+            os.close(number_out)
+        hung = _wait_rank(procs[0], pipe, address, store_port)
+    if hung is None:
+        return procs[0].returncode
+    rank, why = hung
+    print(f"elche join: rank {rank} hung: the run declared it lost ({why}), and elche join "
+          "killed it", file=sys.stderr, flush=True)  # fmt: skip
+    return 128 + signal.SIGKILL
+
+
+def _wait_rank(
+    proc: subprocess.Popen[bytes], numbers: BinaryIO, address: str, store_port: int
+) -> tuple[int, str] | None:
+    """Wait for ``proc``, the joined rank, to end; kill it once the run declared it lost
+    for its silence (its rank and why, then): a hung rank (a deadlock, a stopped
+    process) must not come back, and ``elche join`` would wait for it for good.
+
+    The rank writes its number to ``numbers`` once it took a slot; the run's group
+    store then says whether it was declared lost (``groups.hung``). A store that
+    does not answer (the run ended, its host cut off) is looked at no more.
+    """
+    from elche.runtime import groups
+
+    rank: int | None = None
+    store = None
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=HUNG_WATCH_S)
+            return None
+        if rank is None and select.select([numbers], [], [], 0)[0]:
+            said = numbers.readline().strip()  # (one write of one line; EOF: none came)
+            rank = int(said) if said.isdigit() else -1
+            with contextlib.suppress(RuntimeError):  # torch's DistNetworkError: no store
+                store = groups.connect(address, store_port, SILENT_S) if said else None
+        if store is None or rank is None:
+            continue
+        try:
+            why = groups.ask(store, functools.partial(groups.hung, store, rank))
+        except (groups.StoreUnanswered, RuntimeError):  # (the run has ended, say)
+            store = None
+            continue
+        if why is not None:
+            proc.kill()
+            proc.wait()
+            return rank, why
 
 
 def _on_loopback(address: str) -> bool:
