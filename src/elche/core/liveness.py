@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["SILENT_LOSSES", "STALL_FLOOR_S", "lost_for_silence", "on_timer", "refuse_lost"]
 
 # How the reasons of the ranks lost for their silence begin: such a rank's process
-# may still be there, hung, and its launcher kills it (``elche run``).
+# may still be there, hung, and its launcher kills it (``lost_for_silence``).
 SILENT_LOSSES = ("heartbeat stale", "did not rejoin")
 
 # A round in flight longer than this is a stall (reference: max(10 x hb, 300 s)).

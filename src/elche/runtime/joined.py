@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import json
 import os
@@ -31,7 +32,7 @@ from elche.runtime.joining import (
     SECRET_CHECK_KEY,
     secret_check,
 )
-from elche.runtime.lifetimes import Interrupted, StopSignals, watch_launcher
+from elche.runtime.lifetimes import Interrupted, StopSignals, beacon, watch_launcher
 from elche.runtime.same_run import SAME_RUN_FIELDS
 from elche.runtime.store_calls import GRACE_S
 
@@ -124,13 +125,21 @@ def train_joined(
 
 def _tell_launcher(rank: int) -> None:
     """Write this rank's number to ``elche join``'s pipe (``JOIN_RANK_FD_ENV``), if it
-    gave one: it kills this process if the run declares the rank lost for its silence."""
+    gave one, then a beat there every ``BEACON_S`` (``lifetimes.beacon``): it kills
+    this process if the run declares the rank lost for its silence and the beats
+    stop too. (Written without blocking: a beat that finds the pipe full is dropped.)"""
     fd = os.environ.pop(JOIN_RANK_FD_ENV, "")
-    if fd.isdigit():
-        with contextlib.suppress(OSError):  # (elche join is gone: nobody to tell)
-            os.write(int(fd), f"{rank}\n".encode())
-        with contextlib.suppress(OSError):
-            os.close(int(fd))
+    if not fd.isdigit():
+        return
+    with contextlib.suppress(OSError):  # (elche join is gone: nobody to tell)
+        os.write(int(fd), f"{rank}\n".encode())
+        os.set_blocking(int(fd), False)
+        beacon(functools.partial(_beat, int(fd)))
+
+
+def _beat(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError):  # (a full pipe: elche join reads late)
+        os.write(fd, b".")
 
 
 def _take_slot(

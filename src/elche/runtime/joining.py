@@ -38,6 +38,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -45,6 +46,7 @@ from typing import BinaryIO
 from elche.core.config import CoordinatorConfig
 from elche.core.errors import ConfigError
 from elche.runtime.frames import SECRET_ENV
+from elche.runtime.lifetimes import SILENT_PROCESS_S
 from elche.runtime.store_calls import SILENT_S
 
 __all__ = [
@@ -62,7 +64,7 @@ JOIN_ENV = "ELCHE_JOIN"  # the coordinator's address: this process joins that ru
 JOIN_STORE_ENV = "ELCHE_JOIN_STORE_PORT"  # its group store's port
 JOIN_SPEED_ENV = "ELCHE_JOIN_SPEED"  # the joiner's testing speed (elche join --speed)
 JOIN_LAUNCHER_ENV = "ELCHE_JOIN_LAUNCHER"  # elche join's pid: the rank ends once it is gone
-JOIN_RANK_FD_ENV = "ELCHE_JOIN_RANK_FD"  # a pipe the rank writes its number to, for elche join
+JOIN_RANK_FD_ENV = "ELCHE_JOIN_RANK_FD"  # a pipe the rank writes its number, then beats, to
 # How often elche join looks whether the run declared its rank lost for its silence.
 HUNG_WATCH_S = 0.5
 SECRET_FILE = "join.secret"  # in the run dir, owner-only: the secret of a generated run
@@ -150,7 +152,7 @@ def run_join(address: str, store_port: int, speed: float, script: Sequence[str])
     if _on_loopback(address):  # gloo on this kind of machine needs the interface named
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     procs: list[subprocess.Popen[bytes]] = []
-    numbers, number_out = os.pipe()  # the rank's number, once it took a slot
+    numbers, number_out = os.pipe()  # the rank's number once it took a slot, then beats
     env[JOIN_RANK_FD_ENV] = str(number_out)
 
     def forward(signum: int) -> None:  # the rank stops; the run goes on without it
@@ -173,30 +175,40 @@ def run_join(address: str, store_port: int, speed: float, script: Sequence[str])
 
 
 def _wait_rank(
-    proc: subprocess.Popen[bytes], numbers: BinaryIO, address: str, store_port: int
+    proc: subprocess.Popen[bytes], said: BinaryIO, address: str, store_port: int
 ) -> tuple[int, str] | None:
     """Wait for ``proc``, the joined rank, to end; kill it once the run declared it lost
-    for its silence (its rank and why, then): a hung rank (a deadlock, a stopped
-    process) must not come back, and ``elche join`` would wait for it for good.
+    for its silence and it is silent here too (its rank and why, then): a hung rank
+    (a deadlock, a stopped process) must not come back, and ``elche join`` would
+    wait for it for good. One that runs was cut off from the run: it ends itself.
 
-    The rank writes its number to ``numbers`` once it took a slot; the run's group
-    store then says whether it was declared lost (``groups.hung``). A store that
-    does not answer (the run ended, its host cut off) is looked at no more.
+    The rank writes to ``said`` its number once it took a slot, then a beat every
+    ``BEACON_S``; once it has not beaten for ``SILENT_PROCESS_S``, the run's group
+    store says whether it was declared lost (``groups.hung``). A store that does
+    not answer (the run ended, its host cut off) is looked at no more.
     """
     from elche.runtime import groups
 
+    number = b""
     rank: int | None = None
     store = None
+    last_beat = time.monotonic()
     while True:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=HUNG_WATCH_S)
             return None
-        if rank is None and select.select([numbers], [], [], 0)[0]:
-            said = numbers.readline().strip()  # (one write of one line; EOF: none came)
-            rank = int(said) if said.isdigit() else -1
-            with contextlib.suppress(RuntimeError):  # torch's DistNetworkError: no store
-                store = groups.connect(address, store_port, SILENT_S) if said else None
-        if store is None or rank is None:
+        while select.select([said], [], [], 0)[0]:
+            got = os.read(said.fileno(), 4096)
+            if not got:  # (its process closed the pipe: it ends)
+                break
+            last_beat = time.monotonic()
+            if rank is None:
+                number += got.partition(b".")[0]
+                if b"\n" in number:
+                    rank = int(number.split(b"\n")[0])
+                    with contextlib.suppress(RuntimeError):  # DistNetworkError: no store
+                        store = groups.connect(address, store_port, SILENT_S)
+        if store is None or rank is None or time.monotonic() - last_beat < SILENT_PROCESS_S:
             continue
         try:
             why = groups.ask(store, functools.partial(groups.hung, store, rank))

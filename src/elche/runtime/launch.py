@@ -69,6 +69,7 @@ from elche.runtime.lifetimes import (
     Interrupted,
     StopSignals,
     announce,
+    beacon,
     ignore_stop_signals,
     launcher_stream,
     launcher_streams,
@@ -146,12 +147,16 @@ def _rank_process(
     *,
     state_out: str | None = None,
     trained: Any = None,
+    alive: Any = None,
     streams: Sequence[Connection] = (),
     marks: Connection | None = None,
 ) -> None:
     """The body of a rank process; ``state_out``: where its final model goes;
     ``trained``: a shared flag set once the rank trained to the run's end (what
     its torchrun worker reads: an exit status the user's code may use too);
+    ``alive``: a shared double this process sets to its monotonic clock every
+    ``BEACON_S`` (``lifetimes.beacon``: its torchrun worker kills it only if
+    declared lost and silent);
     ``streams``: the launcher's stdout and stderr, to take (``launcher_streams``);
     ``marks``: a local run's rank's read end of the pipe where its launcher
     marks each stop of the run (``lifetimes.marked_stop_signals``).
@@ -171,6 +176,8 @@ def _rank_process(
     else:
         ignore_stop_signals()  # the launcher orders the stop
     watch_launcher(launcher_pid)
+    if alive is not None:
+        beacon(lambda: setattr(alive, "value", time.monotonic()))
     take_environment(env)
     take_streams(streams)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -81,6 +81,7 @@ from elche.runtime.launch import (
 )
 from elche.runtime.lifetimes import (
     RANK_EXITS_ENV,
+    SILENT_PROCESS_S,
     Interrupted,
     StopSignals,
     leave_run,
@@ -681,18 +682,21 @@ def _supervises(fns: UserFns) -> bool:
     return True
 
 
-def _wait_child(child: BaseProcess, rank: int, results: ResultBoard) -> str | None:
+def _wait_child(child: BaseProcess, rank: int, alive: Any, results: ResultBoard) -> str | None:
     """Wait for ``child``, the process that trains ``rank``, to end; why the run declared
     it lost for its silence, if it did and ``child`` was killed for it.
 
     A hung rank (a deadlock, a stopped process) must not come back, and this
     worker, torchrun with it, would wait for it for good: it is killed once rank 0
-    posts on the board that the run went on without it (``ResultBoard.hung``), as
-    ``elche.train``'s and ``elche run``'s launchers kill theirs.
+    posts on the board that the run went on without it (``ResultBoard.hung``) and
+    it has not run here for ``SILENT_PROCESS_S`` either (``alive``, its beacon's
+    last monotonic time). One that runs was cut off from the run (its host off the
+    network a while): it ends itself, refused or giving its coordinator up.
     """
     while child.exitcode is None:
         child.join(CHILD_WATCH_S)
-        hung = results.hung(rank) if child.exitcode is None else None
+        silent = time.monotonic() - alive.value > SILENT_PROCESS_S
+        hung = results.hung(rank) if silent and child.exitcode is None else None
         if hung is not None:
             child.kill()
             child.join()
@@ -717,14 +721,15 @@ def _train_in_child(
     out = Path(spec.run_dir) / f"rank{spec.rank}.state.pt"
     context = mp.get_context("spawn")
     trained = context.Value("b", 0, lock=False)  # set by the child at the run's end
+    alive = context.Value("d", time.monotonic(), lock=False)  # its beacon's last beat
     child = context.Process(
         target=_rank_process,
         args=(spec, fns, batch_size, dict(os.environ), os.getpid()),
-        kwargs={"state_out": str(out), "trained": trained},
+        kwargs={"state_out": str(out), "trained": trained, "alive": alive},
         name=f"elche-rank{spec.rank}",
     )
     child.start()
-    hung = _wait_child(child, spec.rank, results)
+    hung = _wait_child(child, spec.rank, alive, results)
     # Trained to the end: its model handed back (exit 0), or not (``HANDBACK_FAILED``);
     # any other end, an exit status of 0 or 3 from the user's code included, is a rank lost.
     if trained.value and child.exitcode in (0, HANDBACK_FAILED):

@@ -70,6 +70,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 __all__ = [
+    "BEACON_S",
     "CTRL_Z_LINE",
     "EXIT_ORPHANED",
     "ORPHAN_GRACE_S",
@@ -79,11 +80,13 @@ __all__ = [
     "RESUME_HINT",
     "RUN_STOPS_ENV",
     "SERVER_GONE",
+    "SILENT_PROCESS_S",
     "STOP_MARK_GRACE_S",
     "Forked",
     "Interrupted",
     "StopSignals",
     "announce",
+    "beacon",
     "ctrl_z_said",
     "drop_hung_up_streams",
     "end_as_signalled",
@@ -106,6 +109,10 @@ __all__ = [
     "watch_launcher",
 ]
 
+# How often a rank process that a launcher waits on says it runs (``beacon``), and
+# how long without a word says it does not: stopped, or its interpreter held.
+BEACON_S = 0.5
+SILENT_PROCESS_S = 3.0
 # Time an orphaned process has to finish its save before it ends itself; the
 # acceptance bound is 10 s from the launcher's death to no process left.
 ORPHAN_GRACE_S = 6.0
@@ -782,6 +789,22 @@ def _tell_launcher(name: str, what: bytes) -> None:
     if fd is not None:
         with contextlib.suppress(OSError):  # (a launcher gone: its ranks end)
             os.write(fd, what)
+
+
+def beacon(beat: Callable[[], None]) -> None:
+    """Call ``beat`` every ``BEACON_S`` on a daemon thread, for as long as this process
+    runs: for the launcher waiting on it, which tells a hung rank (declared lost, and
+    silent here too) from one cut off from the run (declared lost, but running: it
+    ends itself once it hears so, or gives its coordinator up). ``beat`` raising
+    ``OSError`` (nobody listens any more) ends the beats."""
+
+    def beats() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                beat()
+                time.sleep(BEACON_S)  # the beacon's period, not synchronisation
+
+    threading.Thread(target=beats, name="elche-beacon", daemon=True).start()
 
 
 def watch_launcher(
