@@ -454,7 +454,10 @@ def _start_on_rank0(
         timeline = TimelineReader(directory)
 
         def silent_losses() -> list[tuple[int, str]]:  # for the workers to kill (``_wait_child``)
-            found = (lost_for_silence(event) for event in timeline.new_records())
+            try:
+                found = [lost_for_silence(event) for event in timeline.new_records()]
+            except OSError:  # (an unreadable timeline: no news, the exits still relayed)
+                return []
             return [(lost.rank, lost.reason) for lost in found if lost is not None]
 
         results.watch_ranks(range(1, plan.config.world_size), rank_exited, silent_losses)
