@@ -122,14 +122,25 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> str:
     return stem
 
 
-def resume(stem: str, **kw: object) -> ConfigError:
-    args: dict[str, object] = {
+def resume_args(stem: str) -> dict[str, object]:
+    """``elche.train``'s arguments for a resume of ``stem`` (each test changes one)."""
+    return {
         "model_fn": make_model, "optimizer_fn": make_optimizer, "step_fn": step, "dataset": DATA,
         "batch_size": 16, "epochs": 3, "ranks": 1, "progress": False, "resume_from": stem,
     }  # fmt: skip
+
+
+def resume(stem: str, **kw: object) -> ConfigError:
     with pytest.raises(ConfigError) as info:
-        elche.train(**(args | kw))
+        elche.train(**(resume_args(stem) | kw))
     return info.value
+
+
+def resumed(stem: str, run_dir: Path, **kw: object) -> dict[str, object]:
+    """The summary of a resume of ``stem`` that completed."""
+    result = elche.train(**(resume_args(stem) | {"run_dir": str(run_dir)} | kw))
+    assert result.summary["outcome"] == "completed"
+    return result.summary
 
 
 @pytest.mark.slow
@@ -152,11 +163,7 @@ def test_resuming_with_accumulate_names_it_beside_batch_size(bundle: str) -> Non
 def test_resuming_with_another_lr_says_the_bundles_is_kept(
     bundle: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    result = elche.train(
-        make_model, momentum_sgd, step, DATA, batch_size=16, epochs=3, ranks=1, progress=False,
-        resume_from=bundle, run_dir=str(tmp_path / "run"),
-    )  # fmt: skip
-    assert result.summary["outcome"] == "completed"
+    resumed(bundle, tmp_path / "run", optimizer_fn=momentum_sgd)
     assert (
         "elche: resuming: the bundle's optimizer state keeps its own lr=0.1 (optimizer_fn "
         "makes 0.5); momentum=0 (optimizer_fn makes 0.9): loading it restores them"
@@ -176,12 +183,8 @@ def test_resuming_a_bundle_past_the_runs_epochs_says_nothing_is_left_to_train(
 ) -> None:
     # Allowed (docs/failure-modes.md), and the run completed at once with nothing
     # trained, unsaid: a resume with the finished run's own epochs looked like a run.
-    result = elche.train(
-        make_model, make_optimizer, step, DATA, batch_size=16, epochs=2, ranks=1, progress=False,
-        resume_from=bundle, run_dir=str(tmp_path / "run"),
-    )  # fmt: skip
-    assert result.summary["outcome"] == "completed"
-    assert result.summary["epochs_completed"] == 2
+    summary = resumed(bundle, tmp_path / "run", epochs=2)
+    assert summary["epochs_completed"] == 2
     assert (
         "elche: resuming: the bundle has 2 epoch(s) trained and this run has epochs=2: "
         "nothing is left to train, so the run completes at once (epochs=3 or more trains on)"
