@@ -184,14 +184,16 @@ def _wait_rank(
 
     The rank writes to ``said`` its number once it took a slot, then a beat every
     ``BEACON_S``; once it has not beaten for ``SILENT_PROCESS_S``, the run's group
-    store says whether it was declared lost (``groups.hung``). A store that does
-    not answer (the run ended, its host cut off) is looked at no more.
+    store says whether it was declared lost (``groups.hung``; connected to then,
+    not before: a rank that beats needs no store, nor this process torch). A store
+    that does not answer (the run ended, its host cut off) is looked at no more.
     """
     from elche.runtime import groups
 
     number = b""
     rank: int | None = None
     store = None
+    looking = True  # until the store does not answer
     last_beat = time.monotonic()
     while True:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -202,18 +204,17 @@ def _wait_rank(
             if not got:  # (its process closed the pipe: it ends)
                 break
             last_beat = time.monotonic()
-            if rank is None:
-                number += got.partition(b".")[0]
-                if b"\n" in number:
-                    rank = int(number.split(b"\n")[0])
-                    with contextlib.suppress(RuntimeError):  # DistNetworkError: no store
-                        store = groups.connect(address, store_port, SILENT_S)
-        if store is None or rank is None or time.monotonic() - last_beat < SILENT_PROCESS_S:
+            if rank is None:  # (the beats come after the number's line)
+                number += got
+                rank = int(number.partition(b"\n")[0]) if b"\n" in number else None
+        if rank is None or not looking or time.monotonic() - last_beat < SILENT_PROCESS_S:
             continue
         try:
+            if store is None:
+                store = groups.connect(address, store_port, SILENT_S)
             why = groups.ask(store, functools.partial(groups.hung, store, rank))
-        except (groups.StoreUnanswered, RuntimeError):  # (the run has ended, say)
-            store = None
+        except (groups.StoreUnanswered, RuntimeError):  # (DistNetworkError: the run ended)
+            looking = False
             continue
         if why is not None:
             proc.kill()
