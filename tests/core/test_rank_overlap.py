@@ -81,7 +81,6 @@ def test_the_round_lands_when_the_rank_runs_out_of_work() -> None:
         (m.SyncNow(round=2, generation=0), Average(round=2, generation=0, steps=0)),
         (m.SaveState(seq=4, writer=0, keep=2),
          Save(kind=SaveKind.CHECKPOINT, seq=4, writer=True, keep=2)),
-        (m.Regroup(generation=1, members=[0, 1]), FormGroup(generation=1, members=(0, 1))),
     ],
 )  # fmt: skip
 def test_anything_but_training_lands_the_round_first(message: m.CoordMessage, then: object) -> None:
@@ -91,6 +90,24 @@ def test_anything_but_training_lands_the_round_first(message: m.CoordMessage, th
     assert p.next_action() == Land(round=1, steps=3)
     p.averaged()
     assert p.next_action() == then
+
+
+@pytest.mark.parametrize("completed", [True, False])
+def test_a_regroup_lands_the_round_first_saying_a_member_is_lost(completed: bool) -> None:
+    # The driver drops a collective that has not completed (a lost member may
+    # never send its part) and lands one that has; either way the group re-forms.
+    p = proto()
+    launched(p, steps=3, round_=1)
+    assert p.next_action() == Train(epoch=0, offset=96, size=32)
+    p.handle(m.Regroup(generation=1, members=[0, 1]))
+    assert p.next_action() == Land(round=1, steps=3, regroup=True)
+    if completed:
+        assert p.averaged() == m.SyncAck(round=1, steps=3)
+        assert p.last_round == 1
+    else:
+        assert p.average_failed() == m.SyncAck(round=1, steps=0, failed=True)
+        assert (p.last_round, p.steps_since_sync) == (0, 3)  # to average in the new group
+    assert p.next_action() == FormGroup(generation=1, members=(0, 1))
 
 
 def test_an_epoch_start_lands_the_round_first() -> None:

@@ -9,7 +9,8 @@ several assertions (a host lost under static rendezvous is in
   the first epoch, and the run on the other two hosts completes without
   losing a sample;
 - static rendezvous (``--master-addr``): a host is cut off (no traffic either
-  way) after the first epoch until it is declared lost, then let back; the run
+  way) after the first epoch, in a round slowed by its link, until it is
+  declared lost, then let back; the survivors drop that round and the run
   completes without it, and its rank, refused, raises ``elche.RankExcluded``;
 - static rendezvous, two hosts: rank 0's host is cut off for good; rank 0 saves
   the run, and the rank on the other host ends, refused, with its state kept;
@@ -41,6 +42,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SCRIPT = Path(__file__).with_name("train_on_hosts.py")
 EPOCHS = 3
 DEADLINE_S = 180.0
+SLOW_LINK_MBIT = 0.25  # a round's all-reduce of the digits model takes ~3 s at that
+SYNC_START = '"kind":"SyncStart"'
 
 T = TypeVar("T")
 
@@ -146,6 +149,15 @@ def test_a_partitioned_host_is_declared_lost_and_refused_when_it_is_back() -> No
             lambda: next(iter(rig.tmp(0).glob("elche-run-*/timeline.jsonl")), None),
         )
         wait_for("the first epoch", lambda: "EpochEnd" in path.read_text() or None)
+        # Cut off in a round: on a slow link a round's all-reduce takes seconds,
+        # so the one the timeline starts next is in flight when the host goes.
+        rig.limit(2, SLOW_LINK_MBIT)
+        started = path.read_text().count(SYNC_START)
+
+        def next_round() -> bool | None:
+            return path.read_text().count(SYNC_START) > started or None
+
+        wait_for("a round on the slow link", next_round)
         rig.partition(2)  # static rendezvous: node rank 2 is rank 2
         wait_for("rank 2 declared lost", lambda: '"RankLost"' in path.read_text() or None)
         rig.heal(2)
@@ -161,6 +173,12 @@ def test_a_partitioned_host_is_declared_lost_and_refused_when_it_is_back() -> No
     summary = json.loads(lines[0].removeprefix("SUMMARY "))
     assert summary["outcome"] == "completed", summary
     assert summary["dead_ranks"] == [2]
+    # The survivors dropped the round rank 2 held when the group re-formed: they
+    # waited neither for the link to come back nor for gloo's timeout.
+    for rank, text in enumerate(texts):
+        dropped = rf"elche rank {rank}: round \d+'s collective dropped unfinished: its group"
+        assert re.search(dropped, text), text[-3000:]
+        assert "Timed out" not in text, text[-3000:]
     assert summary["lost_samples"] == 0
     assert summary["epochs_completed"] == EPOCHS
     # Back on the network, rank 2 is told it was declared lost, or, when TCP's

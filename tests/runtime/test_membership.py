@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -294,6 +295,64 @@ def test_a_rank_that_leaves_its_group_frees_it_so_a_peer_waiting_in_it_fails_at_
     assert error != "completed"
     assert "Timed out" not in error  # the connection closed, or was reset
     assert codes == [0, 0]
+
+
+def _cut_off_or_surviving(rank: int, port: int, results: Any) -> None:
+    """Rank 2 is in the group and never joins its collective (cut off: alive, its
+    connections open, until the test lets it go); ranks 0 and 1 launch one, drop it,
+    form the next group without rank 2, average there and end."""
+    from elche.runtime.averaging import launch_average
+
+    membership = Membership(rank, ADDRESS, port, LONG_TIMEOUT_S)
+    membership.form(21, [0, 1, 2])
+    if rank == 2:
+        client = groups.connect(ADDRESS, port, TIMEOUT_S)
+        client.wait([CUT_OFF_GOES], timedelta(seconds=LONG_TIMEOUT_S))
+        return
+    flight = launch_average(torch.nn.Linear(3, 2), 1, gamma=1.0, group=membership.group)
+    dropped_unfinished = not flight.completed()  # it waits for rank 2
+    membership.drop(flight)
+    membership.leave()
+    membership.form(22, [0, 1])
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total, group=membership.group)
+    membership.close()  # the dropped collective still waits: its group is never freed
+    results.put((rank, dropped_unfinished, float(total)))
+
+
+CUT_OFF_GOES = "cut-off-goes"  # the test's word to rank 2, once the survivors ended
+
+
+def test_survivors_drop_a_collective_a_cut_off_member_holds_and_go_on_in_a_new_group(
+    store_port: int,
+) -> None:
+    # A member cut off the network (alive, silent) holds a collective until the
+    # group's timeout. The survivors drop it at the Regroup: the old group stays
+    # alive (freeing it would wait for that collective), the new one forms and
+    # averages at once, and each survivor's process ends while the cut-off member
+    # still holds the old collective, without waiting out its timeout.
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_cut_off_or_surviving, args=(rank, store_port, results))
+        for rank in range(3)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        got = sorted(results.get(timeout=LONG_TIMEOUT_S / 4) for _ in range(2))
+        for proc in procs[:2]:  # (waited for far less than the collective's timeout)
+            proc.join(timeout=LONG_TIMEOUT_S / 4)
+        codes = [proc.exitcode for proc in procs[:2]]
+    finally:
+        groups.connect(ADDRESS, store_port, TIMEOUT_S).set(CUT_OFF_GOES, "1")
+        for proc in procs:
+            proc.join(timeout=TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+    assert got == [(0, True, 2.0), (1, True, 2.0)]
+    assert codes == [0, 0]
+    assert procs[2].exitcode == 0
 
 
 def test_a_first_group_reformed_before_the_store_serves_is_read_once_it_does() -> None:

@@ -37,7 +37,11 @@ Rules:
   the consensus it brings (the driver sets the rank's own steps since
   aside until they ran).
 - ``Regroup`` abandons a pending collective of the old group and re-forms
-  the group; a rank not among its members was declared dead and stops.
+  the group; a rank not among its members was declared dead and stops. A
+  launched one still lands first, and the ``Land`` says a ``Regroup``
+  waits: the driver drops the collective (``average_failed``) unless it
+  completed, so a lost member never holds the others for the collective's
+  timeout.
 - Saves are numbered and confirmed. ``SaveState`` (a periodic bundle) makes
   the rank write its state and answer ``StateSaved``, then train on; it is
   served right after a pending round. ``ShutdownWithSave`` (the run cannot go
@@ -170,10 +174,18 @@ class Average:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Land:
     """Wait for the launched collective of round ``round``, then ``averaged``
-    (or ``average_failed``); ``steps`` went into it."""
+    (or ``average_failed``); ``steps`` went into it.
+
+    With ``regroup`` a ``Regroup`` waits: a member of the round's group was
+    lost, and a collective that has not completed yet may never complete (a
+    member cut off sends nothing, and its peers would wait out the
+    collective's timeout). The driver drops it then (``average_failed``)
+    instead of waiting; one that completed it lands as always.
+    """
 
     round: int
     steps: int
+    regroup: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -499,7 +511,7 @@ class RankProtocol:
             return Done(reason=self.stop_reason)
         if self._launched is not None and not self._trains_on():
             request, steps, _ = self._launched
-            return Land(round=request.round, steps=steps)
+            return Land(round=request.round, steps=steps, regroup=self._regroup is not None)
         if self.stage is RankStage.SAVING:
             assert self._save is not None  # SAVING is entered with its order
             return self._save

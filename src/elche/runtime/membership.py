@@ -14,15 +14,24 @@ coordinator serves a new store, so the client is dropped (``forget_store``)
 and reconnected at the next formation; so is one stuck in a call the store
 did not answer (``groups.StoreUnanswered``: the coordinator's host is off
 the network).
+
+A collective a rank dropped when the group re-formed (``drop``: it waits for
+a member that was lost, cut off rather than dead, so it fails only at the
+group's timeout) keeps its group alive until it ends: freeing a gloo group
+waits for the collectives it runs, so the old group is left without that
+wait and freed once its collective timed out. One still waiting when the
+rank's training ends is never freed (``close``): its thread ends with the
+process, which would otherwise wait out that timeout on its way out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch.distributed as dist
 
@@ -32,6 +41,13 @@ if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 
 __all__ = ["Membership"]
+
+
+class Pending(Protocol):
+    """A launched collective (``elche.runtime.averaging.InFlight``)."""
+
+    def completed(self) -> bool: ...
+
 
 # Why a rank gathering for the first group stops when the store closes under it:
 # no news can come (a restarted coordinator has no journal before the run began,
@@ -50,6 +66,8 @@ class Membership:
         self.group: dist.ProcessGroup | None = None
         self._store: Store | None = None  # the client of the group store, once formed
         self._forgotten = False  # a restart dropped the client (until the next connection)
+        # Collectives dropped unfinished, each with its group (kept alive until it ends).
+        self._dropped: list[tuple[dist.ProcessGroup, Pending]] = []
 
     @property
     def store_lost(self) -> bool:
@@ -189,19 +207,34 @@ class Membership:
         self.group = dist.group.WORLD
         return True
 
+    def drop(self, collective: Pending) -> None:
+        """Give up ``collective``, launched in the current group and not completed:
+        the group re-forms without a lost member. The group stays alive until
+        the collective ends (the module docstring)."""
+        if self.group is not None:
+            self._dropped.append((self.group, collective))
+
     def leave(self) -> None:
         """Leave the current group before forming the next one.
 
         The group is freed here only if nothing else holds it: a reference
         kept elsewhere keeps its connections open, and a peer still waiting
-        in a broken collective for this rank waits out its timeout.
+        in a broken collective for this rank waits out its timeout. A group
+        whose dropped collective still waits is not freed yet (``drop``).
         """
         if self.group is not None:
             with contextlib.suppress(Exception):  # the old group may be broken
                 dist.destroy_process_group()
             self.group = None
+        self._dropped = [(group, c) for group, c in self._dropped if not c.completed()]
 
     def close(self) -> None:
-        """At the end of training: destroy the group."""
+        """At the end of training: destroy the group; a group whose dropped
+        collective still waits is never freed (the module docstring)."""
         if self.group is not None:
             dist.destroy_process_group()
+            self.group = None
+        for group, collective in self._dropped:
+            if not collective.completed():
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+        self._dropped.clear()

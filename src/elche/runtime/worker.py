@@ -336,6 +336,9 @@ class Worker:
                 return self._loop()
         finally:
             self.loader.close()
+            if self._flight is not None:  # stopped with a round in flight (refused, say)
+                self.membership.drop(self._flight)
+                self._flight = None
 
     def _loop(self) -> str:
         proto = self.proto
@@ -585,17 +588,36 @@ class Worker:
     def _await_flight(self) -> None:
         """``Land``: wait for the launched collective, taking messages meanwhile;
         work that arrives (the next window's, behind the round) lets the rank
-        train on instead, and lands the round later."""
+        train on instead, and lands the round later. A ``Regroup`` (a member
+        lost) drops it unless it completed (``Land.regroup``)."""
         assert self.bridge is not None
         while self._flight is not None and not self._flight.completed():
-            item = self.bridge.get(LAND_POLL_S)
-            if item is None:
-                continue
-            self._handle(item)
-            if not isinstance(self.proto.next_action(), r.Land):
+            action = self.proto.next_action()
+            if not isinstance(action, r.Land):
                 return  # the loop does what is next (training, or a stop)
+            if action.regroup:
+                self._drop_flight(action.round)
+                return
+            if (item := self.bridge.get(LAND_POLL_S)) is not None:
+                self._handle(item)
         if self._flight is not None:  # (a rejoin while it waited lands it itself)
             self._land()
+
+    def _drop_flight(self, number: int) -> None:
+        """Give the launched collective up: a member of its group was lost, and
+        one cut off (not dead) would hold it to the group's timeout. Its steps
+        are unaveraged again; the new group averages them."""
+        flight, self._flight = self._flight, None
+        assert flight is not None
+        self._through_s = 0.0
+        self.membership.drop(flight)
+        print(
+            f"elche rank {self.spec.rank}: round {number}'s collective dropped unfinished: "
+            "its group re-forms without a lost member",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._send(self.proto.average_failed())
 
     def _land(self) -> None:
         """Wait for the launched collective and apply it (``InFlight.land``)."""

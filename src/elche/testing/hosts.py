@@ -15,7 +15,8 @@ share the machine's files except ``/tmp``, as hosts that share a software
 install but no scratch storage.
 
 With ``rate_mbit`` each host's link is shaped both ways with a token bucket
-(``tc qdisc … tbf``; the kernel here has no ``netem``). ``partition(i)``
+(``tc qdisc … tbf``; the kernel here has no ``netem``), and ``limit(i, rate)``
+shapes host ``i``'s link so mid-run. ``partition(i)``
 takes host ``i``'s bridge port down (no traffic either way) and ``heal(i)``
 brings it back; ``kill_host(i)`` SIGKILLs every process in the host's
 namespace, whoever started it.
@@ -154,7 +155,7 @@ def _write_etc(netns: str, names: str) -> None:
 def _tbf(netns: str, device: str, rate_mbit: float) -> None:
     rate_bytes_s = rate_mbit * 1e6 / 8
     burst_bytes = max(16_000, int(rate_bytes_s / 100))  # >= one 10 ms timer tick of data
-    _in(netns, "tc", "qdisc", "add", "dev", device, "root", "tbf",
+    _in(netns, "tc", "qdisc", "replace", "dev", device, "root", "tbf",
         "rate", f"{rate_mbit}mbit", "burst", str(burst_bytes), "latency", "100ms")  # fmt: skip
 
 
@@ -215,8 +216,7 @@ class Rig:
             _in(host.netns, "ip", "addr", "add", f"{host.address}/24", "dev", host.interface)
             _in(host.netns, "ip", "link", "set", host.interface, "up")
             if self.rate_mbit is not None:
-                _tbf(host.netns, host.interface, self.rate_mbit)  # host -> bridge
-                _tbf(sw, host.port, self.rate_mbit)  # bridge -> host
+                self.limit(host.index, self.rate_mbit)
 
     # -- running things on a host ---------------------------------------------
 
@@ -287,6 +287,14 @@ class Rig:
         pids = sorted({p.pid for p in started} | set(_netns_pids(self.hosts[host].netns)))
         _kill_netns(self.hosts[host].netns)
         return pids
+
+    def limit(self, host: int, rate_mbit: float) -> None:
+        """Limit host ``host``'s link to ``rate_mbit`` each way from now on."""
+        if rate_mbit <= 0:
+            raise ValueError(f"rate_mbit must be positive, got {rate_mbit}")
+        spec = self.hosts[host]
+        _tbf(spec.netns, spec.interface, rate_mbit)  # host -> bridge
+        _tbf(self.switch, spec.port, rate_mbit)  # bridge -> host
 
     def partition(self, host: int) -> None:
         """Cut host ``host`` off: its bridge port goes down, no traffic either way."""
