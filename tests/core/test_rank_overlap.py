@@ -23,6 +23,7 @@ from elche.core.rank import (
     SaveKind,
     StartEpoch,
     Train,
+    round_given_up,
 )
 from tests.core.test_rank import proto, train
 
@@ -108,6 +109,25 @@ def test_a_regroup_lands_the_round_first_saying_a_member_is_lost(completed: bool
         assert p.average_failed() == m.SyncAck(round=1, steps=0, failed=True)
         assert (p.last_round, p.steps_since_sync) == (0, 3)  # to average in the new group
     assert p.next_action() == FormGroup(generation=1, members=(0, 1))
+
+
+@pytest.mark.parametrize(
+    ("message", "why"),
+    [
+        (m.Regroup(generation=2, members=[0, 1]), "its group re-forms without a lost member"),
+        (m.Shutdown(refused="declared lost"), "the run goes on without this rank"),
+        (m.Shutdown(failure="rank 1 raised"), "the run failed"),
+        (m.Shutdown(writer=1, seq=3), None),  # held, not stopped: the round may still land
+        (m.ShutdownWithSave(seq=3, writer=0, reason="stopped"), None),
+        (m.AssignChunk(epoch=0, offset=0, size=32, budget=1), None),
+    ],
+)  # fmt: skip
+def test_a_round_a_rank_waits_for_is_given_up_by_a_regroup_or_a_stop(
+    message: m.CoordMessage, why: str | None
+) -> None:
+    # The driver keeps what comes while it waits for a round's collectives for
+    # after the round, and gives the round up as a launched one's Land would.
+    assert round_given_up(message) == why
 
 
 def test_an_epoch_start_lands_the_round_first() -> None:

@@ -10,7 +10,8 @@ several assertions (a host lost under static rendezvous is in
   losing a sample;
 - static rendezvous (``--master-addr``): a host is cut off (no traffic either
   way) after the first epoch, in a round slowed by its link, until it is
-  declared lost, then let back; the survivors drop that round and the run
+  declared lost, then let back; the survivors drop that round (one they train
+  through, on the fp32 wire, or one they wait for, on the bf16 wire) and the run
   completes without it, and its rank, refused, raises ``elche.RankExcluded``;
 - static rendezvous, two hosts: rank 0's host is cut off for good; rank 0 saves
   the run, and the rank on the other host ends, refused, with its state kept;
@@ -141,9 +142,10 @@ def test_a_lost_host_is_survived_under_torchrun_c10d_with_no_shared_storage() ->
     assert not [name for name in rank0_files | set(other_files) if name.startswith("group-")]
 
 
-def test_a_partitioned_host_is_declared_lost_and_refused_when_it_is_back() -> None:
+@pytest.mark.parametrize("wire", ["fp32", "bf16"])  # a round trained through, or waited for
+def test_a_partitioned_host_is_declared_lost_and_refused_when_it_is_back(wire: str) -> None:
     with Rig(3) as rig:
-        logs = start_torchrun(rig, "static", EPOCHS)
+        logs = start_torchrun(rig, "static", EPOCHS, env={"WIRE": wire})
         path = wait_for(
             "rank 0's timeline",
             lambda: next(iter(rig.tmp(0).glob("elche-run-*/timeline.jsonl")), None),

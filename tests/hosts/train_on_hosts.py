@@ -11,6 +11,7 @@ joiner is in the run however long it takes to start (the joiner, started by
 rank's process, once started, writes ``/tmp/stalled`` on its host and waits
 two minutes in ``model_fn``: a host lost before its rank gathered for the
 first group (``FORMATION_TIMEOUT_S``: the run's ``formation_timeout_s``).
+``WIRE`` is the run's ``wire`` (``fp32`` when unset).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ if __name__ == "__main__":
             batch_size=32, epochs=int(sys.argv[1]), mode="cadence", heartbeat_timeout_s=3.0,
             formation_timeout_s=float(os.environ.get("FORMATION_TIMEOUT_S", "60")),
             speeds=[0.2] * world, speed_base_s=0.004, epoch_fn=hold,
+            wire=os.environ.get("WIRE", "fp32"),
             eval_fn=digits.eval_fn, eval_dataset=test_set, progress=False,
         )  # fmt: skip
     except elche.RankExcluded as out:  # cut off, declared lost, refused when back

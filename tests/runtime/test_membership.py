@@ -297,44 +297,65 @@ def test_a_rank_that_leaves_its_group_frees_it_so_a_peer_waiting_in_it_fails_at_
     assert codes == [0, 0]
 
 
-def _cut_off_or_surviving(rank: int, port: int, results: Any) -> None:
-    """Rank 2 is in the group and never joins its collective (cut off: alive, its
-    connections open, until the test lets it go); ranks 0 and 1 launch one, drop it,
+def _cut_off_or_surviving(rank: int, port: int, results: Any, how: str) -> None:
+    """Rank 2 is in the group and never joins its round (cut off: alive, its
+    connections open, until the test lets it go); ranks 0 and 1 make a round
+    ``how`` (launched, or waited for on the fp32 or bf16 wire), give it up,
     form the next group without rank 2, average there and end."""
-    from elche.runtime.averaging import launch_average
+    from elche.runtime.averaging import Collectives, RoundDropped, launch_average
+    from elche.runtime.wire import Wire, average_over
 
+    generation = 21 + 2 * ["launched", "fp32", "bf16"].index(how)
     membership = Membership(rank, ADDRESS, port, LONG_TIMEOUT_S)
-    membership.form(21, [0, 1, 2])
+    membership.form(generation, [0, 1, 2])
     if rank == 2:
         client = groups.connect(ADDRESS, port, TIMEOUT_S)
-        client.wait([CUT_OFF_GOES], timedelta(seconds=LONG_TIMEOUT_S))
+        client.wait([f"{CUT_OFF_GOES}-{how}"], timedelta(seconds=LONG_TIMEOUT_S))
         return
-    flight = launch_average(torch.nn.Linear(3, 2), 1, gamma=1.0, group=membership.group)
-    dropped_unfinished = not flight.completed()  # it waits for rank 2
-    membership.drop(flight)
+    model = torch.nn.Linear(3, 2)
+    before = [t.clone() for t in model.state_dict().values()]
+    if how == "launched":
+        pending = launch_average(model, 1, gamma=1.0, group=membership.group).collectives
+    else:
+        seen: list[Collectives] = []
+
+        def regroup_comes(collectives: Collectives) -> None:  # as the worker's wait does
+            seen.append(collectives)
+            raise RoundDropped(collectives, "its group re-forms without a lost member")
+
+        with pytest.raises(RoundDropped) as dropped:
+            average_over(Wire(how), model, 1, gamma=1.0, group=membership.group, wait=regroup_comes)
+        pending = dropped.value.pending
+        assert seen == [pending]
+    unfinished = not pending.wait_for(0.05)  # it waits for rank 2 (and goes on)
+    after = model.state_dict().values()
+    untouched = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    membership.drop(pending)
     membership.leave()
-    membership.form(22, [0, 1])
+    membership.form(generation + 1, [0, 1])
     total = torch.ones(1)
     torch.distributed.all_reduce(total, group=membership.group)
     membership.close()  # the dropped collective still waits: its group is never freed
-    results.put((rank, dropped_unfinished, float(total)))
+    results.put((rank, unfinished, untouched, float(total)))
 
 
 CUT_OFF_GOES = "cut-off-goes"  # the test's word to rank 2, once the survivors ended
 
 
-def test_survivors_drop_a_collective_a_cut_off_member_holds_and_go_on_in_a_new_group(
-    store_port: int,
+@pytest.mark.parametrize("how", ["launched", "fp32", "bf16"])
+def test_survivors_drop_a_round_a_cut_off_member_holds_and_go_on_in_a_new_group(
+    store_port: int, how: str
 ) -> None:
-    # A member cut off the network (alive, silent) holds a collective until the
-    # group's timeout. The survivors drop it at the Regroup: the old group stays
-    # alive (freeing it would wait for that collective), the new one forms and
-    # averages at once, and each survivor's process ends while the cut-off member
-    # still holds the old collective, without waiting out its timeout.
+    # A member cut off the network (alive, silent) holds a round's collectives
+    # until the group's timeout. The survivors drop them at the Regroup, the
+    # model as it was: the old group stays alive (freeing it would wait for
+    # them), the new one forms and averages at once, and each survivor's process
+    # ends while the cut-off member still holds the old round, without waiting
+    # out its timeout.
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_cut_off_or_surviving, args=(rank, store_port, results))
+        ctx.Process(target=_cut_off_or_surviving, args=(rank, store_port, results, how))
         for rank in range(3)
     ]
     for proc in procs:
@@ -345,12 +366,12 @@ def test_survivors_drop_a_collective_a_cut_off_member_holds_and_go_on_in_a_new_g
             proc.join(timeout=LONG_TIMEOUT_S / 4)
         codes = [proc.exitcode for proc in procs[:2]]
     finally:
-        groups.connect(ADDRESS, store_port, TIMEOUT_S).set(CUT_OFF_GOES, "1")
+        groups.connect(ADDRESS, store_port, TIMEOUT_S).set(f"{CUT_OFF_GOES}-{how}", "1")
         for proc in procs:
             proc.join(timeout=TIMEOUT_S)
             if proc.is_alive():
                 proc.kill()
-    assert got == [(0, True, 2.0), (1, True, 2.0)]
+    assert got == [(0, True, True, 2.0), (1, True, True, 2.0)]
     assert codes == [0, 0]
     assert procs[2].exitcode == 0
 

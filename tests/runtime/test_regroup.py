@@ -10,6 +10,7 @@ a stand-in whose parts play the membership, the protocol and the bridge.
 from __future__ import annotations
 
 import functools
+from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
@@ -57,6 +58,7 @@ def stand_in(news_after: int | None, timeout_s: float = 30.0) -> SimpleNamespace
         bridge=SimpleNamespace(get=get),
         spec=SimpleNamespace(rank=1, coordinator_timeout_s=timeout_s),
         _handle=handle,
+        _after_round=deque(),
         state=state,
     )
     worker._drain = functools.partial(Worker._drain, worker)

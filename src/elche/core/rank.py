@@ -108,11 +108,14 @@ REFUSED = "refused: "
 COORDINATOR_LOST = "coordinator lost: "  # a stop_reason: why the rank gave its coordinator up
 SAVED = "saved: "  # a stop_reason: the run stopped short and saved (the save's reason follows)
 FAILED = "failed: "  # a stop_reason: the run failed (why follows)
+# Why a rank gives a round up unfinished at a ``Regroup`` (``Land.regroup``).
+REGROUPED = "its group re-forms without a lost member"
 
 __all__ = [
     "COORDINATOR_LOST",
     "FAILED",
     "REFUSED",
+    "REGROUPED",
     "SAVED",
     "Average",
     "Callback",
@@ -130,6 +133,7 @@ __all__ = [
     "StartEpoch",
     "Train",
     "Upload",
+    "round_given_up",
 ]
 
 
@@ -291,6 +295,26 @@ class Norms(TypedDict, total=False):
     pre_norm: float | None  # the parameters' norm before averaging
     post_norm: float | None  # the average's norm
     through_ms: float  # trained while the launched round travelled (not its cost)
+
+
+def round_given_up(message: m.CoordMessage) -> str | None:
+    """Why ``message``, come while a rank waits for a round's collectives, gives
+    the round up (None: it does not), as ``Land.regroup`` does a launched one.
+
+    A ``Regroup`` (a member was lost: one cut off would hold the collectives
+    to their timeout), or a ``Shutdown`` that stops the rank (the run goes on
+    without it, or failed). The driver answers ``average_failed`` and then
+    handles the message.
+    """
+    match message:
+        case m.Regroup():
+            return REGROUPED
+        case m.Shutdown(refused=refused) if refused:
+            return "the run goes on without this rank"
+        case m.Shutdown(failure=failure) if failure:
+            return "the run failed"
+        case _:
+            return None
 
 
 class RankProtocol:

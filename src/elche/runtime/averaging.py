@@ -28,7 +28,9 @@ by the summed mass of the accepted contributions.*
 (``InFlight``): the rank trains on while they run, and applies the
 consensus C when they land, keeping what it trained since the launch as
 ``now + (C − S)``, S its tensors at the launch (a delayed correction: the
-steps taken meanwhile started from S instead of C).
+steps taken meanwhile started from S instead of C). ``collective_average``
+waits for them; its ``wait`` lets the driver wait in its own way (taking
+messages meanwhile) and give the round up (``RoundDropped``).
 
 The collective path follows the law literally: each rank scales its tensors
 by its own mass and packs everything of one (device, dtype) into one flat
@@ -48,7 +50,9 @@ in float32), ~5× cheaper than elementwise float64 on a 150k-parameter CNN.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -64,9 +68,12 @@ from elche.runtime.snapshots import (
 )
 
 __all__ = [
+    "Collectives",
     "Divergence",
     "InFlight",
     "Layout",
+    "RoundDropped",
+    "Wait",
     "buffer_mass",
     "collective_average",
     "divergence",
@@ -206,12 +213,77 @@ def _consensus(
     return list(sums)
 
 
+class Collectives:
+    """Collectives started and not waited for yet, and whether they finished.
+
+    No Python callback is ever attached to them, and no Python thread waits in
+    them: one may be given up unfinished (``RoundDropped``) and end only as its
+    process exits, and a callback released or a wait returning then, on a
+    thread of its own, needs the interpreter that is finalizing: the thread is
+    ended mid-destructor and the process aborts (``terminate called``). A
+    driver looks at ``completed`` between its other waits, or waits in turns
+    (``wait_for``) on its own thread.
+
+    Args:
+        works: their ``torch.distributed`` works.
+        on_host: they reduce CPU tensors (gloo), not CUDA ones.
+    """
+
+    def __init__(self, works: Sequence[Any], *, on_host: bool) -> None:
+        self.works = list(works)
+        # A CPU collective's future holds its result once done, and gloo marks
+        # it done before the work. A CUDA collective's future is done at its
+        # launch; only the work knows.
+        self._on_host = on_host
+
+    def completed(self) -> bool:
+        """Every one has finished (or failed): waiting for them will not wait."""
+        if self._on_host:
+            return all(work.get_future().done() for work in self.works)
+        return all(work.is_completed() for work in self.works)
+
+    def wait_for(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for every one to end (less when they do); whether all have.
+
+        On the host in the works' own timed waits: one that times out leaves
+        its collective running, and costs a C++ error (~0.1–0.3 ms of CPU
+        here), so the turns should be long. A CUDA work's timed wait may
+        abort its communicator: those are looked at every 0.5 ms instead.
+        """
+        if self._on_host:
+            for work in self.works:
+                try:
+                    work.wait(timedelta(seconds=seconds))
+                except RuntimeError:  # timed out, or failed (then completed: land raises it)
+                    return self.completed()
+            return True
+        deadline = time.monotonic() + seconds
+        while not self.completed() and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        return self.completed()
+
+
+class RoundDropped(RuntimeError):
+    """A round's collectives given up unfinished (by ``collective_average``'s
+    ``wait``), for ``why``. The model is unchanged; ``pending`` still run in
+    their group."""
+
+    def __init__(self, pending: Collectives, why: str) -> None:
+        super().__init__(f"dropped unfinished: {why}")
+        self.pending = pending
+        self.why = why
+
+
+Wait = Callable[[Collectives], None]  # waits for them, or raises ``RoundDropped``
+
+
 def collective_average(
     model: nn.Module,
     steps: int,
     *,
     gamma: float = 1.0,
     group: dist.ProcessGroup | None = None,
+    wait: Wait | None = None,
 ) -> Divergence:
     """Replace the model's parameters and float buffers by their weighted mean.
 
@@ -226,6 +298,8 @@ def collective_average(
         steps: Optimizer steps this rank made since the last average.
         gamma: Work exponent of the parameter mass.
         group: Process group to average over; None for the default group.
+        wait: Waits for the all-reduces before the consensus is applied
+            (None: blocks until they end), or gives the round up.
 
     Returns:
         The divergence triple of this rank's parameters before the average
@@ -237,8 +311,12 @@ def collective_average(
             model is unchanged (tensors are written only after every
             collective returned); the round is redone on a new group (the
             coordinator's ``Regroup``).
+        RoundDropped: ``wait`` gave the round up; the model is unchanged.
     """
-    result, _ = _start(model, steps, gamma=gamma, group=group, launch=False).land(moved=False)
+    flight = _start(model, steps, gamma=gamma, group=group, launch=False)
+    if wait is not None:
+        wait(flight.collectives)
+    result, _ = flight.land(moved=False)
     return result
 
 
@@ -263,24 +341,13 @@ class InFlight:
     ) -> None:
         self.tensors = tensors
         self.num_params = num_params
-        self._launch, self._sums, self._flats, self._works = flight
-        # A CPU collective's future holds its result once done, and gloo marks
-        # it done (running its callbacks, a rank's wake) before the work: asked
-        # the work, the woken rank would find it unfinished and sleep on. A
-        # CUDA collective's future is done at its launch; only the work knows.
-        self._on_host = all(flat.device.type == "cpu" for flat in self._flats)
+        self._launch, self._sums, self._flats, works = flight
+        on_host = all(flat.device.type == "cpu" for flat in self._flats)
+        self.collectives = Collectives(works, on_host=on_host)
 
     def completed(self) -> bool:
         """Every collective of the round has finished (or failed): ``land`` will not wait."""
-        if self._on_host:
-            return all(work.get_future().done() for work in self._works)
-        return all(work.is_completed() for work in self._works)
-
-    def when_completed(self, wake: Callable[[], None]) -> None:
-        """Call ``wake`` (from the collective's own thread) as each collective
-        of the round finishes or fails; at once for one that already has."""
-        for work in self._works:
-            work.get_future().add_done_callback(lambda _: wake())
+        return self.collectives.completed()
 
     def land(self, *, moved: bool) -> tuple[Divergence, list[torch.Tensor] | None]:
         """Wait for the sums and put the consensus in the model's tensors.
@@ -298,7 +365,7 @@ class InFlight:
             RuntimeError: From ``torch.distributed`` if a collective failed;
                 the model is unchanged.
         """
-        for work in self._works:
+        for work in self.collectives.works:
             work.wait()
         n = self.num_params
         total_param, total_buffer = _summed_masses(self._flats, 2)
@@ -343,9 +410,9 @@ def launch_average(
 def _start(
     model: nn.Module, steps: int, *, gamma: float, group: dist.ProcessGroup | None, launch: bool
 ) -> InFlight:
-    """The round's all-reduces of the model's float tensors: left in flight on
-    copies (``launch``), or made at once, the model's own tensors standing
-    for the launch snapshot (nothing moves them before ``land``)."""
+    """The round's all-reduces of the model's float tensors, started: on copies
+    (``launch``: the rank trains on meanwhile), or with the model's own tensors
+    standing for the launch snapshot (nothing moves them before ``land``)."""
     params = [p for _, p in _named_float_params(model)]
     tensors = params + float_buffers(model)
     anchor = next(iter(tensors), None)
@@ -356,10 +423,9 @@ def _start(
     else:
         snapshot = [t.detach() for t in tensors]
     sums, flats = _packed(tensors, weights, masses, device)
-    reduced = [
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=launch) for flat in flats
+    works = [
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True) for flat in flats
     ]
-    works = [work for work in reduced if work is not None]  # made at once: none to wait for
     return InFlight(tensors, len(params), (snapshot, sums, flats, works))
 
 

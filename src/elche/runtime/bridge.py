@@ -46,7 +46,6 @@ class CoordinatorLost:
 
 
 Inbound = tuple[m.CoordMessage, list[bytes | memoryview]] | CoordinatorLost
-_WAKE = object()  # ``wake``'s mark on the inbox: nothing to handle
 
 
 class Bridge:
@@ -94,19 +93,11 @@ class Bridge:
             self._wake_tx.send(b"", zmq.NOBLOCK)
 
     def get(self, timeout_s: float | None) -> Inbound | None:
-        """The next inbound item, waiting up to ``timeout_s`` (None: forever);
-        None at once after a ``wake`` if nothing else is queued."""
+        """The next inbound item, waiting up to ``timeout_s`` (None: forever)."""
         try:
-            item = self.inbox.get(timeout=timeout_s)
-            while item is _WAKE:
-                item = self.inbox.get_nowait()
+            return cast("Inbound", self.inbox.get(timeout=timeout_s))
         except queue.Empty:
             return None
-        return cast("Inbound", item)
-
-    def wake(self) -> None:
-        """Cut a ``get`` waiting in the training thread short (any thread may call it)."""
-        self.inbox.put(_WAKE)
 
     def freeze(self) -> None:
         """Testing hook: go silent, as a hung process would (no IO at all)."""

@@ -44,7 +44,7 @@ __all__ = ["Membership"]
 
 
 class Pending(Protocol):
-    """A launched collective (``elche.runtime.averaging.InFlight``)."""
+    """Collectives started in a group (``elche.runtime.averaging.Collectives``)."""
 
     def completed(self) -> bool: ...
 
@@ -231,10 +231,10 @@ class Membership:
     def close(self) -> None:
         """At the end of training: destroy the group; a group whose dropped
         collective still waits is never freed (the module docstring)."""
-        if self.group is not None:
-            dist.destroy_process_group()
-            self.group = None
         for group, collective in self._dropped:
             if not collective.completed():
                 ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
         self._dropped.clear()
+        if self.group is not None:
+            dist.destroy_process_group()
+            self.group = None

@@ -60,8 +60,10 @@ import torch.distributed as dist
 from torch import nn
 
 from elche.runtime.averaging import (
+    Collectives,
     Divergence,
     InFlight,
+    Wait,
     collective_average,
     divergence,
     float_buffers,
@@ -128,19 +130,21 @@ def average_over(
     *,
     gamma: float = 1.0,
     group: dist.ProcessGroup | None = None,
+    wait: Wait | None = None,
 ) -> Divergence:
-    """``collective_average`` over ``wire``: fp32 as it is, bf16 as deltas (module docstring).
+    """``collective_average`` over ``wire``: fp32 as it is, bf16 as deltas (module
+    docstring); ``wait`` as there, for each of its collectives.
 
     Raises:
-        RuntimeError: From ``torch.distributed`` if a collective fails; the
-            model and ``wire.ref`` are unchanged.
+        RuntimeError: From ``torch.distributed`` if a collective fails, or
+            ``RoundDropped`` from ``wait``; the model and ``wire.ref`` are unchanged.
     """
     tensors = _float_tensors(model)
     if not wire.light:
-        result = collective_average(model, steps, gamma=gamma, group=group)
+        result = collective_average(model, steps, gamma=gamma, group=group, wait=wait)
         wire.count(_payload_bytes(tensors) + 16)  # the two float masses ride in the buffer
         return result
-    return _delta_average(wire, model, tensors, steps=steps, gamma=gamma, group=group)
+    return _delta_average(wire, model, tensors, steps=steps, gamma=gamma, group=group, wait=wait)
 
 
 def launch_over(
@@ -182,6 +186,7 @@ def _delta_average(
     steps: int,
     gamma: float,
     group: dist.ProcessGroup | None,
+    wait: Wait | None,
 ) -> Divergence:
     num_params = sum(1 for p in model.parameters() if p.is_floating_point())
     device = tensors[0].device if tensors else torch.device("cpu")
@@ -192,14 +197,17 @@ def _delta_average(
     meta = meta.to(device)
     weights = [masses[0] if i < num_params else masses[1] for i in range(len(tensors))]
     flat, chunks = _packed_deltas(wire, tensors, weights if has_ref else None, device)
-    pending = dist.all_reduce(meta, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    if pending is not None:
-        pending.wait()
+    works = [
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True) for t in (meta, flat)
+    ]
+    if wait is not None:
+        wait(Collectives(works, on_host=device.type == "cpu"))
+    for work in works:
+        work.wait()
     total_p, total_b, members, missing, sum_h, sum_h2 = meta.tolist()
     sent = flat.numel() * flat.element_size() + meta.numel() * meta.element_size()
     if missing > 0 or members * sum_h2 != sum_h * sum_h:  # some ref differs: a full average
-        result = collective_average(model, steps, gamma=gamma, group=group)
+        result = collective_average(model, steps, gamma=gamma, group=group, wait=wait)
         wire.count(sent + _payload_bytes(tensors) + 16)
         wire.keep(tensors)
         return result

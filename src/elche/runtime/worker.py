@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,14 @@ from elche.core.progress import Progress
 from elche.core.rank import RankProtocol
 from elche.monitor.summary import rank_report_file, rank_spans_file
 from elche.runtime import bundle, groups, rank_saves, salvage
-from elche.runtime.averaging import InFlight, frozen_parameters, load_average, snapshot_frames
+from elche.runtime.averaging import (
+    Collectives,
+    InFlight,
+    RoundDropped,
+    frozen_parameters,
+    load_average,
+    snapshot_frames,
+)
 from elche.runtime.bridge import Bridge, CoordinatorLost
 from elche.runtime.consensus import Consensus, layout_fingerprint, start_from_rank0
 from elche.runtime.current import providing
@@ -73,9 +81,13 @@ __all__ = ["RankSpec", "UserFns", "Worker", "raise_if_refused", "to_device", "tr
 REPORT_EVERY_S = 0.05
 # How often a rank looks for its peers' start marks (wait_peers_started).
 STARTUP_POLL_S = 0.01
-# How often, at least, a rank waiting for its launched round looks at it while
-# it takes messages (the round's completion wakes it at once: Bridge.wake).
-LAND_POLL_S = 0.05
+# The longest a rank waiting for its launched round goes without a look at it
+# (a message ends the wait at once). Nothing wakes it when the round ends: a
+# Python callback on a collective may abort the process (``Collectives``).
+WAIT_SLICE_S = 0.001
+# The longest a rank waiting for a round it does not train through goes without
+# a look at its messages (the round's end ends the wait at once).
+COLLECT_TURN_S = 0.05
 # The longest a rank whose group store went silent waits at a time for its
 # coordinator's news (a message wakes it at once).
 GROUP_NEWS_POLL_S = 0.2
@@ -188,6 +200,7 @@ class Worker:
         self._update_payload: Sequence[bytes | memoryview] = ()
         self.snapshot: tuple[Layout, list[memoryview]] | None = None  # the upload in flight
         self._flight: InFlight | None = None  # the collective launched and not landed yet
+        self._after_round: deque[Any] = deque()  # what came while a round was made (``_collect``)
         # What this rank trained since its flight's launch, set aside while the
         # landed round's callbacks run on the consensus: (the tensors, their values).
         self._local: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
@@ -337,7 +350,7 @@ class Worker:
         finally:
             self.loader.close()
             if self._flight is not None:  # stopped with a round in flight (refused, say)
-                self.membership.drop(self._flight)
+                self.membership.drop(self._flight.collectives)
                 self._flight = None
 
     def _loop(self) -> str:
@@ -384,6 +397,8 @@ class Worker:
 
     def _drain(self) -> None:
         assert self.bridge is not None
+        while self._after_round:
+            self._handle(self._after_round.popleft())
         while (item := self.bridge.get(0.0)) is not None:
             self._handle(item)
 
@@ -564,14 +579,16 @@ class Worker:
                     self.wire, self.model, action.steps, gamma=self.spec.gamma, group=group
                 )
             if self._flight is not None:
-                assert self.bridge is not None
-                self._flight.when_completed(self.bridge.wake)  # ends a Land's wait
                 self.proto.launched()
                 self.busy_s += time.perf_counter() - started
                 return
             div, pre, post = average_over(
-                self.wire, self.model, action.steps, gamma=self.spec.gamma, group=group
-            )
+                self.wire, self.model, action.steps, gamma=self.spec.gamma, group=group,
+                wait=self._collect,
+            )  # fmt: skip
+        except RoundDropped as dropped:
+            self._give_up(action.round, dropped.pending, dropped.why)
+            return
         except RuntimeError as exc:
             # A peer vanished mid-collective. The model is unchanged; the
             # coordinator abandons the round and sends Regroup, or closes it
@@ -598,22 +615,42 @@ class Worker:
             if action.regroup:
                 self._drop_flight(action.round)
                 return
-            if (item := self.bridge.get(LAND_POLL_S)) is not None:
+            if (item := self.bridge.get(WAIT_SLICE_S)) is not None:
                 self._handle(item)
         if self._flight is not None:  # (a rejoin while it waited lands it itself)
             self._land()
 
     def _drop_flight(self, number: int) -> None:
-        """Give the launched collective up: a member of its group was lost, and
-        one cut off (not dead) would hold it to the group's timeout. Its steps
-        are unaveraged again; the new group averages them."""
+        """Give the launched collective up (``_give_up``)."""
         flight, self._flight = self._flight, None
         assert flight is not None
         self._through_s = 0.0
-        self.membership.drop(flight)
+        self._give_up(number, flight.collectives, r.REGROUPED)
+
+    def _collect(self, pending: Collectives) -> None:
+        """A round made while the rank waits (``average_over``'s ``wait``): wait
+        for its collectives, keeping what comes meanwhile for after the round
+        (``_drain``); a message that gives the round up (``r.round_given_up``),
+        or the coordinator lost, ends the wait (``RoundDropped``)."""
+        assert self.bridge is not None
+        while not pending.wait_for(COLLECT_TURN_S):
+            while (item := self.bridge.get(0.0)) is not None:
+                self._after_round.append(item)
+                if isinstance(item, CoordinatorLost):  # (a Land's wait ends for it too)
+                    why: str | None = "the coordinator was lost"
+                else:
+                    why = r.round_given_up(item[0])
+                if why is not None and not pending.completed():
+                    raise RoundDropped(pending, why)
+
+    def _give_up(self, number: int, pending: Collectives, why: str) -> None:
+        """Give round ``number``'s unfinished collectives up, for ``why``: they may
+        never end (a member cut off, not dead, holds them to the group's
+        timeout). Their group stays alive until they end (``Membership.drop``);
+        the model is as the round found it, its steps unaveraged again."""
+        self.membership.drop(pending)
         print(
-            f"elche rank {self.spec.rank}: round {number}'s collective dropped unfinished: "
-            "its group re-forms without a lost member",
+            f"elche rank {self.spec.rank}: round {number}'s collective dropped unfinished: {why}",
             file=sys.stderr,
             flush=True,
         )
