@@ -208,9 +208,9 @@ class Membership:
         return True
 
     def drop(self, collective: Pending) -> None:
-        """Give up ``collective``, launched in the current group and not completed:
-        the group re-forms without a lost member. The group stays alive until
-        the collective ends (the module docstring)."""
+        """Give up ``collective``, started in the current group and not completed
+        (the group re-forms without a lost member, or the rank stops). The
+        group stays alive until the collective ends (the module docstring)."""
         if self.group is not None:
             self._dropped.append((self.group, collective))
 
