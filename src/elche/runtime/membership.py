@@ -31,7 +31,7 @@ import ctypes
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -40,13 +40,9 @@ from elche.runtime import groups
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 
+    from elche.runtime.averaging import Collectives
+
 __all__ = ["Membership"]
-
-
-class Pending(Protocol):
-    """Collectives started in a group (``elche.runtime.averaging.Collectives``)."""
-
-    def completed(self) -> bool: ...
 
 
 # Why a rank gathering for the first group stops when the store closes under it:
@@ -67,7 +63,7 @@ class Membership:
         self._store: Store | None = None  # the client of the group store, once formed
         self._forgotten = False  # a restart dropped the client (until the next connection)
         # Collectives dropped unfinished, each with its group (kept alive until it ends).
-        self._dropped: list[tuple[dist.ProcessGroup, Pending]] = []
+        self._dropped: list[tuple[dist.ProcessGroup, Collectives]] = []
 
     @property
     def store_lost(self) -> bool:
@@ -207,7 +203,7 @@ class Membership:
         self.group = dist.group.WORLD
         return True
 
-    def drop(self, collective: Pending) -> None:
+    def drop(self, collective: Collectives) -> None:
         """Give up ``collective``, started in the current group and not completed
         (the group re-forms without a lost member, or the rank stops). The
         group stays alive until the collective ends (the module docstring)."""

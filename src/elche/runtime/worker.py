@@ -56,7 +56,7 @@ from elche.runtime.averaging import (
     load_average,
     snapshot_frames,
 )
-from elche.runtime.bridge import Bridge, CoordinatorLost
+from elche.runtime.bridge import Bridge, CoordinatorLost, Inbound
 from elche.runtime.consensus import Consensus, layout_fingerprint, start_from_rank0
 from elche.runtime.current import providing
 from elche.runtime.data import to_device
@@ -200,7 +200,7 @@ class Worker:
         self._update_payload: Sequence[bytes | memoryview] = ()
         self.snapshot: tuple[Layout, list[memoryview]] | None = None  # the upload in flight
         self._flight: InFlight | None = None  # the collective launched and not landed yet
-        self._after_round: deque[Any] = deque()  # what came while a round was made (``_collect``)
+        self._after_round: deque[Inbound] = deque()  # came while a round was made (_collect)
         # What this rank trained since its flight's launch, set aside while the
         # landed round's callbacks run on the consensus: (the tensors, their values).
         self._local: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
